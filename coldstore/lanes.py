@@ -1,0 +1,105 @@
+"""Which block the coldstore writes next, and when.
+
+Three rules, in this order:
+1. A write-out job (it has `give_up_at`) goes first and ignores the worker's busy signal: a
+   release is waiting on it. Past its deadline it stops and reports `deadline`.
+2. The idle lane writes only in quiet windows: the worker said "quiet" at least
+   `quiet_grace_s` ago (or has said nothing for a while: no worker, nothing to disturb).
+3. Bounded staleness: a conversation dirty for longer than `max_dirty_s` is written even while
+   the worker is busy, one block per `stale_block_interval_s`, so durability never waits for
+   a quiet window that two agents taking turns never leave.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class PendingBlock:
+    block_id: bytes
+    start: int
+    payload: memoryview
+
+
+@dataclass
+class WriteJob:
+    job_id: int
+    peer: bytes
+    tenant: str
+    session_id: str
+    root: bytes
+    blocks: deque[PendingBlock]
+    dirty_since: float
+    give_up_at: float | None = None
+    written_blocks: int = 0
+    durable_tokens: int = 0
+
+    @property
+    def staged_bytes(self) -> int:
+        return sum(len(b.payload) for b in self.blocks)
+
+
+@dataclass
+class Lanes:
+    quiet_grace_s: float = 0.25
+    max_dirty_s: float = 30.0
+    stale_block_interval_s: float = 0.05
+    silent_worker_s: float = 2.0
+    jobs: dict[int, WriteJob] = field(default_factory=dict)
+    worker_busy: bool = False
+    state_changed_at: float = 0.0
+    state_heard_at: float = 0.0
+    last_stale_write_at: float = 0.0
+
+    def on_worker_state(self, busy: bool, now: float) -> None:
+        if busy != self.worker_busy:
+            self.state_changed_at = now
+        self.worker_busy = busy
+        self.state_heard_at = now
+
+    def quiet(self, now: float) -> bool:
+        if now - self.state_heard_at > self.silent_worker_s:
+            return True
+        return not self.worker_busy and now - self.state_changed_at >= self.quiet_grace_s
+
+    def submit(self, job: WriteJob) -> WriteJob | None:
+        """Queue a job; returns the job it supersedes (same session), which is dropped.
+
+        The newer job covers everything past the record's durable extent, so the older one has
+        nothing left to add; the conversation stays dirty since the older job's time.
+        """
+        old = next(
+            (j for j in self.jobs.values()
+             if j.session_id == job.session_id and j.tenant == job.tenant),
+            None,
+        )
+        if old is not None:
+            del self.jobs[old.job_id]
+            job.dirty_since = min(job.dirty_since, old.dirty_since)
+            if old.give_up_at is not None:
+                job.give_up_at = (old.give_up_at if job.give_up_at is None
+                                  else min(job.give_up_at, old.give_up_at))
+        self.jobs[job.job_id] = job
+        return old
+
+    def cancel(self, job_id: int) -> WriteJob | None:
+        return self.jobs.pop(job_id, None)
+
+    def next_job(self, now: float) -> WriteJob | None:
+        if not self.jobs:
+            return None
+        deadline = [j for j in self.jobs.values() if j.give_up_at is not None]
+        if deadline:
+            return min(deadline, key=lambda j: j.give_up_at)
+        oldest = min(self.jobs.values(), key=lambda j: j.dirty_since)
+        if self.quiet(now):
+            return oldest
+        if (now - oldest.dirty_since >= self.max_dirty_s
+                and now - self.last_stale_write_at >= self.stale_block_interval_s):
+            return oldest
+        return None
+
+    def staged_bytes(self) -> int:
+        return sum(j.staged_bytes for j in self.jobs.values())

@@ -1,0 +1,215 @@
+"""The coldstore process: ZeroMQ endpoints in front of the LMDB store.
+
+One thread owns everything (the sockets, the lanes, the write transactions), so the store has
+exactly one writer and no locks. Each loop turn handles what arrived, then writes at most one
+block, so a message never waits behind more than one block's commit.
+
+Messages are multipart: a JSON header, then raw frames (token ids, block payloads).
+    put_session    {req, tenant, session_id, block_tokens} + tokens -> reply after commit
+    delete_session {req, tenant, session_id}                          -> reply after commit
+    write          {job, tenant, session_id, root, blocks:[{id,start}], give_up_at?} + payloads
+                   -> "progress" after each committed block, "done" with an outcome at the end
+    cancel         {job}
+    ping           {req}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from collections import deque
+
+import numpy as np
+import zmq
+
+from kvbank.blocks import BlockId
+from kvbank.config import Layout
+from coldstore.lanes import Lanes, PendingBlock, WriteJob
+from coldstore.store import ColdStore
+
+logger = logging.getLogger(__name__)
+
+FLUSH_ON_STOP_S = 10.0
+
+
+class ColdstoreServer:
+    def __init__(self, layout: Layout, *, quiet_grace_s: float = 0.25, max_dirty_s: float = 30.0):
+        self.layout = layout.ensure()
+        self.store = ColdStore(layout.store_dir)
+        self.lanes = Lanes(quiet_grace_s=quiet_grace_s, max_dirty_s=max_dirty_s)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes over its identity
+        self.sock.bind(layout.coldstore_address)
+        self.state = self.ctx.socket(zmq.SUB)
+        self.state.setsockopt(zmq.SUBSCRIBE, b"")
+        self.state.connect(layout.worker_state_address)
+        self.stopping = False
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self._stop())
+        signal.signal(signal.SIGINT, lambda *_: self._stop())
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.state, zmq.POLLIN)
+        logger.info("coldstore listening on %s, store %s (%s)",
+                    self.layout.coldstore_address, self.layout.store_dir, self.store.stats())
+        try:
+            while not self.stopping:
+                ready = self.lanes.next_job(time.time()) is not None
+                events = dict(poller.poll(0 if ready else 50))
+                if self.state in events:
+                    self._drain_state()
+                if self.sock in events:
+                    for _ in range(64):
+                        try:
+                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._handle(frames)
+                self._write_one(time.time())
+            self._flush(time.time() + FLUSH_ON_STOP_S)
+        finally:
+            self.sock.close(linger=0)
+            self.state.close(linger=0)
+            self.ctx.term()
+            self.store.close()
+            logger.info("coldstore stopped")
+
+    def _stop(self) -> None:
+        self.stopping = True
+
+    def _flush(self, until: float) -> None:
+        """On a clean stop, write what is queued, bounded in time."""
+        left = len(self.lanes.jobs)
+        while self.lanes.jobs and time.time() < until:
+            job = next(iter(self.lanes.jobs.values()))
+            self._write_block(job, time.time())
+        if left:
+            logger.info("flush on stop: %d jobs queued, %d left unwritten", left, len(self.lanes.jobs))
+
+    def _drain_state(self) -> None:
+        while True:
+            try:
+                msg = self.state.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.lanes.on_worker_state(msg.startswith(b"busy"), time.time())
+
+    # -- messages ---------------------------------------------------------------------------
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        peer = frames[0].bytes
+        try:
+            head = json.loads(frames[1].bytes)
+            op = head.get("op")
+            handler = getattr(self, f"_op_{op}", None)
+            if handler is None:
+                raise ValueError(f"unknown op {op!r}")
+            reply = handler(peer, head, frames[2:])
+        except Exception as e:  # a bad message must not take the store down
+            logger.exception("coldstore: message failed")
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}", "req": _req(frames)}
+        if reply is not None:
+            self._send(peer, reply)
+
+    def _send(self, peer: bytes, msg: dict) -> None:
+        self.sock.send_multipart([peer, json.dumps(msg).encode()])
+
+    def _op_ping(self, peer, head, frames):
+        return {"req": head["req"], "ok": True, "stats": self.store.stats(),
+                "queued_jobs": len(self.lanes.jobs), "staged_bytes": self.lanes.staged_bytes()}
+
+    def _op_put_session(self, peer, head, frames):
+        tokens = np.frombuffer(frames[0].buffer, dtype=np.uint32)
+        meta = self.store.put_session_tokens(head["tenant"], head["session_id"], tokens,
+                                             head["block_tokens"])
+        return {"req": head["req"], "ok": True, "durable_tokens": meta.durable_tokens}
+
+    def _op_delete_session(self, peer, head, frames):
+        for job in [j for j in self.lanes.jobs.values()
+                    if j.session_id == head["session_id"] and j.tenant == head["tenant"]]:
+            self.lanes.cancel(job.job_id)
+        deleted = self.store.delete_session(head["tenant"], head["session_id"])
+        return {"req": head["req"], "ok": True, "deleted": deleted}
+
+    def _op_write(self, peer, head, frames):
+        blocks = deque(
+            PendingBlock(bytes.fromhex(b["id"]), b["start"], frames[i].buffer)
+            for i, b in enumerate(head["blocks"])
+        )
+        job = WriteJob(
+            job_id=head["job"], peer=peer, tenant=head["tenant"], session_id=head["session_id"],
+            root=bytes.fromhex(head["root"]), blocks=blocks, dirty_since=head.get("dirty_since", time.time()),
+            give_up_at=head.get("give_up_at"),
+        )
+        old = self.lanes.submit(job)
+        if old is not None:
+            self._send(old.peer, {"op": "done", "job": old.job_id, "outcome": "superseded",
+                                  "durable_tokens": old.durable_tokens})
+        return None
+
+    def _op_cancel(self, peer, head, frames):
+        job = self.lanes.cancel(head["job"])
+        if job is not None:
+            self._send(job.peer, {"op": "done", "job": job.job_id, "outcome": "cancelled",
+                                  "durable_tokens": job.durable_tokens})
+        return None
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def _write_one(self, now: float) -> None:
+        job = self.lanes.next_job(now)
+        if job is not None:
+            self._write_block(job, now)
+
+    def _write_block(self, job: WriteJob, now: float) -> None:
+        if job.give_up_at is not None and now >= job.give_up_at:
+            self._finish(job, "deadline")
+            return
+        if not job.blocks:
+            self._finish(job, "written")
+            return
+        block = job.blocks.popleft()
+        if not self.lanes.quiet(now):
+            self.lanes.last_stale_write_at = now
+        try:
+            meta = self.store.commit_block(job.tenant, job.session_id, BlockId(job.root),
+                                           BlockId(block.block_id), block.start, block.payload)
+        except Exception as e:
+            logger.exception("coldstore: block write failed")
+            self._finish(job, "error", error=str(e))
+            return
+        if meta is None:
+            # The record moved on (deleted, edited, or this block is already there).
+            self._finish(job, "stale")
+            return
+        job.written_blocks += 1
+        job.durable_tokens = meta.durable_tokens
+        self._send(job.peer, {"op": "progress", "job": job.job_id, "tenant": job.tenant,
+                              "session_id": job.session_id, "durable_tokens": meta.durable_tokens})
+        if not job.blocks:
+            self._finish(job, "written")
+
+    def _finish(self, job: WriteJob, outcome: str, error: str | None = None) -> None:
+        self.lanes.cancel(job.job_id)
+        msg = {"op": "done", "job": job.job_id, "outcome": outcome, "tenant": job.tenant,
+               "session_id": job.session_id, "durable_tokens": job.durable_tokens}
+        if error:
+            msg["error"] = error
+        self._send(job.peer, msg)
+
+
+def _req(frames) -> int | None:
+    try:
+        return json.loads(frames[1].bytes).get("req")
+    except Exception:
+        return None
+
+
+def main(layout: Layout, *, quiet_grace_s: float, max_dirty_s: float) -> None:
+    ColdstoreServer(layout, quiet_grace_s=quiet_grace_s, max_dirty_s=max_dirty_s).serve()

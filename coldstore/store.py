@@ -1,0 +1,280 @@
+"""The LMDB layout: KV blocks, their reference counts, session records.
+
+Durability order, the one rule everything else leans on: an LMDB write transaction's commit
+is the commit point. A block becomes restorable only when the transaction that wrote it
+committed, and a session record names a block only in that same transaction or a later one.
+So kill -9 at any moment leaves a store whose records name whole, correct blocks.
+
+Named databases:
+    blocks    block id (16 B)          -> encoded block (kvbank.blocks.encode_block)
+    refs      block id                 -> u32 number of session records naming it
+    sessions  tenant \\0 session id     -> JSON meta (block list, durable extent, timestamps)
+    tokens    tenant \\0 session id     -> committed token ids, uint32 little-endian
+
+Only the coldstore process opens this read-write. The worker may open it read-only
+(`readonly=True`): LMDB serves many reader processes beside one writer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import lmdb
+import numpy as np
+
+from kvbank.blocks import BlockId, common_prefix_len, next_block_id, tail_block_id
+
+logger = logging.getLogger(__name__)
+
+INITIAL_MAP_BYTES = 1 << 30
+_DBS = (b"blocks", b"refs", b"sessions", b"tokens")
+
+
+def session_key(tenant: str, session_id: str) -> bytes:
+    return tenant.encode() + b"\0" + session_id.encode()
+
+
+@dataclass
+class SessionMeta:
+    """A session record without its tokens. `blocks`/`tail` name only committed blocks."""
+
+    session_id: str
+    tenant: str = ""
+    token_count: int = 0
+    blocks: list[str] = field(default_factory=list)  # hex ids of full blocks, in order
+    tail: str | None = None  # hex id of the partial block after them
+    tail_tokens: int = 0
+    block_tokens: int = 0
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+    @property
+    def durable_tokens(self) -> int:
+        return len(self.blocks) * self.block_tokens + (self.tail_tokens if self.tail else 0)
+
+    def block_ids(self) -> list[BlockId]:
+        ids = [BlockId(bytes.fromhex(h)) for h in self.blocks]
+        if self.tail:
+            ids.append(BlockId(bytes.fromhex(self.tail)))
+        return ids
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "SessionMeta":
+        return cls(**json.loads(raw))
+
+
+class StoreRefused(Exception):
+    """The store will not take this write; `reason` is a stable code for metrics."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class ColdStore:
+    def __init__(self, path: Path, *, readonly: bool = False):
+        self.path = Path(path)
+        self.readonly = readonly
+        if not readonly:
+            self.path.mkdir(parents=True, exist_ok=True)
+        self.env = lmdb.open(
+            str(self.path),
+            map_size=INITIAL_MAP_BYTES,
+            max_dbs=len(_DBS),
+            readonly=readonly,
+            readahead=True,
+            sync=True,
+            metasync=True,
+            create=not readonly,
+        )
+        self._db = {name: self.env.open_db(name, create=not readonly) for name in _DBS}
+
+    def close(self) -> None:
+        self.env.close()
+
+    # -- reads (any process) ------------------------------------------------------------
+
+    def _read_txn(self) -> lmdb.Transaction:
+        try:
+            return self.env.begin(buffers=True)
+        except lmdb.MapResizedError:
+            self.env.set_mapsize(0)  # adopt the writer's larger map
+            return self.env.begin(buffers=True)
+
+    def get_session(self, tenant: str, session_id: str) -> tuple[SessionMeta, np.ndarray] | None:
+        key = session_key(tenant, session_id)
+        with self._read_txn() as txn:
+            raw = txn.get(key, db=self._db[b"sessions"])
+            if raw is None:
+                return None
+            meta = SessionMeta.from_json(bytes(raw))
+            toks = np.frombuffer(bytes(txn.get(key, db=self._db[b"tokens"]) or b""), dtype=np.uint32)
+        return meta, toks
+
+    def list_sessions(self) -> list[SessionMeta]:
+        with self._read_txn() as txn:
+            return [SessionMeta.from_json(bytes(v)) for _, v in txn.cursor(db=self._db[b"sessions"])]
+
+    def get_blocks(self, ids: list[BlockId]) -> list[bytes | None]:
+        """Copies of the blocks' bytes (None where missing), read in one snapshot."""
+        with self._read_txn() as txn:
+            out = []
+            for bid in ids:
+                v = txn.get(bid, db=self._db[b"blocks"])
+                out.append(None if v is None else bytes(v))
+            return out
+
+    def has_block(self, block_id: BlockId) -> bool:
+        with self._read_txn() as txn:
+            return txn.get(block_id, db=self._db[b"blocks"]) is not None
+
+    def stats(self) -> dict:
+        with self._read_txn() as txn:
+            blocks = txn.stat(self._db[b"blocks"])
+            sessions = txn.stat(self._db[b"sessions"])
+        info = self.env.info()
+        st = self.env.stat()
+        return {
+            "blocks": blocks["entries"],
+            "sessions": sessions["entries"],
+            "map_bytes": info["map_size"],
+            "used_bytes": (info["last_pgno"] + 1) * st["psize"],
+        }
+
+    # -- writes (coldstore only) ----------------------------------------------------------
+
+    def _write(self, fn):
+        """Run fn(txn) in one write transaction; grow the map and retry when it is full."""
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                new = self.env.info()["map_size"] * 2
+                logger.info("LMDB map full, growing to %d bytes", new)
+                self.env.set_mapsize(new)
+
+    def put_session_tokens(self, tenant: str, session_id: str, tokens: np.ndarray,
+                           block_tokens: int) -> SessionMeta:
+        """Commit a session's token history (durable on return).
+
+        Blocks the record named stay only where the new history still starts with the tokens
+        they cover (a client that edited its history invalidates the rest).
+        """
+        tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
+        key = session_key(tenant, session_id)
+        now = time.time()
+
+        def fn(txn):
+            raw = txn.get(key, db=self._db[b"sessions"])
+            if raw is None:
+                meta = SessionMeta(session_id, tenant, block_tokens=block_tokens, created_at=now)
+                old = np.zeros(0, np.uint32)
+            else:
+                meta = SessionMeta.from_json(raw)
+                old = np.frombuffer(txn.get(key, db=self._db[b"tokens"]) or b"", dtype=np.uint32)
+            common = common_prefix_len(old, tokens)
+            if meta.durable_tokens > common:
+                self._truncate_blocks(txn, meta, common)
+            meta.token_count = len(tokens)
+            meta.updated_at = now
+            txn.put(key, tokens.tobytes(), db=self._db[b"tokens"])
+            txn.put(key, meta.to_json(), db=self._db[b"sessions"])
+            return meta
+
+        return self._write(fn)
+
+    def commit_block(self, tenant: str, session_id: str, root: BlockId, block_id: BlockId,
+                     start: int, payload: bytes | memoryview) -> SessionMeta | None:
+        """Store one block and extend the session record over it, in one transaction.
+
+        The block must be the next one the record lacks, and its id must be the one the
+        record's own tokens give (so a stale job for an edited history writes nothing).
+        Returns the new meta, or None when the record no longer wants this block.
+        """
+        key = session_key(tenant, session_id)
+
+        def fn(txn):
+            raw = txn.get(key, db=self._db[b"sessions"])
+            if raw is None:
+                return None
+            meta = SessionMeta.from_json(raw)
+            B = meta.block_tokens
+            if start < len(meta.blocks) * B:  # already committed (a job that overlaps)
+                return meta if meta.blocks[start // B] == block_id.hex() else None
+            if start != len(meta.blocks) * B:
+                return None
+            toks = np.frombuffer(txn.get(key, db=self._db[b"tokens"]) or b"", dtype=np.uint32)
+            parent = BlockId(bytes.fromhex(meta.blocks[-1])) if meta.blocks else root
+            if len(toks) >= start + B and next_block_id(parent, toks[start : start + B]) == block_id:
+                is_tail, n = False, B
+            else:
+                n = min(len(toks) - start, B)
+                if n <= 0 or tail_block_id(parent, toks[start : start + n]) != block_id:
+                    return None
+                is_tail = True
+            if is_tail and meta.tail == block_id.hex():
+                return meta
+            if txn.get(block_id, db=self._db[b"blocks"]) is None:
+                txn.put(block_id, payload, db=self._db[b"blocks"])
+            self._incref(txn, block_id)
+            if meta.tail:
+                self._decref(txn, BlockId(bytes.fromhex(meta.tail)))
+                meta.tail, meta.tail_tokens = None, 0
+            if is_tail:
+                meta.tail, meta.tail_tokens = block_id.hex(), n
+            else:
+                meta.blocks.append(block_id.hex())
+            txn.put(key, meta.to_json(), db=self._db[b"sessions"])
+            return meta
+
+        return self._write(fn)
+
+    def delete_session(self, tenant: str, session_id: str) -> bool:
+        key = session_key(tenant, session_id)
+
+        def fn(txn):
+            raw = txn.get(key, db=self._db[b"sessions"])
+            if raw is None:
+                return False
+            meta = SessionMeta.from_json(raw)
+            self._truncate_blocks(txn, meta, 0)
+            txn.delete(key, db=self._db[b"sessions"])
+            txn.delete(key, db=self._db[b"tokens"])
+            return True
+
+        return self._write(fn)
+
+    # -- reference counts: a block lives while a record names it ---------------------------
+
+    def _truncate_blocks(self, txn, meta: SessionMeta, keep_tokens: int) -> None:
+        keep_full = keep_tokens // meta.block_tokens if meta.block_tokens else 0
+        for h in meta.blocks[keep_full:]:
+            self._decref(txn, BlockId(bytes.fromhex(h)))
+        meta.blocks = meta.blocks[:keep_full]
+        if meta.tail:
+            self._decref(txn, BlockId(bytes.fromhex(meta.tail)))
+            meta.tail, meta.tail_tokens = None, 0
+
+    def _incref(self, txn, bid: BlockId) -> None:
+        raw = txn.get(bid, db=self._db[b"refs"])
+        n = struct.unpack("<I", raw)[0] if raw else 0
+        txn.put(bid, struct.pack("<I", n + 1), db=self._db[b"refs"])
+
+    def _decref(self, txn, bid: BlockId) -> None:
+        raw = txn.get(bid, db=self._db[b"refs"])
+        n = struct.unpack("<I", raw)[0] if raw else 0
+        if n <= 1:
+            txn.delete(bid, db=self._db[b"refs"])
+            txn.delete(bid, db=self._db[b"blocks"])
+        else:
+            txn.put(bid, struct.pack("<I", n - 1), db=self._db[b"refs"])
+

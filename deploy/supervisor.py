@@ -1,0 +1,175 @@
+"""`kvbank up`: start coldstore, worker and router, keep them running, stop them in order.
+
+Start order is coldstore -> worker -> router (each waits for the one before it to be healthy);
+stop order is the reverse of the data flow's front: router first (no new requests), then the
+worker (finishes and hands its last writes over), then the coldstore (bounded flush).
+A process that dies is restarted with a short backoff, and the restart is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvbank.config import OPENBLAS_PATHS, Layout
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = {"router": 5.0, "worker": 15.0, "coldstore": 20.0}
+MAX_BACKOFF_S = 10.0
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    backoff_s: float = field(default=0.5)
+
+
+def _kvbank(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvbank.cli", *args]
+
+
+def _worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    blas = next((p for p in OPENBLAS_PATHS if os.path.exists(p)), None)
+    if blas:
+        env["LD_PRELOAD"] = ":".join(x for x in (blas, env.get("LD_PRELOAD")) if x)
+    else:
+        logger.warning("OpenBLAS not found (%s): MLX on CPU will be very slow. "
+                       "Install it with: apt-get install libopenblas0-pthread", OPENBLAS_PATHS[0])
+    return env
+
+
+class Supervisor:
+    def __init__(self, *, model: Path, layout: Layout, host: str, port: int, block_tokens: int,
+                 bank_bytes: int, max_dirty_s: float, quiet_grace_s: float):
+        self.layout = layout.ensure()
+        common = ["--data-dir", str(layout.data_dir)]
+        self.children = [
+            Child("coldstore", _kvbank("coldstore", *common, "--max-dirty-s", str(max_dirty_s),
+                                       "--quiet-grace-s", str(quiet_grace_s)), dict(os.environ)),
+            Child("worker", _kvbank("worker", *common, "--model", str(model),
+                                    "--block-tokens", str(block_tokens),
+                                    "--bank-bytes", str(bank_bytes)), _worker_env()),
+            Child("router", _kvbank("router", *common, "--model", str(model),
+                                    "--host", host, "--port", str(port)), dict(os.environ)),
+        ]
+        self.host, self.port = host, port
+        self.stopping = False
+
+    def _spawn(self, c: Child) -> None:
+        c.proc = subprocess.Popen(c.argv, env=c.env)
+        c.started_at = time.monotonic()
+        (self.layout.run_dir / f"{c.name}.pid").write_text(str(c.proc.pid))
+        logger.info("%s started (pid %d)", c.name, c.proc.pid)
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, lambda *_: self._request_stop())
+        signal.signal(signal.SIGINT, lambda *_: self._request_stop())
+        try:
+            for c in self.children:
+                self._spawn(c)
+                if not self._wait_healthy(c, timeout_s=300):
+                    if self.stopping:
+                        return 0
+                    logger.error("%s did not become healthy; stopping", c.name)
+                    return 1
+            logger.info("kvbank is up: router on %s:%d, worker on %s, coldstore on %s, store %s",
+                        self.host, self.port, self.layout.worker_address,
+                        self.layout.coldstore_address, self.layout.store_dir)
+            (self.layout.run_dir / "ready").write_text(str(os.getpid()))
+            while not self.stopping:
+                self._check_children()
+                time.sleep(0.2)
+            return 0
+        finally:
+            (self.layout.run_dir / "ready").unlink(missing_ok=True)
+            self._stop_all()
+
+    def _request_stop(self) -> None:
+        self.stopping = True
+
+    def _check_children(self) -> None:
+        for c in self.children:
+            if c.proc is None or c.proc.poll() is None:
+                continue
+            code = c.proc.returncode
+            if time.monotonic() - c.started_at > 60:
+                c.backoff_s = 0.5  # it ran a while: a fresh failure, not a crash loop
+            logger.error("%s exited with %s; restarting in %.1fs", c.name, code, c.backoff_s)
+            time.sleep(c.backoff_s)
+            c.backoff_s = min(c.backoff_s * 2, MAX_BACKOFF_S)
+            c.restarts += 1
+            if not self.stopping:
+                self._spawn(c)
+
+    def _wait_healthy(self, c: Child, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self.stopping:
+            if c.proc.poll() is not None:
+                return False
+            if self._healthy(c.name):
+                logger.info("%s is healthy", c.name)
+                return True
+            time.sleep(0.2)
+        return False
+
+    def _healthy(self, name: str) -> bool:
+        if name == "coldstore":
+            return _zmq_ping(self.layout.coldstore_address)
+        address = self.layout.worker_address if name == "worker" else f"{self.host}:{self.port}"
+        return _grpc_healthy(address)
+
+    def _stop_all(self) -> None:
+        for c in reversed(self.children):
+            if c.proc is None or c.proc.poll() is not None:
+                continue
+            c.proc.send_signal(signal.SIGTERM)
+            try:
+                c.proc.wait(timeout=STOP_GRACE_S[c.name])
+                logger.info("%s stopped", c.name)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in %.0fs; killing it", c.name, STOP_GRACE_S[c.name])
+                c.proc.kill()
+                c.proc.wait()
+        for c in self.children:
+            (self.layout.run_dir / f"{c.name}.pid").unlink(missing_ok=True)
+
+
+def _grpc_healthy(address: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            return r.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def _zmq_ping(address: str) -> bool:
+    import json
+
+    import zmq
+
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    try:
+        s.connect(address)
+        s.send(json.dumps({"op": "ping", "req": 0}).encode())
+        return bool(s.poll(1000))
+    finally:
+        s.close()

@@ -1,0 +1,94 @@
+"""A small synchronous client of the router, for people (`kvbank chat`, `kvbank ask`),
+scripts, tests and benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import grpc
+
+from kvbank.v1 import api_pb2, api_pb2_grpc
+
+CACHE_SOURCES = {
+    api_pb2.CACHE_SOURCE_UNSPECIFIED: "none",
+    api_pb2.CACHE_SOURCE_NONE: "none",
+    api_pb2.CACHE_SOURCE_RAM: "ram",
+    api_pb2.CACHE_SOURCE_SSD: "ssd",
+}
+FINISH_REASONS = {api_pb2.FINISH_REASON_STOP: "stop", api_pb2.FINISH_REASON_LENGTH: "length"}
+
+
+def usage_dict(u: api_pb2.Usage) -> dict:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "cached_tokens": u.cached_tokens,
+        "cache_source": CACHE_SOURCES[u.cache_source],
+        "recomputed_tokens": u.recomputed_tokens,
+        "ttft_s": round(u.ttft_s, 4),
+        "queue_s": round(u.queue_s, 4),
+        "durable": u.durable,
+    }
+
+
+@dataclass
+class Turn:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: dict = field(default_factory=dict)
+
+
+class Client:
+    def __init__(self, address: str):
+        self.channel = grpc.insecure_channel(address)
+        self.generation = api_pb2_grpc.GenerationStub(self.channel)
+        self.sessions = api_pb2_grpc.SessionsStub(self.channel)
+        self.admin = api_pb2_grpc.AdminStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def generate(self, *, session_id: str = "", messages: Iterable[dict] | None = None,
+                 prompt: str | None = None, token_ids: Iterable[int] | None = None,
+                 append: bool = False, max_tokens: int = 64, temperature: float = 0.0,
+                 top_p: float = 0.0, seed: int | None = None, stop: Iterable[str] = (),
+                 no_cache: bool = False, on_text: Callable[[str], None] | None = None,
+                 timeout_s: float | None = None) -> Turn:
+        req = api_pb2.GenerateRequest(session_id=session_id, append=append,
+                                      max_tokens=max_tokens, stop=list(stop), no_cache=no_cache)
+        req.sampling.temperature = temperature
+        req.sampling.top_p = top_p
+        if seed is not None:
+            req.sampling.seed = seed
+        if messages is not None:
+            req.chat.messages.extend(api_pb2.ChatMessage(**m) for m in messages)
+        elif prompt is not None:
+            req.prompt = prompt
+        elif token_ids is not None:
+            req.tokens.ids.extend(token_ids)
+        text, ids, finish, usage = [], [], "", {}
+        for ev in self.generation.Generate(req, timeout=timeout_s):
+            if ev.text:
+                text.append(ev.text)
+                if on_text:
+                    on_text(ev.text)
+            ids.extend(ev.token_ids)
+            if ev.HasField("usage"):
+                usage = usage_dict(ev.usage)
+                finish = FINISH_REASONS.get(ev.finish_reason, "")
+        return Turn("".join(text), ids, finish, usage)
+
+    def get_session(self, session_id: str) -> api_pb2.Session:
+        return self.sessions.Get(api_pb2.GetSessionRequest(session_id=session_id), timeout=30)
+
+    def release(self, session_id: str, write_out: bool = True) -> api_pb2.ReleaseResponse:
+        return self.admin.Release(api_pb2.ReleaseRequest(session_id=session_id,
+                                                         write_out=write_out), timeout=120)

@@ -1,0 +1,80 @@
+"""Settings every process shares: where things live, how they find each other.
+
+One place computes the paths and addresses so that the supervisor, the processes and the tests
+agree on them without passing a dozen flags around.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_ROUTER_PORT = 50051
+DEFAULT_BLOCK_TOKENS = 256
+OPENBLAS_PATHS = (
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+)
+
+
+def default_data_dir() -> Path:
+    env = os.environ.get("KVBANK_DATA_DIR")
+    if env:
+        return Path(env)
+    return Path.home() / ".local" / "share" / "kvbank"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one kvbank deployment keeps its store and its sockets."""
+
+    data_dir: Path
+
+    @property
+    def store_dir(self) -> Path:
+        """The LMDB environment (KV blocks and session records)."""
+        return self.data_dir / "store"
+
+    @property
+    def run_dir(self) -> Path:
+        """Sockets and pid files of the running processes."""
+        return self.data_dir / "run"
+
+    @property
+    def worker_address(self) -> str:
+        """gRPC address of the worker (internal: router only)."""
+        return f"unix://{self.run_dir / 'worker.sock'}"
+
+    @property
+    def coldstore_address(self) -> str:
+        """ZeroMQ ROUTER of the coldstore: write jobs, session records, acknowledgements."""
+        return f"ipc://{self.run_dir / 'coldstore.sock'}"
+
+    @property
+    def worker_state_address(self) -> str:
+        """ZeroMQ PUB of the worker: busy/quiet, read by the coldstore's idle lane."""
+        return f"ipc://{self.run_dir / 'worker-state.sock'}"
+
+    def ensure(self) -> "Layout":
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        return self
+
+
+def preload_openblas() -> str | None:
+    """Load Debian's OpenBLAS before MLX so that MLX's CPU matmuls use it.
+
+    The mlx-cpu wheel bundles a reference BLAS that is ~40x slower; loading OpenBLAS after the
+    first `import mlx` has no effect. Returns the path loaded, or None.
+    """
+    import ctypes
+
+    for path in OPENBLAS_PATHS:
+        if os.path.exists(path):
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                return path
+            except OSError:
+                continue
+    return None

@@ -1,0 +1,218 @@
+"""The router process: kvbank's public gRPC API.
+
+It validates, tokenizes (tokenizer only, no weights), builds the full prompt (appending to the
+session's committed history in append mode), and relays the worker's stream. It holds no KV.
+Requests on one session run one at a time, so an append always sees the previous turn.
+
+Errors map to gRPC codes in one place, `_status_for`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvbank.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
+from router.tokenizer import PromptTokenizer
+from router.validation import InvalidRequest, ValidRequest, validate
+
+logger = logging.getLogger(__name__)
+
+TENANT_KEY = "x-kvbank-tenant"
+
+
+class WorkerUnavailable(Exception):
+    pass
+
+
+def _status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The one table from an exception to the status a client sees."""
+    if isinstance(exc, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, WorkerUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            return exc.code(), "the worker is not reachable (restarting?); retry in a few seconds"
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+
+
+class Backend:
+    """The router's view of the worker: its channel, its facts, per-session ordering."""
+
+    def __init__(self, model_dir: Path, worker_address: str):
+        self.tokenizer = PromptTokenizer(model_dir)
+        self.channel = grpc.aio.insecure_channel(
+            worker_address, options=[("grpc.max_receive_message_length", 64 << 20)])
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self._info: worker_pb2.InfoResponse | None = None
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+
+    async def info(self) -> worker_pb2.InfoResponse:
+        if self._info is None:
+            try:
+                self._info = await self.stub.Info(worker_pb2.InfoRequest(), timeout=5)
+            except grpc.aio.AioRpcError as e:
+                raise WorkerUnavailable(
+                    "the worker is still starting (loading the model); retry in a few seconds"
+                ) from e
+        return self._info
+
+    def session_lock(self, tenant: str, session_id: str):
+        if not session_id:
+            return contextlib.nullcontext()
+        return self._locks.setdefault((tenant, session_id), asyncio.Lock())
+
+    async def history(self, tenant: str, session_id: str) -> list[int]:
+        try:
+            s = await self.stub.GetSession(api_pb2.GetSessionRequest(session_id=session_id),
+                                           metadata=((TENANT_KEY, tenant),), timeout=10)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                return []
+            raise
+        return list(s.token_ids)
+
+    async def prompt_tokens(self, v: ValidRequest, tenant: str, info) -> list[int]:
+        history = await self.history(tenant, v.session_id) if v.append else []
+        tok = self.tokenizer
+        if v.kind == "chat":
+            if v.append:
+                new = tok.chat_append(history, list(v.messages), set(info.eos_token_ids))
+            else:
+                new = tok.chat(list(v.messages))
+        elif v.kind == "prompt":
+            new = tok.encode(v.prompt)
+        else:
+            new = list(v.token_ids)
+        if not new:
+            raise InvalidRequest("the input tokenizes to nothing: send some text")
+        full = history + new
+        if len(full) + v.max_tokens > info.max_context_tokens:
+            raise InvalidRequest(
+                f"the prompt is {len(full)} tokens and max_tokens is {v.max_tokens}: together "
+                f"they exceed the model's context of {info.max_context_tokens} tokens; shorten "
+                f"the prompt or lower max_tokens")
+        return full
+
+
+def _tenant(context) -> str:
+    # API keys (the shim) will set this; on the router's own port everyone is tenant "".
+    return ""
+
+
+class GenerationServicer(api_pb2_grpc.GenerationServicer):
+    def __init__(self, backend: Backend):
+        self.b = backend
+
+    async def Generate(self, request, context):
+        t0 = time.monotonic()
+        received_at = time.time()
+        tenant = _tenant(context)
+        try:
+            info = await self.b.info()
+            v = validate(request, vocab_size=self.b.tokenizer.vocab_size)
+            async with self.b.session_lock(tenant, v.session_id):
+                tokens = await self.b.prompt_tokens(v, tenant, info)
+                sampling = api_pb2.SamplingParams(temperature=v.temperature, top_p=v.top_p)
+                if v.seed is not None:
+                    sampling.seed = v.seed
+                wreq = worker_pb2.WorkerGenerateRequest(
+                    request_id=uuid.uuid4().hex, session_id=v.session_id, token_ids=tokens,
+                    sampling=sampling, max_tokens=v.max_tokens, no_cache=v.no_cache,
+                    received_at=received_at, stop=v.stop, tenant=tenant)
+                first_at = None
+                async for ev in self.b.stub.Generate(wreq, metadata=((TENANT_KEY, tenant),)):
+                    if first_at is None and (ev.token_ids or ev.HasField("usage")):
+                        first_at = time.monotonic()
+                    out = api_pb2.GenerateResponse(text=ev.text, token_ids=ev.token_ids,
+                                                   finish_reason=ev.finish_reason)
+                    if ev.HasField("usage"):
+                        out.usage.CopyFrom(ev.usage)
+                        out.usage.ttft_s = first_at - t0
+                    yield out
+        except Exception as e:
+            code, msg = _status_for(e)
+            if code == grpc.StatusCode.INTERNAL:
+                logger.exception("Generate failed")
+            await context.abort(code, msg)
+
+
+class SessionsServicer(api_pb2_grpc.SessionsServicer):
+    def __init__(self, backend: Backend):
+        self.b = backend
+
+    async def _call(self, method, request, context):
+        try:
+            return await method(request, metadata=((TENANT_KEY, _tenant(context)),), timeout=30)
+        except Exception as e:
+            await context.abort(*_status_for(e))
+
+    async def List(self, request, context):
+        return await self._call(self.b.stub.ListSessions, request, context)
+
+    async def Get(self, request, context):
+        if not request.session_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is empty: name a session")
+        return await self._call(self.b.stub.GetSession, request, context)
+
+    async def Delete(self, request, context):
+        if not request.session_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is empty: name a session")
+        return await self._call(self.b.stub.DeleteSession, request, context)
+
+
+class AdminServicer(api_pb2_grpc.AdminServicer):
+    def __init__(self, backend: Backend):
+        self.b = backend
+
+    async def Release(self, request, context):
+        if not request.session_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is empty: name a session")
+        try:
+            return await self.b.stub.Release(request, metadata=((TENANT_KEY, _tenant(context)),),
+                                             timeout=60)
+        except Exception as e:
+            await context.abort(*_status_for(e))
+
+
+async def serve(model_dir: Path, worker_address: str, host: str, port: int) -> None:
+    backend = Backend(model_dir, worker_address)
+    server = grpc.aio.server()
+    api_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(backend), server)
+    api_pb2_grpc.add_SessionsServicer_to_server(SessionsServicer(backend), server)
+    api_pb2_grpc.add_AdminServicer_to_server(AdminServicer(backend), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [api_pb2.DESCRIPTOR.services_by_name[n].full_name
+             for n in ("Generation", "Sessions", "Admin")]
+    reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    logger.info("router listening on %s:%d (worker at %s)", host, bound, worker_address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace=5)
+        await backend.channel.close()
+        logger.info("router stopped")
+
+
+def main(model_dir: Path, worker_address: str, host: str, port: int) -> None:
+    asyncio.run(serve(model_dir, worker_address, host, port))

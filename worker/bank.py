@@ -1,0 +1,303 @@
+"""SessionBank: every conversation's KV that the worker holds in RAM, and the policies that
+decide what leaves.
+
+An entry is one session's KV for one token prefix. Entries are found by prefix, never by
+session id alone: the index maps each chained block id (kvbank.blocks) to the entries that
+contain that block, so a lookup walks the prompt's blocks (O(blocks in the prompt)) and then
+verifies the chosen entry token by token.
+
+Eviction order (who leaves first), kept by `_eviction_order`:
+  1. entries of idle sessions before entries of active ones (a session is active while a
+     request runs on it, and for `active_pin_s` after its last use);
+  2. within a class, least recently used first.
+Protections are filters on top of that order, never reorderings: `protect_active` skips
+active sessions, `protect_unwritten` skips entries whose own SSD write is still queued,
+`protect_keys` / `protect_session_ids` skip what the caller names.
+
+The bank owns one byte ledger (`total_nbytes`), changed only in `_add` and `_remove`.
+The bank runs on the worker's engine thread: no locks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+
+from kvbank.blocks import BlockId, chain_block_ids, common_prefix_len
+from worker.kv import Layers, layers_nbytes
+
+logger = logging.getLogger(__name__)
+
+SessionKey = tuple[str, str]  # (tenant, session_id)
+MAX_TAIL_CANDIDATES = 256
+
+
+@dataclass(eq=False)
+class BankEntry:
+    key: int
+    session: SessionKey
+    tokens: np.ndarray  # uint32, the prefix this KV covers
+    block_ids: list[BlockId]  # chained ids of its full blocks
+    layers: Layers
+    nbytes: int
+    last_used: float
+    durable_tokens: int = 0  # KV committed in LMDB up to here
+    write_job: int | None = None  # id of its queued coldstore write, if any
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def awaits_queued_write(self) -> bool:
+        """Its own SSD write is queued and not committed: RAM holds the only copy."""
+        return self.write_job is not None and self.durable_tokens < self.n_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    entry: BankEntry
+    n_tokens: int
+
+
+@dataclass
+class Eviction:
+    at: float
+    reason: str
+    session_id: str
+    prefix_tokens: int
+    nbytes: int
+    durable: bool
+    release_write_out: str | None = None  # written | deadline | refused | error
+    write_out_s: float | None = None
+
+
+@dataclass
+class ShrinkReceipt:
+    reason: str
+    target_bytes: int
+    evicted_entries: int = 0
+    evicted_bytes: int = 0
+    unwritten_kept: int = 0
+    unwritten_dropped: int = 0
+    bytes_after: int = 0
+
+
+class SessionBank:
+    def __init__(self, *, block_tokens: int, root_for: Callable[[str], BlockId],
+                 max_bytes: int, active_pin_s: float = 600.0, log_size: int = 1024):
+        self.block_tokens = block_tokens
+        self.root_for = root_for
+        self.max_bytes = max_bytes
+        self.ceiling_bytes: int | None = None  # a dynamic ceiling below max_bytes
+        self.active_pin_s = active_pin_s
+        self.entries: dict[int, BankEntry] = {}
+        self.total_nbytes = 0
+        self.eviction_log: deque[Eviction] = deque(maxlen=log_size)
+        self._index: dict[BlockId, set[int]] = {}
+        self._by_session: dict[SessionKey, set[int]] = {}
+        self._in_flight: dict[SessionKey, int] = {}
+        self._last_use: dict[SessionKey, float] = {}
+        self._ids = itertools.count(1)
+
+    @property
+    def effective_max_bytes(self) -> int:
+        return min(self.max_bytes, self.ceiling_bytes or self.max_bytes)
+
+    # -- lookup -----------------------------------------------------------------------------
+
+    def lookup(self, tokens: np.ndarray, tenant: str) -> Hit | None:
+        """The entry sharing the longest token-verified prefix with `tokens`.
+
+        A full hit is returned as such; the caller leaves the last token to compute (the
+        model needs one input to produce the next token's logits).
+        """
+        root = self.root_for(tenant)
+        ids = chain_block_ids(tokens, root, self.block_tokens)
+        level = self._index.get(root, set())  # entries shorter than one block
+        depth = 0
+        for i, bid in enumerate(ids):
+            nxt = self._index.get(bid)
+            if not nxt:
+                break
+            level, depth = nxt, i + 1
+        if not level:
+            return None
+        best, best_n = None, 0
+        base = depth * self.block_tokens
+        for key in itertools.islice(level, MAX_TAIL_CANDIDATES):
+            e = self.entries[key]
+            n = base + common_prefix_len(e.tokens[base:], tokens[base:])
+            if n > best_n or (n == best_n and best is not None and e.last_used > best.last_used):
+                best, best_n = e, n
+        if best is None or best_n == 0:
+            return None
+        if not np.array_equal(best.tokens[:best_n], tokens[:best_n]):
+            raise RuntimeError("bug: block index and tokens disagree")
+        return Hit(best, best_n)
+
+    # -- ledger: the only two places that change total_nbytes -------------------------------
+
+    def _add(self, e: BankEntry) -> None:
+        self.entries[e.key] = e
+        self.total_nbytes += e.nbytes
+        self._by_session.setdefault(e.session, set()).add(e.key)
+        for bid in self._index_keys(e):
+            self._index.setdefault(bid, set()).add(e.key)
+
+    def _remove(self, e: BankEntry) -> None:
+        del self.entries[e.key]
+        self.total_nbytes -= e.nbytes
+        keys = self._by_session[e.session]
+        keys.discard(e.key)
+        if not keys:
+            del self._by_session[e.session]
+        for bid in self._index_keys(e):
+            s = self._index.get(bid)
+            if s is not None:
+                s.discard(e.key)
+                if not s:
+                    del self._index[bid]
+
+    def _index_keys(self, e: BankEntry) -> list[BlockId]:
+        return e.block_ids if e.block_ids else [self.root_for(e.session[0])]
+
+    # -- commit -----------------------------------------------------------------------------
+
+    def insert(self, session: SessionKey, tokens: np.ndarray, layers: Layers,
+               *, durable_tokens: int = 0) -> BankEntry:
+        """Add a finished turn's KV. Entries of the same session that are a prefix of it are
+        superseded (the new entry serves every prefix of its own) and leave; entries of a
+        branch stay, as non-terminal."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
+        now = time.monotonic()
+        for old in list(self.session_entries(session)):
+            if old.n_tokens <= len(tokens) and np.array_equal(old.tokens, tokens[: old.n_tokens]):
+                durable_tokens = max(durable_tokens, old.durable_tokens)
+                self._remove(old)
+        e = BankEntry(
+            key=next(self._ids),
+            session=session,
+            tokens=tokens,
+            block_ids=chain_block_ids(tokens, self.root_for(session[0]), self.block_tokens),
+            layers=layers,
+            nbytes=layers_nbytes(layers),
+            last_used=now,
+            durable_tokens=min(durable_tokens, len(tokens)),
+        )
+        self._add(e)
+        self._last_use[session] = now
+        return e
+
+    def session_entries(self, session: SessionKey) -> list[BankEntry]:
+        return [self.entries[k] for k in self._by_session.get(session, ())]
+
+    def terminal(self, session: SessionKey) -> BankEntry | None:
+        entries = self.session_entries(session)
+        return max(entries, key=lambda e: (e.n_tokens, e.last_used)) if entries else None
+
+    def session_nbytes(self, session: SessionKey) -> int:
+        return sum(e.nbytes for e in self.session_entries(session))
+
+    # -- activity ---------------------------------------------------------------------------
+
+    def begin_request(self, session: SessionKey) -> None:
+        self._in_flight[session] = self._in_flight.get(session, 0) + 1
+        self._last_use[session] = time.monotonic()
+
+    def end_request(self, session: SessionKey) -> None:
+        n = self._in_flight.get(session, 0) - 1
+        if n > 0:
+            self._in_flight[session] = n
+        else:
+            self._in_flight.pop(session, None)
+        self._last_use[session] = time.monotonic()
+
+    def is_busy(self, session: SessionKey) -> bool:
+        return session in self._in_flight
+
+    def is_active(self, session: SessionKey, now: float | None = None) -> bool:
+        if session in self._in_flight:
+            return True
+        now = time.monotonic() if now is None else now
+        return now - self._last_use.get(session, -1e18) < self.active_pin_s
+
+    def touch(self, e: BankEntry) -> None:
+        e.last_used = time.monotonic()
+        self._last_use[e.session] = e.last_used
+
+    # -- durability (fed by the coldstore's acknowledgements) -------------------------------
+
+    def mark_durable(self, session: SessionKey, durable_tokens: int) -> None:
+        for e in self.session_entries(session):
+            e.durable_tokens = max(e.durable_tokens, min(durable_tokens, e.n_tokens))
+
+    def mark_write_done(self, session: SessionKey, job_id: int) -> None:
+        for e in self.session_entries(session):
+            if e.write_job == job_id:
+                e.write_job = None
+
+    # -- policies ---------------------------------------------------------------------------
+
+    def _eviction_order(self, now: float) -> list[BankEntry]:
+        return sorted(self.entries.values(),
+                      key=lambda e: (self.is_active(e.session, now), e.last_used))
+
+    def evict(self, e: BankEntry, reason: str, *, write_out: str | None = None,
+              write_out_s: float | None = None) -> None:
+        self._remove(e)
+        self.eviction_log.append(Eviction(
+            at=time.time(), reason=reason, session_id=e.session[1], prefix_tokens=e.n_tokens,
+            nbytes=e.nbytes, durable=e.durable_tokens >= e.n_tokens,
+            release_write_out=write_out, write_out_s=write_out_s,
+        ))
+        if e.awaits_queued_write:
+            logger.warning("%s: dropped %s (%d tokens) before its SSD write",
+                           reason, e.session[1], e.n_tokens)
+
+    def shrink_to_bytes(self, target_bytes: int, *, reason: str, protect_active: bool = False,
+                        protect_unwritten: bool = False, protect_keys: Iterable[int] = (),
+                        protect_session_ids: Iterable[str] = (),
+                        receipt_out: dict | None = None) -> int:
+        """Evict in eviction order until the bank holds <= target_bytes. Returns entries evicted.
+
+        With protect_active the bank may stay above target (dynamic ceiling: an active session
+        never re-prefills because of a trim). With protect_unwritten an entry whose own SSD
+        write is still queued is never taken; when only such entries remain it stops above
+        target and counts them in `unwritten_kept`.
+        """
+        r = ShrinkReceipt(reason=reason, target_bytes=target_bytes)
+        protect_keys, protect_sids = set(protect_keys), set(protect_session_ids)
+        now = time.monotonic()
+        for e in self._eviction_order(now):
+            if self.total_nbytes <= target_bytes:
+                break
+            if e.key in protect_keys or e.session[1] in protect_sids or self.is_busy(e.session):
+                continue
+            if protect_active and self.is_active(e.session, now):
+                continue
+            if protect_unwritten and e.awaits_queued_write:
+                r.unwritten_kept += 1
+                continue
+            if e.awaits_queued_write:
+                r.unwritten_dropped += 1
+            r.evicted_entries += 1
+            r.evicted_bytes += e.nbytes
+            self.evict(e, reason)
+        r.bytes_after = self.total_nbytes
+        if receipt_out is not None:
+            receipt_out.update(vars(r))
+        return r.evicted_entries
+
+    def drop_session(self, session: SessionKey, reason: str) -> tuple[int, int]:
+        """Evict every entry of one session (its KV stays restorable where it is durable)."""
+        entries = self.session_entries(session)
+        for e in entries:
+            self.evict(e, reason)
+        return len(entries), sum(e.nbytes for e in entries)

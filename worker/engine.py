@@ -1,0 +1,433 @@
+"""The engine: the one thread that owns the model and the SessionBank.
+
+Everything that touches MLX or the bank runs here, fed by a queue (as mlx-lm's server does),
+so no state needs a lock. A generation job goes: restore the longest cached prefix (RAM bank,
+else SSD), prefill the rest and decode with mlx-lm's `generate_step`, then commit the turn:
+the session record first (durable before the final message), then the bank entry, then the
+write-behind job for its new KV blocks.
+
+Other threads read two snapshots the engine replaces whole (`sessions`, `ram_bytes`), never
+structures it mutates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+import numpy as np
+
+from kvbank.blocks import (BlockId, chain_block_ids, chain_root, common_prefix_len,
+                           tail_block_id)
+from kvbank.config import Layout
+from kvbank.v1 import api_pb2, worker_pb2
+from coldstore.store import ColdStore
+from worker import kv
+from worker.bank import SessionBank, SessionKey
+from worker.persist import ColdstoreClient, ColdstoreUnavailable
+
+logger = logging.getLogger(__name__)
+
+PREFILL_STEP_TOKENS = 512
+RECORD_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """What the worker knows of a session record (a snapshot; replaced, never mutated)."""
+
+    tokens: np.ndarray
+    durable_tokens: int
+    created_at: float
+    updated_at: float
+
+
+@dataclass
+class GenerateJob:
+    request: worker_pb2.WorkerGenerateRequest
+    emit: Callable[[Any], None]  # thread-safe; gets responses, then None, or an Exception
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    queued_at: float = field(default_factory=time.monotonic)
+
+
+class RequestError(ValueError):
+    """Bad input that got past the router; the message says what to change."""
+
+
+class Engine:
+    def __init__(self, model_path: Path, layout: Layout, *, block_tokens: int, bank_bytes: int):
+        from mlx_lm import load
+
+        self.model_path = Path(model_path)
+        self.layout = layout.ensure()
+        self.block_tokens = block_tokens
+        t0 = time.monotonic()
+        self.model, self.tokenizer = load(str(self.model_path))
+        self.config = json.loads((self.model_path / "config.json").read_text())
+        self.max_context_tokens = int(self.config.get("max_position_embeddings", 8192))
+        self.eos_token_ids = sorted(self.tokenizer.eos_token_ids)
+        self.kv_bytes_per_token, self.kv_dtype = self._measure_kv()
+        self.fingerprint = self._fingerprint()
+        logger.info("model %s loaded in %.1fs: %d KV bytes/token (%s), fingerprint %s",
+                    self.model_path, time.monotonic() - t0, self.kv_bytes_per_token,
+                    self.kv_dtype, self.fingerprint.hex()[:12])
+        self.bank = SessionBank(block_tokens=block_tokens, root_for=self.root_for,
+                                max_bytes=bank_bytes)
+        self.sessions: dict[SessionKey, SessionInfo] = {}
+        self.ram_bytes: dict[SessionKey, int] = {}
+        self._store: ColdStore | None = None
+        self._load_sessions()
+        self.coldstore = ColdstoreClient(layout, on_event=self._on_coldstore_event).start()
+        self._queue: queue.Queue = queue.Queue()
+        self._anon = 0
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    # -- identity ---------------------------------------------------------------------------
+
+    def _measure_kv(self) -> tuple[int, str]:
+        """KV bytes per token, measured from a one-token forward (works for any model)."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(self.model)
+        self.model(mx.array([[0]]), cache=cache)
+        mx.eval([c.keys for c in cache])
+        per_token = sum(int(c.keys[..., :1, :].nbytes + c.values[..., :1, :].nbytes) for c in cache)
+        return per_token, str(cache[0].keys.dtype).split(".")[-1]
+
+    def _fingerprint(self) -> bytes:
+        """Nothing restores across model, weights, KV dtype or block size."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(json.dumps(self.config, sort_keys=True).encode())
+        for f in sorted(self.model_path.glob("*.safetensors")):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}".encode())
+        h.update(f"{self.kv_dtype}:{self.kv_bytes_per_token}:{self.block_tokens}".encode())
+        return h.digest()
+
+    def root_for(self, tenant: str) -> BlockId:
+        return chain_root(self.fingerprint, tenant)
+
+    # -- the store (read-only here: the coldstore is the only writer) -----------------------
+
+    def store(self) -> ColdStore | None:
+        if self._store is None and (self.layout.store_dir / "data.mdb").exists():
+            try:
+                self._store = ColdStore(self.layout.store_dir, readonly=True)
+            except Exception as e:
+                logger.warning("cannot open the store read-only yet: %s", e)
+        return self._store
+
+    def _load_sessions(self) -> None:
+        store = self.store()
+        if store is None:
+            return
+        sessions = {}
+        for meta in store.list_sessions():
+            got = store.get_session(meta.tenant, meta.session_id)
+            if got is not None:
+                meta, toks = got
+                sessions[(meta.tenant, meta.session_id)] = SessionInfo(
+                    toks.copy(), meta.durable_tokens, meta.created_at, meta.updated_at)
+        self.sessions = sessions
+        logger.info("loaded %d session records from the store", len(sessions))
+
+    # -- the queue --------------------------------------------------------------------------
+
+    def submit(self, job: GenerateJob) -> None:
+        self._queue.put(job)
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run fn on the engine thread (after the jobs queued before it)."""
+        fut: Future = Future()
+        self._queue.put((fn, fut))
+        return fut
+
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, GenerateJob):
+                self.coldstore.set_busy(True)
+                try:
+                    self._generate(item)
+                except RequestError as e:
+                    item.emit(e)
+                except Exception as e:
+                    logger.exception("generation failed")
+                    item.emit(e)
+            else:
+                fn, fut = item
+                try:
+                    fut.set_result(fn())
+                except Exception as e:
+                    fut.set_exception(e)
+            if self._queue.empty():
+                self.coldstore.set_busy(False)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+        self.coldstore.close()
+
+    # -- one generation ---------------------------------------------------------------------
+
+    def _generate(self, job: GenerateJob) -> None:
+        from mlx_lm.generate import generate_step
+        from mlx_lm.sample_utils import make_sampler
+
+        req = job.request
+        started = time.monotonic()
+        tokens = np.asarray(req.token_ids, dtype=np.uint32)
+        if len(tokens) == 0:
+            raise RequestError("the prompt is empty: send at least one token")
+        if len(tokens) + req.max_tokens > self.max_context_tokens:
+            raise RequestError(
+                f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
+                f"model's context of {self.max_context_tokens} tokens")
+        tenant = req.tenant
+        session: SessionKey | None = (tenant, req.session_id) if req.session_id else None
+        if session is None:
+            self._anon += 1
+        bank_key = session or (tenant, f"anon-{self._anon}")
+        info = self.sessions.get(session) if session else None
+        known = common_prefix_len(info.tokens, tokens) if info is not None else 0
+
+        self.bank.begin_request(bank_key)
+        try:
+            cache, cached, source = self._restore(tokens, tenant, session, req.no_cache)
+            sampling = req.sampling
+            if sampling.HasField("seed"):
+                mx.random.seed(sampling.seed)
+            sampler = make_sampler(temp=sampling.temperature, top_p=sampling.top_p)
+            stops = list(req.stop)
+            detok = self.tokenizer.detokenizer
+            detok.reset()
+            text, sent = "", 0
+            completion: list[int] = []
+            finish = api_pb2.FINISH_REASON_LENGTH
+            first_token_at = None
+            for tok, _ in generate_step(mx.array(tokens[cached:]), self.model,
+                                        max_tokens=req.max_tokens, sampler=sampler,
+                                        prompt_cache=cache, prefill_step_size=PREFILL_STEP_TOKENS):
+                if first_token_at is None:
+                    first_token_at = time.monotonic()
+                completion.append(tok)
+                if tok in self.tokenizer.eos_token_ids:
+                    finish = api_pb2.FINISH_REASON_STOP
+                    break
+                detok.add_token(tok)
+                text += detok.last_segment
+                cut, hit = _stop_cut(text, stops)
+                if cut > sent:
+                    job.emit(worker_pb2.WorkerGenerateResponse(text=text[sent:cut], token_ids=[tok]))
+                    sent = cut
+                if hit:
+                    finish = api_pb2.FINISH_REASON_STOP
+                    break
+                if job.cancelled.is_set():
+                    break
+            if finish != api_pb2.FINISH_REASON_STOP or not _stop_cut(text, stops)[1]:
+                detok.finalize()
+                text += detok.last_segment
+                end = _stop_cut(text, stops)[0] if stops else len(text)
+                if end > sent:
+                    job.emit(worker_pb2.WorkerGenerateResponse(text=text[sent:end]))
+            full = np.concatenate([tokens, np.asarray(completion, dtype=np.uint32)])
+            durable = self._commit(bank_key, session, full, cache)
+        finally:
+            self.bank.end_request(bank_key)
+        usage = api_pb2.Usage(
+            prompt_tokens=len(tokens),
+            completion_tokens=len(completion),
+            cached_tokens=cached,
+            cache_source=source,
+            recomputed_tokens=max(0, min(known, len(tokens) - 1) - cached),
+            ttft_s=(first_token_at or time.monotonic()) - started,
+            queue_s=started - job.queued_at,
+            durable=durable,
+        )
+        job.emit(worker_pb2.WorkerGenerateResponse(finish_reason=finish, usage=usage))
+        job.emit(None)
+
+    def _restore(self, tokens: np.ndarray, tenant: str, session: SessionKey | None,
+                 no_cache: bool) -> tuple[list, int, int]:
+        """The request's own cache over the longest known prefix: (cache, tokens, source)."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        none = (make_prompt_cache(self.model), 0, api_pb2.CACHE_SOURCE_NONE)
+        if no_cache:
+            return none
+        limit = len(tokens) - 1  # leave one token to compute: its logits give the next token
+        hit = self.bank.lookup(tokens, tenant)
+        ram_n = min(hit.n_tokens, limit) if hit else 0
+        ssd = self._ssd_prefix(tokens, tenant, session, better_than=ram_n)
+        if ssd is not None:
+            layers, n = ssd
+            n = min(n, limit)
+            return kv.restore(layers, n), n, api_pb2.CACHE_SOURCE_SSD
+        if ram_n > 0:
+            self.bank.touch(hit.entry)
+            return kv.restore(hit.entry.layers, ram_n), ram_n, api_pb2.CACHE_SOURCE_RAM
+        return none
+
+    def _ssd_prefix(self, tokens: np.ndarray, tenant: str, session: SessionKey | None,
+                    better_than: int) -> tuple[kv.Layers, int] | None:
+        """The longest prefix whose blocks are committed in LMDB, if it beats `better_than`."""
+        store = self.store()
+        if store is None:
+            return None
+        B = self.block_tokens
+        root = self.root_for(tenant)
+        ids = chain_block_ids(tokens, root, B)
+        n_full = 0
+        while n_full < len(ids) and store.has_block(ids[n_full]):
+            n_full += 1
+        want = list(ids[:n_full])
+        n = n_full * B
+        got = store.get_session(*session) if session else None
+        if got is not None:
+            meta = got[0]
+            if meta.tail and len(meta.blocks) == n_full and len(tokens) >= n + meta.tail_tokens:
+                parent = ids[n_full - 1] if n_full else root
+                if tail_block_id(parent, tokens[n : n + meta.tail_tokens]).hex() == meta.tail:
+                    want.append(BlockId(bytes.fromhex(meta.tail)))
+                    n += meta.tail_tokens
+        if min(n, len(tokens) - 1) <= better_than:
+            return None
+        payloads = store.get_blocks(want)
+        if any(p is None for p in payloads):  # collected since we looked: fall back
+            return None
+        return kv.decode_blocks(payloads), n
+
+    # -- commit -----------------------------------------------------------------------------
+
+    def _commit(self, bank_key: SessionKey, session: SessionKey | None, full: np.ndarray,
+                cache: list) -> bool:
+        """Session record (durable), then bank entry, then the write-behind job."""
+        layers = kv.freeze(cache, len(full))
+        durable, durable_tokens = False, 0
+        if session is not None:
+            try:
+                reply = self.coldstore.request(
+                    {"op": "put_session", "tenant": session[0], "session_id": session[1],
+                     "block_tokens": self.block_tokens},
+                    [full.tobytes()], timeout_s=RECORD_TIMEOUT_S)
+                durable, durable_tokens = True, reply["durable_tokens"]
+            except ColdstoreUnavailable as e:
+                logger.warning("session %s: turn not durable: %s", session[1], e)
+            now = time.time()
+            old = self.sessions.get(session)
+            self._set_session(session, SessionInfo(full, durable_tokens,
+                                                   old.created_at if old else now, now))
+        entry = self.bank.insert(bank_key, full, layers, durable_tokens=durable_tokens)
+        if durable:
+            self._schedule_write(entry)
+        self.bank.shrink_to_bytes(self.bank.effective_max_bytes, reason="bank_budget",
+                                  protect_keys=(entry.key,))
+        self._refresh_ram_bytes()
+        return durable
+
+    def _schedule_write(self, entry) -> None:
+        """Queue the entry's blocks past the record's durable extent on the idle lane."""
+        B = self.block_tokens
+        start = (entry.durable_tokens // B) * B
+        n = entry.n_tokens
+        if start >= n:
+            return
+        root = self.root_for(entry.session[0])
+        blocks, frames = [], []
+        for s in range(start, n, B):
+            e = min(s + B, n)
+            if e - s == B:
+                bid = entry.block_ids[s // B]
+            else:
+                parent = entry.block_ids[s // B - 1] if s else root
+                bid = tail_block_id(parent, entry.tokens[s:e])
+            blocks.append({"id": bid.hex(), "start": s})
+            frames.append(kv.encode_range(entry.layers, s, e))
+        job = self.coldstore.next_id()
+        entry.write_job = job
+        self.coldstore.send({"op": "write", "job": job, "tenant": entry.session[0],
+                             "session_id": entry.session[1], "root": root.hex(),
+                             "blocks": blocks, "dirty_since": time.time()}, frames)
+
+    def _set_session(self, session: SessionKey, info: SessionInfo | None) -> None:
+        sessions = dict(self.sessions)
+        if info is None:
+            sessions.pop(session, None)
+        else:
+            sessions[session] = info
+        self.sessions = sessions
+
+    def _refresh_ram_bytes(self) -> None:
+        out: dict[SessionKey, int] = {}
+        for e in self.bank.entries.values():
+            out[e.session] = out.get(e.session, 0) + e.nbytes
+        self.ram_bytes = out
+
+    def _on_coldstore_event(self, msg: dict) -> None:
+        """Progress and completion of write jobs (I/O thread): update snapshots, then the bank."""
+        if "session_id" not in msg:
+            return
+        session = (msg["tenant"], msg["session_id"])
+        durable = msg.get("durable_tokens", 0)
+        info = self.sessions.get(session)
+        if info is not None and durable > info.durable_tokens:
+            self._set_session(session, replace(info, durable_tokens=durable))
+
+        def apply():
+            self.bank.mark_durable(session, durable)
+            if msg["op"] == "done":
+                self.bank.mark_write_done(session, msg["job"])
+                if msg["outcome"] not in ("written", "superseded", "cancelled"):
+                    logger.warning("write of %s ended %s: %s", session[1], msg["outcome"],
+                                   msg.get("error", ""))
+
+        self.call(apply)
+
+    # -- session operations (engine thread, via call) ---------------------------------------
+
+    def delete_session(self, session: SessionKey) -> bool:
+        existed = session in self.sessions or bool(self.bank.session_entries(session))
+        self.bank.drop_session(session, reason="session_deleted")
+        self.coldstore.request({"op": "delete_session", "tenant": session[0],
+                                "session_id": session[1]})
+        self._set_session(session, None)
+        self._refresh_ram_bytes()
+        return existed
+
+    def release(self, session: SessionKey) -> tuple[int, int, int]:
+        """Move a session's KV out of RAM. Returns (entries, bytes, dropped before written)."""
+        entries = self.bank.session_entries(session)
+        unwritten = sum(1 for e in entries if e.durable_tokens < e.n_tokens)
+        n, nbytes = self.bank.drop_session(session, reason="admin_release")
+        self._refresh_ram_bytes()
+        return n, nbytes, unwritten
+
+
+def _stop_cut(text: str, stops: list[str]) -> tuple[int, bool]:
+    """How much of `text` may be sent, and whether a stop string was found.
+
+    Text that could still grow into a stop string is held back.
+    """
+    if not stops:
+        return len(text), False
+    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    if first >= 0:
+        return first, True
+    hold = max(len(s) for s in stops) - 1
+    return max(0, len(text) - hold), False

@@ -1,0 +1,153 @@
+"""The worker process: the internal gRPC service the router calls, in front of the engine.
+
+The asyncio side only relays: requests go to the engine's queue, the engine's events come
+back through `call_soon_threadsafe`. A client that goes away cancels its generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvbank.config import Layout
+from kvbank.v1 import api_pb2, worker_pb2, worker_pb2_grpc
+from worker.engine import Engine, GenerateJob, RequestError
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    async def Generate(self, request, context):
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex
+        job = GenerateJob(request, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        self.engine.submit(job)
+        try:
+            while True:
+                ev = await events.get()
+                if ev is None:
+                    return
+                if isinstance(ev, RequestError):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(ev))
+                if isinstance(ev, Exception):
+                    await context.abort(grpc.StatusCode.INTERNAL,
+                                        f"generation failed: {type(ev).__name__}: {ev}")
+                yield ev
+        finally:
+            job.cancelled.set()
+
+    async def Info(self, request, context):
+        e = self.engine
+        return worker_pb2.InfoResponse(
+            model_path=str(e.model_path), fingerprint=e.fingerprint.hex(),
+            max_context_tokens=e.max_context_tokens, kv_bytes_per_token=e.kv_bytes_per_token,
+            block_tokens=e.block_tokens, eos_token_ids=e.eos_token_ids)
+
+    def _session_pb(self, key, info, with_tokens: bool) -> api_pb2.Session:
+        ram = self.engine.ram_bytes.get(key, 0)
+        n = len(info.tokens)
+        if ram and info.durable_tokens < n:
+            state = "resident-dirty"
+        elif ram:
+            state = "resident-clean"
+        elif info.durable_tokens > 0:
+            state = "cold"
+        else:
+            state = "gone"
+        s = api_pb2.Session(session_id=key[1], token_count=n, durable_tokens=info.durable_tokens,
+                            ram_bytes=ram, created_at=info.created_at, updated_at=info.updated_at,
+                            state=state)
+        if with_tokens:
+            s.token_ids.extend(info.tokens.tolist())
+        return s
+
+    async def ListSessions(self, request, context):
+        tenant = _tenant(context)
+        sessions = self.engine.sessions
+        return api_pb2.ListSessionsResponse(sessions=[
+            self._session_pb(k, v, False) for k, v in sorted(sessions.items()) if k[0] == tenant])
+
+    async def GetSession(self, request, context):
+        key = (_tenant(context), request.session_id)
+        info = self.engine.sessions.get(key)
+        if info is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no session {request.session_id!r}: list them with Sessions.List")
+        return self._session_pb(key, info, True)
+
+    async def DeleteSession(self, request, context):
+        key = (_tenant(context), request.session_id)
+        fut = self.engine.call(lambda: self.engine.delete_session(key))
+        return api_pb2.DeleteSessionResponse(deleted=await asyncio.wrap_future(fut))
+
+    async def Release(self, request, context):
+        key = (_tenant(context), request.session_id)
+        fut = self.engine.call(lambda: self.engine.release(key))
+        n, nbytes, dropped = await asyncio.wrap_future(fut)
+        return api_pb2.ReleaseResponse(released_entries=n, released_bytes=nbytes,
+                                       dropped_unwritten_entries=dropped)
+
+
+def _tenant(context) -> str:
+    return dict(context.invocation_metadata()).get("x-kvbank-tenant", "")
+
+
+def _matmul_gflops() -> float:
+    """One float32 1024x1024 matmul: tells the slow reference BLAS from OpenBLAS."""
+    import mlx.core as mx
+
+    a = mx.random.normal((1024, 1024))
+    mx.eval(a @ a)
+    t0 = time.perf_counter()
+    for _ in range(4):
+        mx.eval(a @ a)
+    return 4 * 2 * 1024**3 / (time.perf_counter() - t0) / 1e9
+
+
+async def serve(model: Path, layout: Layout, *, block_tokens: int, bank_bytes: int) -> None:
+    gflops = _matmul_gflops()
+    if gflops < 20:
+        logger.warning("SLOW MATMUL: %.1f GFLOP/s. MLX is using its bundled reference BLAS; "
+                       "install libopenblas0-pthread and start the worker with "
+                       "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 (kvbank up does).",
+                       gflops)
+    else:
+        logger.info("matmul check: %.0f GFLOP/s (float32 1024x1024)", gflops)
+    engine = Engine(model, layout, block_tokens=block_tokens, bank_bytes=bank_bytes)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    sock = layout.run_dir / "worker.sock"
+    sock.unlink(missing_ok=True)
+    server.add_insecure_port(layout.worker_address)
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    logger.info("worker serving on %s", layout.worker_address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace=5)
+        engine.close()
+        logger.info("worker stopped")
+
+
+def main(model: Path, layout: Layout, *, block_tokens: int, bank_bytes: int) -> None:
+    asyncio.run(serve(model, layout, block_tokens=block_tokens, bank_bytes=bank_bytes))
