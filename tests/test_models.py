@@ -1,14 +1,5 @@
 """Tests for kvbank.models: GGUF import, default model, tiny models (real MLX, no mocks)."""
 
-import ctypes
-import os
-
-try:  # MLX on CPU is much faster with OpenBLAS loaded before it
-    ctypes.CDLL("/usr/lib/x86_64-linux-gnu/libopenblas.so.0", mode=ctypes.RTLD_GLOBAL)
-except OSError:
-    pass
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import json
 import time
 from pathlib import Path
@@ -22,11 +13,6 @@ from kvbank.models import (
     make_tiny_model,
     resolve_model,
 )
-
-
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("kvbank-cache")
 
 
 @pytest.fixture(scope="session")

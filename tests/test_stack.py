@@ -1,0 +1,115 @@
+"""The whole path, as a user drives it: real router, worker and coldstore processes."""
+
+from __future__ import annotations
+
+import grpc
+
+from tests.conftest import rpc_error
+
+
+def _ask(c, session, text, **kw):
+    kw.setdefault("max_tokens", 12)
+    return c.generate(session_id=session, messages=[{"role": "user", "content": text}],
+                      append=True, **kw)
+
+
+def test_second_turn_restores_the_whole_first_turn_from_ram(stack):
+    with stack.client() as c:
+        t1 = _ask(c, "agent-a", "List three prime numbers.")
+        t2 = _ask(c, "agent-a", "Now three even ones.")
+        u1, u2 = t1.usage, t2.usage
+        assert u1["cache_source"] == "none" and u1["cached_tokens"] == 0
+        assert u2["cache_source"] == "ram"
+        assert u2["cached_tokens"] >= u1["prompt_tokens"] + u1["completion_tokens"]
+        assert u2["recomputed_tokens"] == 0
+        assert u1["durable"] and u2["durable"]
+
+        # The same prompt with the cache off gives the same answer, greedy and sampled.
+        history = list(c.get_session("agent-a").token_ids)
+        prompt2 = history[: u2["prompt_tokens"]]
+        cold = c.generate(token_ids=prompt2, max_tokens=12, no_cache=True)
+        assert cold.usage["cached_tokens"] == 0
+        assert cold.token_ids == t2.token_ids
+
+        warm = c.generate(token_ids=prompt2, max_tokens=12, temperature=1.0, seed=7)
+        assert warm.usage["cached_tokens"] > 0
+        cold = c.generate(token_ids=prompt2, max_tokens=12, temperature=1.0, seed=7, no_cache=True)
+        assert warm.token_ids == cold.token_ids
+        assert len(set(warm.token_ids)) > 1  # sampled text, not one repeated token
+
+
+def test_committed_history_is_prompt_plus_completion_of_every_turn(stack):
+    with stack.client() as c:
+        t1 = _ask(c, "hist", "Say something.")
+        s1 = c.get_session("hist")
+        assert s1.token_count == t1.usage["prompt_tokens"] + t1.usage["completion_tokens"]
+        t2 = _ask(c, "hist", "And more.")
+        s2 = c.get_session("hist")
+        assert list(s2.token_ids[: s1.token_count]) == list(s1.token_ids)
+        assert s2.token_count == t2.usage["prompt_tokens"] + t2.usage["completion_tokens"]
+
+
+def test_worker_killed_between_turns_restores_from_ssd(stack):
+    with stack.client() as c:
+        _ask(c, "survivor", "Remember the number 42.", max_tokens=20)
+    before = stack.wait_durable("survivor")
+    assert before.durable_tokens > 16  # more than one block reached LMDB
+
+    old = stack.kill9("worker")
+    stack.wait_restarted("worker", old)
+
+    with stack.client() as c:
+        after_restart = c.get_session("survivor")
+        assert list(after_restart.token_ids) == list(before.token_ids)
+        t2 = _ask(c, "survivor", "What was the number?")
+        assert t2.usage["cache_source"] == "ssd"
+        assert t2.usage["cached_tokens"] >= before.durable_tokens
+        assert t2.usage["recomputed_tokens"] == 0
+        s = c.get_session("survivor")
+        assert list(s.token_ids[: before.token_count]) == list(before.token_ids)
+
+
+def test_bad_inputs_get_a_status_and_a_sentence(stack):
+    with stack.client() as c:
+        cases = [
+            (lambda: c.generate(session_id="x", prompt="", max_tokens=4),
+             grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+            (lambda: c.generate(session_id="x", prompt="hi", max_tokens=0),
+             grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be > 0"),
+            (lambda: c.generate(session_id="x", prompt="hi", max_tokens=-3),
+             grpc.StatusCode.INVALID_ARGUMENT, "given -3"),
+            (lambda: c.generate(session_id="x", token_ids=[5] * 3000, max_tokens=4),
+             grpc.StatusCode.INVALID_ARGUMENT, "exceed the model's context"),
+            (lambda: c.generate(session_id="x", messages=[{"role": "wizard", "content": "hi"}],
+                                max_tokens=4),
+             grpc.StatusCode.INVALID_ARGUMENT, "role must be one of"),
+            (lambda: c.generate(session_id="x", messages=[], max_tokens=4),
+             grpc.StatusCode.INVALID_ARGUMENT, "chat.messages is empty"),
+            (lambda: c.generate(prompt="hi", append=True, max_tokens=4),
+             grpc.StatusCode.INVALID_ARGUMENT, "append needs a session_id"),
+            (lambda: c.generate(token_ids=[10**9], max_tokens=4),
+             grpc.StatusCode.INVALID_ARGUMENT, "vocabulary size"),
+            (lambda: c.get_session("never-was"), grpc.StatusCode.NOT_FOUND, "no session"),
+        ]
+        for call, code, words in cases:
+            err = rpc_error(call)
+            assert err.code() == code, (words, err.details())
+            assert words in err.details(), err.details()
+        # Nothing else was affected: the stack still answers, and no session was created.
+        assert _ask(c, "after-bad-input", "Still there?", max_tokens=4).usage["durable"]
+        assert rpc_error(lambda: c.get_session("x")).code() == grpc.StatusCode.NOT_FOUND
+    assert stack.proc.poll() is None
+
+
+def test_ctrl_c_stops_all_three(stack):
+    pids = [stack.pid(n) for n in ("router", "worker", "coldstore")]
+    assert stack.stop() == 0
+    import os
+
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive = True
+        except ProcessLookupError:
+            alive = False
+        assert not alive, f"pid {pid} still running after Ctrl-C"
