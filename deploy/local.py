@@ -1,0 +1,110 @@
+"""Start a whole kvbank stack (`kvbank up`) as a child process and wait until it serves.
+
+Used by the benchmarks and the end-to-end tests, which need the real processes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvbank.client import Client
+from kvbank.config import Layout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalStack:
+    proc: subprocess.Popen
+    layout: Layout
+    address: str
+    log: Path
+
+    @classmethod
+    def start(cls, model: Path, data_dir: Path, *, extra: list[str] = (),
+              env: dict | None = None, timeout_s: float = 300) -> "LocalStack":
+        port = free_port()
+        layout = Layout(data_dir)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        log = data_dir.parent / f"{data_dir.name}-stack.log"
+        argv = [sys.executable, "-m", "kvbank.cli", "up", "--model", str(model),
+                "--data-dir", str(data_dir), "--port", str(port), *extra]
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
+                                    env={**os.environ, **(env or {})})
+        stack = cls(proc, layout, f"127.0.0.1:{port}", log)
+        deadline = time.monotonic() + timeout_s
+        while not (layout.run_dir / "ready").exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                stack.stop()
+                raise RuntimeError(f"kvbank up failed; log:\n{stack.log_tail()}")
+            time.sleep(0.1)
+        return stack
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def client(self) -> Client:
+        return Client(self.address)
+
+    def pid(self, name: str) -> int:
+        return int((self.layout.run_dir / f"{name}.pid").read_text())
+
+    def kill9(self, name: str) -> int:
+        pid = self.pid(name)
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def wait_ready(self, timeout_s: float = 60) -> None:
+        from deploy.supervisor import _grpc_healthy
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if _grpc_healthy(self.layout.worker_address) and _grpc_healthy(self.address):
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"stack not ready; log:\n{self.log_tail()}")
+
+    def wait_restarted(self, name: str, old_pid: int, timeout_s: float = 60) -> None:
+        """Until the supervisor runs a new `name` process and the stack answers again."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if self.pid(name) != old_pid:
+                    break
+            except (FileNotFoundError, ValueError):
+                pass
+            time.sleep(0.1)
+        self.wait_ready(max(1.0, deadline - time.monotonic()))
+
+    def wait_durable(self, session_id: str, timeout_s: float = 60):
+        """Until every committed token of the session has its KV in LMDB."""
+        deadline = time.monotonic() + timeout_s
+        with self.client() as c:
+            while time.monotonic() < deadline:
+                s = c.get_session(session_id)
+                if s.durable_tokens == s.token_count:
+                    return s
+                time.sleep(0.1)
+        raise TimeoutError(f"session {session_id} never became durable")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
