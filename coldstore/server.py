@@ -9,6 +9,7 @@ Messages are multipart: a JSON header, then raw frames (token ids, block payload
     delete_session {req, tenant, session_id}                          -> reply after commit
     write          {job, tenant, session_id, root, blocks:[{id,start}], give_up_at?} + payloads
                    -> "progress" after each committed block, "done" with an outcome at the end
+    promote        {job, give_up_at}   a queued job becomes a write-out with a deadline
     cancel         {job}
     ping           {req}
 """
@@ -151,6 +152,15 @@ class ColdstoreServer:
         if old is not None:
             self._send(old.peer, {"op": "done", "job": old.job_id, "outcome": "superseded",
                                   "durable_tokens": old.durable_tokens})
+        return None
+
+    def _op_promote(self, peer, head, frames):
+        """A release waits on this job: give it a deadline, so it jumps the idle lane."""
+        job = self.lanes.jobs.get(head["job"])
+        if job is None:
+            self._send(peer, {"op": "done", "job": head["job"], "outcome": "unknown_job"})
+        else:
+            job.give_up_at = head["give_up_at"]
         return None
 
     def _op_cancel(self, peer, head, frames):

@@ -103,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--tokens", type=int, default=2048, help="conversation length")
     bt.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
     bt.add_argument("--json", action="store_true")
+    bb = bsub.add_parser("bank", help="SessionBank.lookup latency on a full bank")
+    bb.add_argument("--entries", type=int, default=10000, help="sessions in the bank")
+    bb.add_argument("--prompt-tokens", type=int, default=8192)
+    bb.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
+    bb.add_argument("--group-size", type=int, default=100,
+                    help="sessions sharing one system prompt (default: %(default)s)")
+    bb.add_argument("--lookups", type=int, default=2000)
+    bb.add_argument("--json", action="store_true")
     return ap
 
 
@@ -162,6 +170,14 @@ def main(argv: list[str] | None = None) -> int:
         from kvbank.bench.turn import run
 
         result = run(model=args.model, tokens=args.tokens, block_tokens=args.block_tokens)
+        print(json.dumps(result, indent=None if args.json else 2))
+        return 0
+    if cmd == "bench" and args.bench == "bank":
+        from kvbank.bench.bank import run
+
+        result = run(entries=args.entries, prompt_tokens=args.prompt_tokens,
+                     block_tokens=args.block_tokens, group_size=args.group_size,
+                     lookups=args.lookups)
         print(json.dumps(result, indent=None if args.json else 2))
         return 0
     return 2

@@ -25,12 +25,15 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 
 from kvbank.blocks import BlockId, chain_block_ids, common_prefix_len
 from worker.kv import Layers, layers_nbytes
+
+if TYPE_CHECKING:
+    from worker.persist import KVWriter
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +61,10 @@ class BankEntry:
     def awaits_queued_write(self) -> bool:
         """Its own SSD write is queued and not committed: RAM holds the only copy."""
         return self.write_job is not None and self.durable_tokens < self.n_tokens
+
+    @property
+    def durable(self) -> bool:
+        return self.durable_tokens >= self.n_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +98,10 @@ class ShrinkReceipt:
 
 class SessionBank:
     def __init__(self, *, block_tokens: int, root_for: Callable[[str], BlockId],
-                 max_bytes: int, active_pin_s: float = 600.0, log_size: int = 1024):
+                 max_bytes: int, active_pin_s: float = 600.0, log_size: int = 1024,
+                 writer: "KVWriter | None" = None):
         self.block_tokens = block_tokens
+        self.writer = writer  # None: no coldstore (nothing is ever written)
         self.root_for = root_for
         self.max_bytes = max_bytes
         self.ceiling_bytes: int | None = None  # a dynamic ceiling below max_bytes
@@ -131,9 +140,13 @@ class SessionBank:
             return None
         best, best_n = None, 0
         base = depth * self.block_tokens
+        # The walk stopped at the first block no entry holds, so no candidate shares more than
+        # one block past `base`: compare that far, not the rest of the prompt.
+        end = base + self.block_tokens
+        query = tokens[base:end]
         for key in itertools.islice(level, MAX_TAIL_CANDIDATES):
             e = self.entries[key]
-            n = base + common_prefix_len(e.tokens[base:], tokens[base:])
+            n = base + common_prefix_len(e.tokens[base:end], query)
             if n > best_n or (n == best_n and best is not None and e.last_used > best.last_used):
                 best, best_n = e, n
         if best is None or best_n == 0:
@@ -258,8 +271,11 @@ class SessionBank:
             release_write_out=write_out, write_out_s=write_out_s,
         ))
         if e.awaits_queued_write:
+            # Its staged bytes go too: the memory is wanted back, in the coldstore as well.
             logger.warning("%s: dropped %s (%d tokens) before its SSD write",
                            reason, e.session[1], e.n_tokens)
+            if self.writer is not None:
+                self.writer.cancel(e)
 
     def shrink_to_bytes(self, target_bytes: int, *, reason: str, protect_active: bool = False,
                         protect_unwritten: bool = False, protect_keys: Iterable[int] = (),
@@ -295,9 +311,117 @@ class SessionBank:
             receipt_out.update(vars(r))
         return r.evicted_entries
 
-    def drop_session(self, session: SessionKey, reason: str) -> tuple[int, int]:
-        """Evict every entry of one session (its KV stays restorable where it is durable)."""
+    def drop_session(self, session: SessionKey, reason: str) -> int:
+        """Evict every entry of one session, whatever its state (the session is gone)."""
         entries = self.session_entries(session)
         for e in entries:
             self.evict(e, reason)
-        return len(entries), sum(e.nbytes for e in entries)
+        return len(entries)
+
+    def shrink_for_admission(self, target_bytes: int, *, protect_tokens: np.ndarray | None,
+                             reason: str, tenant: str = "",
+                             protect_session_ids: Iterable[str] = ()) -> tuple[int, int]:
+        """Make room before a prefill: non-terminal entries first (LRU), then any entry of a
+        session with no request running. The entries `protect_tokens` would restore from are
+        never taken. Returns (non_terminal_evicted, terminal_evicted)."""
+        protected: set[int] = set()
+        if protect_tokens is not None and len(protect_tokens):
+            hit = self.lookup(np.asarray(protect_tokens, dtype=np.uint32), tenant)
+            if hit is not None:
+                protected.add(hit.entry.key)
+        sids = set(protect_session_ids)
+        terminals = {t.key for t in (self.terminal(s) for s in list(self._by_session)) if t}
+        order = self._eviction_order(time.monotonic())
+        counts = [0, 0]
+        for phase, wanted in ((0, lambda e: e.key not in terminals), (1, lambda e: True)):
+            for e in order:
+                if self.total_nbytes <= target_bytes:
+                    return counts[0], counts[1]
+                if (e.key not in self.entries or e.key in protected or e.session[1] in sids
+                        or self.is_busy(e.session) or not wanted(e)):
+                    continue
+                self.evict(e, reason)
+                counts[phase] += 1
+        return counts[0], counts[1]
+
+    def release_sessions(self, target_bytes: int | None, *, keep_session_ids: Iterable[str] = (),
+                         reason: str, write_out_before_release: bool = False,
+                         only_sessions: Iterable[SessionKey] | None = None,
+                         max_write_out_s: float | None = None) -> "ReleaseReceipt":
+        """Release whole idle conversations until the bank holds <= target_bytes (None: all).
+
+        Conversations already durable go first, then least recently used. With write-out, an
+        entry whose SSD write is still queued is written first; all writes of one call share
+        one deadline (RELEASE_WRITE_OUT_MAX_S). A write that runs out of time, is refused or
+        fails leaves the entry dropped, as without write-out; without it the queued write is
+        cancelled. A session with a request running is skipped whole.
+        """
+        from worker.persist import RELEASE_WRITE_OUT_MAX_S
+
+        budget_s = RELEASE_WRITE_OUT_MAX_S if max_write_out_s is None else max_write_out_s
+        started = time.monotonic()
+        give_up_at = time.time() + budget_s
+        keep = set(keep_session_ids)
+        only = None if only_sessions is None else set(only_sessions)
+        r = ReleaseReceipt(reason=reason)
+        candidates = [s for s in self._by_session
+                      if s[1] not in keep and (only is None or s in only)]
+        candidates.sort(key=lambda s: (not all(e.durable for e in self.session_entries(s)),
+                                       self._last_use.get(s, 0.0)))
+        for session in candidates:
+            if target_bytes is not None and self.total_nbytes <= target_bytes:
+                break
+            if self.is_busy(session):
+                r.skipped_busy_sessions += 1
+                continue
+            row = ReleaseRow(session_id=session[1])
+            for e in sorted(self.session_entries(session), key=lambda e: e.n_tokens):
+                if self.is_busy(session):  # a request started while we wrote: keep the rest
+                    r.skipped_busy_sessions += 1
+                    break
+                outcome, took = None, None
+                if write_out_before_release and e.awaits_queued_write and self.writer is not None:
+                    t0 = time.monotonic()
+                    outcome = self.writer.write_out(e, give_up_at)
+                    took = time.monotonic() - t0
+                    if outcome == "written":
+                        row.written_out_entries += 1
+                row.entries += 1
+                row.held_bytes += e.nbytes
+                if e.durable:
+                    row.on_ssd_entries += 1
+                else:
+                    row.dropped_entries += 1
+                self.evict(e, reason, write_out=outcome, write_out_s=took)
+            r.add(row)
+        r.write_out_s = time.monotonic() - started if write_out_before_release else 0.0
+        return r
+
+
+@dataclass
+class ReleaseRow:
+    session_id: str
+    entries: int = 0
+    held_bytes: int = 0
+    on_ssd_entries: int = 0
+    dropped_entries: int = 0
+    written_out_entries: int = 0
+
+
+@dataclass
+class ReleaseReceipt:
+    reason: str
+    rows: list[ReleaseRow] = field(default_factory=list)
+    released_entries: int = 0
+    released_bytes: int = 0
+    written_out_entries: int = 0
+    unwritten_dropped: int = 0
+    write_out_s: float = 0.0
+    skipped_busy_sessions: int = 0
+
+    def add(self, row: ReleaseRow) -> None:
+        self.rows.append(row)
+        self.released_entries += row.entries
+        self.released_bytes += row.held_bytes
+        self.written_out_entries += row.written_out_entries
+        self.unwritten_dropped += row.dropped_entries

@@ -26,14 +26,13 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-from kvbank.blocks import (BlockId, chain_block_ids, chain_root, common_prefix_len,
-                           tail_block_id)
+from kvbank.blocks import BlockId, chain_block_ids, chain_root, common_prefix_len, tail_block_id
 from kvbank.config import Layout
 from kvbank.v1 import api_pb2, worker_pb2
 from coldstore.store import ColdStore
 from worker import kv
 from worker.bank import SessionBank, SessionKey
-from worker.persist import ColdstoreClient, ColdstoreUnavailable
+from worker.persist import ColdstoreClient, ColdstoreUnavailable, KVWriter
 
 logger = logging.getLogger(__name__)
 
@@ -80,13 +79,14 @@ class Engine:
         logger.info("model %s loaded in %.1fs: %d KV bytes/token (%s), fingerprint %s",
                     self.model_path, time.monotonic() - t0, self.kv_bytes_per_token,
                     self.kv_dtype, self.fingerprint.hex()[:12])
-        self.bank = SessionBank(block_tokens=block_tokens, root_for=self.root_for,
-                                max_bytes=bank_bytes)
         self.sessions: dict[SessionKey, SessionInfo] = {}
         self.ram_bytes: dict[SessionKey, int] = {}
         self._store: ColdStore | None = None
         self._load_sessions()
         self.coldstore = ColdstoreClient(layout, on_event=self._on_coldstore_event).start()
+        self.writer = KVWriter(self.coldstore, block_tokens=block_tokens, root_for=self.root_for)
+        self.bank = SessionBank(block_tokens=block_tokens, root_for=self.root_for,
+                                max_bytes=bank_bytes, writer=self.writer)
         self._queue: queue.Queue = queue.Queue()
         self._anon = 0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -335,35 +335,13 @@ class Engine:
                                                    old.created_at if old else now, now))
         entry = self.bank.insert(bank_key, full, layers, durable_tokens=durable_tokens)
         if durable:
-            self._schedule_write(entry)
+            self.writer.write_behind(entry)
+        # Over budget, least recently used entries leave, but never one whose SSD write is
+        # still queued: it leaves once written (at most --max-dirty-s later).
         self.bank.shrink_to_bytes(self.bank.effective_max_bytes, reason="bank_budget",
-                                  protect_keys=(entry.key,))
+                                  protect_unwritten=True, protect_keys=(entry.key,))
         self._refresh_ram_bytes()
         return durable
-
-    def _schedule_write(self, entry) -> None:
-        """Queue the entry's blocks past the record's durable extent on the idle lane."""
-        B = self.block_tokens
-        start = (entry.durable_tokens // B) * B
-        n = entry.n_tokens
-        if start >= n:
-            return
-        root = self.root_for(entry.session[0])
-        blocks, frames = [], []
-        for s in range(start, n, B):
-            e = min(s + B, n)
-            if e - s == B:
-                bid = entry.block_ids[s // B]
-            else:
-                parent = entry.block_ids[s // B - 1] if s else root
-                bid = tail_block_id(parent, entry.tokens[s:e])
-            blocks.append({"id": bid.hex(), "start": s})
-            frames.append(kv.encode_range(entry.layers, s, e))
-        job = self.coldstore.next_id()
-        entry.write_job = job
-        self.coldstore.send({"op": "write", "job": job, "tenant": entry.session[0],
-                             "session_id": entry.session[1], "root": root.hex(),
-                             "blocks": blocks, "dirty_since": time.time()}, frames)
 
     def _set_session(self, session: SessionKey, info: SessionInfo | None) -> None:
         sessions = dict(self.sessions)
@@ -381,6 +359,7 @@ class Engine:
 
     def _on_coldstore_event(self, msg: dict) -> None:
         """Progress and completion of write jobs (I/O thread): update snapshots, then the bank."""
+        self.writer.on_event(msg)
         if "session_id" not in msg:
             return
         session = (msg["tenant"], msg["session_id"])
@@ -410,13 +389,12 @@ class Engine:
         self._refresh_ram_bytes()
         return existed
 
-    def release(self, session: SessionKey) -> tuple[int, int, int]:
-        """Move a session's KV out of RAM. Returns (entries, bytes, dropped before written)."""
-        entries = self.bank.session_entries(session)
-        unwritten = sum(1 for e in entries if e.durable_tokens < e.n_tokens)
-        n, nbytes = self.bank.drop_session(session, reason="admin_release")
+    def release(self, session: SessionKey, write_out: bool):
+        """Move one session's KV out of RAM (Admin.Release); returns the receipt."""
+        receipt = self.bank.release_sessions(None, only_sessions=[session], reason="admin_release",
+                                             write_out_before_release=write_out)
         self._refresh_ram_bytes()
-        return n, nbytes, unwritten
+        return receipt
 
 
 def _stop_cut(text: str, stops: list[str]) -> tuple[int, bool]:

@@ -149,3 +149,90 @@ class ColdstoreClient:
             self.on_event(msg)
         except Exception:
             logger.exception("coldstore event handler failed")
+
+
+RELEASE_WRITE_OUT_MAX_S = 30.0
+_FAILED = {"deadline", "error", "refused", "stale", "unknown_job", "cancelled"}
+
+
+class KVWriter:
+    """Hands bank entries' KV to the coldstore.
+
+    `write_behind` queues an entry's blocks past its durable extent on the idle lane (the
+    default after every turn). `write_out` is the release's path: it promotes the queued job
+    to a deadline job, which jumps the lane and ignores the busy signal, and waits for it.
+    Waits end on the coldstore's acknowledgements (`on_event`, I/O thread).
+    """
+
+    def __init__(self, client: ColdstoreClient, *, block_tokens: int, root_for):
+        self.client = client
+        self.block_tokens = block_tokens
+        self.root_for = root_for
+        self._cond = threading.Condition()
+        self._durable: dict[tuple[str, str], int] = {}
+        self._outcome: dict[int, str] = {}
+
+    def write_behind(self, entry, *, give_up_at: float | None = None) -> int | None:
+        from kvbank.blocks import tail_block_id
+        from worker.kv import encode_range
+
+        B = self.block_tokens
+        start = (entry.durable_tokens // B) * B
+        n = entry.n_tokens
+        if start >= n:
+            return None
+        root = self.root_for(entry.session[0])
+        blocks, frames = [], []
+        for s in range(start, n, B):
+            e = min(s + B, n)
+            if e - s == B:
+                bid = entry.block_ids[s // B]
+            else:
+                bid = tail_block_id(entry.block_ids[s // B - 1] if s else root, entry.tokens[s:e])
+            blocks.append({"id": bid.hex(), "start": s})
+            frames.append(encode_range(entry.layers, s, e))
+        job = self.client.next_id()
+        entry.write_job = job
+        head = {"op": "write", "job": job, "tenant": entry.session[0],
+                "session_id": entry.session[1], "root": root.hex(), "blocks": blocks,
+                "dirty_since": time.time()}
+        if give_up_at is not None:
+            head["give_up_at"] = give_up_at
+        self.client.send(head, frames)
+        return job
+
+    def write_out(self, entry, give_up_at: float) -> str:
+        """Write the entry now, by `give_up_at` (unix s): written | deadline | refused | error."""
+        if entry.write_job is None:
+            job = self.write_behind(entry, give_up_at=give_up_at)
+        else:
+            job = entry.write_job
+            self.client.send({"op": "promote", "job": job, "give_up_at": give_up_at})
+        with self._cond:
+            while True:
+                if self._durable.get(entry.session, 0) >= entry.n_tokens:
+                    entry.durable_tokens = entry.n_tokens
+                    return "written"
+                outcome = self._outcome.get(job)
+                if outcome in _FAILED:
+                    return outcome if outcome in ("deadline", "refused") else "error"
+                left = give_up_at + 1.0 - time.time()  # the coldstore reports its own deadline
+                if left <= 0:
+                    return "deadline"
+                self._cond.wait(left)
+
+    def cancel(self, entry) -> None:
+        if entry.write_job is not None:
+            self.client.send({"op": "cancel", "job": entry.write_job})
+            entry.write_job = None
+
+    def on_event(self, msg: dict) -> None:
+        with self._cond:
+            if "session_id" in msg:
+                key = (msg["tenant"], msg["session_id"])
+                self._durable[key] = max(self._durable.get(key, 0), msg.get("durable_tokens", 0))
+            if msg.get("op") == "done":
+                self._outcome[msg["job"]] = msg["outcome"]
+                if len(self._outcome) > 4096:
+                    self._outcome.pop(next(iter(self._outcome)))
+            self._cond.notify_all()

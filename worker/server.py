@@ -94,10 +94,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Release(self, request, context):
         key = (_tenant(context), request.session_id)
-        fut = self.engine.call(lambda: self.engine.release(key))
-        n, nbytes, dropped = await asyncio.wrap_future(fut)
-        return api_pb2.ReleaseResponse(released_entries=n, released_bytes=nbytes,
-                                       dropped_unwritten_entries=dropped)
+        fut = self.engine.call(lambda: self.engine.release(key, request.write_out))
+        r = await asyncio.wrap_future(fut)
+        return api_pb2.ReleaseResponse(released_entries=r.released_entries,
+                                       released_bytes=r.released_bytes,
+                                       written_out_entries=r.written_out_entries,
+                                       dropped_unwritten_entries=r.unwritten_dropped)
 
 
 def _tenant(context) -> str:
