@@ -122,7 +122,10 @@ class ColdstoreServer:
         self.sock.send_multipart([peer, json.dumps(msg).encode()])
 
     def _op_ping(self, peer, head, frames):
-        return {"req": head["req"], "ok": True, "stats": self.store.stats(),
+        now = time.time()
+        heard = now - self.lanes.state_heard_at <= self.lanes.silent_worker_s
+        state = ("busy" if self.lanes.worker_busy else "quiet") if heard else "silent"
+        return {"req": head["req"], "ok": True, "stats": self.store.stats(), "worker_state": state,
                 "queued_jobs": len(self.lanes.jobs), "staged_bytes": self.lanes.staged_bytes()}
 
     def _op_put_session(self, peer, head, frames):

@@ -129,7 +129,7 @@ class SessionBank:
         """
         root = self.root_for(tenant)
         ids = chain_block_ids(tokens, root, self.block_tokens)
-        level = self._index.get(root, set())  # entries shorter than one block
+        level = self._index.get(root, set())  # every entry of the tenant
         depth = 0
         for i, bid in enumerate(ids):
             nxt = self._index.get(bid)
@@ -179,7 +179,8 @@ class SessionBank:
                     del self._index[bid]
 
     def _index_keys(self, e: BankEntry) -> list[BlockId]:
-        return e.block_ids if e.block_ids else [self.root_for(e.session[0])]
+        # Under the tenant's root too, so a shared prefix shorter than one block is found.
+        return [self.root_for(e.session[0]), *e.block_ids]
 
     # -- commit -----------------------------------------------------------------------------
 

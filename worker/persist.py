@@ -41,6 +41,7 @@ class ColdstoreClient:
         self._pull = self.ctx.socket(zmq.PULL)
         self._pull.bind(_OUT)
         self._local = threading.local()
+        self._pushes: list[zmq.Socket] = []
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -56,6 +57,11 @@ class ColdstoreClient:
         self._stop.set()
         self._send_raw([b"wake"])
         self._thread.join(timeout=2)
+        with self._lock:
+            for push in self._pushes:
+                push.close(linger=0)
+            self._pushes.clear()
+        self.ctx.term()  # blocks while any socket is open: all are closed above
 
     # -- any thread -------------------------------------------------------------------------
 
@@ -93,7 +99,10 @@ class ColdstoreClient:
         push = getattr(self._local, "push", None)
         if push is None:
             push = self._local.push = self.ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
             push.connect(_OUT)
+            with self._lock:
+                self._pushes.append(push)
         push.send_multipart(parts, copy=False)
 
     # -- the I/O thread ---------------------------------------------------------------------

@@ -1,0 +1,228 @@
+"""The seed PRs' scenarios: release with write-out, and trims that keep unwritten work.
+
+Real SessionBank with real MLX caches from the tiny model, real coldstore process, real
+ZeroMQ and LMDB. The "engine" is this test: it says busy on the worker-state channel, so the
+coldstore's idle lane writes nothing unless a test lets it (quiet) or a release promotes a
+job to a deadline.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from coldstore.store import ColdStore
+from deploy.supervisor import _zmq_ping
+from kvbank.blocks import chain_root
+from kvbank.config import Layout
+from worker import kv
+from worker.bank import SessionBank
+from worker.persist import ColdstoreClient, KVWriter
+
+B = 16
+FP = b"test-release-fingerprint"
+
+
+def root_for(tenant: str):
+    return chain_root(FP, tenant)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    from mlx_lm import load
+
+    return load(str(tiny_model))[0]
+
+
+@pytest.fixture
+def coldstore(tmp_path):
+    layout = Layout(tmp_path / "data").ensure()
+    proc = subprocess.Popen([sys.executable, "-m", "kvbank.cli", "coldstore", "--data-dir",
+                             str(layout.data_dir), "--quiet-grace-s", "0.05",
+                             "--max-dirty-s", "3600"])
+    deadline = time.monotonic() + 30
+    while not _zmq_ping(layout.coldstore_address):
+        assert proc.poll() is None and time.monotonic() < deadline, "coldstore did not start"
+    yield layout
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+class Rig:
+    """A bank wired to the coldstore as the worker wires it."""
+
+    def __init__(self, layout: Layout | None, model):
+        self.model = model
+        self.layout = layout
+        self.client = self.writer = None
+        if layout is not None:
+            self.client = ColdstoreClient(layout, on_event=lambda m: self.writer.on_event(m))
+            self.client.start()
+            self.client.set_busy(True)
+            self.wait_worker_state("busy")
+            self.writer = KVWriter(self.client, block_tokens=B, root_for=root_for)
+        self.bank = SessionBank(block_tokens=B, root_for=root_for, max_bytes=1 << 30,
+                                active_pin_s=0, writer=self.writer)
+
+    def turn(self, session_id: str, n_tokens: int, seed: int, write: bool = True):
+        """Commit a turn as the engine does: record, bank entry, queued write."""
+        from mlx_lm.models.cache import make_prompt_cache
+        import mlx.core as mx
+
+        tokens = np.random.default_rng(seed).integers(100, 5000, n_tokens).astype(np.uint32)
+        cache = make_prompt_cache(self.model)
+        self.model(mx.array(tokens)[None], cache=cache)
+        session = ("", session_id)
+        if self.client is not None:
+            self.client.request({"op": "put_session", "tenant": "", "session_id": session_id,
+                                 "block_tokens": B}, [tokens.tobytes()])
+        e = self.bank.insert(session, tokens, kv.freeze(cache, n_tokens))
+        if write and self.writer is not None:
+            self.writer.write_behind(e)
+        return e
+
+    def wait_worker_state(self, state: str, timeout_s: float = 10) -> None:
+        """Until the coldstore has heard our busy/quiet signal (PUB/SUB joins late)."""
+        deadline = time.monotonic() + timeout_s
+        while self.client.request({"op": "ping"})["worker_state"] != state:
+            assert time.monotonic() < deadline, f"coldstore never saw the worker {state}"
+            time.sleep(0.02)
+
+    def durable_on_disk(self, session_id: str) -> int:
+        store = ColdStore(self.layout.store_dir, readonly=True)
+        try:
+            got = store.get_session("", session_id)
+            return got[0].durable_tokens if got else 0
+        finally:
+            store.close()
+
+    def let_idle_lane_write(self, e, timeout_s: float = 20) -> None:
+        self.client.set_busy(False)
+        deadline = time.monotonic() + timeout_s
+        while self.durable_on_disk(e.session[1]) < e.n_tokens:
+            assert time.monotonic() < deadline, "idle lane never wrote"
+            time.sleep(0.05)
+        self.bank.mark_durable(e.session, e.n_tokens)
+        self.client.set_busy(True)
+        self.wait_worker_state("busy")
+
+    def close(self):
+        if self.client is not None:
+            self.client.close()
+
+
+@pytest.fixture
+def rig(coldstore, model):
+    r = Rig(coldstore, model)
+    yield r
+    r.close()
+
+
+def test_unwritten_entry_is_written_before_it_goes(rig):
+    e = rig.turn("a", 40, seed=1)
+    assert e.awaits_queued_write
+    r = rig.bank.release_sessions(None, reason="admission", write_out_before_release=True)
+    assert r.written_out_entries == 1 and r.unwritten_dropped == 0
+    assert r.rows[0].on_ssd_entries == 1
+    assert rig.durable_on_disk("a") == 40
+    assert rig.bank.eviction_log[-1].release_write_out == "written"
+    assert not rig.bank.entries
+
+
+def test_every_queued_entry_of_a_released_conversation_is_written(rig):
+    """A branched conversation has two entries with queued writes: both reach SSD."""
+    rig.turn("b", 40, seed=2)
+    rig.turn("other", 24, seed=3)
+    r = rig.bank.release_sessions(None, reason="admission", write_out_before_release=True)
+    assert r.written_out_entries == 2
+    assert rig.durable_on_disk("b") == 40 and rig.durable_on_disk("other") == 24
+
+
+def test_out_of_time_the_entry_is_dropped_as_before(rig):
+    rig.turn("c", 64, seed=4)
+    r = rig.bank.release_sessions(None, reason="admission", write_out_before_release=True,
+                                  max_write_out_s=0.0)
+    assert r.written_out_entries == 0 and r.unwritten_dropped == 1
+    assert rig.bank.eviction_log[-1].release_write_out == "deadline"
+    assert rig.durable_on_disk("c") == 0
+
+
+def test_without_write_out_the_release_cancels_the_write(rig):
+    e = rig.turn("d", 40, seed=5)
+    r = rig.bank.release_sessions(None, reason="admission")
+    assert r.unwritten_dropped == 1 and r.written_out_entries == 0
+    rig.client.set_busy(False)  # a quiet window: a write still queued would run now
+    time.sleep(1.0)
+    assert rig.durable_on_disk("d") == 0
+    assert e.write_job is None
+
+
+def test_an_entry_already_on_disk_is_not_written_again(rig):
+    e = rig.turn("e", 40, seed=6)
+    rig.let_idle_lane_write(e)
+    r = rig.bank.release_sessions(None, reason="admission", write_out_before_release=True)
+    assert r.written_out_entries == 0 and r.rows[0].on_ssd_entries == 1
+    assert rig.bank.eviction_log[-1].release_write_out is None
+
+
+def test_no_coldstore_changes_nothing(model):
+    rig = Rig(None, model)
+    rig.turn("f", 40, seed=7)
+    r = rig.bank.release_sessions(None, reason="admission", write_out_before_release=True)
+    assert r.written_out_entries == 0 and r.rows[0].dropped_entries == 1
+    assert not rig.bank.entries
+
+
+def test_a_session_that_starts_a_request_is_not_written(rig):
+    e = rig.turn("g", 40, seed=8)
+    rig.bank.begin_request(e.session)
+    r = rig.bank.release_sessions(None, reason="admission", write_out_before_release=True)
+    assert r.skipped_busy_sessions == 1 and r.written_out_entries == 0
+    assert e.key in rig.bank.entries
+    assert rig.durable_on_disk("g") == 0
+
+
+def test_warning_trim_keeps_the_unwritten_and_takes_one_on_ssd(rig):
+    unwritten = rig.turn("old-unwritten", 40, seed=9)
+    on_ssd = rig.turn("newer-on-ssd", 40, seed=10)
+    rig.let_idle_lane_write(on_ssd)
+    receipt: dict = {}
+    rig.bank.shrink_to_bytes(unwritten.nbytes, reason="pressure_trim:warning",
+                             protect_unwritten=True, receipt_out=receipt)
+    assert list(rig.bank.entries) == [unwritten.key]
+    assert receipt["unwritten_kept"] == 1 and receipt["evicted_entries"] == 1
+    # Now only the unwritten one is left: a deeper trim keeps it and says so.
+    rig.bank.shrink_to_bytes(0, reason="pressure_trim:warning", protect_unwritten=True,
+                             receipt_out=receipt)
+    assert receipt["unwritten_kept"] == 1 and receipt["evicted_entries"] == 0
+    assert unwritten.awaits_queued_write and unwritten.key in rig.bank.entries
+
+    # Once its write has run, a later trim takes it.
+    rig.let_idle_lane_write(unwritten)
+    rig.bank.shrink_to_bytes(0, reason="pressure_trim:warning", protect_unwritten=True,
+                             receipt_out=receipt)
+    assert receipt["evicted_entries"] == 1 and receipt["unwritten_dropped"] == 0
+    assert not rig.bank.entries
+
+
+def test_without_coldstore_the_trim_takes_the_entry_as_before(model):
+    rig = Rig(None, model)
+    rig.turn("h", 40, seed=11)
+    receipt: dict = {}
+    rig.bank.shrink_to_bytes(0, reason="pressure_trim:warning", protect_unwritten=True,
+                             receipt_out=receipt)
+    assert receipt["evicted_entries"] == 1 and receipt["unwritten_kept"] == 0
+
+
+def test_critical_trim_takes_everything_idle_and_counts_the_unwritten(rig):
+    rig.turn("i", 40, seed=12)
+    durable = rig.turn("j", 40, seed=13)
+    rig.let_idle_lane_write(durable)
+    receipt: dict = {}
+    rig.bank.shrink_to_bytes(0, reason="pressure_trim:critical", receipt_out=receipt)
+    assert receipt["evicted_entries"] == 2 and receipt["unwritten_dropped"] == 1
+    assert rig.bank.total_nbytes == 0
