@@ -226,3 +226,22 @@ def test_critical_trim_takes_everything_idle_and_counts_the_unwritten(rig):
     rig.bank.shrink_to_bytes(0, reason="pressure_trim:critical", receipt_out=receipt)
     assert receipt["evicted_entries"] == 2 and receipt["unwritten_dropped"] == 1
     assert rig.bank.total_nbytes == 0
+
+
+def test_ledger_counts_entries_running_requests_and_staged_bytes(rig):
+    """What RAM really holds: a queued write's bytes count until the coldstore commits them."""
+    e = rig.turn("k", 40, seed=14)
+    led = rig.bank.ledger()
+    assert led["entries_bytes"] == e.nbytes == rig.bank.total_nbytes
+    assert led["staged_bytes"] >= e.nbytes  # every block of the entry, plus block headers
+    rig.bank.begin_request(("", "busy"))
+    rig.bank.reserve_active(("", "busy"), 1000)
+    assert rig.bank.ledger()["active_bytes"] == 1000
+    rig.bank.end_request(("", "busy"))
+    rig.let_idle_lane_write(e)
+    deadline = time.monotonic() + 10
+    while rig.bank.ledger()["staged_bytes"]:
+        assert time.monotonic() < deadline, "staged bytes never released after the commit"
+        time.sleep(0.05)
+    assert rig.bank.ledger() == {"entries_bytes": e.nbytes, "active_bytes": 0,
+                                 "staged_bytes": 0, "held_bytes": e.nbytes}

@@ -112,6 +112,7 @@ class SessionBank:
         self._index: dict[BlockId, set[int]] = {}
         self._by_session: dict[SessionKey, set[int]] = {}
         self._in_flight: dict[SessionKey, int] = {}
+        self._active_nbytes: dict[SessionKey, int] = {}  # caches of running requests
         self._last_use: dict[SessionKey, float] = {}
         self._ids = itertools.count(1)
 
@@ -231,7 +232,20 @@ class SessionBank:
             self._in_flight[session] = n
         else:
             self._in_flight.pop(session, None)
+            self._active_nbytes.pop(session, None)
         self._last_use[session] = time.monotonic()
+
+    def reserve_active(self, session: SessionKey, nbytes: int) -> None:
+        """Bytes a running request's own cache will reach (prompt + max_tokens)."""
+        self._active_nbytes[session] = self._active_nbytes.get(session, 0) + nbytes
+
+    def ledger(self) -> dict[str, int]:
+        """Every byte the bank answers for: entries, running requests' caches, and KV handed
+        to the coldstore but not committed yet."""
+        active = sum(self._active_nbytes.values())
+        staged = self.writer.staged_bytes if self.writer is not None else 0
+        return {"entries_bytes": self.total_nbytes, "active_bytes": active,
+                "staged_bytes": staged, "held_bytes": self.total_nbytes + active + staged}
 
     def is_busy(self, session: SessionKey) -> bool:
         return session in self._in_flight

@@ -207,6 +207,7 @@ class Engine:
         known = common_prefix_len(info.tokens, tokens) if info is not None else 0
 
         self.bank.begin_request(bank_key)
+        self.bank.reserve_active(bank_key, (len(tokens) + req.max_tokens) * self.kv_bytes_per_token)
         try:
             cache, cached, source = self._restore(tokens, tenant, session, req.no_cache)
             sampling = req.sampling

@@ -180,6 +180,12 @@ class KVWriter:
         self._cond = threading.Condition()
         self._durable: dict[tuple[str, str], int] = {}
         self._outcome: dict[int, str] = {}
+        self._staged: dict[int, int] = {}  # job -> bytes handed over, not yet committed
+
+    @property
+    def staged_bytes(self) -> int:
+        """KV bytes the coldstore holds for us in memory until it commits them."""
+        return sum(self._staged.values())
 
     def write_behind(self, entry, *, give_up_at: float | None = None) -> int | None:
         from kvbank.blocks import tail_block_id
@@ -207,6 +213,8 @@ class KVWriter:
                 "dirty_since": time.time()}
         if give_up_at is not None:
             head["give_up_at"] = give_up_at
+        with self._cond:
+            self._staged[job] = sum(len(f) for f in frames)
         self.client.send(head, frames)
         return job
 
@@ -233,6 +241,8 @@ class KVWriter:
     def cancel(self, entry) -> None:
         if entry.write_job is not None:
             self.client.send({"op": "cancel", "job": entry.write_job})
+            with self._cond:
+                self._staged.pop(entry.write_job, None)
             entry.write_job = None
 
     def on_event(self, msg: dict) -> None:
@@ -241,6 +251,7 @@ class KVWriter:
                 key = (msg["tenant"], msg["session_id"])
                 self._durable[key] = max(self._durable.get(key, 0), msg.get("durable_tokens", 0))
             if msg.get("op") == "done":
+                self._staged.pop(msg["job"], None)
                 self._outcome[msg["job"]] = msg["outcome"]
                 if len(self._outcome) > 4096:
                     self._outcome.pop(next(iter(self._outcome)))
