@@ -27,6 +27,7 @@ import zmq
 
 from kvbank.blocks import BlockId
 from kvbank.config import Layout
+from coldstore.budgets import Budgets, Limits, Refusal
 from coldstore.lanes import Lanes, PendingBlock, WriteJob
 from coldstore.store import ColdStore
 
@@ -36,9 +37,13 @@ FLUSH_ON_STOP_S = 10.0
 
 
 class ColdstoreServer:
-    def __init__(self, layout: Layout, *, quiet_grace_s: float = 0.25, max_dirty_s: float = 30.0):
+    def __init__(self, layout: Layout, *, quiet_grace_s: float = 0.25, max_dirty_s: float = 30.0,
+                 limits: Limits = Limits()):
         self.layout = layout.ensure()
         self.store = ColdStore(layout.store_dir)
+        self.limits = limits
+        self.budgets = Budgets(limits, layout.store_dir)
+        self._enforce_cap()
         self.lanes = Lanes(quiet_grace_s=quiet_grace_s, max_dirty_s=max_dirty_s)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -48,6 +53,14 @@ class ColdstoreServer:
         self.state.setsockopt(zmq.SUBSCRIBE, b"")
         self.state.connect(layout.worker_state_address)
         self.stopping = False
+
+    def _enforce_cap(self) -> None:
+        """A store found over its cap (a restart with a smaller cap) is brought under it."""
+        cap = self.limits.store_max_bytes
+        if cap is not None and self.store.block_bytes() > cap:
+            retired = self.store.retire_lru(cap)
+            logger.warning("store over its cap of %d bytes: retired the KV of %d sessions, "
+                           "now %d bytes", cap, len(retired), self.store.block_bytes())
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -187,6 +200,12 @@ class ColdstoreServer:
         if not job.blocks:
             self._finish(job, "written")
             return
+        refusal = self._refusal(job, len(job.blocks[0].payload))
+        if refusal is not None:
+            logger.warning("write of %s refused (%s): %s", job.session_id, refusal.reason,
+                           refusal.message)
+            self._finish(job, "refused", error=refusal.message, reason=refusal.reason)
+            return
         block = job.blocks.popleft()
         if not self.lanes.quiet(now):
             self.lanes.last_stale_write_at = now
@@ -201,6 +220,7 @@ class ColdstoreServer:
             # The record moved on (deleted, edited, or this block is already there).
             self._finish(job, "stale")
             return
+        self.budgets.record(len(block.payload))
         job.written_blocks += 1
         job.durable_tokens = meta.durable_tokens
         self._send(job.peer, {"op": "progress", "job": job.job_id, "tenant": job.tenant,
@@ -208,12 +228,36 @@ class ColdstoreServer:
         if not job.blocks:
             self._finish(job, "written")
 
-    def _finish(self, job: WriteJob, outcome: str, error: str | None = None) -> None:
+    def _refusal(self, job: WriteJob, nbytes: int) -> Refusal | None:
+        """The budgets, checked before each block; the size cap first makes room if it can."""
+        if job.written_blocks == 0:
+            entry = job.staged_bytes + self.store.session_block_bytes(job.tenant, job.session_id)
+            refusal = self.budgets.check_entry(entry)
+            if refusal is not None:
+                return refusal
+        refusal = self.budgets.check_write(nbytes)
+        if refusal is not None:
+            return refusal
+        cap = self.limits.store_max_bytes
+        if cap is not None and self.store.block_bytes() + nbytes > cap:
+            retired = self.store.retire_lru(cap - nbytes, keep=(job.tenant, job.session_id))
+            if retired:
+                logger.info("store cap: retired the KV of %s", ", ".join(retired))
+            if self.store.block_bytes() + nbytes > cap:
+                return Refusal("store_cap", f"the store holds {self.store.block_bytes()} bytes "
+                               f"of KV and its cap is {cap} bytes (--store-max-bytes); nothing "
+                               f"older is left to retire")
+        return None
+
+    def _finish(self, job: WriteJob, outcome: str, error: str | None = None,
+                reason: str | None = None) -> None:
         self.lanes.cancel(job.job_id)
         msg = {"op": "done", "job": job.job_id, "outcome": outcome, "tenant": job.tenant,
                "session_id": job.session_id, "durable_tokens": job.durable_tokens}
         if error:
             msg["error"] = error
+        if reason:
+            msg["reason"] = reason
         self._send(job.peer, msg)
 
 
@@ -224,5 +268,6 @@ def _req(frames) -> int | None:
         return None
 
 
-def main(layout: Layout, *, quiet_grace_s: float, max_dirty_s: float) -> None:
-    ColdstoreServer(layout, quiet_grace_s=quiet_grace_s, max_dirty_s=max_dirty_s).serve()
+def main(layout: Layout, *, quiet_grace_s: float, max_dirty_s: float, limits: Limits) -> None:
+    ColdstoreServer(layout, quiet_grace_s=quiet_grace_s, max_dirty_s=max_dirty_s,
+                    limits=limits).serve()

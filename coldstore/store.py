@@ -10,6 +10,7 @@ Named databases:
     refs      block id                 -> u32 number of session records naming it
     sessions  tenant \\0 session id     -> JSON meta (block list, durable extent, timestamps)
     tokens    tenant \\0 session id     -> committed token ids, uint32 little-endian
+    meta      b"block_bytes"           -> u64 total bytes of stored blocks (the size cap's measure)
 
 Only the coldstore process opens this read-write. The worker may open it read-only
 (`readonly=True`): LMDB serves many reader processes beside one writer.
@@ -32,7 +33,8 @@ from kvbank.blocks import BlockId, common_prefix_len, next_block_id, tail_block_
 logger = logging.getLogger(__name__)
 
 INITIAL_MAP_BYTES = 1 << 30
-_DBS = (b"blocks", b"refs", b"sessions", b"tokens")
+_DBS = (b"blocks", b"refs", b"sessions", b"tokens", b"meta")
+_BLOCK_BYTES = b"block_bytes"  # meta: total size of stored blocks, kept in the same txns
 
 
 def session_key(tenant: str, session_id: str) -> bytes:
@@ -132,6 +134,19 @@ class ColdStore:
                 out.append(None if v is None else bytes(v))
             return out
 
+    def block_bytes(self) -> int:
+        with self._read_txn() as txn:
+            raw = txn.get(_BLOCK_BYTES, db=self._db[b"meta"])
+            return struct.unpack("<Q", raw)[0] if raw else 0
+
+    def session_block_bytes(self, tenant: str, session_id: str) -> int:
+        got = self.get_session(tenant, session_id)
+        if got is None:
+            return 0
+        with self._read_txn() as txn:
+            return sum(len(txn.get(bid, db=self._db[b"blocks"]) or b"")
+                       for bid in got[0].block_ids())
+
     def has_block(self, block_id: BlockId) -> bool:
         with self._read_txn() as txn:
             return txn.get(block_id, db=self._db[b"blocks"]) is not None
@@ -145,6 +160,7 @@ class ColdStore:
         return {
             "blocks": blocks["entries"],
             "sessions": sessions["entries"],
+            "block_bytes": self.block_bytes(),
             "map_bytes": info["map_size"],
             "used_bytes": (info["last_pgno"] + 1) * st["psize"],
         }
@@ -225,6 +241,7 @@ class ColdStore:
                 return meta
             if txn.get(block_id, db=self._db[b"blocks"]) is None:
                 txn.put(block_id, payload, db=self._db[b"blocks"])
+                self._add_block_bytes(txn, len(payload))
             self._incref(txn, block_id)
             if meta.tail:
                 self._decref(txn, BlockId(bytes.fromhex(meta.tail)))
@@ -253,6 +270,27 @@ class ColdStore:
 
         return self._write(fn)
 
+    def retire_lru(self, target_bytes: int, *, keep: tuple[str, str] | None = None) -> list[str]:
+        """Drop the KV of least recently used sessions (their token history stays) until the
+        stored blocks fit in target_bytes; blocks no record names any more are collected.
+        Returns the session ids retired."""
+        retired: list[str] = []
+        for meta in sorted(self.list_sessions(), key=lambda m: m.updated_at):
+            if self.block_bytes() <= target_bytes:
+                break
+            if not meta.durable_tokens or (meta.tenant, meta.session_id) == keep:
+                continue
+            key = session_key(meta.tenant, meta.session_id)
+
+            def fn(txn, key=key):
+                m = SessionMeta.from_json(txn.get(key, db=self._db[b"sessions"]))
+                self._truncate_blocks(txn, m, 0)
+                txn.put(key, m.to_json(), db=self._db[b"sessions"])
+
+            self._write(fn)
+            retired.append(meta.session_id)
+        return retired
+
     # -- reference counts: a block lives while a record names it ---------------------------
 
     def _truncate_blocks(self, txn, meta: SessionMeta, keep_tokens: int) -> None:
@@ -264,6 +302,11 @@ class ColdStore:
             self._decref(txn, BlockId(bytes.fromhex(meta.tail)))
             meta.tail, meta.tail_tokens = None, 0
 
+    def _add_block_bytes(self, txn, delta: int) -> None:
+        raw = txn.get(_BLOCK_BYTES, db=self._db[b"meta"])
+        total = (struct.unpack("<Q", raw)[0] if raw else 0) + delta
+        txn.put(_BLOCK_BYTES, struct.pack("<Q", max(0, total)), db=self._db[b"meta"])
+
     def _incref(self, txn, bid: BlockId) -> None:
         raw = txn.get(bid, db=self._db[b"refs"])
         n = struct.unpack("<I", raw)[0] if raw else 0
@@ -274,7 +317,10 @@ class ColdStore:
         n = struct.unpack("<I", raw)[0] if raw else 0
         if n <= 1:
             txn.delete(bid, db=self._db[b"refs"])
-            txn.delete(bid, db=self._db[b"blocks"])
+            old = txn.get(bid, db=self._db[b"blocks"])
+            if old is not None:
+                self._add_block_bytes(txn, -len(old))
+                txn.delete(bid, db=self._db[b"blocks"])
         else:
             txn.put(bid, struct.pack("<I", n - 1), db=self._db[b"refs"])
 

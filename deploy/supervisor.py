@@ -53,12 +53,14 @@ def _worker_env() -> dict[str, str]:
 
 class Supervisor:
     def __init__(self, *, model: Path, layout: Layout, host: str, port: int, block_tokens: int,
-                 bank_bytes: int, max_dirty_s: float, quiet_grace_s: float):
+                 bank_bytes: int, max_dirty_s: float, quiet_grace_s: float,
+                 coldstore_args: list[str] = ()):
         self.layout = layout.ensure()
         common = ["--data-dir", str(layout.data_dir)]
         self.children = [
             Child("coldstore", _kvbank("coldstore", *common, "--max-dirty-s", str(max_dirty_s),
-                                       "--quiet-grace-s", str(quiet_grace_s)), dict(os.environ)),
+                                       "--quiet-grace-s", str(quiet_grace_s), *coldstore_args),
+                  dict(os.environ)),
             Child("worker", _kvbank("worker", *common, "--model", str(model),
                                     "--block-tokens", str(block_tokens),
                                     "--bank-bytes", str(bank_bytes)), _worker_env()),

@@ -42,6 +42,27 @@ def _address(p: argparse.ArgumentParser) -> None:
                    help="the router (default: %(default)s)")
 
 
+def _budgets(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--write-budget-bytes-per-hour", type=int, default=128 << 30,
+                   help="SSD bytes the coldstore may write in a rolling hour (default: 128 GiB)")
+    p.add_argument("--free-disk-floor-bytes", type=int, default=None,
+                   help="never fill the disk below this (default: 10 GiB or 5%% of the disk)")
+    p.add_argument("--store-max-bytes", type=int, default=None,
+                   help="cap on stored KV; over it the least recently used sessions' KV is "
+                        "retired (their history stays) (default: no cap)")
+    p.add_argument("--entry-max-bytes", type=int, default=None,
+                   help="largest conversation KV written to SSD (default: no cap)")
+
+
+def _budget_args(args) -> list[str]:
+    out = ["--write-budget-bytes-per-hour", str(args.write_budget_bytes_per_hour)]
+    for flag in ("free_disk_floor_bytes", "store_max_bytes", "entry_max_bytes"):
+        value = getattr(args, flag)
+        if value is not None:
+            out += ["--" + flag.replace("_", "-"), str(value)]
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvbank", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "quiet window or not (default: %(default)s)")
     up.add_argument("--quiet-grace-s", type=float, default=0.25,
                     help="the worker must be idle this long before idle-lane writes")
+    _budgets(up)
 
     r = sub.add_parser("router", help="run the router alone")
     _data_dir(r)
@@ -78,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     _data_dir(c)
     c.add_argument("--max-dirty-s", type=float, default=30.0)
     c.add_argument("--quiet-grace-s", type=float, default=0.25)
+    _budgets(c)
 
     pm = sub.add_parser("prepare-model", help="import the model if needed; print its folder")
     _model(pm)
@@ -126,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         return Supervisor(model=model, layout=Layout(args.data_dir), host=args.host,
                           port=args.port, block_tokens=args.block_tokens,
                           bank_bytes=args.bank_bytes, max_dirty_s=args.max_dirty_s,
-                          quiet_grace_s=args.quiet_grace_s).run()
+                          quiet_grace_s=args.quiet_grace_s,
+                          coldstore_args=_budget_args(args)).run()
     if cmd == "router":
         from router.server import main as router_main
 
@@ -143,10 +167,15 @@ def main(argv: list[str] | None = None) -> int:
                     bank_bytes=args.bank_bytes)
         return 0
     if cmd == "coldstore":
+        from coldstore.budgets import Limits
         from coldstore.server import main as coldstore_main
 
+        limits = Limits(write_bytes_per_hour=args.write_budget_bytes_per_hour,
+                        free_disk_floor_bytes=args.free_disk_floor_bytes,
+                        store_max_bytes=args.store_max_bytes,
+                        entry_max_bytes=args.entry_max_bytes)
         coldstore_main(Layout(args.data_dir), quiet_grace_s=args.quiet_grace_s,
-                       max_dirty_s=args.max_dirty_s)
+                       max_dirty_s=args.max_dirty_s, limits=limits)
         return 0
     if cmd == "prepare-model":
         from kvbank.config import preload_openblas

@@ -374,8 +374,8 @@ class Engine:
             if msg["op"] == "done":
                 self.bank.mark_write_done(session, msg["job"])
                 if msg["outcome"] not in ("written", "superseded", "cancelled"):
-                    logger.warning("write of %s ended %s: %s", session[1], msg["outcome"],
-                                   msg.get("error", ""))
+                    logger.warning("write of %s ended %s (%s): %s", session[1], msg["outcome"],
+                                   msg.get("reason", ""), msg.get("error", ""))
 
         self.call(apply)
 
