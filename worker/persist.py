@@ -231,6 +231,13 @@ class KVWriter:
                     entry.durable_tokens = entry.n_tokens
                     return "written"
                 outcome = self._outcome.get(job)
+                if outcome == "unknown_job":  # the coldstore restarted and lost it: send again
+                    self._cond.release()
+                    try:
+                        job = self.write_behind(entry, give_up_at=give_up_at)
+                    finally:
+                        self._cond.acquire()
+                    continue
                 if outcome in _FAILED:
                     return outcome if outcome in ("deadline", "refused") else "error"
                 left = give_up_at + 1.0 - time.time()  # the coldstore reports its own deadline
