@@ -167,7 +167,7 @@ class ColdstoreServer:
         old = self.lanes.submit(job)
         if old is not None:
             self._send(old.peer, {"op": "done", "job": old.job_id, "outcome": "superseded",
-                                  "durable_tokens": old.durable_tokens})
+                                  "by": job.job_id, "durable_tokens": old.durable_tokens})
         return None
 
     def _op_promote(self, peer, head, frames):

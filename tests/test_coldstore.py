@@ -304,7 +304,7 @@ def test_blocks_shared_by_two_sessions_are_stored_once(start):
     a_kv = concat_kv(prefix_kv, make_kv(B + 5, seed=2))
     b_kv = concat_kv(prefix_kv, make_kv(7, seed=3))
     ea = link.turn("a", a_t, a_kv)
-    eb = link.turn("b", b_t, b_kv)
+    link.turn("b", b_t, b_kv)
     link.set_busy(False)
     link.wait_durable("a", len(a_t))
     link.wait_durable("b", len(b_t))
@@ -331,7 +331,6 @@ def test_blocks_shared_by_two_sessions_are_stored_once(start):
                                 "session_id": "b"})["deleted"]
     st = link.disk.stats()
     assert st["blocks"] == 0 and st["sessions"] == 0, f"after deleting both: {st}"
-    assert eb.session == (TENANT, "b")
 
 
 # -- 2. a second turn writes only what is new ----------------------------------------------------
@@ -474,7 +473,7 @@ def test_kv_round_trips_bit_exactly(tmp_path, dtype):
 
 # -- 7. kill -9 mid-write ----------------------------------------------------------------------
 
-def test_kill_9_during_a_write_leaves_only_correct_blocks(start, tmp_path):
+def test_kill_9_during_a_write_leaves_only_correct_blocks(start):
     proc, link = start()
     n = 2048 + 8  # 128 full blocks and a tail
     t = tokens(n, seed=70)
@@ -515,7 +514,7 @@ def test_kill_9_during_a_write_leaves_only_correct_blocks(start, tmp_path):
 
 # -- 8. a stale job writes nothing that the record's history does not give ------------------------
 
-@pytest.mark.parametrize("edit_at", [5, 2 * B + 3], ids=["block0", "block2"])
+@pytest.mark.parametrize("edit_at", [5, 2 * B + 3, 3 * B + 3], ids=["block0", "block2", "tail"])
 def test_stale_job_writes_nothing_for_an_edited_history(start, edit_at):
     _, link = start()
     t1, layers = tokens(3 * B + 8, seed=80), make_kv(3 * B + 8, seed=80)
@@ -537,3 +536,28 @@ def test_stale_job_writes_nothing_for_an_edited_history(start, edit_at):
     assert link.disk.stats()["blocks"] == keep, "a block of the old history was stored"
     if keep:
         check_record_against_kv(link.disk, "edit", layers, t2, "the unedited prefix")
+
+
+# -- 9. a write-out reports "written" only once its own blocks are committed ---------------------
+
+def test_write_out_after_an_edit_waits_for_its_own_commit(start):
+    proc, link = start()
+    t1, kv1 = tokens(40, seed=90), make_kv(40, seed=90)
+    link.turn("ed", t1, kv1)
+    link.set_busy(False)
+    link.wait_durable("ed", 40)
+    link.set_busy(True)
+
+    t2 = t1.copy()
+    t2[5] += 1  # edited history, same length: the record keeps none of t1's blocks
+    kv2 = make_kv(40, seed=91)
+    e2 = link.turn("ed", t2, kv2)
+    assert link.disk.durable("ed") == 0
+    proc.proc.send_signal(signal.SIGSTOP)  # the coldstore cannot commit anything now
+    try:
+        outcome = link.writer.write_out(e2, give_up_at=time.time() + 0.3)
+        durable_then = link.disk.durable("ed")
+    finally:
+        proc.proc.send_signal(signal.SIGCONT)
+    assert outcome != "written" or durable_then >= 40, (
+        f"write_out said {outcome!r} while {durable_then} of 40 tokens were durable")

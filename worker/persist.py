@@ -178,9 +178,10 @@ class KVWriter:
         self.block_tokens = block_tokens
         self.root_for = root_for
         self._cond = threading.Condition()
-        self._durable: dict[tuple[str, str], int] = {}
         self._outcome: dict[int, str] = {}
         self._staged: dict[int, int] = {}  # job -> bytes handed over, not yet committed
+        self._job_durable: dict[int, int] = {}  # job -> the record's durable extent it reached
+        self._superseded_by: dict[int, int] = {}
 
     @property
     def staged_bytes(self) -> int:
@@ -227,10 +228,15 @@ class KVWriter:
             self.client.send({"op": "promote", "job": job, "give_up_at": give_up_at})
         with self._cond:
             while True:
-                if self._durable.get(entry.session, 0) >= entry.n_tokens:
+                outcome = self._outcome.get(job)
+                # Progress of this job, not of the session: an edited history or a branch of
+                # the same session must not count as this entry's write.
+                if outcome == "written" or self._job_durable.get(job, 0) >= entry.n_tokens:
                     entry.durable_tokens = entry.n_tokens
                     return "written"
-                outcome = self._outcome.get(job)
+                if outcome == "superseded" and self._superseded_by.get(job) is not None:
+                    job = self._superseded_by[job]  # a newer job took over our blocks
+                    continue
                 if outcome == "unknown_job":  # the coldstore restarted and lost it: send again
                     self._cond.release()
                     try:
@@ -254,12 +260,16 @@ class KVWriter:
 
     def on_event(self, msg: dict) -> None:
         with self._cond:
-            if "session_id" in msg:
-                key = (msg["tenant"], msg["session_id"])
-                self._durable[key] = max(self._durable.get(key, 0), msg.get("durable_tokens", 0))
+            job = msg.get("job")
+            if msg.get("op") == "progress":
+                self._job_durable[job] = max(self._job_durable.get(job, 0),
+                                             msg.get("durable_tokens", 0))
             if msg.get("op") == "done":
-                self._staged.pop(msg["job"], None)
-                self._outcome[msg["job"]] = msg["outcome"]
-                if len(self._outcome) > 4096:
-                    self._outcome.pop(next(iter(self._outcome)))
+                self._staged.pop(job, None)
+                self._outcome[job] = msg["outcome"]
+                if msg.get("by") is not None:
+                    self._superseded_by[job] = msg["by"]
+                for d in (self._outcome, self._job_durable, self._superseded_by):
+                    while len(d) > 4096:
+                        d.pop(next(iter(d)))
             self._cond.notify_all()
