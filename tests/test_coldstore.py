@@ -8,7 +8,6 @@ quiet on the worker-state channel exactly as the engine does.
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -19,9 +18,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-import zmq
+
 
 from coldstore.store import ColdStore
+from deploy.supervisor import _zmq_ping
 from kvbank.blocks import chain_block_ids, chain_root, tail_block_id
 from kvbank.config import Layout
 from worker import kv
@@ -154,17 +154,6 @@ def check_record_against_kv(disk: Disk, session_id: str, want: kv.Layers, want_t
 
 # -- the coldstore process and the worker's side of the link ----------------------------------
 
-def ping(address: str, timeout_ms: int = 1000) -> bool:
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    try:
-        s.connect(address)
-        s.send(json.dumps({"op": "ping", "req": 0}).encode())
-        return bool(s.poll(timeout_ms))
-    finally:
-        s.close()
-
 
 class ColdstoreProc:
     def __init__(self, data_dir: Path, *, max_dirty_s: float = 3600.0,
@@ -174,7 +163,7 @@ class ColdstoreProc:
             [sys.executable, "-m", "kvbank.cli", "coldstore", "--data-dir", str(data_dir),
              "--quiet-grace-s", str(quiet_grace_s), "--max-dirty-s", str(max_dirty_s)])
         deadline = time.monotonic() + 30
-        while not ping(self.layout.coldstore_address, 200):
+        while not _zmq_ping(self.layout.coldstore_address):
             assert self.proc.poll() is None, f"coldstore exited with {self.proc.returncode}"
             assert time.monotonic() < deadline, "coldstore did not answer a ping in 30 s"
 

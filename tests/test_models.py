@@ -173,7 +173,7 @@ def test_tiny_model_deterministic_and_generates(tmp_path, cache_dir, default_dir
     assert bool(mx.all(mx.isfinite(logits)))
     stream = mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=4, sampler=make_sampler(temp=0.0))
     tokens = [r.token for r in stream]
-    assert 1 <= len(tokens) <= 4
+    assert 0 < len(tokens) <= 4
 
 
 def test_resolve_model_directory(tmp_path):
