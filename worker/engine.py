@@ -275,7 +275,8 @@ class Engine:
         limit = len(tokens) - 1  # leave one token to compute: its logits give the next token
         hit = self.bank.lookup(tokens, tenant)
         ram_n = min(hit.n_tokens, limit) if hit else 0
-        ssd = self._ssd_prefix(tokens, tenant, session, better_than=ram_n)
+        # SSD can only add when RAM leaves something to restore: skip its hashing and reads.
+        ssd = self._ssd_prefix(tokens, tenant, session, better_than=ram_n) if ram_n < limit else None
         if ssd is not None:
             layers, n = ssd
             n = min(n, limit)
