@@ -8,6 +8,11 @@ Three rules, in this order:
 3. Bounded staleness: a conversation dirty for longer than `max_dirty_s` is written even while
    the worker is busy, one block per `stale_block_interval_s`, so durability never waits for
    a quiet window that two agents taking turns never leave.
+
+The partial tail block of a conversation is rewritten whole by its next turn, so the idle lane
+holds it back for `tail_delay_s`: an agent's quick turns then write each token's KV about once
+(write amplification near 1), and the tail is still on SSD within `tail_delay_s` of its turn,
+at once for a write-out.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ class PendingBlock:
     block_id: bytes
     start: int
     payload: memoryview
+    tail: bool = False  # the partial last block: its next turn will rewrite it
 
 
 @dataclass
@@ -45,6 +51,7 @@ class WriteJob:
 class Lanes:
     quiet_grace_s: float = 0.25
     max_dirty_s: float = 30.0
+    tail_delay_s: float = 30.0
     stale_block_interval_s: float = 0.05
     silent_worker_s: float = 2.0
     jobs: dict[int, WriteJob] = field(default_factory=dict)
@@ -87,13 +94,21 @@ class Lanes:
     def cancel(self, job_id: int) -> WriteJob | None:
         return self.jobs.pop(job_id, None)
 
+    def held(self, job: WriteJob, now: float) -> bool:
+        """Only a young partial tail is left: wait, its next turn would rewrite it."""
+        return (job.give_up_at is None and len(job.blocks) == 1 and job.blocks[0].tail
+                and now - job.dirty_since < self.tail_delay_s)
+
     def next_job(self, now: float) -> WriteJob | None:
         if not self.jobs:
             return None
         deadline = [j for j in self.jobs.values() if j.give_up_at is not None]
         if deadline:
             return min(deadline, key=lambda j: j.give_up_at)
-        oldest = min(self.jobs.values(), key=lambda j: j.dirty_since)
+        ready = [j for j in self.jobs.values() if not self.held(j, now)]
+        if not ready:
+            return None
+        oldest = min(ready, key=lambda j: j.dirty_since)
         if self.quiet(now):
             return oldest
         if (now - oldest.dirty_since >= self.max_dirty_s

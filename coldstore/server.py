@@ -11,7 +11,8 @@ Messages are multipart: a JSON header, then raw frames (token ids, block payload
                    -> "progress" after each committed block, "done" with an outcome at the end
     promote        {job, give_up_at}   a queued job becomes a write-out with a deadline
     cancel         {job}
-    ping           {req}
+    get_blocks     {req, ids:[hex]}   -> reply + one frame per id (empty: not stored)
+    ping           {req}              -> store stats, worker state, the queued jobs
 """
 
 from __future__ import annotations
@@ -38,13 +39,15 @@ FLUSH_ON_STOP_S = 10.0
 
 class ColdstoreServer:
     def __init__(self, layout: Layout, *, quiet_grace_s: float = 0.25, max_dirty_s: float = 30.0,
-                 limits: Limits = Limits()):
+                 tail_delay_s: float = 30.0, limits: Limits = Limits()):
         self.layout = layout.ensure()
         self.store = ColdStore(layout.store_dir)
         self.limits = limits
         self.budgets = Budgets(limits, layout.store_dir)
         self._enforce_cap()
-        self.lanes = Lanes(quiet_grace_s=quiet_grace_s, max_dirty_s=max_dirty_s)
+        self.lanes = Lanes(quiet_grace_s=quiet_grace_s, max_dirty_s=max_dirty_s,
+                           tail_delay_s=tail_delay_s)
+        self.written_bytes = 0  # block payload bytes committed since start (benchmarks)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes over its identity
@@ -131,15 +134,23 @@ class ColdstoreServer:
         if reply is not None:
             self._send(peer, reply)
 
-    def _send(self, peer: bytes, msg: dict) -> None:
-        self.sock.send_multipart([peer, json.dumps(msg).encode()])
+    def _send(self, peer: bytes, msg: dict, frames=()) -> None:
+        self.sock.send_multipart([peer, json.dumps(msg).encode(), *frames], copy=False)
 
     def _op_ping(self, peer, head, frames):
         now = time.time()
         heard = now - self.lanes.state_heard_at <= self.lanes.silent_worker_s
         state = ("busy" if self.lanes.worker_busy else "quiet") if heard else "silent"
         return {"req": head["req"], "ok": True, "stats": self.store.stats(), "worker_state": state,
-                "queued_jobs": len(self.lanes.jobs), "staged_bytes": self.lanes.staged_bytes()}
+                "queued_jobs": len(self.lanes.jobs), "jobs": sorted(self.lanes.jobs),
+                "staged_bytes": self.lanes.staged_bytes(), "written_bytes": self.written_bytes}
+
+    def _op_get_blocks(self, peer, head, frames):
+        """Restore through the coldstore (the worker can also read LMDB itself, read-only)."""
+        payloads = self.store.get_blocks([BlockId(bytes.fromhex(h)) for h in head["ids"]])
+        self._send(peer, {"req": head["req"], "ok": True},
+                   [p if p is not None else b"" for p in payloads])
+        return None
 
     def _op_put_session(self, peer, head, frames):
         tokens = np.frombuffer(frames[0].buffer, dtype=np.uint32)
@@ -156,7 +167,7 @@ class ColdstoreServer:
 
     def _op_write(self, peer, head, frames):
         blocks = deque(
-            PendingBlock(bytes.fromhex(b["id"]), b["start"], frames[i].buffer)
+            PendingBlock(bytes.fromhex(b["id"]), b["start"], frames[i].buffer, b.get("tail", False))
             for i, b in enumerate(head["blocks"])
         )
         job = WriteJob(
@@ -221,6 +232,7 @@ class ColdstoreServer:
             self._finish(job, "stale")
             return
         self.budgets.record(len(block.payload))
+        self.written_bytes += len(block.payload)
         job.written_blocks += 1
         job.durable_tokens = meta.durable_tokens
         self._send(job.peer, {"op": "progress", "job": job.job_id, "tenant": job.tenant,
@@ -268,6 +280,7 @@ def _req(frames) -> int | None:
         return None
 
 
-def main(layout: Layout, *, quiet_grace_s: float, max_dirty_s: float, limits: Limits) -> None:
+def main(layout: Layout, *, quiet_grace_s: float, max_dirty_s: float, tail_delay_s: float,
+         limits: Limits) -> None:
     ColdstoreServer(layout, quiet_grace_s=quiet_grace_s, max_dirty_s=max_dirty_s,
-                    limits=limits).serve()
+                    tail_delay_s=tail_delay_s, limits=limits).serve()

@@ -30,20 +30,25 @@ class LocalStack:
     layout: Layout
     address: str
     log: Path
+    shim_url: str | None = None  # http://127.0.0.1:PORT, the OpenAI API (None: started without)
 
     @classmethod
     def start(cls, model: Path, data_dir: Path, *, extra: list[str] = (),
-              env: dict | None = None, timeout_s: float = 300) -> "LocalStack":
+              env: dict | None = None, timeout_s: float = 300,
+              shim: bool = True) -> "LocalStack":
         port = free_port()
+        shim_port = free_port() if shim else 0
         layout = Layout(data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         log = data_dir.parent / f"{data_dir.name}-stack.log"
         argv = [sys.executable, "-m", "kvbank.cli", "up", "--model", str(model),
-                "--data-dir", str(data_dir), "--port", str(port), *extra]
+                "--data-dir", str(data_dir), "--port", str(port),
+                "--shim-port", str(shim_port), *extra]
         with open(log, "wb") as f:
             proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
                                     env={**os.environ, **(env or {})})
-        stack = cls(proc, layout, f"127.0.0.1:{port}", log)
+        stack = cls(proc, layout, f"127.0.0.1:{port}", log,
+                    f"http://127.0.0.1:{shim_port}" if shim_port else None)
         deadline = time.monotonic() + timeout_s
         while not (layout.run_dir / "ready").exists():
             if proc.poll() is not None or time.monotonic() > deadline:

@@ -1,8 +1,8 @@
-"""`kvbank up`: start coldstore, worker and router, keep them running, stop them in order.
+"""`kvbank up`: start coldstore, worker, router and shim, keep them running, stop them in order.
 
-Start order is coldstore -> worker -> router (each waits for the one before it to be healthy);
-stop order is the reverse of the data flow's front: router first (no new requests), then the
-worker (finishes and hands its last writes over), then the coldstore (bounded flush).
+Start order is coldstore -> worker -> router -> shim (each waits for the one before it to be
+healthy); stop order is the reverse: shim and router first (no new requests), then the worker
+(finishes and hands its last writes over), then the coldstore (bounded flush).
 A process that dies is restarted with a short backoff, and the restart is logged.
 """
 
@@ -21,7 +21,7 @@ from kvbank.config import OPENBLAS_PATHS, Layout
 
 logger = logging.getLogger(__name__)
 
-STOP_GRACE_S = {"router": 5.0, "worker": 15.0, "coldstore": 20.0}
+STOP_GRACE_S = {"shim": 5.0, "router": 5.0, "worker": 15.0, "coldstore": 20.0}
 MAX_BACKOFF_S = 10.0
 
 
@@ -52,22 +52,25 @@ def _worker_env() -> dict[str, str]:
 
 
 class Supervisor:
-    def __init__(self, *, model: Path, layout: Layout, host: str, port: int, block_tokens: int,
-                 bank_bytes: int, max_dirty_s: float, quiet_grace_s: float,
-                 coldstore_args: list[str] = ()):
+    def __init__(self, *, model: Path, layout: Layout, host: str, port: int, shim_port: int,
+                 args: dict[str, list[str]]):
+        """`args` holds each process's own flags, as `kvbank up` was given them."""
         self.layout = layout.ensure()
         common = ["--data-dir", str(layout.data_dir)]
         self.children = [
-            Child("coldstore", _kvbank("coldstore", *common, "--max-dirty-s", str(max_dirty_s),
-                                       "--quiet-grace-s", str(quiet_grace_s), *coldstore_args),
+            Child("coldstore", _kvbank("coldstore", *common, *args["coldstore"]),
                   dict(os.environ)),
-            Child("worker", _kvbank("worker", *common, "--model", str(model),
-                                    "--block-tokens", str(block_tokens),
-                                    "--bank-bytes", str(bank_bytes)), _worker_env()),
-            Child("router", _kvbank("router", *common, "--model", str(model),
-                                    "--host", host, "--port", str(port)), dict(os.environ)),
+            Child("worker", _kvbank("worker", *common, "--model", str(model), *args["worker"]),
+                  _worker_env()),
+            Child("router", _kvbank("router", *common, "--model", str(model), "--host", host,
+                                    "--port", str(port), *args["router"]), dict(os.environ)),
         ]
+        if shim_port:
+            self.children.append(
+                Child("shim", _kvbank("shim", "--router", f"{host}:{port}", *args["shim"]),
+                      dict(os.environ)))
         self.host, self.port = host, port
+        self.shim_address = _shim_address(args["shim"]) if shim_port else None
         self.stopping = False
 
     def _spawn(self, c: Child) -> None:
@@ -87,9 +90,11 @@ class Supervisor:
                         return 0
                     logger.error("%s did not become healthy; stopping", c.name)
                     return 1
-            logger.info("kvbank is up: router on %s:%d, worker on %s, coldstore on %s, store %s",
-                        self.host, self.port, self.layout.worker_address,
-                        self.layout.coldstore_address, self.layout.store_dir)
+            logger.info("kvbank is up: router on %s:%d, OpenAI API on %s, worker on %s, "
+                        "coldstore on %s, store %s", self.host, self.port,
+                        f"http://{self.shim_address}/v1" if self.shim_address else "(off)",
+                        self.layout.worker_address, self.layout.coldstore_address,
+                        self.layout.store_dir)
             (self.layout.run_dir / "ready").write_text(str(os.getpid()))
             while not self.stopping:
                 self._check_children()
@@ -130,6 +135,8 @@ class Supervisor:
     def _healthy(self, name: str) -> bool:
         if name == "coldstore":
             return _zmq_ping(self.layout.coldstore_address)
+        if name == "shim":
+            return _http_healthy(f"http://{self.shim_address}/health")
         address = self.layout.worker_address if name == "worker" else f"{self.host}:{self.port}"
         return _grpc_healthy(address)
 
@@ -149,6 +156,20 @@ class Supervisor:
             (self.layout.run_dir / f"{c.name}.pid").unlink(missing_ok=True)
 
 
+def _shim_address(shim_args: list[str]) -> str:
+    flags = dict(zip(shim_args[::2], shim_args[1::2]))
+    return f"{flags.get('--shim-host', '127.0.0.1')}:{flags['--shim-port']}"
+
+
+def _http_healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _grpc_healthy(address: str) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -162,6 +183,11 @@ def _grpc_healthy(address: str) -> bool:
 
 
 def _zmq_ping(address: str) -> bool:
+    return _zmq_ping_reply(address) is not None
+
+
+def _zmq_ping_reply(address: str, timeout_ms: int = 1000) -> dict | None:
+    """The coldstore's answer to a ping (stats, worker state, queued jobs), or None."""
     import json
 
     import zmq
@@ -172,6 +198,8 @@ def _zmq_ping(address: str) -> bool:
     try:
         s.connect(address)
         s.send(json.dumps({"op": "ping", "req": 0}).encode())
-        return bool(s.poll(1000))
+        if not s.poll(timeout_ms):
+            return None
+        return json.loads(s.recv_multipart()[0])
     finally:
         s.close()

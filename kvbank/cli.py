@@ -1,10 +1,11 @@
 """The `kvbank` command.
 
-    kvbank up          start router + worker + coldstore under one supervisor (make run)
+    kvbank up          start router, worker, coldstore and the OpenAI shim (make run)
     kvbank chat        talk to a running kvbank in the terminal
     kvbank ask         one turn of a session; --json prints the usage
     kvbank bench ...   benchmarks (JSON out)
-    kvbank router | worker | coldstore | prepare-model   one process each (the supervisor's)
+    kvbank loadgen     drive several agents' conversations against a server, measure them
+    kvbank router | worker | coldstore | shim | prepare-model   one process each (supervised)
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import os
 import sys
 from pathlib import Path
 
-from kvbank.config import DEFAULT_BLOCK_TOKENS, DEFAULT_ROUTER_PORT, Layout, default_data_dir
+from kvbank.config import (DEFAULT_BLOCK_TOKENS, DEFAULT_ROUTER_PORT, DEFAULT_SHIM_PORT, Layout,
+                           default_data_dir)
 
 DEFAULT_BANK_BYTES = 4 << 30
 
@@ -42,65 +44,158 @@ def _address(p: argparse.ArgumentParser) -> None:
                    help="the router (default: %(default)s)")
 
 
-def _budgets(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--write-budget-bytes-per-hour", type=int, default=128 << 30,
-                   help="SSD bytes the coldstore may write in a rolling hour (default: 128 GiB)")
-    p.add_argument("--free-disk-floor-bytes", type=int, default=None,
-                   help="never fill the disk below this (default: 10 GiB or 5%% of the disk)")
-    p.add_argument("--store-max-bytes", type=int, default=None,
-                   help="cap on stored KV; over it the least recently used sessions' KV is "
-                        "retired (their history stays) (default: no cap)")
-    p.add_argument("--entry-max-bytes", type=int, default=None,
-                   help="largest conversation KV written to SSD (default: no cap)")
+# Each process's flags are declared once, in a group: `kvbank up` takes every group and
+# forwards each to its process; `kvbank router|worker|coldstore|shim` take their own.
+FLAG_GROUPS: dict[str, list[str]] = {}
 
 
-def _budget_args(args) -> list[str]:
-    out = ["--write-budget-bytes-per-hour", str(args.write_budget_bytes_per_hour)]
-    for flag in ("free_disk_floor_bytes", "store_max_bytes", "entry_max_bytes"):
-        value = getattr(args, flag)
-        if value is not None:
-            out += ["--" + flag.replace("_", "-"), str(value)]
+def _group(name: str, p: argparse.ArgumentParser, *specs) -> None:
+    for flags, kw in specs:
+        action = p._option_string_actions.get(flags[0]) or p.add_argument(*flags, **kw)
+        if action.dest not in FLAG_GROUPS.setdefault(name, []):
+            FLAG_GROUPS[name].append(action.dest)
+
+
+def forward(args: argparse.Namespace, group: str) -> list[str]:
+    """The argv that passes a group's flags on to its process, as given to `kvbank up`."""
+    out: list[str] = []
+    for dest in FLAG_GROUPS[group]:
+        value = getattr(args, dest, None)
+        flag = "--" + dest.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, list):
+            for v in value:
+                out += [flag, str(v)]
+        else:
+            out += [flag, str(value)]
     return out
 
 
+def _coldstore_flags(p: argparse.ArgumentParser) -> None:
+    _group("coldstore", p,
+           (["--max-dirty-s"], dict(type=float, default=30.0,
+                                    help="write a conversation to SSD at most this long after "
+                                         "its turn, quiet window or not (default: %(default)s)")),
+           (["--tail-delay-s"], dict(type=float, default=30.0,
+            help="hold a conversation's partial last block this long before writing it (its "
+                 "next turn rewrites it); a write-out never waits (default: %(default)s)")),
+           (["--quiet-grace-s"], dict(type=float, default=0.25,
+                                      help="the worker must be idle this long before idle-lane "
+                                           "writes (default: %(default)s)")),
+           (["--write-budget-bytes-per-hour"], dict(type=int, default=128 << 30,
+            help="SSD bytes the coldstore may write in a rolling hour (default: 128 GiB)")),
+           (["--free-disk-floor-bytes"], dict(type=int, default=None,
+            help="never fill the disk below this (default: 10 GiB or 5%% of the disk)")),
+           (["--store-max-bytes"], dict(type=int, default=None,
+            help="cap on stored KV; over it the least recently used sessions' KV is retired "
+                 "(their history stays) (default: no cap)")),
+           (["--entry-max-bytes"], dict(type=int, default=None,
+            help="largest conversation KV written to SSD (default: no cap)")))
+
+
+def _worker_flags(p: argparse.ArgumentParser) -> None:
+    _group("worker", p,
+           (["--block-tokens"], dict(type=int, default=DEFAULT_BLOCK_TOKENS,
+                                     help="tokens per KV block on SSD (default: %(default)s)")),
+           (["--bank-bytes"], dict(type=int, default=DEFAULT_BANK_BYTES,
+                                   help="RAM bank budget in bytes (default: 4 GiB)")),
+           (["--staging-max-bytes"], dict(type=int, default=None,
+            help="KV bytes handed to the coldstore but not yet on SSD; at the cap a commit "
+                 "waits (default: 1 GiB or 10%% of RAM, whichever is smaller)")),
+           (["--restore-via"], dict(choices=("direct", "coldstore"), default="direct",
+            help="read SSD KV straight from the LMDB map (read-only, zero-copy) or through the "
+                 "coldstore process (default: %(default)s, the faster here)")),
+           (["--scheduler"], dict(choices=("batch", "serial", "hyper"), default="batch",
+            help="batch: admitted requests progress together (prefill chunks interleaved, "
+                 "decode batched); serial: one at a time, FIFO; hyper: exactly one admitted "
+                 "request, nothing shares the machine (default: %(default)s)")),
+           (["--max-active-requests"], dict(type=int, default=None,
+            help="requests the worker runs at once (default: 4 in batch, 1 otherwise)")),
+           (["--active-pin-s"], dict(type=float, default=600.0,
+            help="a conversation counts as active this long after its last turn: trims "
+                 "(pressure, admission LRU) leave it alone (default: %(default)s)")),
+           (["--admission-chain-shed"], dict(action="store_true",
+            help="admission sheds the larger, chain-derived target (room for the prompt's "
+                 "whole cache) instead of just the bytes missing")),
+           (["--memory-budget"], dict(type=int, default=None,
+            help="bytes the worker may hold in all: weights, bank, running requests, prefill "
+                 "transients, staged writes; admission never goes past it (default: 60%% of "
+                 "RAM)")))
+
+
+def _auth_flags(p: argparse.ArgumentParser, group: str) -> None:
+    _group(group, p,
+           (["--api-key"], dict(action="append", default=None, metavar="KEY",
+            help="accept this API key (repeatable); each key is its own tenant, whose cached "
+                 "KV and sessions no other key can see. No keys: one open tenant")),
+           (["--api-keys-file"], dict(type=Path, default=None,
+            help="a file of API keys, one per line as `KEY` or `TENANT KEY`")))
+
+
+def _router_flags(p: argparse.ArgumentParser) -> None:
+    _group("router", p,
+           (["--max-prompt-tokens"], dict(type=int, default=None,
+            help="refuse longer prompts at once (default: the model's context)")),
+           (["--max-request-tokens"], dict(type=int, default=None,
+            help="refuse requests whose prompt + max_tokens is larger (default: the context)")),
+           (["--max-queue"], dict(type=int, default=64,
+            help="requests that may wait for a slot; more are refused with retry-after "
+                 "(default: %(default)s)")),
+           (["--max-queue-wait-s"], dict(type=float, default=300.0,
+            help="longest wait for a slot before a refusal (default: %(default)s)")))
+    _auth_flags(p, "router")
+
+
+def _shim_flags(p: argparse.ArgumentParser) -> None:
+    _group("shim", p,
+           (["--shim-host"], dict(default="127.0.0.1",
+                                  help="OpenAI API address (default: loopback)")),
+           (["--shim-port"], dict(type=int, default=DEFAULT_SHIM_PORT,
+                                  help="OpenAI API port (default: %(default)s; 0 = no shim)")))
+    _auth_flags(p, "shim")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    FLAG_GROUPS.clear()
     ap = argparse.ArgumentParser(prog="kvbank", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    up = sub.add_parser("up", help="start router, worker and coldstore (foreground)")
+    up = sub.add_parser("up", help="start router, worker, coldstore and shim (foreground)")
     _data_dir(up)
     _model(up)
     up.add_argument("--host", default="127.0.0.1", help="router address (default: loopback)")
     up.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT)
-    up.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS,
-                    help="tokens per KV block on SSD (default: %(default)s)")
-    up.add_argument("--bank-bytes", type=int, default=DEFAULT_BANK_BYTES,
-                    help="RAM bank budget in bytes (default: 4 GiB)")
-    up.add_argument("--max-dirty-s", type=float, default=30.0,
-                    help="write a conversation to SSD at most this long after its turn, "
-                         "quiet window or not (default: %(default)s)")
-    up.add_argument("--quiet-grace-s", type=float, default=0.25,
-                    help="the worker must be idle this long before idle-lane writes")
-    _budgets(up)
+    _worker_flags(up)
+    _coldstore_flags(up)
+    _router_flags(up)
+    _shim_flags(up)
 
     r = sub.add_parser("router", help="run the router alone")
     _data_dir(r)
     r.add_argument("--model", type=Path, required=True, help="the model folder (tokenizer)")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT)
+    _router_flags(r)
 
     w = sub.add_parser("worker", help="run the worker alone")
     _data_dir(w)
     w.add_argument("--model", type=Path, required=True)
-    w.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
-    w.add_argument("--bank-bytes", type=int, default=DEFAULT_BANK_BYTES)
+    _worker_flags(w)
 
     c = sub.add_parser("coldstore", help="run the coldstore alone")
     _data_dir(c)
-    c.add_argument("--max-dirty-s", type=float, default=30.0)
-    c.add_argument("--quiet-grace-s", type=float, default=0.25)
-    _budgets(c)
+    _coldstore_flags(c)
+
+    sh = sub.add_parser("shim", help="run the OpenAI-compatible HTTP API alone")
+    sh.add_argument("--router", default=f"127.0.0.1:{DEFAULT_ROUTER_PORT}",
+                    help="the router's address (default: %(default)s)")
+    sh.add_argument("--model-name", default=None,
+                    help="the model id /v1/models reports (default: the router's)")
+    _shim_flags(sh)
 
     pm = sub.add_parser("prepare-model", help="import the model if needed; print its folder")
     _model(pm)
@@ -119,7 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--json", action="store_true", help="print the usage as one JSON object")
     ask.add_argument("text")
 
-    bench = sub.add_parser("bench", help="benchmarks")
+    lg = sub.add_parser("loadgen", help="drive agents' conversations against a server")
+    from kvbank.loadgen.cli import add_arguments as loadgen_arguments
+
+    loadgen_arguments(lg)
+
+    bench = sub.add_parser("bench", help="benchmarks (a short table; JSON with --json)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     bt = bsub.add_parser("turn", help="TTFT of a returning turn: RAM vs SSD vs recompute")
     _model(bt)
@@ -134,28 +234,51 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sessions sharing one system prompt (default: %(default)s)")
     bb.add_argument("--lookups", type=int, default=2000)
     bb.add_argument("--json", action="store_true")
+    bcs = bsub.add_parser("coldstore", help="SSD tier vs raw LMDB; write amplification; "
+                                            "restore vs recompute")
+    _model(bcs)
+    bcs.add_argument("--tokens", type=int, default=8192,
+                     help="conversation length for the read/write and recompute runs")
+    bcs.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
+    bcs.add_argument("--turns", type=int, default=20, help="turns of the amplification run")
+    bcs.add_argument("--json", action="store_true")
+    bo = bsub.add_parser("overhead", help="streamed decode through shim+router vs in-process")
+    _model(bo)
+    bo.add_argument("--prompt-tokens", type=int, default=256)
+    bo.add_argument("--max-tokens", type=int, default=64)
+    bo.add_argument("--json", action="store_true")
+    bc = bsub.add_parser("compare", help="kvbank vs mlx_lm.server on one loadgen scenario")
+    from kvbank.loadgen.cli import add_compare_arguments
+
+    add_compare_arguments(bc)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cmd = args.cmd
-    if cmd in ("up", "router", "worker", "coldstore", "prepare-model", "bench"):
+    if cmd in ("up", "router", "worker", "coldstore", "shim", "prepare-model", "bench"):
         _setup_logging(cmd)
     if cmd == "up":
         from deploy.supervisor import Supervisor
 
+        from worker.admission import SchedulerConfig
+
+        SchedulerConfig.from_flags(args.scheduler, args.max_active_requests)  # refuse at start
         model = _prepare_model(args.model)
         return Supervisor(model=model, layout=Layout(args.data_dir), host=args.host,
-                          port=args.port, block_tokens=args.block_tokens,
-                          bank_bytes=args.bank_bytes, max_dirty_s=args.max_dirty_s,
-                          quiet_grace_s=args.quiet_grace_s,
-                          coldstore_args=_budget_args(args)).run()
+                          port=args.port, shim_port=args.shim_port,
+                          args={g: forward(args, g) for g in FLAG_GROUPS}).run()
     if cmd == "router":
+        from router.admission import Ceilings
+        from router.auth import load_keys
         from router.server import main as router_main
 
         layout = Layout(args.data_dir).ensure()
-        router_main(args.model, layout.worker_address, args.host, args.port)
+        router_main(args.model, layout.worker_address, args.host, args.port,
+                    keys=load_keys(args.api_key, args.api_keys_file),
+                    ceilings=Ceilings(args.max_prompt_tokens, args.max_request_tokens),
+                    max_queue=args.max_queue, max_queue_wait_s=args.max_queue_wait_s)
         return 0
     if cmd == "worker":
         from kvbank.config import preload_openblas
@@ -163,8 +286,14 @@ def main(argv: list[str] | None = None) -> int:
         preload_openblas()  # before the first `import mlx`
         from worker.server import main as worker_main
 
+        from worker.admission import SchedulerConfig
+
+        sched = SchedulerConfig.from_flags(args.scheduler, args.max_active_requests)
         worker_main(args.model, Layout(args.data_dir), block_tokens=args.block_tokens,
-                    bank_bytes=args.bank_bytes)
+                    bank_bytes=args.bank_bytes, staging_max_bytes=args.staging_max_bytes,
+                    restore_via=args.restore_via, scheduler=sched,
+                    memory_budget=args.memory_budget, active_pin_s=args.active_pin_s,
+                    admission_chain_shed=args.admission_chain_shed)
         return 0
     if cmd == "coldstore":
         from coldstore.budgets import Limits
@@ -175,8 +304,20 @@ def main(argv: list[str] | None = None) -> int:
                         store_max_bytes=args.store_max_bytes,
                         entry_max_bytes=args.entry_max_bytes)
         coldstore_main(Layout(args.data_dir), quiet_grace_s=args.quiet_grace_s,
-                       max_dirty_s=args.max_dirty_s, limits=limits)
+                       max_dirty_s=args.max_dirty_s, tail_delay_s=args.tail_delay_s,
+                       limits=limits)
         return 0
+    if cmd == "shim":
+        from router.auth import load_keys
+        from kvbank.shim.server import main as shim_main
+
+        shim_main(router_address=args.router, host=args.shim_host, port=args.shim_port,
+                  keys=load_keys(args.api_key, args.api_keys_file), model_name=args.model_name)
+        return 0
+    if cmd == "loadgen":
+        from kvbank.loadgen.cli import run_cli
+
+        return run_cli(args)
     if cmd == "prepare-model":
         from kvbank.config import preload_openblas
 
@@ -209,6 +350,24 @@ def main(argv: list[str] | None = None) -> int:
                      lookups=args.lookups)
         print(json.dumps(result, indent=None if args.json else 2))
         return 0
+    if cmd == "bench" and args.bench == "coldstore":
+        from kvbank.bench.coldstore import run
+
+        result = run(model=args.model, tokens=args.tokens, block_tokens=args.block_tokens,
+                     turns=args.turns)
+        print(json.dumps(result, indent=None if args.json else 2))
+        return 0
+    if cmd == "bench" and args.bench == "overhead":
+        from kvbank.bench.overhead import run
+
+        result = run(model=args.model, prompt_tokens=args.prompt_tokens,
+                     max_tokens=args.max_tokens)
+        print(json.dumps(result, indent=None if args.json else 2))
+        return 0
+    if cmd == "bench" and args.bench == "compare":
+        from kvbank.loadgen.cli import run_compare
+
+        return run_compare(args)
     return 2
 
 

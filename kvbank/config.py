@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_ROUTER_PORT = 50051
+DEFAULT_SHIM_PORT = 8000
 DEFAULT_BLOCK_TOKENS = 256
 OPENBLAS_PATHS = (
     "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",

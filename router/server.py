@@ -22,6 +22,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvbank.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
+from router.admission import AdmissionQueue, Ceilings, Refusal, check_ceilings
+from router.auth import Unauthenticated, tenant_for
 from router.tokenizer import PromptTokenizer
 from router.validation import InvalidRequest, ValidRequest, validate
 
@@ -34,10 +36,22 @@ class WorkerUnavailable(Exception):
     pass
 
 
-def _status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
-    """The one table from an exception to the status a client sees."""
+def _status_for(exc: Exception) -> tuple[grpc.StatusCode, str, tuple]:
+    """The one table from an exception to the status (and trailing metadata) a client sees."""
+    if isinstance(exc, Refusal):
+        return exc.code, str(exc), exc.trailing_metadata()
+    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        md = tuple((k, v) for k, v in (exc.trailing_metadata() or ())
+                   if k in ("retry-after", "x-kvbank-reason", "x-kvbank-verdict"))
+        return exc.code(), exc.details() or "", md
+    return (*_code_for(exc), ())
+
+
+def _code_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, Unauthenticated):
+        return grpc.StatusCode.UNAUTHENTICATED, str(exc)
     if isinstance(exc, WorkerUnavailable):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, grpc.aio.AioRpcError):
@@ -50,7 +64,13 @@ def _status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
 class Backend:
     """The router's view of the worker: its channel, its facts, per-session ordering."""
 
-    def __init__(self, model_dir: Path, worker_address: str):
+    def __init__(self, model_dir: Path, worker_address: str, keys: dict[str, str] | None = None,
+                 ceilings: Ceilings = Ceilings(), max_queue: int = 64,
+                 max_queue_wait_s: float = 300.0):
+        self.keys = keys or {}
+        self.ceilings = ceilings
+        self._queue_limits = (max_queue, max_queue_wait_s)
+        self._queue: AdmissionQueue | None = None
         self.tokenizer = PromptTokenizer(model_dir)
         self.channel = grpc.aio.insecure_channel(
             worker_address, options=[("grpc.max_receive_message_length", 64 << 20)])
@@ -67,6 +87,18 @@ class Backend:
                     "the worker is still starting (loading the model); retry in a few seconds"
                 ) from e
         return self._info
+
+    async def queue(self) -> AdmissionQueue:
+        """Sized by the worker's scheduler (its max_active_requests), known once it answers."""
+        if self._queue is None:
+            info = await self.info()
+            self._queue = AdmissionQueue(info.max_active_requests or 1, *self._queue_limits)
+        return self._queue
+
+    def admit_sizes(self, tokens: list[int], max_tokens: int, info) -> None:
+        check_ceilings(self.ceilings, prompt_tokens=len(tokens), max_tokens=max_tokens,
+                       max_fit_tokens=info.max_fit_tokens,
+                       memory_budget_bytes=info.memory_budget_bytes)
 
     def session_lock(self, tenant: str, session_id: str):
         if not session_id:
@@ -106,9 +138,8 @@ class Backend:
         return full
 
 
-def _tenant(context) -> str:
-    # API keys (the shim) will set this; on the router's own port everyone is tenant "".
-    return ""
+    def tenant(self, context) -> str:
+        return tenant_for(self.keys, context.invocation_metadata())
 
 
 class GenerationServicer(api_pb2_grpc.GenerationServicer):
@@ -118,34 +149,48 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         t0 = time.monotonic()
         received_at = time.time()
-        tenant = _tenant(context)
         try:
+            tenant = self.b.tenant(context)
             info = await self.b.info()
             v = validate(request, vocab_size=self.b.tokenizer.vocab_size)
             async with self.b.session_lock(tenant, v.session_id):
                 tokens = await self.b.prompt_tokens(v, tenant, info)
-                sampling = api_pb2.SamplingParams(temperature=v.temperature, top_p=v.top_p)
-                if v.seed is not None:
-                    sampling.seed = v.seed
-                wreq = worker_pb2.WorkerGenerateRequest(
-                    request_id=uuid.uuid4().hex, session_id=v.session_id, token_ids=tokens,
-                    sampling=sampling, max_tokens=v.max_tokens, no_cache=v.no_cache,
-                    received_at=received_at, stop=v.stop, tenant=tenant)
-                first_at = None
-                async for ev in self.b.stub.Generate(wreq, metadata=((TENANT_KEY, tenant),)):
-                    if first_at is None and (ev.token_ids or ev.HasField("usage")):
-                        first_at = time.monotonic()
-                    out = api_pb2.GenerateResponse(text=ev.text, token_ids=ev.token_ids,
-                                                   finish_reason=ev.finish_reason)
-                    if ev.HasField("usage"):
-                        out.usage.CopyFrom(ev.usage)
-                        out.usage.ttft_s = first_at - t0
-                    yield out
+                self.b.admit_sizes(tokens, v.max_tokens, info)
+                gate = await self.b.queue()
+                queue_s = await gate.acquire()
+                started = time.monotonic()
+                try:
+                    async for out in self._relay(v, tokens, tenant, received_at, t0, queue_s):
+                        yield out
+                finally:
+                    gate.release(time.monotonic() - started)
         except Exception as e:
-            code, msg = _status_for(e)
+            code, msg, md = _status_for(e)
             if code == grpc.StatusCode.INTERNAL:
                 logger.exception("Generate failed")
-            await context.abort(code, msg)
+            await context.abort(code, msg, trailing_metadata=md)
+
+    async def _relay(self, v: ValidRequest, tokens: list[int], tenant: str, received_at: float,
+                     t0: float, queue_s: float):
+        """The worker's stream, with the router's view of TTFT and queueing added."""
+        sampling = api_pb2.SamplingParams(temperature=v.temperature, top_p=v.top_p)
+        if v.seed is not None:
+            sampling.seed = v.seed
+        wreq = worker_pb2.WorkerGenerateRequest(
+            request_id=uuid.uuid4().hex, session_id=v.session_id, token_ids=tokens,
+            sampling=sampling, max_tokens=v.max_tokens, no_cache=v.no_cache,
+            received_at=received_at, stop=v.stop, tenant=tenant)
+        first_at = None
+        async for ev in self.b.stub.Generate(wreq, metadata=((TENANT_KEY, tenant),)):
+            if first_at is None and (ev.token_ids or ev.HasField("usage")):
+                first_at = time.monotonic()
+            out = api_pb2.GenerateResponse(text=ev.text, token_ids=ev.token_ids,
+                                           finish_reason=ev.finish_reason)
+            if ev.HasField("usage"):
+                out.usage.CopyFrom(ev.usage)
+                out.usage.ttft_s = first_at - t0
+                out.usage.queue_s += queue_s
+            yield out
 
 
 class SessionsServicer(api_pb2_grpc.SessionsServicer):
@@ -154,9 +199,11 @@ class SessionsServicer(api_pb2_grpc.SessionsServicer):
 
     async def _call(self, method, request, context):
         try:
-            return await method(request, metadata=((TENANT_KEY, _tenant(context)),), timeout=30)
+            return await method(request, metadata=((TENANT_KEY, self.b.tenant(context)),),
+                                timeout=30)
         except Exception as e:
-            await context.abort(*_status_for(e))
+            code, msg, md = _status_for(e)
+            await context.abort(code, msg, trailing_metadata=md)
 
     async def List(self, request, context):
         return await self._call(self.b.stub.ListSessions, request, context)
@@ -180,14 +227,16 @@ class AdminServicer(api_pb2_grpc.AdminServicer):
         if not request.session_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is empty: name a session")
         try:
-            return await self.b.stub.Release(request, metadata=((TENANT_KEY, _tenant(context)),),
-                                             timeout=60)
+            return await self.b.stub.Release(
+                request, metadata=((TENANT_KEY, self.b.tenant(context)),), timeout=60)
         except Exception as e:
-            await context.abort(*_status_for(e))
+            code, msg, md = _status_for(e)
+            await context.abort(code, msg, trailing_metadata=md)
 
 
-async def serve(model_dir: Path, worker_address: str, host: str, port: int) -> None:
-    backend = Backend(model_dir, worker_address)
+async def serve(model_dir: Path, worker_address: str, host: str, port: int, **limits) -> None:
+    """`limits`: Backend's keys, ceilings, max_queue, max_queue_wait_s."""
+    backend = Backend(model_dir, worker_address, **limits)
     server = grpc.aio.server()
     api_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(backend), server)
     api_pb2_grpc.add_SessionsServicer_to_server(SessionsServicer(backend), server)
@@ -214,5 +263,5 @@ async def serve(model_dir: Path, worker_address: str, host: str, port: int) -> N
         logger.info("router stopped")
 
 
-def main(model_dir: Path, worker_address: str, host: str, port: int) -> None:
-    asyncio.run(serve(model_dir, worker_address, host, port))
+def main(model_dir: Path, worker_address: str, host: str, port: int, **limits) -> None:
+    asyncio.run(serve(model_dir, worker_address, host, port, **limits))

@@ -33,11 +33,12 @@ def tiny_model(tmp_path_factory, cache_dir) -> Path:
 
 
 def start_stack(model: Path, data_dir: Path, *, extra: list[str] = (),
-                cache_dir: Path | None = None) -> LocalStack:
-    """A stack with small blocks and a short quiet grace, as the tests want it."""
+                cache_dir: Path | None = None, shim: bool = True) -> LocalStack:
+    """A stack with small blocks, a short quiet grace and no tail delay, as tests want it."""
     env = {"KVBANK_CACHE_DIR": str(cache_dir)} if cache_dir else {}
-    return LocalStack.start(model, data_dir, env=env, timeout_s=120,
-                            extra=["--block-tokens", "16", "--quiet-grace-s", "0.1", *extra])
+    return LocalStack.start(model, data_dir, env=env, timeout_s=120, shim=shim,
+                            extra=["--block-tokens", "16", "--quiet-grace-s", "0.1",
+                                   "--tail-delay-s", "0", *extra])
 
 
 @pytest.fixture

@@ -157,11 +157,12 @@ def check_record_against_kv(disk: Disk, session_id: str, want: kv.Layers, want_t
 
 class ColdstoreProc:
     def __init__(self, data_dir: Path, *, max_dirty_s: float = 3600.0,
-                 quiet_grace_s: float = 0.05):
+                 quiet_grace_s: float = 0.05, tail_delay_s: float = 0.0):
         self.layout = Layout(data_dir).ensure()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvbank.cli", "coldstore", "--data-dir", str(data_dir),
-             "--quiet-grace-s", str(quiet_grace_s), "--max-dirty-s", str(max_dirty_s)])
+             "--quiet-grace-s", str(quiet_grace_s), "--max-dirty-s", str(max_dirty_s),
+             "--tail-delay-s", str(tail_delay_s)])
         deadline = time.monotonic() + 30
         while not _zmq_ping(self.layout.coldstore_address):
             assert self.proc.poll() is None, f"coldstore exited with {self.proc.returncode}"
@@ -355,6 +356,27 @@ def test_second_turn_writes_only_its_new_blocks(start):
     assert link.disk.blocks([old_tail]) == [None], "turn 1's tail block was not collected"
     assert meta2.durable_tokens == 72 and meta2.tail_tokens == 8
     assert link.disk.stats()["blocks"] == 5, link.disk.stats()
+
+
+def test_partial_tail_waits_so_quick_turns_write_each_token_once(start):
+    """With --tail-delay-s, turn 1's tail is never written: turn 2 rewrote it first."""
+    _, link = start(tail_delay_s=5)
+    link.set_busy(False)
+    t1, kv1 = tokens(40, seed=12), make_kv(40, seed=12)  # 2 full blocks + tail of 8
+    link.turn("q", t1, kv1)
+    link.wait_durable("q", 32, what="turn 1's full blocks")
+    block = len(kv.encode_range(kv1, 0, B))
+    assert link.ping()["written_bytes"] == 2 * block
+    assert link.disk.durable("q") == 32, "the young tail was written at once"
+
+    t2 = np.concatenate([t1, tokens(32, seed=13)])  # 4 full blocks + tail of 8
+    kv2 = concat_kv(kv1, make_kv(32, seed=13))
+    e2 = link.turn("q", t2, kv2)
+    link.wait_durable("q", 64, what="turn 2's full blocks")
+    assert link.wait_done(e2.write_job, timeout_s=20)["outcome"] == "written"
+    check_record_against_kv(link.disk, "q", kv2, t2, "after the tail delay")
+    tail = len(kv.encode_range(kv2, 64, 72))
+    assert link.ping()["written_bytes"] == 4 * block + tail, "some KV was written twice"
 
 
 # -- 3. busy means no writes (until staleness) ---------------------------------------------------

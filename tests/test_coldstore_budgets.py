@@ -22,7 +22,7 @@ class Coldstore:
         self.layout = Layout(data_dir).ensure()
         self.proc = subprocess.Popen([sys.executable, "-m", "kvbank.cli", "coldstore",
                                       "--data-dir", str(data_dir), "--quiet-grace-s", "0.05",
-                                      "--max-dirty-s", "3600", *args])
+                                      "--max-dirty-s", "3600", "--tail-delay-s", "0", *args])
         deadline = time.monotonic() + 30
         while not _zmq_ping(self.layout.coldstore_address):
             assert self.proc.poll() is None and time.monotonic() < deadline, "no coldstore"

@@ -43,7 +43,7 @@ def coldstore(tmp_path):
     layout = Layout(tmp_path / "data").ensure()
     proc = subprocess.Popen([sys.executable, "-m", "kvbank.cli", "coldstore", "--data-dir",
                              str(layout.data_dir), "--quiet-grace-s", "0.05",
-                             "--max-dirty-s", "3600"])
+                             "--max-dirty-s", "3600", "--tail-delay-s", "0"])
     deadline = time.monotonic() + 30
     while not _zmq_ping(layout.coldstore_address):
         assert proc.poll() is None and time.monotonic() < deadline, "coldstore did not start"
@@ -245,3 +245,23 @@ def test_ledger_counts_entries_running_requests_and_staged_bytes(rig):
         time.sleep(0.05)
     assert rig.bank.ledger() == {"entries_bytes": e.nbytes, "active_bytes": 0,
                                  "staged_bytes": 0, "held_bytes": e.nbytes}
+
+
+def test_staging_at_its_cap_makes_the_producer_wait_for_the_coldstore(rig):
+    """Bounded staging: the second hand-over waits until the first is on SSD; none is lost."""
+    first = rig.turn("s1", 40, seed=21, write=False)
+    rig.writer.staging_max_bytes = kv.layers_nbytes(first.layers) + 1  # room for one entry
+    rig.writer.write_behind(first)
+    assert rig.writer.staged_bytes > 0
+    assert rig.durable_on_disk("s1") == 0  # busy: the idle lane has not written it
+
+    second = rig.turn("s2", 40, seed=22, write=False)
+    rig.writer.write_behind(second)  # at the cap: waits (and says quiet while it waits)
+
+    assert rig.writer.staging_waits == 1
+    assert rig.durable_on_disk("s1") == 40  # the wait ended because the first reached SSD
+    assert rig.writer.staged_bytes <= rig.writer.staging_max_bytes
+    deadline = time.monotonic() + 20
+    while rig.durable_on_disk("s2") < 40:  # and the second was handed over, not dropped
+        assert time.monotonic() < deadline, "the second entry never reached SSD"
+        time.sleep(0.05)

@@ -113,3 +113,24 @@ def test_ctrl_c_stops_all_three(stack):
         except ProcessLookupError:
             alive = False
         assert not alive, f"pid {pid} still running after Ctrl-C"
+
+
+def test_restore_through_the_coldstore_gives_the_same_answer(tiny_model, tmp_path, cache_dir):
+    """--restore-via coldstore: SSD KV fetched over ZeroMQ, not read from the map."""
+    from tests.conftest import start_stack
+
+    s = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir,
+                    extra=["--restore-via", "coldstore"], shim=False)
+    try:
+        with s.client() as c:
+            _ask(c, "via", "Remember the number 42.", max_tokens=20)
+            before = s.wait_durable("via")
+            c.release("via")
+            prompt = list(before.token_ids) + [200, 201, 202]
+            warm = c.generate(session_id="via", token_ids=prompt, max_tokens=8)
+            assert warm.usage["cache_source"] == "ssd"
+            assert warm.usage["cached_tokens"] == before.token_count
+            cold = c.generate(token_ids=prompt, max_tokens=8, no_cache=True)
+            assert warm.token_ids == cold.token_ids
+    finally:
+        s.stop()

@@ -1,10 +1,11 @@
 """The engine: the one thread that owns the model and the SessionBank.
 
 Everything that touches MLX or the bank runs here, fed by a queue (as mlx-lm's server does),
-so no state needs a lock. A generation job goes: restore the longest cached prefix (RAM bank,
-else SSD), prefill the rest and decode with mlx-lm's `generate_step`, then commit the turn:
-the session record first (durable before the final message), then the bank entry, then the
-write-behind job for its new KV blocks.
+so no state needs a lock. A generation job goes: admission (price it, make room by the bank's
+policies, or refuse), restore the longest cached prefix (RAM bank, else SSD), then the
+scheduler prefills the rest and decodes, step by step with the other admitted requests, and
+finally the turn is committed: the session record first (durable before the final message),
+then the bank entry, then the write-behind job for its new KV blocks.
 
 Other threads read two snapshots the engine replaces whole (`sessions`, `ram_bytes`), never
 structures it mutates.
@@ -19,6 +20,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -31,12 +33,14 @@ from kvbank.config import Layout
 from kvbank.v1 import api_pb2, worker_pb2
 from coldstore.store import ColdStore
 from worker import kv
+from worker.admission import (Pricing, Refused, SchedulerConfig, calibrate,
+                              default_memory_budget, make_room)
+from worker.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running, make_request_sampler
 from worker.bank import SessionBank, SessionKey
 from worker.persist import ColdstoreClient, ColdstoreUnavailable, KVWriter
 
 logger = logging.getLogger(__name__)
 
-PREFILL_STEP_TOKENS = 512
 RECORD_TIMEOUT_S = 10.0
 
 
@@ -62,13 +66,27 @@ class RequestError(ValueError):
     """Bad input that got past the router; the message says what to change."""
 
 
+class NotAdmitted(Exception):
+    """Admission refused the request (worker/admission.py); carries the receipt."""
+
+    def __init__(self, refused: Refused):
+        super().__init__(str(refused))
+        self.receipt = refused.receipt
+
+
 class Engine:
-    def __init__(self, model_path: Path, layout: Layout, *, block_tokens: int, bank_bytes: int):
+    def __init__(self, model_path: Path, layout: Layout, *, block_tokens: int, bank_bytes: int,
+                 staging_max_bytes: int | None = None, restore_via: str = "direct",
+                 scheduler: SchedulerConfig = SchedulerConfig(),
+                 memory_budget: int | None = None, active_pin_s: float = 600.0,
+                 admission_chain_shed: bool = False):
         from mlx_lm import load
 
         self.model_path = Path(model_path)
         self.layout = layout.ensure()
         self.block_tokens = block_tokens
+        self.restore_via = restore_via
+        self.scheduler = scheduler
         t0 = time.monotonic()
         self.model, self.tokenizer = load(str(self.model_path))
         self.config = json.loads((self.model_path / "config.json").read_text())
@@ -84,13 +102,37 @@ class Engine:
         self._store: ColdStore | None = None
         self._load_sessions()
         self.coldstore = ColdstoreClient(layout, on_event=self._on_coldstore_event).start()
-        self.writer = KVWriter(self.coldstore, block_tokens=block_tokens, root_for=self.root_for)
+        self.writer = KVWriter(self.coldstore, block_tokens=block_tokens, root_for=self.root_for,
+                               staging_max_bytes=staging_max_bytes)
         self.bank = SessionBank(block_tokens=block_tokens, root_for=self.root_for,
-                                max_bytes=bank_bytes, writer=self.writer)
+                                max_bytes=bank_bytes, writer=self.writer,
+                                active_pin_s=active_pin_s)
+        self.memory_budget = memory_budget or default_memory_budget()
+        self.pricing = self._price_model()
+        self.admission_chain_shed = admission_chain_shed
+        self.admission_log: deque = deque(maxlen=1024)
+        self.batch = BatchScheduler(self.model, max_active=scheduler.max_active,
+                                    eos_token_ids=self.eos_token_ids)
+        self._pending: deque[GenerateJob] = deque()
         self._queue: queue.Queue = queue.Queue()
         self._anon = 0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
+
+    def _price_model(self) -> Pricing:
+        import psutil
+
+        pricing = calibrate(self.model, Pricing(self.kv_bytes_per_token, 0, PREFILL_STEP_TOKENS))
+        pricing.fixed_bytes = psutil.Process().memory_info().rss
+        logger.info("memory budget %.0f MB: model and runtime %.0f MB, a %d-token prefill chunk "
+                    "%.0f MB + %.0f KB per context token; one request fits up to %d tokens",
+                    self.memory_budget / 1e6, pricing.fixed_bytes / 1e6, pricing.chunk_tokens,
+                    pricing.transient_base / 1e6, pricing.transient_per_context_token / 1e3,
+                    pricing.max_fit_tokens(self.memory_budget))
+        if pricing.fixed_bytes >= self.memory_budget:
+            raise SystemExit(f"--memory-budget {self.memory_budget} is below what the model "
+                             f"alone takes ({pricing.fixed_bytes} bytes): raise it")
+        return pricing
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -157,26 +199,30 @@ class Engine:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            if isinstance(item, GenerateJob):
-                self.coldstore.set_busy(True)
+            idle = not self.batch and not self._pending
+            items = [self._queue.get()] if idle else []
+            while True:
                 try:
-                    self._generate(item)
-                except RequestError as e:
-                    item.emit(e)
-                except Exception as e:
-                    logger.exception("generation failed")
-                    item.emit(e)
-            else:
-                fn, fut = item
-                try:
-                    fut.set_result(fn())
-                except Exception as e:
-                    fut.set_exception(e)
-            if self._queue.empty():
-                self.coldstore.set_busy(False)
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            for item in items:
+                if item is None:
+                    return
+                if isinstance(item, GenerateJob):
+                    self._pending.append(item)
+                else:
+                    fn, fut = item
+                    try:
+                        fut.set_result(fn())
+                    except Exception as e:
+                        fut.set_exception(e)
+            self.coldstore.set_busy(bool(self.batch or self._pending))
+            self._admit_pending()
+            if self.batch:
+                self._step()
+            elif self._pending:  # first in line waits for memory that nothing will free
+                time.sleep(0.01)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -185,12 +231,32 @@ class Engine:
 
     # -- one generation ---------------------------------------------------------------------
 
-    def _generate(self, job: GenerateJob) -> None:
-        from mlx_lm.generate import generate_step
-        from mlx_lm.sample_utils import make_sampler
+    def _admit_pending(self) -> None:
+        """Start waiting requests in order while the scheduler has room and memory allows."""
+        while self._pending and len(self.batch) < self.scheduler.max_active:
+            job = self._pending[0]
+            if job.cancelled.is_set():
+                self._pending.popleft()
+                job.emit(None)
+                continue
+            try:
+                started = self._start(job)
+            except (RequestError, NotAdmitted) as e:
+                self._pending.popleft()
+                job.emit(e)
+                continue
+            except Exception as e:
+                logger.exception("could not start a request")
+                self._pending.popleft()
+                job.emit(e)
+                continue
+            if not started:
+                return  # waits for memory held by requests in flight
+            self._pending.popleft()
 
+    def _start(self, job: GenerateJob) -> bool:
+        """Admission, restore, and hand-over to the scheduler. False: wait for memory."""
         req = job.request
-        started = time.monotonic()
         tokens = np.asarray(req.token_ids, dtype=np.uint32)
         if len(tokens) == 0:
             raise RequestError("the prompt is empty: send at least one token")
@@ -200,69 +266,93 @@ class Engine:
                 f"model's context of {self.max_context_tokens} tokens")
         tenant = req.tenant
         session: SessionKey | None = (tenant, req.session_id) if req.session_id else None
+        need = self._price(len(tokens), req.max_tokens)
+        try:
+            receipt = make_room(bank=self.bank, pricing=self.pricing, budget=self.memory_budget,
+                                need=need, tokens=tokens, tenant=tenant,
+                                session_id=req.session_id, running=len(self.batch),
+                                chain_shed=self.admission_chain_shed)
+        except Refused as e:
+            self._log_admission(req, e.receipt)
+            raise NotAdmitted(e) from None
+        finally:
+            self._refresh_ram_bytes()
+        if receipt.decision == "wait":
+            return False
+        self._log_admission(req, receipt)
         if session is None:
             self._anon += 1
         bank_key = session or (tenant, f"anon-{self._anon}")
         info = self.sessions.get(session) if session else None
-        known = common_prefix_len(info.tokens, tokens) if info is not None else 0
-
         self.bank.begin_request(bank_key)
-        self.bank.reserve_active(bank_key, (len(tokens) + req.max_tokens) * self.kv_bytes_per_token)
+        self.bank.reserve_active(bank_key, need)
         try:
             cache, cached, source = self._restore(tokens, tenant, session, req.no_cache)
             sampling = req.sampling
-            if sampling.HasField("seed"):
-                mx.random.seed(sampling.seed)
-            sampler = make_sampler(temp=sampling.temperature, top_p=sampling.top_p)
-            stops = list(req.stop)
-            detok = self.tokenizer.detokenizer
-            detok.reset()
-            text, sent = "", 0
-            completion: list[int] = []
-            finish = api_pb2.FINISH_REASON_LENGTH
-            first_token_at = None
-            for tok, _ in generate_step(mx.array(tokens[cached:]), self.model,
-                                        max_tokens=req.max_tokens, sampler=sampler,
-                                        prompt_cache=cache, prefill_step_size=PREFILL_STEP_TOKENS):
-                if first_token_at is None:
-                    first_token_at = time.monotonic()
-                completion.append(tok)
-                if tok in self.tokenizer.eos_token_ids:
-                    finish = api_pb2.FINISH_REASON_STOP
-                    break
-                detok.add_token(tok)
-                text += detok.last_segment
-                cut, hit = _stop_cut(text, stops)
-                if cut > sent:
-                    job.emit(worker_pb2.WorkerGenerateResponse(text=text[sent:cut], token_ids=[tok]))
-                    sent = cut
-                if hit:
-                    finish = api_pb2.FINISH_REASON_STOP
-                    break
-                if job.cancelled.is_set():
-                    break
-            if finish != api_pb2.FINISH_REASON_STOP or not _stop_cut(text, stops)[1]:
-                detok.finalize()
-                text += detok.last_segment
-                end = _stop_cut(text, stops)[0] if stops else len(text)
-                if end > sent:
-                    job.emit(worker_pb2.WorkerGenerateResponse(text=text[sent:end]))
-            full = np.concatenate([tokens, np.asarray(completion, dtype=np.uint32)])
-            durable = self._commit(bank_key, session, full, cache)
-        finally:
+            seed = sampling.seed if sampling.HasField("seed") else None
+            r = Running(job=job, tokens=tokens, bank_key=bank_key, session=session,
+                        cached=cached, source=source,
+                        known=common_prefix_len(info.tokens, tokens) if info is not None else 0,
+                        started=time.monotonic(), stops=list(req.stop),
+                        detok=self.tokenizer.detokenizer)
+            self.batch.add(r, cache, req.max_tokens,
+                           make_request_sampler(sampling.temperature, sampling.top_p, seed))
+        except Exception:
             self.bank.end_request(bank_key)
+            raise
+        return True
+
+    def _price(self, prompt_tokens: int, max_tokens: int) -> int:
+        """This request's bytes, with the padding a batched cache adds to the batch."""
+        lens = [len(r.tokens) + r.job.request.max_tokens for r in self.batch.running.values()]
+        return self.pricing.request_bytes(prompt_tokens, max_tokens,
+                                          batch_len=max(lens, default=0), batch_size=len(lens))
+
+    def _log_admission(self, req, receipt) -> None:
+        self.admission_log.append((time.time(), req.session_id, receipt))
+        if receipt.decision != "admitted" or receipt.lru_evicted or receipt.released_sessions:
+            logger.info("admission %s for %s: need %.0f MB, free %.0f -> %.0f MB, lru %d, "
+                        "shed %d+%d, released %d (%d written out) %s %s", receipt.decision,
+                        req.session_id or "(anonymous)", receipt.need_bytes / 1e6,
+                        receipt.free_before / 1e6, receipt.free_after / 1e6,
+                        receipt.lru_evicted, receipt.shed_non_terminal, receipt.shed_terminal,
+                        receipt.released_sessions, receipt.written_out, receipt.reason,
+                        receipt.verdict)
+
+    def _step(self) -> None:
+        try:
+            done = self.batch.step()
+        except Exception as e:  # a failed step fails every request in it, not the worker
+            logger.exception("generation step failed")
+            for r in list(self.batch.running.values()):
+                self.batch.drop(r)
+                self.bank.end_request(r.bank_key)
+                r.job.emit(e)
+            return
+        for r, cache in done:
+            try:
+                self._finish(r, cache)
+            except Exception as e:
+                logger.exception("commit failed")
+                r.job.emit(e)
+            finally:
+                self.bank.end_request(r.bank_key)
+
+    def _finish(self, r: Running, cache: list) -> None:
+        full = np.concatenate([r.tokens, np.asarray(r.completion, dtype=np.uint32)])
+        durable = self._commit(r.bank_key, r.session, full, cache)
         usage = api_pb2.Usage(
-            prompt_tokens=len(tokens),
-            completion_tokens=len(completion),
-            cached_tokens=cached,
-            cache_source=source,
-            recomputed_tokens=max(0, min(known, len(tokens) - 1) - cached),
-            ttft_s=(first_token_at or time.monotonic()) - started,
-            queue_s=started - job.queued_at,
+            prompt_tokens=len(r.tokens),
+            completion_tokens=len(r.completion),
+            cached_tokens=r.cached,
+            cache_source=r.source,
+            recomputed_tokens=max(0, min(r.known, len(r.tokens) - 1) - r.cached),
+            ttft_s=(r.first_token_at or time.monotonic()) - r.started,
+            queue_s=r.started - r.job.queued_at,
             durable=durable,
         )
-        job.emit(worker_pb2.WorkerGenerateResponse(finish_reason=finish, usage=usage))
-        job.emit(None)
+        r.job.emit(worker_pb2.WorkerGenerateResponse(finish_reason=r.finish, usage=usage))
+        r.job.emit(None)
 
     def _restore(self, tokens: np.ndarray, tenant: str, session: SessionKey | None,
                  no_cache: bool) -> tuple[list, int, int]:
@@ -310,10 +400,23 @@ class Engine:
                     n += meta.tail_tokens
         if min(n, len(tokens) - 1) <= better_than:
             return None
-        payloads = store.get_blocks(want)
-        if any(p is None for p in payloads):  # collected since we looked: fall back
+        layers = self._read_blocks(store, want)
+        if layers is None:  # collected since we looked: fall back
             return None
-        return kv.decode_blocks(payloads), n
+        return layers, n
+
+    def _read_blocks(self, store: ColdStore, ids: list[BlockId]) -> kv.Layers | None:
+        """The blocks' KV: decoded straight from the read-only LMDB map (zero-copy; the
+        default, `kvbank bench coldstore` measured it faster), or fetched through the coldstore
+        process. None when a block is missing."""
+        if self.restore_via == "direct":
+            return store.get_blocks(ids, decode=kv.decode_blocks)
+        reply = self.coldstore.request({"op": "get_blocks", "ids": [b.hex() for b in ids]},
+                                       timeout_s=RECORD_TIMEOUT_S)
+        frames = reply.get("frames", [])
+        if len(frames) != len(ids) or not all(len(f) for f in frames):
+            return None
+        return kv.decode_blocks(frames)
 
     # -- commit -----------------------------------------------------------------------------
 
@@ -397,17 +500,3 @@ class Engine:
                                              write_out_before_release=write_out)
         self._refresh_ram_bytes()
         return receipt
-
-
-def _stop_cut(text: str, stops: list[str]) -> tuple[int, bool]:
-    """How much of `text` may be sent, and whether a stop string was found.
-
-    Text that could still grow into a stop string is held back.
-    """
-    if not stops:
-        return len(text), False
-    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    if first >= 0:
-        return first, True
-    hold = max(len(s) for s in stops) - 1
-    return max(0, len(text) - hold), False

@@ -136,7 +136,7 @@ class ColdstoreClient:
                             parts = dealer.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._dispatch(json.loads(parts[0]))
+                        self._dispatch(json.loads(parts[0]), parts[1:])
                 now = time.monotonic()
                 if self._busy != sent_busy or now - last_state >= STATE_EVERY_S:
                     pub.send(b"busy" if self._busy else b"quiet")
@@ -146,9 +146,11 @@ class ColdstoreClient:
             pub.close()
             self._pull.close()
 
-    def _dispatch(self, msg: dict) -> None:
+    def _dispatch(self, msg: dict, frames: list[bytes]) -> None:
         req = msg.get("req")
         if req is not None and "op" not in msg:
+            if frames:
+                msg["frames"] = frames
             with self._lock:
                 fut = self._pending.get(req)
             if fut is not None and not fut.done():
@@ -161,6 +163,14 @@ class ColdstoreClient:
 
 
 RELEASE_WRITE_OUT_MAX_S = 30.0
+STAGING_WAIT_MAX_S = 120.0
+
+
+def default_staging_max_bytes() -> int:
+    """1 GiB or 10 % of RAM, whichever is smaller."""
+    import psutil
+
+    return min(1 << 30, psutil.virtual_memory().total // 10)
 _FAILED = {"deadline", "error", "refused", "stale", "unknown_job", "cancelled"}
 
 
@@ -171,10 +181,17 @@ class KVWriter:
     default after every turn). `write_out` is the release's path: it promotes the queued job
     to a deadline job, which jumps the lane and ignores the busy signal, and waits for it.
     Waits end on the coldstore's acknowledgements (`on_event`, I/O thread).
+
+    Staging is bounded: bytes handed over but not yet committed stay under
+    `staging_max_bytes`; at the cap `write_behind` waits for the coldstore (back-pressure).
     """
 
-    def __init__(self, client: ColdstoreClient, *, block_tokens: int, root_for):
+    def __init__(self, client: ColdstoreClient, *, block_tokens: int, root_for,
+                 staging_max_bytes: int | None = None):
         self.client = client
+        self.staging_max_bytes = staging_max_bytes or default_staging_max_bytes()
+        self.staging_waits = 0  # times a commit waited at the cap
+        self.staging_wait_s = 0.0
         self.block_tokens = block_tokens
         self.root_for = root_for
         self._cond = threading.Condition()
@@ -202,11 +219,18 @@ class KVWriter:
         for s in range(start, n, B):
             e = min(s + B, n)
             if e - s == B:
-                bid = entry.block_ids[s // B]
+                blocks.append({"id": entry.block_ids[s // B].hex(), "start": s})
             else:
-                bid = tail_block_id(entry.block_ids[s // B - 1] if s else root, entry.tokens[s:e])
-            blocks.append({"id": bid.hex(), "start": s})
+                parent = entry.block_ids[s // B - 1] if s else root
+                blocks.append({"id": tail_block_id(parent, entry.tokens[s:e]).hex(), "start": s,
+                               "tail": True})
             frames.append(encode_range(entry.layers, s, e))
+        nbytes = sum(len(f) for f in frames)
+        if not self._wait_for_room(nbytes):
+            logger.warning("session %s: %d KV bytes not handed to the coldstore: staging stayed "
+                           "full for %.0f s; they stay in RAM, unwritten and protected",
+                           entry.session[1], nbytes, STAGING_WAIT_MAX_S)
+            return None
         job = self.client.next_id()
         entry.write_job = job
         head = {"op": "write", "job": job, "tenant": entry.session[0],
@@ -215,9 +239,43 @@ class KVWriter:
         if give_up_at is not None:
             head["give_up_at"] = give_up_at
         with self._cond:
-            self._staged[job] = sum(len(f) for f in frames)
+            self._staged[job] = nbytes
         self.client.send(head, frames)
         return job
+
+    def _wait_for_room(self, nbytes: int) -> bool:
+        """Back-pressure: wait until `nbytes` more fit under the staging cap.
+
+        One job larger than the cap goes alone. While waiting the engine does no foreground
+        work, so it says quiet and the idle lane drains. Jobs the coldstore no longer holds
+        (it restarted) stop counting."""
+        with self._cond:
+            if not self._staged or self.staged_bytes + nbytes <= self.staging_max_bytes:
+                return True
+        t0 = time.monotonic()
+        self.staging_waits += 1
+        logger.info("staging at its cap (%d + %d > %d bytes): waiting for the coldstore",
+                    self.staged_bytes, nbytes, self.staging_max_bytes)
+        self.client.set_busy(False)
+        try:
+            while time.monotonic() - t0 < STAGING_WAIT_MAX_S:
+                with self._cond:
+                    self._cond.wait(1.0)
+                    if not self._staged or self.staged_bytes + nbytes <= self.staging_max_bytes:
+                        return True
+                self._forget_lost_jobs()
+            return False
+        finally:
+            self.staging_wait_s += time.monotonic() - t0
+
+    def _forget_lost_jobs(self) -> None:
+        try:
+            live = set(self.client.request({"op": "ping"}, timeout_s=2.0)["jobs"])
+        except ColdstoreUnavailable:
+            return
+        with self._cond:
+            for job in [j for j in self._staged if j not in live]:
+                self._staged.pop(job)
 
     def write_out(self, entry, give_up_at: float) -> str:
         """Write the entry now, by `give_up_at` (unix s): written | deadline | refused | error."""

@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvbank.config import Layout
 from kvbank.v1 import api_pb2, worker_pb2, worker_pb2_grpc
-from worker.engine import Engine, GenerateJob, RequestError
+from worker.engine import Engine, GenerateJob, NotAdmitted, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     return
                 if isinstance(ev, RequestError):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(ev))
+                if isinstance(ev, NotAdmitted):
+                    r = ev.receipt
+                    md = [("x-kvbank-reason", r.reason), ("x-kvbank-verdict", r.verdict)]
+                    if r.verdict != "never_at_this_limit":
+                        md.append(("retry-after", "5"))
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"{ev} [reason={r.reason} verdict={r.verdict}]",
+                                        trailing_metadata=tuple(md))
                 if isinstance(ev, Exception):
                     await context.abort(grpc.StatusCode.INTERNAL,
                                         f"generation failed: {type(ev).__name__}: {ev}")
@@ -53,7 +61,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.InfoResponse(
             model_path=str(e.model_path), fingerprint=e.fingerprint.hex(),
             max_context_tokens=e.max_context_tokens, kv_bytes_per_token=e.kv_bytes_per_token,
-            block_tokens=e.block_tokens, eos_token_ids=e.eos_token_ids)
+            block_tokens=e.block_tokens, eos_token_ids=e.eos_token_ids,
+            scheduler=e.scheduler.mode, max_active_requests=e.scheduler.max_active,
+            memory_budget_bytes=e.memory_budget, fixed_bytes=e.pricing.fixed_bytes,
+            max_fit_tokens=e.pricing.max_fit_tokens(e.memory_budget))
 
     def _session_pb(self, key, info, with_tokens: bool) -> api_pb2.Session:
         ram = self.engine.ram_bytes.get(key, 0)
@@ -118,7 +129,8 @@ def _matmul_gflops() -> float:
     return 4 * 2 * 1024**3 / (time.perf_counter() - t0) / 1e9
 
 
-async def serve(model: Path, layout: Layout, *, block_tokens: int, bank_bytes: int) -> None:
+async def serve(model: Path, layout: Layout, **engine_kw) -> None:
+    """`engine_kw`: the Engine's settings (block_tokens, bank_bytes, scheduler, ...)."""
     gflops = _matmul_gflops()
     if gflops < 20:
         logger.warning("SLOW MATMUL: %.1f GFLOP/s. MLX is using its bundled reference BLAS; "
@@ -127,7 +139,7 @@ async def serve(model: Path, layout: Layout, *, block_tokens: int, bank_bytes: i
                        gflops)
     else:
         logger.info("matmul check: %.0f GFLOP/s (float32 1024x1024)", gflops)
-    engine = Engine(model, layout, block_tokens=block_tokens, bank_bytes=bank_bytes)
+    engine = Engine(model, layout, **engine_kw)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), server)
     health_servicer = health.aio.HealthServicer()
@@ -151,5 +163,5 @@ async def serve(model: Path, layout: Layout, *, block_tokens: int, bank_bytes: i
         logger.info("worker stopped")
 
 
-def main(model: Path, layout: Layout, *, block_tokens: int, bank_bytes: int) -> None:
-    asyncio.run(serve(model, layout, block_tokens=block_tokens, bank_bytes=bank_bytes))
+def main(model: Path, layout: Layout, **engine_kw) -> None:
+    asyncio.run(serve(model, layout, **engine_kw))

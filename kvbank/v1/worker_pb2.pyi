@@ -46,17 +46,27 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_path", "fingerprint", "max_context_tokens", "kv_bytes_per_token", "block_tokens", "eos_token_ids")
+    __slots__ = ("model_path", "fingerprint", "max_context_tokens", "kv_bytes_per_token", "block_tokens", "eos_token_ids", "scheduler", "max_active_requests", "memory_budget_bytes", "fixed_bytes", "max_fit_tokens")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    MAX_ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FIXED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     fingerprint: str
     max_context_tokens: int
     kv_bytes_per_token: int
     block_tokens: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., block_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    scheduler: str
+    max_active_requests: int
+    memory_budget_bytes: int
+    fixed_bytes: int
+    max_fit_tokens: int
+    def __init__(self, model_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., block_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., scheduler: _Optional[str] = ..., max_active_requests: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., fixed_bytes: _Optional[int] = ..., max_fit_tokens: _Optional[int] = ...) -> None: ...

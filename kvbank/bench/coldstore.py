@@ -1,0 +1,233 @@
+"""`kvbank bench coldstore`: the SSD tier against raw LMDB, and against recomputing.
+
+In one run, on one disk:
+- write: the same block payloads put into a fresh LMDB environment (one synced commit per
+  block, as the coldstore commits) vs handed to a real coldstore process as a write-behind
+  job, timed until its acknowledgement;
+- read: the same payloads read back from LMDB (page cache dropped first) vs the worker's
+  restore (read-only map, decode into MLX arrays, mlx-lm caches), both direct and through the
+  coldstore process;
+- write amplification: a 20-turn conversation through a real stack (tiny model, default block
+  size and delays), bytes the coldstore wrote / bytes of distinct KV it holds at the end;
+- restore vs recompute: an N-token conversation of the model (default 8K, SmolLM2).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+TENANT, SESSION = "", "bench-coldstore"
+FINGERPRINT = b"bench-coldstore"
+
+
+def _drop_page_cache(path: Path) -> None:
+    """Make the next read come from the disk, not from memory (no root needed)."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _raw_write(path: Path, ids: list[bytes], payloads: list[bytes]) -> float:
+    import lmdb
+
+    env = lmdb.open(str(path), map_size=1 << 34, readahead=True, sync=True, metasync=True)
+    t0 = time.perf_counter()
+    for bid, p in zip(ids, payloads):
+        with env.begin(write=True) as txn:
+            txn.put(bid, p)
+    dt = time.perf_counter() - t0
+    env.close()
+    return dt
+
+
+def _raw_read(path: Path, ids: list[bytes]) -> float:
+    import lmdb
+
+    _drop_page_cache(path / "data.mdb")
+    env = lmdb.open(str(path), readonly=True, readahead=True, lock=False)
+    t0 = time.perf_counter()
+    with env.begin(buffers=True) as txn:
+        got = [bytes(txn.get(b)) for b in ids]
+    dt = time.perf_counter() - t0
+    env.close()
+    assert sum(map(len, got)) > 0
+    return dt
+
+
+class _Coldstore:
+    """A real coldstore process and the worker's client of it."""
+
+    def __init__(self, data_dir: Path, *extra: str):
+        from deploy.supervisor import _zmq_ping
+        from kvbank.config import Layout
+        from worker.persist import ColdstoreClient
+
+        self.layout = Layout(data_dir).ensure()
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvbank.cli", "coldstore",
+                                      "--data-dir", str(data_dir), "--quiet-grace-s", "0",
+                                      "--tail-delay-s", "0", *extra])
+        while not _zmq_ping(self.layout.coldstore_address):
+            if self.proc.poll() is not None:
+                raise RuntimeError("the coldstore did not start")
+        self.done = threading.Event()
+        self.client = ColdstoreClient(self.layout, on_event=self._on_event).start()
+
+    def _on_event(self, msg: dict) -> None:
+        if msg.get("op") == "done":
+            self.outcome = msg["outcome"]
+            self.done.set()
+
+    def write(self, tokens: np.ndarray, root, ids: list, payloads: list[bytes],
+              block_tokens: int) -> float:
+        self.client.request({"op": "put_session", "tenant": TENANT, "session_id": SESSION,
+                             "block_tokens": block_tokens}, [tokens.tobytes()])
+        blocks = [{"id": b.hex(), "start": i * block_tokens} for i, b in enumerate(ids)]
+        self.done.clear()
+        t0 = time.perf_counter()
+        self.client.send({"op": "write", "job": self.client.next_id(), "tenant": TENANT,
+                          "session_id": SESSION, "root": root.hex(), "blocks": blocks,
+                          "dirty_since": time.time()}, payloads)
+        self.done.wait(600)
+        dt = time.perf_counter() - t0
+        if getattr(self, "outcome", None) != "written":
+            raise RuntimeError(f"the coldstore's write ended {getattr(self, 'outcome', None)}")
+        return dt
+
+    def read(self, ids: list) -> list[bytes]:
+        reply = self.client.request({"op": "get_blocks", "ids": [b.hex() for b in ids]},
+                                    timeout_s=600)
+        return reply["frames"]
+
+    def stop(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def _conversation_kv(model_dir: Path, n_tokens: int, seed: int):
+    """The model's KV of an n-token prompt, and how long computing it took."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from worker import kv
+
+    model, _ = load(str(model_dir))
+    tokens = np.random.default_rng(seed).integers(1000, 20000, n_tokens, dtype=np.uint32)
+    cache = make_prompt_cache(model)
+    t0 = time.perf_counter()
+    for s in range(0, n_tokens, 512):
+        model(mx.array(tokens[None, s:s + 512]), cache=cache)
+        mx.eval([c.state for c in cache])
+    recompute_s = time.perf_counter() - t0
+    return tokens, kv.freeze(cache, n_tokens), recompute_s
+
+
+def _restore(read, ids: list, n_tokens: int) -> float:
+    """Fetch + decode + build mlx-lm caches, as the worker restores a conversation."""
+    import mlx.core as mx
+
+    from worker import kv
+
+    t0 = time.perf_counter()
+    layers = read(ids)
+    cache = kv.restore(layers, n_tokens)
+    mx.eval([c.state for c in cache])
+    return time.perf_counter() - t0
+
+
+def _write_amplification(tmp: Path, turns: int, seed: int) -> dict:
+    """20 agent turns through a real stack with its default block size and delays."""
+    from deploy.local import LocalStack
+    from kvbank.models import default_cache_dir, make_tiny_model
+
+    model = make_tiny_model(tmp / "tiny", seed=0, cache_dir=default_cache_dir())
+    rng = np.random.default_rng(seed)
+    stack = LocalStack.start(model, tmp / "stack", shim=False)
+    try:
+        with stack.client() as c:
+            for _ in range(turns):
+                c.generate(session_id=SESSION, append=True, max_tokens=16,
+                           token_ids=rng.integers(1000, 20000, int(rng.integers(60, 200))).tolist())
+                time.sleep(0.5)  # the agent runs its tool: a quiet window
+            tokens = c.get_session(SESSION).token_count
+            stack.wait_durable(SESSION, timeout_s=300)
+        from deploy.supervisor import _zmq_ping_reply
+
+        reply = _zmq_ping_reply(stack.layout.coldstore_address)
+    finally:
+        stack.stop()
+    distinct = reply["stats"]["block_bytes"]
+    return {"amplification_turns": turns, "amplification_tokens": tokens,
+            "written_bytes": reply["written_bytes"],
+            "distinct_kv_bytes": distinct,
+            "write_amplification": round(reply["written_bytes"] / distinct, 3)}
+
+
+def run(*, model: str | None, tokens: int = 8192, block_tokens: int = 256, turns: int = 20,
+        seed: int = 0) -> dict:
+    from kvbank.config import preload_openblas
+
+    preload_openblas()
+    from kvbank.blocks import chain_block_ids, chain_root, tail_block_id
+    from kvbank.cli import _prepare_model
+    from worker import kv
+
+    model_dir = _prepare_model(model)
+    conv, layers, recompute_s = _conversation_kv(model_dir, tokens, seed)
+    root = chain_root(FINGERPRINT, TENANT)
+    ids = chain_block_ids(conv, root, block_tokens)
+    n_full = len(ids) * block_tokens
+    if n_full < tokens:
+        ids.append(tail_block_id(ids[-1] if ids else root, conv[n_full:]))
+    payloads = [kv.encode_range(layers, s, min(s + block_tokens, tokens))
+                for s in range(0, tokens, block_tokens)]
+    nbytes = sum(map(len, payloads))
+    del layers
+    with tempfile.TemporaryDirectory(prefix="kvbank-bench-") as tmp:
+        tmp = Path(tmp)
+        raw_write_s = _raw_write(tmp / "raw", ids, payloads)
+        raw_read_s = _raw_read(tmp / "raw", ids)
+        cs = _Coldstore(tmp / "cs")
+        try:
+            cs_write_s = cs.write(conv, root, ids, payloads, block_tokens)
+            from coldstore.store import ColdStore
+
+            data = tmp / "cs" / "store" / "data.mdb"
+            _drop_page_cache(data)
+            store = ColdStore(tmp / "cs" / "store", readonly=True)
+            direct_s = _restore(lambda i: store.get_blocks(i, decode=kv.decode_blocks), ids, tokens)
+            store.close()
+            _drop_page_cache(data)
+            via_s = _restore(lambda i: kv.decode_blocks(cs.read(i)), ids, tokens)
+        finally:
+            cs.stop()
+        amp = _write_amplification(tmp, turns, seed)
+    restore_s = min(direct_s, via_s)
+    mb = nbytes / 1e6
+    return {
+        "model": str(model_dir), "tokens": tokens, "block_tokens": block_tokens,
+        "kv_bytes": nbytes,
+        "raw_write_mb_s": round(mb / raw_write_s, 1),
+        "coldstore_write_mb_s": round(mb / cs_write_s, 1),
+        "write_ratio": round(raw_write_s / cs_write_s, 3),
+        "raw_read_mb_s": round(mb / raw_read_s, 1),
+        "restore_direct_s": round(direct_s, 3),
+        "restore_via_coldstore_s": round(via_s, 3),
+        "restore_default": "direct" if direct_s <= via_s else "coldstore",
+        "restore_ratio": round(raw_read_s / restore_s, 3),
+        "recompute_s": round(recompute_s, 2),
+        "restore_vs_recompute": round(recompute_s / restore_s, 1),
+        **amp,
+    }

@@ -1,0 +1,232 @@
+"""`kvbank bench compare`: one loadgen scenario through the OpenAI API of three servers.
+
+One after the other, on the same model folder, each freshly started:
+
+1. **kvbank** (`kvbank up --bank-bytes BUDGET`, through its shim): conversations that leave the
+   RAM bank come back from SSD.
+2. **mlx-lm, same budget** (`mlx_lm.server --prompt-cache-bytes BUDGET`): what leaves its
+   prompt cache is computed again.
+3. **mlx-lm, unlimited** (`--prompt-cache-bytes` 1 TiB): nothing is evicted, the ideal.
+
+Both mlx-lm servers get `--prompt-cache-size 100000`, so only the byte budget evicts. Each server
+gets one warm-up request (no session, 1 token) before its run, so model loading is not timed.
+Wall time is the scenario's alone. New tokens are counted with the model's tokenizer for all
+three (`TokenCounter`), so `recomputed_tokens = prompt - cached - new` means the same on each
+side; kvbank's own count (`server_recomputed_tokens`) is reported beside it.
+
+Ratios: `wall_speedup` = mlx-lm (same budget) wall / kvbank wall; `vs_ideal` = kvbank wall /
+mlx-lm (unlimited) wall; `recomputed_fraction` = kvbank recomputed / kvbank prompt tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUDGET_BYTES = 150_000_000
+UNLIMITED_BYTES = 1 << 40
+MLX_CACHE_ENTRIES = 100_000
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
+SIDES = (("kvbank", "kvbank (budget)"), ("mlx_lm_budget", "mlx-lm (budget)"),
+         ("mlx_lm_unlimited", "mlx-lm (unlimited)"))
+
+
+def _wait_health(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+    raise RuntimeError(f"{url} did not become healthy in {timeout_s:.0f} s; log:\n{tail}")
+
+
+def _warm_up(url: str, model_name: str | None) -> None:
+    """One anonymous 1-token request, so loading the model is not in the timed run."""
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+            "temperature": 0.0, "model": model_name or "default_model"}
+    httpx.post(url + "/v1/chat/completions", json=body, timeout=300).raise_for_status()
+
+
+@contextmanager
+def _kvbank(model_dir: Path, tmp: Path, budget_bytes: int) -> Iterator[str]:
+    from deploy.local import LocalStack
+
+    stack = LocalStack.start(model_dir, tmp / "kvbank-data",
+                             extra=["--bank-bytes", str(budget_bytes)])
+    try:
+        if not stack.shim_url:
+            raise RuntimeError("the kvbank stack was started without its OpenAI shim")
+        _wait_health(stack.shim_url, stack.proc, 120, stack.log)
+        yield stack.shim_url
+    finally:
+        stack.stop()
+
+
+@contextmanager
+def _mlx_lm(model_dir: Path, tmp: Path, cache_bytes: int, name: str) -> Iterator[str]:
+    from deploy.local import free_port
+
+    port = free_port()
+    log = tmp / f"{name}.log"
+    argv = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir),
+            "--port", str(port), "--prompt-cache-bytes", str(cache_bytes),
+            "--prompt-cache-size", str(MLX_CACHE_ENTRIES), "--temp", "0"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if os.path.exists(OPENBLAS):
+        env["LD_PRELOAD"] = OPENBLAS
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_health(url, proc, 300, log)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _run_side(name: str, label: str, url: str, scenario, counter, model_name: str | None,
+              max_wall_s: float, progress: bool):
+    from kvbank.loadgen.cli import execute
+    from kvbank.loadgen.targets import parse_target
+
+    _warm_up(url, model_name)
+    target = parse_target("openai://" + url, model_name=model_name)
+    try:
+        target.check(30)
+        return execute(scenario, target, run_id=f"compare-{name}", max_wall_s=max_wall_s,
+                       request_timeout_s=max_wall_s, counter=counter, progress=progress,
+                       label=label)
+    finally:
+        target.close()
+
+
+def _ratio(a: float | None, b: float | None, nd: int = 3) -> float | None:
+    return round(a / b, nd) if a is not None and b else None
+
+
+def run(*, model: str | None, scenario, budget_bytes: int, max_wall_s: float,
+        progress: bool = True) -> tuple[dict, dict]:
+    """Returns (the result document, {side: RunResult})."""
+    from kvbank.cli import _prepare_model
+    from kvbank.loadgen.report import summarize
+    from kvbank.loadgen.run import TokenCounter
+
+    model_dir = _prepare_model(model)
+    counter = TokenCounter(model_dir)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="kvbank-compare-") as tmpdir:
+        tmp = Path(tmpdir)
+        servers = {
+            "kvbank": lambda: _kvbank(model_dir, tmp, budget_bytes),
+            "mlx_lm_budget": lambda: _mlx_lm(model_dir, tmp, budget_bytes, "mlx_lm_budget"),
+            "mlx_lm_unlimited": lambda: _mlx_lm(model_dir, tmp, UNLIMITED_BYTES,
+                                                "mlx_lm_unlimited"),
+        }
+        for name, label in SIDES:
+            logger.info("compare: starting %s", label)
+            with servers[name]() as url:
+                results[name] = _run_side(name, label, url, scenario, counter,
+                                          None if name == "kvbank" else "default_model",
+                                          max_wall_s, progress)
+    sums = {name: summarize(r) for name, r in results.items()}
+    kv, mb, mu = sums["kvbank"], sums["mlx_lm_budget"], sums["mlx_lm_unlimited"]
+    doc = {
+        "model": str(model_dir),
+        "scenario": dataclasses.asdict(scenario.params),
+        "budget_bytes": budget_bytes,
+        "wall_speedup": _ratio(mb["wall_s"], kv["wall_s"]),
+        "vs_ideal": _ratio(kv["wall_s"], mu["wall_s"]),
+        "recomputed_fraction": _ratio(kv["recomputed_tokens"], kv["prompt_tokens"], 4),
+        "mlx_lm_budget_recomputed_fraction": _ratio(mb["recomputed_tokens"],
+                                                    mb["prompt_tokens"], 4),
+        "ttft_p50_speedup": _ratio(mb["ttft_p50_s"], kv["ttft_p50_s"]),
+        "complete": all(s["turns_ok"] == s["turns"] == scenario.params.agents
+                        * scenario.params.turns for s in sums.values()),
+        "sides": {name: {"label": label, "summary": sums[name]} for name, label in SIDES},
+    }
+    return doc, results
+
+
+def print_table(doc: dict, *, stderr: bool = False) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def f(x, nd: int = 2) -> str:
+        return "-" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+    p = doc["scenario"]
+    t = Table(title=f"bench compare: {p.get('scenario')} x{p.get('turns')} turns, budget "
+                    f"{doc['budget_bytes'] / 1e6:.0f} MB")
+    for col in ("server", "wall s", "ttft p50", "p95", "max", "prompt", "cached", "recomp",
+                "kvbank recomp", "refused", "errors"):
+        t.add_column(col, justify="left" if col == "server" else "right")
+    for side in doc["sides"].values():
+        s = side["summary"]
+        t.add_row(side["label"], f(s["wall_s"], 1), f(s["ttft_p50_s"]), f(s["ttft_p95_s"]),
+                  f(s["ttft_max_s"]), f(s["prompt_tokens"]), f(s["cached_tokens"]),
+                  f(s["recomputed_tokens"]), f(s["server_recomputed_tokens"]),
+                  f(s["refused"]), f(s["errored"]))
+    console = Console(stderr=stderr)
+    if not console.is_terminal:  # a log file or a pipe: do not squeeze to 80 columns
+        console = Console(stderr=stderr, width=132)
+    console.print(t)
+    console.print(f"wall_speedup (mlx-lm same budget / kvbank) {f(doc['wall_speedup'])}x, "
+                  f"vs_ideal (kvbank / mlx-lm unlimited) {f(doc['vs_ideal'])}, "
+                  f"recomputed_fraction {f(doc['recomputed_fraction'], 4)} (mlx-lm same "
+                  f"budget: {f(doc['mlx_lm_budget_recomputed_fraction'], 4)})")
+
+
+def run_cli(args) -> int:
+    from kvbank.loadgen import report
+    from kvbank.loadgen.scenarios import build, params
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+
+    try:
+        p = params(args.scenario, seed=args.seed, turns=args.turns,
+                   turn_tokens=args.turn_tokens, max_tokens=args.max_tokens,
+                   system_tokens=args.system_tokens)
+    except ValueError as e:
+        sys.stderr.write(f"kvbank bench compare: {e}\n")
+        return 2
+    scenario = build(p)
+    doc, results = run(model=args.model, scenario=scenario, budget_bytes=args.budget_bytes,
+                       max_wall_s=args.max_wall_s, progress=not args.no_progress)
+    if args.plot_dir:
+        labels = dict(SIDES)
+        report.plot_ttft(Path(args.plot_dir) / f"compare-{p.scenario}.png",
+                         {labels[n]: r.rows for n, r in results.items()},
+                         f"TTFT per turn, {p.scenario}, budget {args.budget_bytes / 1e6:.0f} MB")
+    print_table(doc, stderr=args.json == "-")  # stdout is the JSON's then
+    if args.json == "-":
+        sys.stdout.write(json.dumps(doc) + "\n")
+    elif args.json:
+        full = {**doc, "rows": {n: report.document(r)["rows"] for n, r in results.items()}}
+        report.write_json(Path(args.json), full)
+    return 0 if doc["complete"] else 1

@@ -1,0 +1,104 @@
+"""`kvbank bench overhead`: what the serving path costs per decoded token.
+
+Streams one greedy answer through shim -> router -> worker (an OpenAI client's path) and
+generates the same answer in this process with mlx-lm's `stream_generate`, on the same model
+and prompt. Both rates run from the first token to the last, so time to first token (prefill,
+queueing) is left out: `decode_ratio` is what HTTP, SSE, gRPC and the worker's bookkeeping
+take from decoding. The two alternate for `rounds` rounds after a warm-up each, so a change in
+the machine's load hits both alike; the medians are reported.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from deploy.local import LocalStack
+
+logger = logging.getLogger(__name__)
+
+
+def _prompt(prompt_tokens: int, seed: int) -> list[int]:
+    # Ordinary vocabulary, clear of the special tokens at the start of most vocabularies.
+    return np.random.default_rng(seed).integers(1000, 20000, size=prompt_tokens).tolist()
+
+
+def _decode_rate(token_count: int, first_s: float, last_s: float) -> float:
+    """Tokens after the first, per second between the first token and the last."""
+    return (token_count - 1) / (last_s - first_s) if token_count > 1 and last_s > first_s else 0.0
+
+
+def _through_kvbank(shim_url: str, prompt: list[int], max_tokens: int) -> tuple[float, int, str]:
+    """Decode rate (tokens/s), token count and text of one streamed completion."""
+    body = {"model": "kvbank", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    arrivals, text, tokens = [], [], 0
+    with httpx.stream("POST", shim_url + "/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                arrivals.append(time.perf_counter())
+                text.append(chunk["choices"][0]["text"])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return _decode_rate(tokens, arrivals[0], arrivals[-1]), tokens, "".join(text)
+
+
+def _in_process(model, tokenizer, prompt: list[int], max_tokens: int) -> tuple[float, int, str]:
+    from mlx_lm.generate import stream_generate
+
+    arrivals, text = [], []
+    for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+        arrivals.append(time.perf_counter())  # one response per token
+        text.append(response.text)
+    return _decode_rate(len(arrivals), arrivals[0], arrivals[-1]), len(arrivals), "".join(text)
+
+
+def run(*, model: str | None, prompt_tokens: int, max_tokens: int, rounds: int = 3,
+        seed: int = 0) -> dict:
+    from kvbank.cli import _prepare_model
+    from kvbank.config import preload_openblas
+
+    model_dir = _prepare_model(model)
+    prompt = _prompt(prompt_tokens, seed)
+    preload_openblas()  # before the first `import mlx` in this process
+    from mlx_lm import load
+
+    mlx_model, tokenizer = load(str(model_dir))
+    served, local = [], []
+    with tempfile.TemporaryDirectory(prefix="kvbank-bench-") as tmp:
+        stack = LocalStack.start(model_dir, Path(tmp) / "data")
+        try:
+            _through_kvbank(stack.shim_url, prompt, max_tokens)  # warm-up: both paths once
+            _in_process(mlx_model, tokenizer, prompt, max_tokens)
+            for _ in range(rounds):
+                served.append(_through_kvbank(stack.shim_url, prompt, max_tokens))
+                local.append(_in_process(mlx_model, tokenizer, prompt, max_tokens))
+        finally:
+            stack.stop()
+    kvbank_tps = statistics.median(rate for rate, _, _ in served)
+    local_tps = statistics.median(rate for rate, _, _ in local)
+    return {
+        "model": str(model_dir),
+        "prompt_tokens": prompt_tokens,
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "completion_tokens": served[-1][1],
+        "completion_tokens_in_process": local[-1][1],
+        "same_text": served[-1][2] == local[-1][2],
+        "kvbank_decode_tps": round(kvbank_tps, 2),
+        "in_process_decode_tps": round(local_tps, 2),
+        "kvbank_decode_tps_rounds": [round(rate, 2) for rate, _, _ in served],
+        "in_process_decode_tps_rounds": [round(rate, 2) for rate, _, _ in local],
+        "decode_ratio": round(kvbank_tps / local_tps, 3) if local_tps else None,
+    }

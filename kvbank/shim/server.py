@@ -1,0 +1,267 @@
+"""`kvbank shim`: the OpenAI HTTP API, as an ordinary client of the router's gRPC API.
+
+It holds no model and no privileged path: each request becomes one `Generate` call, and the
+client's API key travels on as `authorization` metadata so that the router puts the request in
+the key's tenant (the shim checks the key too, to refuse early with OpenAI's 401).
+
+A stream's HTTP headers go out with the router's first message, not before: a refusal (bad
+input, queue full, worker restarting) then still gets its own HTTP status and Retry-After, as
+OpenAI's clients expect. Once a stream has started, a failure is one SSE error event, in
+OpenAI's shape, that ends it. A client that hangs up cancels its router call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+
+import grpc
+import uvicorn
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvbank.shim.openai_format import Answer, ApiError, invalid, parse
+from kvbank.v1 import api_pb2_grpc
+from router.admission import NEVER, NOT_WITHOUT_SHORTER
+from router.auth import AUTH_KEY, Unauthenticated, tenant_for
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "kvbank"
+DEFAULT_RETRY_AFTER_S = 1.0  # when the router's refusal carries no `retry-after`
+HEALTH_TIMEOUT_S = 1.0
+# The router's refusals carry `x-kvbank-reason` (our error code) and `x-kvbank-verdict`.
+NO_RETRY_VERDICTS = (NEVER, NOT_WITHOUT_SHORTER)
+
+# The one table from the router's gRPC status to HTTP status, OpenAI error type and code.
+# Anything else is a 500 with a plain message; the details go to the log, not the client.
+_HTTP_FOR = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "requests", "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "unavailable"),
+}
+
+
+def error_for(e: grpc.aio.AioRpcError) -> ApiError:
+    status, kind, code = _HTTP_FOR.get(e.code(), (500, "server_error", "internal_error"))
+    if status == 500:
+        logger.error("router call failed: %s: %s", e.code().name, e.details())
+        return ApiError(500, "kvbank failed to answer (internal error); the server log says why",
+                        type=kind, code=code)
+    md = e.trailing_metadata() or grpc.aio.Metadata()
+    busy = status in (429, 503)
+    hopeless = busy and md.get("x-kvbank-verdict") in NO_RETRY_VERDICTS  # retrying can't help
+    return ApiError(status, e.details() or e.code().name, type=kind,
+                    code=md.get("x-kvbank-reason") or code,
+                    retry_after_s=_seconds(md.get("retry-after")) if busy and not hopeless else None,
+                    retry=False if hopeless else None)
+
+
+def _seconds(value: str | None) -> float:
+    try:
+        return max(0.0, float(value))
+    except (TypeError, ValueError):
+        return DEFAULT_RETRY_AFTER_S
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
+
+
+class Shim:
+    """The router channel, the keys, and the one model /v1/models names."""
+
+    def __init__(self, router_address: str, keys: dict[str, str], model_name: str | None):
+        self.router_address = router_address
+        self.keys = keys
+        self.model_name = model_name or DEFAULT_MODEL_NAME
+        self.started_at = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette):
+        """The channel belongs to the server's event loop, so it is made inside it."""
+        self.channel = grpc.aio.insecure_channel(self.router_address)
+        self.generation = api_pb2_grpc.GenerationStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        logger.info("OpenAI API for router %s, model %r, %s", self.router_address,
+                    self.model_name, f"{len(self.keys)} API keys" if self.keys else "no API keys")
+        try:
+            yield
+        finally:
+            await self.channel.close()
+
+    def authorize(self, request: Request) -> tuple[tuple[str, str], ...]:
+        """The metadata that carries the client's key on to the router; raises a 401."""
+        header = request.headers.get(AUTH_KEY, "")
+        try:
+            tenant_for(self.keys, [(AUTH_KEY, header)])
+        except Unauthenticated as e:
+            raise ApiError(401, str(e), code="invalid_api_key") from None
+        if header and header.isascii() and header.isprintable():
+            return ((AUTH_KEY, header),)
+        return ()
+
+    # -- endpoints ------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> JSONResponse:
+        try:
+            r = await self.health_stub.Check(health_pb2.HealthCheckRequest(),
+                                             timeout=HEALTH_TIMEOUT_S)
+            serving = r.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            serving = False
+        return JSONResponse({"status": "ok" if serving else "router unavailable"},
+                            status_code=200 if serving else 503)
+
+    async def models(self, request: Request) -> JSONResponse:
+        try:
+            self.authorize(request)
+        except ApiError as e:
+            return error_response(e)
+        return JSONResponse({"object": "list", "data": [self._model()]})
+
+    async def model(self, request: Request) -> JSONResponse:
+        try:
+            self.authorize(request)
+            if request.path_params["model"] != self.model_name:
+                raise ApiError(404, f"the model {request.path_params['model']!r} does not exist; "
+                                    f"this server has {self.model_name!r}",
+                               code="model_not_found", param="model")
+        except ApiError as e:
+            return error_response(e)
+        return JSONResponse(self._model())
+
+    def _model(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.started_at,
+                "owned_by": "kvbank"}
+
+    async def chat_completions(self, request: Request):
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: Request):
+        return await self._generate(request, "completion")
+
+    async def _generate(self, request: Request, kind: str):
+        try:
+            metadata = self.authorize(request)
+            req = parse(kind, await _json(request),
+                        session_header=request.headers.get("x-session-id"))
+            call = self.generation.Generate(req.generate, metadata=metadata)
+            first = await _read(call)
+        except ApiError as e:
+            return error_response(e)
+        answer = Answer(kind, self.model_name, include_usage=req.include_usage)
+        if req.stream:
+            return EventSourceResponse(_events(call, first, answer), sep="\n")
+        collecting = asyncio.ensure_future(_collect(call, first, answer))
+        hung_up = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait((collecting, hung_up), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hung_up.cancel()
+            if not collecting.done():  # nobody will read the answer: stop generating it
+                collecting.cancel()
+                call.cancel()
+        if collecting.cancelled() or not collecting.done():
+            return Response(status_code=499)  # nginx's "client closed request"; never sent
+        try:
+            return JSONResponse(collecting.result())
+        except ApiError as e:
+            return error_response(e)
+
+
+async def _json(request: Request) -> object:
+    try:
+        return json.loads(await request.body())
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
+        raise invalid(None, f"the body is not valid JSON: {e}") from None
+
+
+async def _read(call):
+    """The router's next message (or grpc.aio.EOF); a gRPC failure becomes an ApiError."""
+    try:
+        return await call.read()
+    except grpc.aio.AioRpcError as e:
+        raise error_for(e) from None
+
+
+async def _collect(call, msg, answer: Answer) -> dict:
+    while msg is not grpc.aio.EOF:
+        answer.add(msg)
+        msg = await _read(call)
+    return answer.body()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up (the body is read, so nothing else arrives)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _events(call, msg, answer: Answer):
+    """SSE data: one JSON chunk per event, then `[DONE]`; or an error event, then the end."""
+    try:
+        if (first := answer.first_chunk()) is not None:
+            yield _dumps(first)
+        while msg is not grpc.aio.EOF:
+            for chunk in answer.chunks(msg):
+                yield _dumps(chunk)
+            msg = await _read(call)
+        yield "[DONE]"
+    except ApiError as e:
+        yield _dumps(e.body())
+    finally:
+        call.cancel()  # a no-op once the call is done; stops the worker if the client left
+
+
+def _dumps(body: dict) -> str:
+    # json escapes newlines, so each event is exactly one `data:` line
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    return error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: "
+                                                    f"{exc.detail}"))
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return error_response(ApiError(500, "kvbank failed to answer (internal error); the server "
+                                        "log says why", type="server_error",
+                                   code="internal_error"))
+
+
+def create_app(router_address: str, keys: dict[str, str] | None = None,
+               model_name: str | None = None) -> Starlette:
+    shim = Shim(router_address, keys or {}, model_name)
+    return Starlette(
+        routes=[
+            Route("/health", shim.health),
+            Route("/v1/models", shim.models),
+            Route("/v1/models/{model:path}", shim.model),
+            Route("/v1/chat/completions", shim.chat_completions, methods=["POST"]),
+            Route("/v1/completions", shim.completions, methods=["POST"]),
+        ],
+        exception_handlers={HTTPException: _http_error, Exception: _internal_error},
+        lifespan=shim.lifespan,
+    )
+
+
+def main(router_address: str, host: str, port: int, keys: dict[str, str],
+         model_name: str | None) -> None:
+    app = create_app(router_address, keys, model_name)
+    # log_config=None keeps the process's logging (set up by the CLI); loop="asyncio" because
+    # grpc.aio wants the standard event loop.
+    config = uvicorn.Config(app, host=host, port=port, loop="asyncio", log_config=None,
+                            access_log=False, timeout_graceful_shutdown=3)
+    uvicorn.Server(config).run()

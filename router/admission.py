@@ -1,0 +1,136 @@
+"""The router's two admission steps: per-request ceilings, then a bounded queue.
+
+They run before the worker is asked for anything, so a request that can never fit, or one
+that would wait forever, is answered at once. Every refusal is a `Refusal`: a gRPC code, a
+reason code, a retry verdict and, when waiting can help, a retry-after in seconds. The
+worker's own steps (bank shrink, admission shed, release) follow in worker/admission.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import grpc
+
+# Verdicts: when a retry of the same request can succeed.
+AFTER_IN_FLIGHT = "after_in_flight_requests_finish"
+AFTER_SSD = "after_the_conversation_cache_reaches_ssd"
+NOT_WITHOUT_SHORTER = "not_without_a_shorter_prompt"
+NEVER = "never_at_this_limit"
+
+
+@dataclass
+class Refusal(Exception):
+    """A request kvbank will not run now; says why and whether/when a retry can work."""
+
+    code: grpc.StatusCode
+    reason: str
+    verdict: str
+    message: str
+    retry_after_s: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.message} [reason={self.reason} verdict={self.verdict}]"
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        md = [("x-kvbank-reason", self.reason), ("x-kvbank-verdict", self.verdict)]
+        if self.retry_after_s is not None:
+            md.append(("retry-after", str(self.retry_after_s)))
+        return tuple(md)
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    max_prompt_tokens: int | None = None
+    max_request_tokens: int | None = None  # prompt + max_tokens
+
+
+def check_ceilings(c: Ceilings, *, prompt_tokens: int, max_tokens: int,
+                   max_fit_tokens: int, memory_budget_bytes: int) -> None:
+    """Step 1: refuse at once what can never run at this configuration."""
+    if c.max_prompt_tokens is not None and prompt_tokens > c.max_prompt_tokens:
+        raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "max_prompt_tokens", NOT_WITHOUT_SHORTER,
+                      f"the prompt is {prompt_tokens} tokens; this server takes at most "
+                      f"{c.max_prompt_tokens} (--max-prompt-tokens): shorten it or compact the "
+                      f"conversation")
+    total = prompt_tokens + max_tokens
+    if c.max_request_tokens is not None and total > c.max_request_tokens:
+        raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "max_request_tokens", NOT_WITHOUT_SHORTER,
+                      f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) = {total} tokens; "
+                      f"this server takes at most {c.max_request_tokens} "
+                      f"(--max-request-tokens): lower max_tokens or shorten the prompt")
+    if max_fit_tokens and total > max_fit_tokens:
+        raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "over_memory_budget", NEVER,
+                      f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) = {total} tokens, "
+                      f"but the worker's memory budget ({memory_budget_bytes / 1e6:.0f} MB, "
+                      f"--memory-budget) fits at most {max_fit_tokens} tokens in one request, "
+                      f"even with every other conversation moved to SSD: shorten it or raise "
+                      f"the budget")
+
+
+class AdmissionQueue:
+    """Step 2: at most `max_active` requests at the worker, at most `max_queue` waiting.
+
+    FIFO; a full queue refuses at once with a retry-after estimated from recent turn times.
+    """
+
+    def __init__(self, max_active: int, max_queue: int, max_wait_s: float):
+        self.max_active = max(1, max_active)
+        self.max_queue = max(0, max_queue)
+        self.max_wait_s = max_wait_s
+        self.active = 0
+        self._waiters: deque[asyncio.Future] = deque()
+        self._recent_s: deque[float] = deque(maxlen=32)
+
+    @property
+    def depth(self) -> int:
+        return len(self._waiters)
+
+    def retry_after_s(self) -> int:
+        turn = sorted(self._recent_s)[len(self._recent_s) // 2] if self._recent_s else 1.0
+        return max(1, math.ceil(turn * (self.depth + 1) / self.max_active))
+
+    async def acquire(self) -> float:
+        """Wait for a slot; returns the seconds waited. Raises Refusal."""
+        if self.active < self.max_active and not self._waiters:
+            self.active += 1
+            return 0.0
+        if len(self._waiters) >= self.max_queue:
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_full", AFTER_IN_FLIGHT,
+                          f"{self.active} requests are running and {self.depth} waiting "
+                          f"(--max-queue {self.max_queue}): retry in {self.retry_after_s()} s",
+                          self.retry_after_s())
+        t0 = time.monotonic()
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        granted = False
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), self.max_wait_s)
+            granted = True
+        except asyncio.TimeoutError:
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_timeout", AFTER_IN_FLIGHT,
+                          f"waited {self.max_wait_s:.0f} s (--max-queue-wait-s) without a free "
+                          f"slot: retry in {self.retry_after_s()} s", self.retry_after_s())
+        finally:
+            if not granted:  # timed out or the client went away
+                if fut in self._waiters:
+                    self._waiters.remove(fut)
+                    fut.cancel()
+                elif fut.done() and not fut.cancelled():  # granted as we gave up: pass it on
+                    self.release(0.0, count=False)
+        return time.monotonic() - t0
+
+    def release(self, held_s: float, count: bool = True) -> None:
+        """A request left the worker: hand its slot to the next waiter."""
+        if count:
+            self._recent_s.append(held_s)
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # the slot passes on; `active` is unchanged
+                return
+        self.active -= 1

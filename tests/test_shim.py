@@ -1,0 +1,317 @@
+"""The OpenAI-compatible shim, driven by the official `openai` client (and raw HTTP where the
+bytes matter) against the real stack. The tiny model is random, so the tests check structure,
+token counts and cached tokens, never the text itself."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import uuid
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from kvbank.shim.openai_format import Answer
+from kvbank.shim.server import _events, error_for
+from kvbank.v1 import api_pb2
+from tests.conftest import start_stack
+
+KEY = "k1"
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def shim(tiny_model, tmp_path_factory, cache_dir):
+    """One stack for the module, with an API key, so every test also passes through auth."""
+    s = start_stack(tiny_model, tmp_path_factory.mktemp("shim") / "data",
+                    extra=["--api-key", KEY], cache_dir=cache_dir)
+    yield s
+    s.stop()
+
+
+def _client(stack, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.shim_url + "/v1", api_key=key, max_retries=0)
+
+
+def _user(text: str) -> list[dict]:
+    # A unique first message, so no earlier test's KV serves as this test's prefix.
+    return [{"role": "user", "content": f"[{uuid.uuid4().hex}] {text}"}]
+
+
+def _check_usage(usage, max_tokens: int = MAX_TOKENS) -> None:
+    assert usage.prompt_tokens > 0
+    assert 0 < usage.completion_tokens <= max_tokens
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert 0 <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+
+
+def test_chat_completion(shim):
+    r = _client(shim).chat.completions.create(
+        model="kvbank", messages=_user("Hello"), max_tokens=MAX_TOKENS, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.model == "kvbank"
+    [choice] = r.choices
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    _check_usage(r.usage)
+    assert r.usage.model_extra["kvbank"]["cache_source"] in ("none", "ram", "ssd")
+
+
+def test_async_chat_completion(shim):
+    async def ask():
+        async with openai.AsyncOpenAI(base_url=shim.shim_url + "/v1", api_key=KEY,
+                                      max_retries=0) as c:
+            # A list of text parts is joined into one message, as OpenAI does.
+            content = [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "async."}]
+            return await c.chat.completions.create(
+                model="kvbank", messages=[{"role": "user", "content": content}],
+                max_completion_tokens=4, temperature=0.7, top_p=0.9, seed=3)
+
+    r = asyncio.run(ask())
+    assert r.choices[0].message.role == "assistant"
+    _check_usage(r.usage, max_tokens=4)
+
+
+def test_streamed_chat_is_the_non_streamed_answer(shim):
+    c = _client(shim)
+    messages = _user("Tell me a story.")
+    whole = c.chat.completions.create(model="kvbank", messages=messages, max_tokens=16,
+                                      temperature=0)
+    chunks = list(c.chat.completions.create(
+        model="kvbank", messages=messages, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) \
+        == whole.choices[0].message.content
+    *body, finish, last = chunks
+    assert all(ch.usage is None and ch.choices[0].finish_reason is None for ch in body)
+    assert finish.choices[0].finish_reason == whole.choices[0].finish_reason
+    assert last.choices == [] and last.usage.completion_tokens == whole.usage.completion_tokens
+    assert last.usage.prompt_tokens == whole.usage.prompt_tokens
+    # The second request saw the same prompt: its KV came back from the bank.
+    assert last.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_completions_take_text_or_token_ids(shim):
+    c = _client(shim)
+    r = c.completions.create(model="kvbank", prompt="Once upon a time", max_tokens=MAX_TOKENS,
+                             temperature=0, stop=["\n\n", "END"])
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert isinstance(r.choices[0].text, str) and r.choices[0].finish_reason in ("stop", "length")
+    _check_usage(r.usage)
+
+    tokens = c.completions.create(model="kvbank", prompt=[1000, 2000, 3000, 4000],
+                                  max_tokens=MAX_TOKENS, temperature=0)
+    assert tokens.usage.prompt_tokens == 4
+
+    streamed = list(c.completions.create(model="kvbank", prompt=[1000, 2000, 3000, 4000],
+                                         max_tokens=MAX_TOKENS, temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed) == tokens.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == tokens.choices[0].finish_reason
+
+
+def test_models_lists_the_one_model(shim):
+    c = _client(shim)
+    [model] = c.models.list().data
+    assert model.id == "kvbank" and model.object == "model"
+    assert c.models.retrieve("kvbank").id == "kvbank"
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-4")
+
+
+@pytest.mark.parametrize("identity", ["user", "header"])
+def test_second_turn_reuses_the_first_turns_kv(shim, identity):
+    """The OpenAI API resends the whole conversation; the session's KV serves its prefix."""
+    c = _client(shim)
+    session = f"agent-{identity}-{uuid.uuid4().hex[:8]}"
+    same = ({"user": session} if identity == "user"
+            else {"extra_headers": {"x-session-id": session}})
+    messages = _user("List three prime numbers.")
+    t1 = c.chat.completions.create(model="kvbank", messages=messages, max_tokens=MAX_TOKENS,
+                                   temperature=0, **same)
+    messages += [{"role": "assistant", "content": t1.choices[0].message.content},
+                 {"role": "user", "content": "Now three even ones."}]
+    t2 = c.chat.completions.create(model="kvbank", messages=messages, max_tokens=MAX_TOKENS,
+                                   temperature=0, **same)
+    cached = t2.usage.prompt_tokens_details.cached_tokens
+    assert cached >= t1.usage.prompt_tokens - 1  # at least the whole first prompt
+    assert t2.usage.model_extra["kvbank"]["cache_source"] == "ram"
+    with shim.client() as router:  # the router knows the conversation by that session id
+        s = router.sessions.Get(api_pb2.GetSessionRequest(session_id=session), timeout=10,
+                                metadata=(("authorization", f"Bearer {KEY}"),))
+    assert s.token_count == t2.usage.prompt_tokens + t2.usage.completion_tokens
+
+
+BAD_CHAT = [  # (what replaces a good body's fields, the field the 400 must name)
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0].type"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": 1.5}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": 3}, "temperature"),
+    ({"top_p": -0.1}, "top_p"),
+    ({"seed": -1}, "seed"),
+    ({"stop": 5}, "stop"),
+    ({"stream": "yes"}, "stream"),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ({"n": 2}, "n"),
+    ({"user": 12}, "user"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+]
+
+
+@pytest.mark.parametrize("fields,param", BAD_CHAT, ids=[p for _, p in BAD_CHAT])
+def test_bad_chat_request_is_a_400_naming_the_field(shim, fields, param):
+    body = {"model": "kvbank", "messages": [{"role": "user", "content": "hi"}], **fields}
+    with pytest.raises(openai.BadRequestError) as info:
+        _client(shim).chat.completions.create(**body)
+    error = info.value.body
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert param in error["message"]
+
+
+def test_malformed_bodies_and_router_refusals_are_400s(shim):
+    headers = {"authorization": f"Bearer {KEY}"}
+    url = shim.shim_url + "/v1"
+    for path, content in [("/chat/completions", b"{not json"), ("/chat/completions", b"[1, 2]"),
+                          ("/completions", b"")]:
+        r = httpx.post(url + path, content=content, headers=headers)
+        assert r.status_code == 400, r.text
+        assert set(r.json()["error"]) == {"message", "type", "code", "param"}
+    for path, body, param in [("/chat/completions", {"model": "kvbank"}, "messages"),
+                              ("/completions", {"model": "kvbank"}, "prompt"),
+                              ("/completions", {"prompt": ["a", "b"]}, "prompt")]:
+        r = httpx.post(url + path, json=body, headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "missing" in r.json()["error"]["message"] or "one prompt" in r.json()["error"]["message"]
+    # Well-formed but too long for the model: the router refuses; the sentence comes through.
+    with pytest.raises(openai.BadRequestError) as info:
+        _client(shim).completions.create(model="kvbank", prompt="hi", max_tokens=100_000)
+    assert "context" in info.value.body["message"]
+    # An unknown path is an OpenAI-shaped 404, not an HTML page.
+    r = httpx.get(url + "/engines", headers=headers)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_api_key_is_checked(shim):
+    with pytest.raises(openai.AuthenticationError) as info:
+        _client(shim, key="wrong").chat.completions.create(
+            model="kvbank", messages=_user("hi"), max_tokens=2)
+    assert info.value.body["code"] == "invalid_api_key"
+    r = httpx.post(shim.shim_url + "/v1/chat/completions",
+                   json={"messages": _user("hi"), "max_tokens": 2})
+    assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    assert httpx.get(shim.shim_url + "/v1/models").status_code == 401
+    assert httpx.get(shim.shim_url + "/health").status_code == 200  # health needs no key
+
+
+def test_sse_framing_byte_for_byte(shim):
+    body = {"model": "kvbank", "messages": _user("Count."), "max_tokens": MAX_TOKENS,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", shim.shim_url + "/v1/chat/completions", json=body,
+                      headers={"authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read()
+    raw = re.sub(rb"(?m)^: ping[^\n]*\n\n", b"", raw)  # keep-alive comments (a slow machine)
+    assert raw.endswith(b"data: [DONE]\n\n")
+    events = raw.split(b"\n\n")[:-1]
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+    # Re-encoding each chunk compactly gives back exactly the bytes sent.
+    assert raw == b"".join(b"data: " + json.dumps(c, ensure_ascii=False, separators=(",", ":"))
+                           .encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_queue_full_is_a_429_with_retry_after(tiny_model, tmp_path, cache_dir):
+    stack = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir,
+                        extra=["--max-active-requests", "1", "--max-queue", "0"])
+    try:
+        c = _client(stack, key="x")
+        # One long request holds the only slot while it streams; the others find no room.
+        holder = c.chat.completions.create(model="kvbank", messages=_user("Go on and on."),
+                                           max_tokens=1500, temperature=0, stream=True)
+        first = next(holder)
+        refusals = []
+        for _ in range(3):
+            try:
+                c.chat.completions.create(model="kvbank", messages=_user("Me too."),
+                                          max_tokens=2)
+            except openai.RateLimitError as e:
+                refusals.append(e)
+        rest = list(holder)
+    finally:
+        stack.stop()
+    assert first.choices[0].delta.role == "assistant"
+    assert rest[-1].choices[0].finish_reason == "length"  # it ran its whole length meanwhile
+    assert refusals, "no request was refused while the only slot was taken"
+    for e in refusals:
+        assert e.status_code == 429
+        assert int(e.response.headers["retry-after"]) >= 1
+        assert e.body["message"] and e.body["type"] == "requests"
+
+
+# -- without a stack: the mapping of router failures -----------------------------------------
+
+
+def _rpc_error(code: grpc.StatusCode, details: str, **trailing: str) -> grpc.aio.AioRpcError:
+    md = grpc.aio.Metadata(*((k.replace("_", "-"), v) for k, v in trailing.items()))
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), md, details=details)
+
+
+def test_router_statuses_map_to_http():
+    full = error_for(_rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "2 running, 0 waiting",
+                                retry_after="3", x_kvbank_reason="queue_full",
+                                x_kvbank_verdict="after_in_flight_requests_finish"))
+    assert (full.status, full.code, full.message) == (429, "queue_full", "2 running, 0 waiting")
+    assert full.headers()["Retry-After"] == "3"
+    assert error_for(_rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")) \
+        .headers()["Retry-After"] == "1"
+    never = error_for(_rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "too long",
+                                 x_kvbank_verdict="not_without_a_shorter_prompt"))
+    assert never.headers() == {"x-should-retry": "false"}
+    assert error_for(_rpc_error(grpc.StatusCode.UNAVAILABLE, "restarting")).status == 503
+    assert error_for(_rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens")).status == 400
+    assert error_for(_rpc_error(grpc.StatusCode.UNAUTHENTICATED, "key")).status == 401
+    assert error_for(_rpc_error(grpc.StatusCode.NOT_FOUND, "no session")).status == 404
+    internal = error_for(_rpc_error(grpc.StatusCode.INTERNAL, "Traceback: secret"))
+    assert internal.status == 500 and "secret" not in internal.message
+
+
+class _FailingCall:
+    """A router stream that sends one message, then fails (the worker died mid-answer)."""
+
+    def __init__(self):
+        self.cancelled = False
+
+    async def read(self):
+        raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "the worker is not reachable")
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_failure_mid_stream_ends_with_an_error_event():
+    async def events(call):
+        first = api_pb2.GenerateResponse(text="Hel", token_ids=[1])
+        return [e async for e in _events(call, first, Answer("chat", "kvbank"))]
+
+    call = _FailingCall()
+    out = [json.loads(e) for e in asyncio.run(events(call))]
+    assert out[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert out[1]["choices"][0]["delta"]["content"] == "Hel"
+    assert out[2]["error"]["type"] == "server_error"
+    assert "not reachable" in out[2]["error"]["message"]
+    assert len(out) == 3 and call.cancelled  # no [DONE]: the stream ended on the error

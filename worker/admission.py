@@ -1,0 +1,206 @@
+"""The worker's admission: price a request, make room by the bank's policies, or refuse.
+
+Steps 3-6 of the admission path (the router did 1-2: ceilings and the queue). Each step
+re-measures and stops as soon as the request fits:
+3. `shrink_to_bytes` of idle LRU entries (protect_active, and the prompt's restore source);
+4. `shrink_for_admission` of prefill-shed candidates (the chain-derived target with
+   `--admission-chain-shed`);
+5. `release_sessions(write_out_before_release=True)` of idle conversations;
+6. refuse before any prefill work, naming the holders of memory and a retry verdict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEDULERS = ("batch", "serial", "hyper")
+DEFAULT_BATCH_ACTIVE = 4
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    mode: str = "batch"
+    max_active: int = DEFAULT_BATCH_ACTIVE
+
+    @classmethod
+    def from_flags(cls, mode: str, max_active: int | None) -> "SchedulerConfig":
+        """Checked at start: a flag that contradicts the mode stops the process, naming it."""
+        if mode not in SCHEDULERS:
+            raise SystemExit(f"--scheduler {mode}: choose one of {', '.join(SCHEDULERS)}")
+        if max_active is not None and max_active < 1:
+            raise SystemExit(f"--max-active-requests {max_active}: must be at least 1")
+        if mode == "hyper" and max_active not in (None, 1):
+            raise SystemExit(f"--scheduler hyper runs exactly one request at a time; "
+                             f"--max-active-requests {max_active} would allow more: drop it "
+                             f"or use --scheduler batch")
+        if mode == "serial" and max_active not in (None, 1):
+            raise SystemExit(f"--scheduler serial runs one request at a time (FIFO); "
+                             f"--max-active-requests {max_active} would allow more: drop it "
+                             f"or use --scheduler batch")
+        if max_active is None:
+            max_active = DEFAULT_BATCH_ACTIVE if mode == "batch" else 1
+        return cls(mode, max_active)
+
+
+# -- pricing ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Pricing:
+    """What a request will cost in bytes, before it allocates anything.
+
+    MLX on CPU does not enforce a memory limit and a failed allocation kills the process, so
+    every byte is priced up front. A running request's cache grows by concatenation, which
+    briefly holds the old and the new buffer: it is priced at twice its final size. A prefill
+    chunk's transients (attention scores, activations, logits) are measured once at start and
+    grow with the context the chunk attends to.
+    """
+
+    kv_bytes_per_token: int
+    fixed_bytes: int  # weights, runtime, interpreter: measured at start
+    chunk_tokens: int
+    transient_base: int = 0  # one chunk at an empty context
+    transient_per_context_token: float = 0.0
+
+    def cache_bytes(self, tokens: int) -> int:
+        return 2 * self.kv_bytes_per_token * tokens
+
+    def prefill_transient(self, context_tokens: int) -> int:
+        return int(self.transient_base + self.transient_per_context_token * context_tokens)
+
+    def max_fit_tokens(self, budget: int) -> int:
+        """The longest prompt + max_tokens that fits the budget with nothing else held."""
+        room = budget - self.fixed_bytes - self.transient_base
+        per_token = 2 * self.kv_bytes_per_token + self.transient_per_context_token
+        return max(0, int(room / per_token))
+
+    def request_bytes(self, prompt_tokens: int, max_tokens: int, *, batch_len: int = 0,
+                      batch_size: int = 0) -> int:
+        """The request's cache, its prefill transient, and the padding it adds to a batch
+        (mlx-lm pads every batched cache to the longest one)."""
+        total = prompt_tokens + max_tokens
+        padding = batch_size * max(0, total - batch_len) + max(0, batch_len - total)
+        return (self.cache_bytes(total + padding)
+                + self.prefill_transient(min(prompt_tokens, max(batch_len, prompt_tokens))))
+
+
+def calibrate(model, pricing: Pricing) -> Pricing:
+    """Measure a prefill chunk's transient bytes at two context lengths (MLX tracks CPU
+    allocations too), so pricing reflects this model and this chunk size."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    C = pricing.chunk_tokens
+    cache = make_prompt_cache(model)
+    peaks = []
+    for i in range(2):
+        tokens = mx.array([[(1000 + 7 * j + i) % 5000 for j in range(C)]], dtype=mx.uint32)
+        mx.eval(tokens)
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        model(tokens, cache=cache)
+        mx.eval([c.state for c in cache])
+        kv_growth = mx.get_active_memory() - before
+        peaks.append(max(0, mx.get_peak_memory() - before - kv_growth))
+    del cache
+    mx.clear_cache()
+    pricing.transient_base = peaks[0]
+    pricing.transient_per_context_token = max(0.0, (peaks[1] - peaks[0]) / C)
+    return pricing
+
+
+# -- the ledger ---------------------------------------------------------------------------------
+
+
+def default_memory_budget() -> int:
+    """60 % of RAM: the rest is for the OS, the coldstore's page cache and other programs."""
+    import psutil
+
+    return int(psutil.virtual_memory().total * 0.6)
+
+
+def held_bytes(pricing: Pricing, bank) -> int:
+    """Every byte the worker answers for: fixed, bank entries, running requests, staged."""
+    return pricing.fixed_bytes + bank.ledger()["held_bytes"]
+
+
+@dataclass
+class AdmissionReceipt:
+    """One per admitted or refused request: what it needed and what each step did."""
+
+    need_bytes: int
+    free_before: int
+    free_after: int = 0
+    lru_evicted: int = 0
+    shed_non_terminal: int = 0
+    shed_terminal: int = 0
+    released_sessions: int = 0
+    written_out: int = 0
+    decision: str = "admitted"  # admitted | wait | refused
+    reason: str = ""
+    verdict: str = ""
+    holders: dict = field(default_factory=dict)
+
+
+class Refused(Exception):
+    """The request cannot run now; says why, who holds the memory, and when to retry."""
+
+    def __init__(self, receipt: AdmissionReceipt, message: str):
+        super().__init__(message)
+        self.receipt = receipt
+
+
+def make_room(*, bank, pricing: Pricing, budget: int, need: int, tokens, tenant: str,
+              session_id: str, running: int, chain_shed: bool = False) -> AdmissionReceipt:
+    """Steps 3-6 for one request; each step re-measures and stops when it fits.
+
+    Returns the receipt with decision "admitted", or "wait" when requests in flight hold the
+    missing memory (the request stays first in line); raises Refused otherwise.
+    """
+    free = lambda: budget - held_bytes(pricing, bank)  # noqa: E731
+    r = AdmissionReceipt(need_bytes=need, free_before=free())
+    if free() >= need:
+        r.free_after = free()
+        return r
+    target = lambda: max(0, bank.total_nbytes - (need - free()))  # noqa: E731
+    hit = bank.lookup(tokens, tenant)
+    source = (hit.entry.key,) if hit else ()
+    # 3. idle LRU entries; active sessions and the prompt's own restore source stay
+    r.lru_evicted = bank.shrink_to_bytes(target(), reason="admission_lru", protect_active=True,
+                                         protect_unwritten=True, protect_keys=source)
+    # 4. admission shed: non-terminal entries first, then any idle session's
+    if free() < need:
+        shed_target = target()
+        if chain_shed:  # the admission-chain policy: shed what the chain will need too
+            shed_target = max(0, shed_target - pricing.cache_bytes(len(tokens)))
+        r.shed_non_terminal, r.shed_terminal = bank.shrink_for_admission(
+            shed_target, protect_tokens=tokens, reason="admission_shed", tenant=tenant,
+            protect_session_ids=(session_id,) if session_id else ())
+    # 5. release idle conversations, writing their KV to SSD first
+    if free() < need:
+        rel = bank.release_sessions(target(), reason="admission_release",
+                                    keep_session_ids=(session_id,) if session_id else (),
+                                    write_out_before_release=True)
+        r.released_sessions, r.written_out = len(rel.rows), rel.written_out_entries
+    r.free_after = free()
+    if r.free_after >= need:
+        return r
+    # 6. it does not fit: wait for requests in flight, or refuse with the reason
+    ledger = bank.ledger()
+    r.holders = {"fixed_bytes": pricing.fixed_bytes, "bank_bytes": ledger["entries_bytes"],
+                 "running_bytes": ledger["active_bytes"], "staged_bytes": ledger["staged_bytes"]}
+    if need > budget - pricing.fixed_bytes:
+        r.decision, r.reason, r.verdict = "refused", "over_memory_budget", "never_at_this_limit"
+        raise Refused(r, f"this request needs {need / 1e6:.0f} MB but the memory budget leaves "
+                         f"{(budget - pricing.fixed_bytes) / 1e6:.0f} MB beyond the model: "
+                         f"shorten the prompt, lower max_tokens or raise --memory-budget")
+    if running:
+        r.decision, r.reason, r.verdict = "wait", "in_flight", "after_in_flight_requests_finish"
+        return r
+    unwritten = sum(e.nbytes for e in bank.entries.values() if e.awaits_queued_write)
+    r.decision, r.reason = "refused", "memory_held"
+    r.verdict = ("after_the_conversation_cache_reaches_ssd" if unwritten
+                 else "not_without_a_shorter_prompt")
+    raise Refused(r, f"this request needs {need / 1e6:.0f} MB and {r.free_after / 1e6:.0f} MB "
+                     f"are free after trimming the bank; held: "
+                     + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in r.holders.items()))
