@@ -74,6 +74,14 @@ def forward(args: argparse.Namespace, group: str) -> list[str]:
     return out
 
 
+def _budget_spec(text: str) -> str:
+    body = text[1:] if text.startswith("+") else text
+    if not body.isdigit() or int(body) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give bytes, e.g. 8000000000, or +N for N "
+                                         f"bytes of KV beyond the model")
+    return text
+
+
 def _coldstore_flags(p: argparse.ArgumentParser) -> None:
     _group("coldstore", p,
            (["--max-dirty-s"], dict(type=float, default=30.0,
@@ -120,10 +128,13 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
            (["--admission-chain-shed"], dict(action="store_true",
             help="admission sheds the larger, chain-derived target (room for the prompt's "
                  "whole cache) instead of just the bytes missing")),
-           (["--memory-budget"], dict(type=int, default=None,
+           (["--memory-budget"], dict(type=_budget_spec, default=None,
             help="bytes the worker may hold in all: weights, bank, running requests, prefill "
-                 "transients, staged writes; admission never goes past it (default: 60%% of "
-                 "RAM)")))
+                 "transients, staged writes; admission never goes past it. `+N`: N bytes for "
+                 "KV beyond the model and one prefill chunk (default: 60%% of RAM)")),
+           (["--prefill-chunk-tokens"], dict(type=int, default=512,
+            help="prompt tokens per prefill step; smaller lets other requests' tokens through "
+                 "sooner during a long prefill (default: %(default)s)")))
 
 
 def _auth_flags(p: argparse.ArgumentParser, group: str) -> None:
@@ -214,6 +225,18 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--json", action="store_true", help="print the usage as one JSON object")
     ask.add_argument("text")
 
+    adm = sub.add_parser("admin", help="operator tools (over the router's Admin service)")
+    _address(adm)
+    asub = adm.add_subparsers(dest="admin", required=True)
+    ap_ = asub.add_parser("pressure", help="inject a memory-pressure level, or `auto`")
+    ap_.add_argument("level", choices=("normal", "warning", "critical", "auto"))
+    asub.add_parser("trim", help="move every idle conversation already on SSD out of RAM")
+    asub.add_parser("flush", help="write every conversation not on SSD yet, now")
+    ar = asub.add_parser("release", help="move one conversation out of RAM (written out first)")
+    ar.add_argument("session")
+    ar.add_argument("--no-write-out", action="store_true",
+                    help="drop its KV from RAM even if it is not on SSD yet")
+
     lg = sub.add_parser("loadgen", help="drive agents' conversations against a server")
     from kvbank.loadgen.cli import add_arguments as loadgen_arguments
 
@@ -293,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                     bank_bytes=args.bank_bytes, staging_max_bytes=args.staging_max_bytes,
                     restore_via=args.restore_via, scheduler=sched,
                     memory_budget=args.memory_budget, active_pin_s=args.active_pin_s,
-                    admission_chain_shed=args.admission_chain_shed)
+                    admission_chain_shed=args.admission_chain_shed,
+                    prefill_chunk_tokens=args.prefill_chunk_tokens)
         return 0
     if cmd == "coldstore":
         from coldstore.budgets import Limits
@@ -314,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         shim_main(router_address=args.router, host=args.shim_host, port=args.shim_port,
                   keys=load_keys(args.api_key, args.api_keys_file), model_name=args.model_name)
         return 0
+    if cmd == "admin":
+        from kvbank.admin import run_admin
+
+        return run_admin(args)
     if cmd == "loadgen":
         from kvbank.loadgen.cli import run_cli
 

@@ -92,3 +92,18 @@ class Client:
     def release(self, session_id: str, write_out: bool = True) -> api_pb2.ReleaseResponse:
         return self.admin.Release(api_pb2.ReleaseRequest(session_id=session_id,
                                                          write_out=write_out), timeout=120)
+
+    def set_pressure(self, level: str) -> api_pb2.PressureResponse:
+        return self.admin.SetPressure(api_pb2.PressureRequest(level=level), timeout=30)
+
+    def trim(self) -> api_pb2.TrimResponse:
+        return self.admin.Trim(api_pb2.TrimRequest(), timeout=120)
+
+    def flush(self) -> api_pb2.FlushResponse:
+        return self.admin.Flush(api_pb2.FlushRequest(), timeout=120)
+
+    def status(self) -> api_pb2.StatusResponse:
+        return self.admin.Status(api_pb2.StatusRequest(), timeout=30)
+
+    def list_sessions(self) -> list[api_pb2.Session]:
+        return list(self.sessions.List(api_pb2.ListSessionsRequest(), timeout=30).sessions)

@@ -49,8 +49,7 @@ class Ceilings:
     max_request_tokens: int | None = None  # prompt + max_tokens
 
 
-def check_ceilings(c: Ceilings, *, prompt_tokens: int, max_tokens: int,
-                   max_fit_tokens: int, memory_budget_bytes: int) -> None:
+def check_ceilings(c: Ceilings, *, prompt_tokens: int, max_tokens: int, info) -> None:
     """Step 1: refuse at once what can never run at this configuration."""
     if c.max_prompt_tokens is not None and prompt_tokens > c.max_prompt_tokens:
         raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "max_prompt_tokens", NOT_WITHOUT_SHORTER,
@@ -63,13 +62,20 @@ def check_ceilings(c: Ceilings, *, prompt_tokens: int, max_tokens: int,
                       f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) = {total} tokens; "
                       f"this server takes at most {c.max_request_tokens} "
                       f"(--max-request-tokens): lower max_tokens or shorten the prompt")
-    if max_fit_tokens and total > max_fit_tokens:
+    if not info.memory_budget_bytes:
+        return
+    from worker.admission import Pricing  # the worker's own price list, from its Info
+
+    pricing = Pricing(info.kv_bytes_per_token, info.fixed_bytes, info.prefill_chunk_tokens,
+                      info.transient_base_bytes, info.transient_per_context_token)
+    if pricing.request_bytes(prompt_tokens, max_tokens) > info.memory_budget_bytes - info.fixed_bytes:
+        fits = pricing.max_fit_tokens(info.memory_budget_bytes, prompt_tokens)
         raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "over_memory_budget", NEVER,
                       f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) = {total} tokens, "
-                      f"but the worker's memory budget ({memory_budget_bytes / 1e6:.0f} MB, "
-                      f"--memory-budget) fits at most {max_fit_tokens} tokens in one request, "
-                      f"even with every other conversation moved to SSD: shorten it or raise "
-                      f"the budget")
+                      f"but the worker's memory budget ({info.memory_budget_bytes / 1e6:.0f} MB, "
+                      f"--memory-budget) fits at most {fits} tokens with this prompt, even "
+                      f"with every other conversation moved to SSD: shorten it, lower "
+                      f"max_tokens or raise the budget")
 
 
 class AdmissionQueue:

@@ -97,8 +97,7 @@ class Backend:
 
     def admit_sizes(self, tokens: list[int], max_tokens: int, info) -> None:
         check_ceilings(self.ceilings, prompt_tokens=len(tokens), max_tokens=max_tokens,
-                       max_fit_tokens=info.max_fit_tokens,
-                       memory_budget_bytes=info.memory_budget_bytes)
+                       info=info)
 
     def session_lock(self, tenant: str, session_id: str):
         if not session_id:
@@ -220,8 +219,30 @@ class SessionsServicer(api_pb2_grpc.SessionsServicer):
 
 
 class AdminServicer(api_pb2_grpc.AdminServicer):
+    """Operator tools, relayed to the worker. Loopback only unless an admin key is set."""
+
     def __init__(self, backend: Backend):
         self.b = backend
+
+    async def _relay(self, method, request, context, timeout_s: float = 120):
+        try:
+            return await method(request, metadata=((TENANT_KEY, self.b.tenant(context)),),
+                                timeout=timeout_s)
+        except Exception as e:
+            code, msg, md = _status_for(e)
+            await context.abort(code, msg, trailing_metadata=md)
+
+    async def SetPressure(self, request, context):
+        return await self._relay(self.b.stub.SetPressure, request, context)
+
+    async def Trim(self, request, context):
+        return await self._relay(self.b.stub.Trim, request, context)
+
+    async def Flush(self, request, context):
+        return await self._relay(self.b.stub.Flush, request, context)
+
+    async def Status(self, request, context):
+        return await self._relay(self.b.stub.Status, request, context)
 
     async def Release(self, request, context):
         if not request.session_id:

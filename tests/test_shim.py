@@ -7,16 +7,18 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import uuid
 
 import grpc
 import httpx
 import openai
 import pytest
+import uvicorn
 
-from kvbank.shim.openai_format import Answer
-from kvbank.shim.server import _events, error_for
-from kvbank.v1 import api_pb2
+from deploy.local import free_port
+from kvbank.shim.server import create_app, error_for
+from kvbank.v1 import api_pb2, api_pb2_grpc
 from tests.conftest import start_stack
 
 KEY = "k1"
@@ -192,8 +194,9 @@ def test_malformed_bodies_and_router_refusals_are_400s(shim):
                               ("/completions", {"model": "kvbank"}, "prompt"),
                               ("/completions", {"prompt": ["a", "b"]}, "prompt")]:
         r = httpx.post(url + path, json=body, headers=headers)
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-        assert "missing" in r.json()["error"]["message"] or "one prompt" in r.json()["error"]["message"]
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == param, r.text
+        assert "missing" in error["message"] or "one prompt" in error["message"]
     # Well-formed but too long for the model: the router refuses; the sentence comes through.
     with pytest.raises(openai.BadRequestError) as info:
         _client(shim).completions.create(model="kvbank", prompt="hi", max_tokens=100_000)
@@ -263,6 +266,99 @@ def test_queue_full_is_a_429_with_retry_after(tiny_model, tmp_path, cache_dir):
         assert e.body["message"] and e.body["type"] == "requests"
 
 
+# -- against a fake router: failures on cue, and hang-ups --------------------------------
+
+
+class FakeRouter(api_pb2_grpc.GenerationServicer):
+    """Answers by the prompt: "forever" streams until cancelled, "fail" dies after one
+    message, "full" is refused as a full queue would be."""
+
+    def __init__(self):
+        self.cancelled = threading.Semaphore(0)  # released once per cancelled call
+
+    async def Generate(self, request, context):
+        if request.prompt == "full":
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "1 running, 0 waiting",
+                                trailing_metadata=(("retry-after", "7"),
+                                                   ("x-kvbank-reason", "queue_full")))
+        yield api_pb2.GenerateResponse(text="Hel", token_ids=[1])
+        if request.prompt == "fail":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is not reachable")
+        try:
+            while True:
+                yield api_pb2.GenerateResponse(text="lo", token_ids=[2])
+                await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            self.cancelled.release()
+            raise
+
+
+@pytest.fixture(scope="module")
+def fake():
+    """A shim in this process (uvicorn in a thread) in front of a FakeRouter."""
+    router, loop = FakeRouter(), asyncio.new_event_loop()
+
+    async def serve(port: int) -> grpc.aio.Server:
+        server = grpc.aio.server()  # made in the loop that runs it
+        api_pb2_grpc.add_GenerationServicer_to_server(router, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        return server
+
+    router_port, shim_port = free_port(), free_port()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    server = asyncio.run_coroutine_threadsafe(serve(router_port), loop).result(10)
+    http = uvicorn.Server(uvicorn.Config(create_app(f"127.0.0.1:{router_port}"), port=shim_port,
+                                         loop="asyncio", log_config=None))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    while not http.started:
+        thread.join(0.05)
+    router.url = f"http://127.0.0.1:{shim_port}/v1"
+    yield router
+    http.should_exit = True
+    thread.join(10)
+    asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+
+
+def test_refusal_before_the_first_token_keeps_its_http_status(fake):
+    c = openai.OpenAI(base_url=fake.url, api_key="x", max_retries=0)
+    for stream in (False, True):
+        with pytest.raises(openai.RateLimitError) as info:
+            c.completions.create(model="kvbank", prompt="full", stream=stream)
+        assert info.value.response.headers["retry-after"] == "7"
+        assert info.value.body["code"] == "queue_full"
+        assert info.value.body["message"] == "1 running, 0 waiting"
+
+
+def test_failure_mid_stream_is_an_error_event_that_ends_it(fake):
+    with httpx.stream("POST", fake.url + "/completions",
+                      json={"prompt": "fail", "stream": True}) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line]
+    assert json.loads(events[0].removeprefix("data: "))["choices"][0]["text"] == "Hel"
+    error = json.loads(events[-1].removeprefix("data: "))["error"]
+    assert error["type"] == "server_error" and "not reachable" in error["message"]
+    assert len(events) == 2  # no [DONE]: the stream ended on the error
+    # The openai client turns that event into an exception.
+    stream = openai.OpenAI(base_url=fake.url, api_key="x").completions.create(
+        model="kvbank", prompt="fail", stream=True)
+    with pytest.raises(openai.APIError, match="not reachable"):
+        list(stream)
+
+
+def test_a_client_that_hangs_up_cancels_its_router_call(fake):
+    with httpx.stream("POST", fake.url + "/chat/completions",
+                      json={"messages": [{"role": "user", "content": "forever"}],
+                            "stream": True}) as r:
+        next(r.iter_lines())
+    assert fake.cancelled.acquire(timeout=30), "the streamed call was not cancelled"
+    with pytest.raises(httpx.ReadTimeout):  # the answer never ends: the client gives up
+        httpx.post(fake.url + "/completions", json={"prompt": "forever"}, timeout=0.5)
+    assert fake.cancelled.acquire(timeout=30), "the non-streamed call was not cancelled"
+
+
 # -- without a stack: the mapping of router failures -----------------------------------------
 
 
@@ -290,28 +386,11 @@ def test_router_statuses_map_to_http():
     assert internal.status == 500 and "secret" not in internal.message
 
 
-class _FailingCall:
-    """A router stream that sends one message, then fails (the worker died mid-answer)."""
+def test_bench_overhead_compares_the_same_answer(tiny_model):
+    from kvbank.bench.overhead import run
 
-    def __init__(self):
-        self.cancelled = False
+    result = run(model=str(tiny_model), prompt_tokens=32, max_tokens=16, rounds=1)
+    assert result["same_text"] and result["completion_tokens"] == 16
+    assert result["kvbank_decode_tps"] > 0 and result["in_process_decode_tps"] > 0
+    assert result["decode_ratio"] > 0
 
-    async def read(self):
-        raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "the worker is not reachable")
-
-    def cancel(self):
-        self.cancelled = True
-
-
-def test_failure_mid_stream_ends_with_an_error_event():
-    async def events(call):
-        first = api_pb2.GenerateResponse(text="Hel", token_ids=[1])
-        return [e async for e in _events(call, first, Answer("chat", "kvbank"))]
-
-    call = _FailingCall()
-    out = [json.loads(e) for e in asyncio.run(events(call))]
-    assert out[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert out[1]["choices"][0]["delta"]["content"] == "Hel"
-    assert out[2]["error"]["type"] == "server_error"
-    assert "not reachable" in out[2]["error"]["message"]
-    assert len(out) == 3 and call.cancelled  # no [DONE]: the stream ended on the error

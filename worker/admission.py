@@ -68,11 +68,15 @@ class Pricing:
     def prefill_transient(self, context_tokens: int) -> int:
         return int(self.transient_base + self.transient_per_context_token * context_tokens)
 
-    def max_fit_tokens(self, budget: int) -> int:
-        """The longest prompt + max_tokens that fits the budget with nothing else held."""
+    def max_fit_tokens(self, budget: int, prompt_tokens: int | None = None) -> int:
+        """The longest prompt + max_tokens that fits the budget with nothing else held
+        (for a prompt of `prompt_tokens`; None: a prompt as long as the whole request)."""
         room = budget - self.fixed_bytes - self.transient_base
-        per_token = 2 * self.kv_bytes_per_token + self.transient_per_context_token
-        return max(0, int(room / per_token))
+        if prompt_tokens is None:
+            per_token = 2 * self.kv_bytes_per_token + self.transient_per_context_token
+            return max(0, int(room / per_token))
+        room -= self.transient_per_context_token * prompt_tokens
+        return max(0, int(room / (2 * self.kv_bytes_per_token)))
 
     def request_bytes(self, prompt_tokens: int, max_tokens: int, *, batch_len: int = 0,
                       batch_size: int = 0) -> int:
@@ -150,12 +154,14 @@ class Refused(Exception):
         self.receipt = receipt
 
 
-def make_room(*, bank, pricing: Pricing, budget: int, need: int, tokens, tenant: str,
-              session_id: str, running: int, chain_shed: bool = False) -> AdmissionReceipt:
+def make_room(*, bank, pricing: Pricing, budget: int, need: int, solo_need: int, tokens,
+              tenant: str, session_id: str, running: int,
+              chain_shed: bool = False) -> AdmissionReceipt:
     """Steps 3-6 for one request; each step re-measures and stops when it fits.
 
-    Returns the receipt with decision "admitted", or "wait" when requests in flight hold the
-    missing memory (the request stays first in line); raises Refused otherwise.
+    `need` prices the request in the batch as it is (mlx-lm pads batched caches); `solo_need`
+    alone. Returns the receipt with decision "admitted", or "wait" when requests in flight
+    hold the missing memory (the request stays first in line); raises Refused otherwise.
     """
     free = lambda: budget - held_bytes(pricing, bank)  # noqa: E731
     r = AdmissionReceipt(need_bytes=need, free_before=free())
@@ -168,14 +174,15 @@ def make_room(*, bank, pricing: Pricing, budget: int, need: int, tokens, tenant:
     # 3. idle LRU entries; active sessions and the prompt's own restore source stay
     r.lru_evicted = bank.shrink_to_bytes(target(), reason="admission_lru", protect_active=True,
                                          protect_unwritten=True, protect_keys=source)
-    # 4. admission shed: non-terminal entries first, then any idle session's
+    # 4. admission shed: non-terminal entries first, then any idle session's (not unwritten
+    #    ones: step 5 writes those out before they go)
     if free() < need:
         shed_target = target()
         if chain_shed:  # the admission-chain policy: shed what the chain will need too
             shed_target = max(0, shed_target - pricing.cache_bytes(len(tokens)))
         r.shed_non_terminal, r.shed_terminal = bank.shrink_for_admission(
             shed_target, protect_tokens=tokens, reason="admission_shed", tenant=tenant,
-            protect_session_ids=(session_id,) if session_id else ())
+            protect_session_ids=(session_id,) if session_id else (), protect_unwritten=True)
     # 5. release idle conversations, writing their KV to SSD first
     if free() < need:
         rel = bank.release_sessions(target(), reason="admission_release",
@@ -189,10 +196,10 @@ def make_room(*, bank, pricing: Pricing, budget: int, need: int, tokens, tenant:
     ledger = bank.ledger()
     r.holders = {"fixed_bytes": pricing.fixed_bytes, "bank_bytes": ledger["entries_bytes"],
                  "running_bytes": ledger["active_bytes"], "staged_bytes": ledger["staged_bytes"]}
-    if need > budget - pricing.fixed_bytes:
+    if solo_need > budget - pricing.fixed_bytes:
         r.decision, r.reason, r.verdict = "refused", "over_memory_budget", "never_at_this_limit"
-        raise Refused(r, f"this request needs {need / 1e6:.0f} MB but the memory budget leaves "
-                         f"{(budget - pricing.fixed_bytes) / 1e6:.0f} MB beyond the model: "
+        raise Refused(r, f"this request needs {_size(solo_need)} but the memory budget leaves "
+                         f"{_size(budget - pricing.fixed_bytes)} beyond the model: "
                          f"shorten the prompt, lower max_tokens or raise --memory-budget")
     if running:
         r.decision, r.reason, r.verdict = "wait", "in_flight", "after_in_flight_requests_finish"
@@ -201,6 +208,11 @@ def make_room(*, bank, pricing: Pricing, budget: int, need: int, tokens, tenant:
     r.decision, r.reason = "refused", "memory_held"
     r.verdict = ("after_the_conversation_cache_reaches_ssd" if unwritten
                  else "not_without_a_shorter_prompt")
-    raise Refused(r, f"this request needs {need / 1e6:.0f} MB and {r.free_after / 1e6:.0f} MB "
-                     f"are free after trimming the bank; held: "
-                     + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in r.holders.items()))
+    raise Refused(r, f"this request needs {_size(need)} and {_size(r.free_after)} are free "
+                     f"after trimming the bank; held: "
+                     + ", ".join(f"{k.removesuffix('_bytes')} {_size(v)}"
+                                 for k, v in r.holders.items()))
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if abs(n) >= 1e6 else f"{n / 1e3:.0f} KB"

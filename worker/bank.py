@@ -335,10 +335,12 @@ class SessionBank:
 
     def shrink_for_admission(self, target_bytes: int, *, protect_tokens: np.ndarray | None,
                              reason: str, tenant: str = "",
-                             protect_session_ids: Iterable[str] = ()) -> tuple[int, int]:
+                             protect_session_ids: Iterable[str] = (),
+                             protect_unwritten: bool = False) -> tuple[int, int]:
         """Make room before a prefill: non-terminal entries first (LRU), then any entry of a
         session with no request running. The entries `protect_tokens` would restore from are
-        never taken. Returns (non_terminal_evicted, terminal_evicted)."""
+        never taken, nor, with protect_unwritten, one whose SSD write is still queued (the
+        release step writes those out first). Returns (non_terminal_evicted, terminal_evicted)."""
         protected: set[int] = set()
         if protect_tokens is not None and len(protect_tokens):
             hit = self.lookup(np.asarray(protect_tokens, dtype=np.uint32), tenant)
@@ -353,7 +355,8 @@ class SessionBank:
                 if self.total_nbytes <= target_bytes:
                     return counts[0], counts[1]
                 if (e.key not in self.entries or e.key in protected or e.session[1] in sids
-                        or self.is_busy(e.session) or not wanted(e)):
+                        or self.is_busy(e.session) or not wanted(e)
+                        or (protect_unwritten and e.awaits_queued_write)):
                     continue
                 self.evict(e, reason)
                 counts[phase] += 1

@@ -35,6 +35,7 @@ from coldstore.store import ColdStore
 from worker import kv
 from worker.admission import (Pricing, Refused, SchedulerConfig, calibrate,
                               default_memory_budget, make_room)
+from worker.guard import Guard, PressureTrim
 from worker.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running, make_request_sampler
 from worker.bank import SessionBank, SessionKey
 from worker.persist import ColdstoreClient, ColdstoreUnavailable, KVWriter
@@ -78,8 +79,9 @@ class Engine:
     def __init__(self, model_path: Path, layout: Layout, *, block_tokens: int, bank_bytes: int,
                  staging_max_bytes: int | None = None, restore_via: str = "direct",
                  scheduler: SchedulerConfig = SchedulerConfig(),
-                 memory_budget: int | None = None, active_pin_s: float = 600.0,
-                 admission_chain_shed: bool = False):
+                 memory_budget: str | int | None = None, active_pin_s: float = 600.0,
+                 admission_chain_shed: bool = False,
+                 prefill_chunk_tokens: int = PREFILL_STEP_TOKENS):
         from mlx_lm import load
 
         self.model_path = Path(model_path)
@@ -107,32 +109,47 @@ class Engine:
         self.bank = SessionBank(block_tokens=block_tokens, root_for=self.root_for,
                                 max_bytes=bank_bytes, writer=self.writer,
                                 active_pin_s=active_pin_s)
-        self.memory_budget = memory_budget or default_memory_budget()
-        self.pricing = self._price_model()
+        self.pricing = self._price_model(prefill_chunk_tokens)
+        self.memory_budget = self._budget(memory_budget)
         self.admission_chain_shed = admission_chain_shed
         self.admission_log: deque = deque(maxlen=1024)
         self.batch = BatchScheduler(self.model, max_active=scheduler.max_active,
-                                    eos_token_ids=self.eos_token_ids)
+                                    eos_token_ids=self.eos_token_ids,
+                                    prefill_step_tokens=prefill_chunk_tokens)
         self._pending: deque[GenerateJob] = deque()
         self._queue: queue.Queue = queue.Queue()
         self._anon = 0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
+        self.guard = Guard(self).start()
 
-    def _price_model(self) -> Pricing:
+    def _price_model(self, chunk_tokens: int) -> Pricing:
         import psutil
 
-        pricing = calibrate(self.model, Pricing(self.kv_bytes_per_token, 0, PREFILL_STEP_TOKENS))
+        pricing = calibrate(self.model, Pricing(self.kv_bytes_per_token, 0, chunk_tokens))
         pricing.fixed_bytes = psutil.Process().memory_info().rss
+        return pricing
+
+    def _budget(self, spec: str | int | None) -> int:
+        """An absolute byte count, or "+N": N bytes for KV beyond the model and one prefill
+        chunk's working memory."""
+        pricing = self.pricing
+        if spec is None:
+            budget = default_memory_budget()
+        elif isinstance(spec, str) and spec.startswith("+"):
+            budget = pricing.fixed_bytes + pricing.transient_base + int(spec[1:])
+        else:
+            budget = int(spec)
         logger.info("memory budget %.0f MB: model and runtime %.0f MB, a %d-token prefill chunk "
                     "%.0f MB + %.0f KB per context token; one request fits up to %d tokens",
-                    self.memory_budget / 1e6, pricing.fixed_bytes / 1e6, pricing.chunk_tokens,
+                    budget / 1e6, pricing.fixed_bytes / 1e6, pricing.chunk_tokens,
                     pricing.transient_base / 1e6, pricing.transient_per_context_token / 1e3,
-                    pricing.max_fit_tokens(self.memory_budget))
-        if pricing.fixed_bytes >= self.memory_budget:
-            raise SystemExit(f"--memory-budget {self.memory_budget} is below what the model "
-                             f"alone takes ({pricing.fixed_bytes} bytes): raise it")
-        return pricing
+                    pricing.max_fit_tokens(budget))
+        if pricing.fixed_bytes + pricing.transient_base >= budget:
+            raise SystemExit(f"--memory-budget {spec}: {budget} bytes is less than the model "
+                             f"and one prefill chunk take ({pricing.fixed_bytes} + "
+                             f"{pricing.transient_base} bytes): raise it")
+        return budget
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -225,6 +242,7 @@ class Engine:
                 time.sleep(0.01)
 
     def close(self) -> None:
+        self.guard.close()
         self._queue.put(None)
         self._thread.join(timeout=5)
         self.coldstore.close()
@@ -270,6 +288,7 @@ class Engine:
         try:
             receipt = make_room(bank=self.bank, pricing=self.pricing, budget=self.memory_budget,
                                 need=need, tokens=tokens, tenant=tenant,
+                                solo_need=self.pricing.request_bytes(len(tokens), req.max_tokens),
                                 session_id=req.session_id, running=len(self.batch),
                                 chain_shed=self.admission_chain_shed)
         except Refused as e:
@@ -500,3 +519,87 @@ class Engine:
                                              write_out_before_release=write_out)
         self._refresh_ram_bytes()
         return receipt
+
+    # -- memory and pressure (engine thread, via call, unless noted) ------------------------
+
+    def held_bytes(self) -> int:
+        """Any thread: the ledger's total (a moment's reading)."""
+        while True:
+            try:
+                return self.pricing.fixed_bytes + self.bank.ledger()["held_bytes"]
+            except RuntimeError:  # a dict changed under us: read again
+                continue
+
+    def idle(self) -> bool:
+        """Any thread: no request running or waiting."""
+        return not self.batch and not self._pending
+
+    def apply_dynamic_ceiling(self) -> None:
+        """The bank may hold what the budget leaves after everything else; never an active
+        conversation's KV (it may stay above)."""
+        ledger = self.bank.ledger()
+        others = self.pricing.fixed_bytes + ledger["active_bytes"] + ledger["staged_bytes"]
+        self.bank.ceiling_bytes = max(0, self.memory_budget - others)
+        if self.bank.total_nbytes > self.bank.effective_max_bytes:
+            self.bank.shrink_to_bytes(self.bank.effective_max_bytes, reason="dynamic_ceiling",
+                                      protect_active=True, protect_unwritten=True)
+            self._refresh_ram_bytes()
+
+    def pressure_trim(self, level: str, source: str, deferred_s: float) -> PressureTrim:
+        """warning: half of the bank, keeping active and unwritten conversations;
+        critical: every idle entry, unwritten ones counted."""
+        out: dict = {}
+        if level == "warning":
+            self.bank.shrink_to_bytes(self.bank.total_nbytes // 2, reason="pressure_warning",
+                                      protect_active=True, protect_unwritten=True,
+                                      receipt_out=out)
+        else:
+            self.bank.shrink_to_bytes(0, reason="pressure_critical", protect_active=True,
+                                      receipt_out=out)
+        self._refresh_ram_bytes()
+        return PressureTrim(level=level, source=source,
+                            bank_entries_evicted=out.get("evicted_entries", 0),
+                            bank_unwritten_kept=out.get("unwritten_kept", 0),
+                            bank_unwritten_dropped=out.get("unwritten_dropped", 0),
+                            bytes_after=self.bank.total_nbytes, deferred_s=round(deferred_s, 3))
+
+    def trim(self) -> dict:
+        """Admin: every idle conversation already on SSD leaves RAM."""
+        out: dict = {}
+        self.bank.shrink_to_bytes(0, reason="admin_trim", protect_active=False,
+                                  protect_unwritten=True, receipt_out=out)
+        self._refresh_ram_bytes()
+        return out
+
+    def flush(self) -> tuple[int, int, float]:
+        """Admin: write every conversation not on SSD yet, now; they stay in RAM."""
+        from worker.persist import RELEASE_WRITE_OUT_MAX_S
+
+        t0 = time.monotonic()
+        give_up_at = time.time() + RELEASE_WRITE_OUT_MAX_S
+        written = failed = 0
+        for e in [e for e in self.bank.entries.values() if e.awaits_queued_write]:
+            if self.writer.write_out(e, give_up_at) == "written":
+                written += 1
+            else:
+                failed += 1
+        self._refresh_ram_bytes()
+        return written, failed, time.monotonic() - t0
+
+    def status(self) -> dict:
+        ledger = self.bank.ledger()
+        return {
+            "pressure_level": self.guard.level, "pressure_source": self.guard.source,
+            "memory_budget_bytes": self.memory_budget,
+            "held_bytes": self.pricing.fixed_bytes + ledger["held_bytes"],
+            "fixed_bytes": self.pricing.fixed_bytes, "bank_bytes": ledger["entries_bytes"],
+            "running_bytes": ledger["active_bytes"], "staged_bytes": ledger["staged_bytes"],
+            "bank_max_bytes": self.bank.max_bytes,
+            "bank_ceiling_bytes": self.bank.ceiling_bytes or 0,
+            "bank_entries": len(self.bank.entries), "scheduler": self.scheduler.mode,
+            "running_requests": len(self.batch), "waiting_requests": len(self._pending),
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "prefill_chunk_tokens": self.pricing.chunk_tokens,
+            "transient_base_bytes": self.pricing.transient_base,
+            "transient_per_context_token": self.pricing.transient_per_context_token,
+        }

@@ -291,6 +291,7 @@ class KVWriter:
                 # the same session must not count as this entry's write.
                 if outcome == "written" or self._job_durable.get(job, 0) >= entry.n_tokens:
                     entry.durable_tokens = entry.n_tokens
+                    self._staged.pop(job, None)  # committed: the coldstore holds it no more
                     return "written"
                 if outcome == "superseded" and self._superseded_by.get(job) is not None:
                     job = self._superseded_by[job]  # a newer job took over our blocks

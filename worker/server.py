@@ -7,6 +7,8 @@ back through `call_soon_threadsafe`. A client that goes away cancels its generat
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import signal
 import time
@@ -64,7 +66,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             block_tokens=e.block_tokens, eos_token_ids=e.eos_token_ids,
             scheduler=e.scheduler.mode, max_active_requests=e.scheduler.max_active,
             memory_budget_bytes=e.memory_budget, fixed_bytes=e.pricing.fixed_bytes,
-            max_fit_tokens=e.pricing.max_fit_tokens(e.memory_budget))
+            max_fit_tokens=e.pricing.max_fit_tokens(e.memory_budget),
+            prefill_chunk_tokens=e.pricing.chunk_tokens,
+            transient_base_bytes=e.pricing.transient_base,
+            transient_per_context_token=e.pricing.transient_per_context_token)
 
     def _session_pb(self, key, info, with_tokens: bool) -> api_pb2.Session:
         ram = self.engine.ram_bytes.get(key, 0)
@@ -111,6 +116,34 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                        released_bytes=r.released_bytes,
                                        written_out_entries=r.written_out_entries,
                                        dropped_unwritten_entries=r.unwritten_dropped)
+
+
+    async def SetPressure(self, request, context):
+        try:
+            level, source = self.engine.guard.inject(request.level)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return api_pb2.PressureResponse(level=level, source=source)
+
+    async def Trim(self, request, context):
+        out = await asyncio.wrap_future(self.engine.call(self.engine.trim))
+        return api_pb2.TrimResponse(evicted_entries=out.get("evicted_entries", 0),
+                                    unwritten_kept=out.get("unwritten_kept", 0),
+                                    bank_bytes_after=out.get("bytes_after", 0))
+
+    async def Flush(self, request, context):
+        written, failed, took = await asyncio.wrap_future(self.engine.call(self.engine.flush))
+        return api_pb2.FlushResponse(written_entries=written, failed_entries=failed,
+                                     seconds=took)
+
+    async def Status(self, request, context):
+        e = self.engine
+        st = await asyncio.wrap_future(e.call(e.status))
+        receipts = [json.dumps({"at": at, "kind": "admission", "session_id": sid,
+                                **dataclasses.asdict(r)})
+                    for at, sid, r in list(e.admission_log)[-20:]]
+        receipts += [json.dumps(dataclasses.asdict(r)) for r in e.guard.receipts[-20:]]
+        return api_pb2.StatusResponse(**st, recent_receipts_json=receipts)
 
 
 def _tenant(context) -> str:

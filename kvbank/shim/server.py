@@ -61,9 +61,9 @@ def error_for(e: grpc.aio.AioRpcError) -> ApiError:
     md = e.trailing_metadata() or grpc.aio.Metadata()
     busy = status in (429, 503)
     hopeless = busy and md.get("x-kvbank-verdict") in NO_RETRY_VERDICTS  # retrying can't help
+    retry_after_s = _seconds(md.get("retry-after")) if busy and not hopeless else None
     return ApiError(status, e.details() or e.code().name, type=kind,
-                    code=md.get("x-kvbank-reason") or code,
-                    retry_after_s=_seconds(md.get("retry-after")) if busy and not hopeless else None,
+                    code=md.get("x-kvbank-reason") or code, retry_after_s=retry_after_s,
                     retry=False if hopeless else None)
 
 
@@ -157,27 +157,40 @@ class Shim:
             req = parse(kind, await _json(request),
                         session_header=request.headers.get("x-session-id"))
             call = self.generation.Generate(req.generate, metadata=metadata)
-            first = await _read(call)
+            first = await _unless_hung_up(request, call, _read(call))
+            if first is HUNG_UP:
+                return Response(status_code=499)  # nginx's "client closed request"; unsent
+            answer = Answer(kind, self.model_name, include_usage=req.include_usage)
+            if req.stream:  # from here on, sse-starlette cancels the stream on a hang-up
+                return EventSourceResponse(_events(call, first, answer), sep="\n")
+            body = await _unless_hung_up(request, call, _collect(call, first, answer))
+            return Response(status_code=499) if body is HUNG_UP else JSONResponse(body)
         except ApiError as e:
             return error_response(e)
-        answer = Answer(kind, self.model_name, include_usage=req.include_usage)
-        if req.stream:
-            return EventSourceResponse(_events(call, first, answer), sep="\n")
-        collecting = asyncio.ensure_future(_collect(call, first, answer))
-        hung_up = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait((collecting, hung_up), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            hung_up.cancel()
-            if not collecting.done():  # nobody will read the answer: stop generating it
-                collecting.cancel()
-                call.cancel()
-        if collecting.cancelled() or not collecting.done():
-            return Response(status_code=499)  # nginx's "client closed request"; never sent
-        try:
-            return JSONResponse(collecting.result())
-        except ApiError as e:
-            return error_response(e)
+
+
+HUNG_UP = object()
+
+
+async def _unless_hung_up(request: Request, call, work):
+    """`work`'s result, or HUNG_UP if the client leaves first; then the router call is
+    cancelled, since nobody will read its answer (the worker stops generating it)."""
+    task = asyncio.ensure_future(work)
+    hung_up = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, hung_up), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hung_up.cancel()
+        if not task.done():
+            task.cancel()
+            call.cancel()
+    return task.result() if task.done() and not task.cancelled() else HUNG_UP
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up (its body is read, so nothing else can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _json(request: Request) -> object:
@@ -200,12 +213,6 @@ async def _collect(call, msg, answer: Answer) -> dict:
         answer.add(msg)
         msg = await _read(call)
     return answer.body()
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client hangs up (the body is read, so nothing else arrives)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _events(call, msg, answer: Answer):
@@ -235,7 +242,7 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    # Starlette re-raises `exc` after this answer, and uvicorn logs its traceback.
     return error_response(ApiError(500, "kvbank failed to answer (internal error); the server "
                                         "log says why", type="server_error",
                                    code="internal_error"))

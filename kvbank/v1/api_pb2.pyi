@@ -178,3 +178,91 @@ class ReleaseResponse(_message.Message):
     written_out_entries: int
     dropped_unwritten_entries: int
     def __init__(self, released_entries: _Optional[int] = ..., released_bytes: _Optional[int] = ..., written_out_entries: _Optional[int] = ..., dropped_unwritten_entries: _Optional[int] = ...) -> None: ...
+
+class PressureRequest(_message.Message):
+    __slots__ = ("level",)
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    level: str
+    def __init__(self, level: _Optional[str] = ...) -> None: ...
+
+class PressureResponse(_message.Message):
+    __slots__ = ("level", "source")
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    level: str
+    source: str
+    def __init__(self, level: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+
+class TrimRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TrimResponse(_message.Message):
+    __slots__ = ("evicted_entries", "unwritten_kept", "bank_bytes_after")
+    EVICTED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    UNWRITTEN_KEPT_FIELD_NUMBER: _ClassVar[int]
+    BANK_BYTES_AFTER_FIELD_NUMBER: _ClassVar[int]
+    evicted_entries: int
+    unwritten_kept: int
+    bank_bytes_after: int
+    def __init__(self, evicted_entries: _Optional[int] = ..., unwritten_kept: _Optional[int] = ..., bank_bytes_after: _Optional[int] = ...) -> None: ...
+
+class FlushRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FlushResponse(_message.Message):
+    __slots__ = ("written_entries", "failed_entries", "seconds")
+    WRITTEN_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    written_entries: int
+    failed_entries: int
+    seconds: float
+    def __init__(self, written_entries: _Optional[int] = ..., failed_entries: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("pressure_level", "pressure_source", "memory_budget_bytes", "held_bytes", "fixed_bytes", "bank_bytes", "running_bytes", "staged_bytes", "bank_max_bytes", "bank_ceiling_bytes", "bank_entries", "scheduler", "running_requests", "waiting_requests", "recent_receipts_json", "kv_bytes_per_token", "prefill_chunk_tokens", "transient_base_bytes", "transient_per_context_token")
+    PRESSURE_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    PRESSURE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FIXED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BANK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BANK_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BANK_CEILING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BANK_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_RECEIPTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSIENT_BASE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSIENT_PER_CONTEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    pressure_level: str
+    pressure_source: str
+    memory_budget_bytes: int
+    held_bytes: int
+    fixed_bytes: int
+    bank_bytes: int
+    running_bytes: int
+    staged_bytes: int
+    bank_max_bytes: int
+    bank_ceiling_bytes: int
+    bank_entries: int
+    scheduler: str
+    running_requests: int
+    waiting_requests: int
+    recent_receipts_json: _containers.RepeatedScalarFieldContainer[str]
+    kv_bytes_per_token: int
+    prefill_chunk_tokens: int
+    transient_base_bytes: int
+    transient_per_context_token: float
+    def __init__(self, pressure_level: _Optional[str] = ..., pressure_source: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ..., fixed_bytes: _Optional[int] = ..., bank_bytes: _Optional[int] = ..., running_bytes: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., bank_max_bytes: _Optional[int] = ..., bank_ceiling_bytes: _Optional[int] = ..., bank_entries: _Optional[int] = ..., scheduler: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., recent_receipts_json: _Optional[_Iterable[str]] = ..., kv_bytes_per_token: _Optional[int] = ..., prefill_chunk_tokens: _Optional[int] = ..., transient_base_bytes: _Optional[int] = ..., transient_per_context_token: _Optional[float] = ...) -> None: ...

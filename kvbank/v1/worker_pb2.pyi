@@ -46,7 +46,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_path", "fingerprint", "max_context_tokens", "kv_bytes_per_token", "block_tokens", "eos_token_ids", "scheduler", "max_active_requests", "memory_budget_bytes", "fixed_bytes", "max_fit_tokens")
+    __slots__ = ("model_path", "fingerprint", "max_context_tokens", "kv_bytes_per_token", "block_tokens", "eos_token_ids", "scheduler", "max_active_requests", "memory_budget_bytes", "fixed_bytes", "max_fit_tokens", "prefill_chunk_tokens", "transient_base_bytes", "transient_per_context_token")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,9 @@ class InfoResponse(_message.Message):
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     FIXED_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_FIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSIENT_BASE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSIENT_PER_CONTEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     fingerprint: str
     max_context_tokens: int
@@ -69,4 +72,7 @@ class InfoResponse(_message.Message):
     memory_budget_bytes: int
     fixed_bytes: int
     max_fit_tokens: int
-    def __init__(self, model_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., block_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., scheduler: _Optional[str] = ..., max_active_requests: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., fixed_bytes: _Optional[int] = ..., max_fit_tokens: _Optional[int] = ...) -> None: ...
+    prefill_chunk_tokens: int
+    transient_base_bytes: int
+    transient_per_context_token: float
+    def __init__(self, model_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., block_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., scheduler: _Optional[str] = ..., max_active_requests: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., fixed_bytes: _Optional[int] = ..., max_fit_tokens: _Optional[int] = ..., prefill_chunk_tokens: _Optional[int] = ..., transient_base_bytes: _Optional[int] = ..., transient_per_context_token: _Optional[float] = ...) -> None: ...

@@ -65,6 +65,26 @@ class WorkerStub:
                 request_serializer=kvbank_dot_v1_dot_api__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kvbank_dot_v1_dot_api__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.SetPressure = channel.unary_unary(
+                '/kvbank.v1.Worker/SetPressure',
+                request_serializer=kvbank_dot_v1_dot_api__pb2.PressureRequest.SerializeToString,
+                response_deserializer=kvbank_dot_v1_dot_api__pb2.PressureResponse.FromString,
+                _registered_method=True)
+        self.Trim = channel.unary_unary(
+                '/kvbank.v1.Worker/Trim',
+                request_serializer=kvbank_dot_v1_dot_api__pb2.TrimRequest.SerializeToString,
+                response_deserializer=kvbank_dot_v1_dot_api__pb2.TrimResponse.FromString,
+                _registered_method=True)
+        self.Flush = channel.unary_unary(
+                '/kvbank.v1.Worker/Flush',
+                request_serializer=kvbank_dot_v1_dot_api__pb2.FlushRequest.SerializeToString,
+                response_deserializer=kvbank_dot_v1_dot_api__pb2.FlushResponse.FromString,
+                _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/kvbank.v1.Worker/Status',
+                request_serializer=kvbank_dot_v1_dot_api__pb2.StatusRequest.SerializeToString,
+                response_deserializer=kvbank_dot_v1_dot_api__pb2.StatusResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -106,6 +126,30 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetPressure(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Trim(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Flush(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Status(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -138,6 +182,26 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvbank_dot_v1_dot_api__pb2.ReleaseRequest.FromString,
                     response_serializer=kvbank_dot_v1_dot_api__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'SetPressure': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPressure,
+                    request_deserializer=kvbank_dot_v1_dot_api__pb2.PressureRequest.FromString,
+                    response_serializer=kvbank_dot_v1_dot_api__pb2.PressureResponse.SerializeToString,
+            ),
+            'Trim': grpc.unary_unary_rpc_method_handler(
+                    servicer.Trim,
+                    request_deserializer=kvbank_dot_v1_dot_api__pb2.TrimRequest.FromString,
+                    response_serializer=kvbank_dot_v1_dot_api__pb2.TrimResponse.SerializeToString,
+            ),
+            'Flush': grpc.unary_unary_rpc_method_handler(
+                    servicer.Flush,
+                    request_deserializer=kvbank_dot_v1_dot_api__pb2.FlushRequest.FromString,
+                    response_serializer=kvbank_dot_v1_dot_api__pb2.FlushResponse.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=kvbank_dot_v1_dot_api__pb2.StatusRequest.FromString,
+                    response_serializer=kvbank_dot_v1_dot_api__pb2.StatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -302,6 +366,114 @@ class Worker:
             '/kvbank.v1.Worker/Release',
             kvbank_dot_v1_dot_api__pb2.ReleaseRequest.SerializeToString,
             kvbank_dot_v1_dot_api__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPressure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbank.v1.Worker/SetPressure',
+            kvbank_dot_v1_dot_api__pb2.PressureRequest.SerializeToString,
+            kvbank_dot_v1_dot_api__pb2.PressureResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Trim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbank.v1.Worker/Trim',
+            kvbank_dot_v1_dot_api__pb2.TrimRequest.SerializeToString,
+            kvbank_dot_v1_dot_api__pb2.TrimResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Flush(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbank.v1.Worker/Flush',
+            kvbank_dot_v1_dot_api__pb2.FlushRequest.SerializeToString,
+            kvbank_dot_v1_dot_api__pb2.FlushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbank.v1.Worker/Status',
+            kvbank_dot_v1_dot_api__pb2.StatusRequest.SerializeToString,
+            kvbank_dot_v1_dot_api__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

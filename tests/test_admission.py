@@ -1,0 +1,285 @@
+"""Admission, the pressure guard and the scheduler modes, on real processes (tiny model).
+
+Pressure is injected through the admin RPC; memory budgets are set small with the `+N` form
+(N bytes for KV beyond the model and one prefill chunk), and the idle lane is kept from
+writing (huge quiet grace and staleness) so a test decides what is on SSD (`flush`).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from tests.conftest import rpc_error, start_stack
+from worker.admission import Pricing
+
+NO_IDLE_WRITES = ["--quiet-grace-s", "3600", "--max-dirty-s", "3600"]
+
+
+def _stack(tiny_model, tmp_path, cache_dir, *extra):
+    return start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir, shim=False,
+                       extra=[*NO_IDLE_WRITES, *extra])
+
+
+def _turn(c, session, n_tokens, seed, max_tokens=4, **kw):
+    toks = np.random.default_rng(seed).integers(1000, 20000, n_tokens).tolist()
+    return c.generate(session_id=session, token_ids=toks, append=True, max_tokens=max_tokens,
+                      **kw)
+
+
+def _receipts(c, kind):
+    return [r for r in map(json.loads, c.status().recent_receipts_json) if r.get("kind") == kind]
+
+
+def _wait_receipt(c, kind, n=1, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while len(got := _receipts(c, kind)) < n:
+        assert time.monotonic() < deadline, f"no {kind} receipt in {timeout_s}s"
+        time.sleep(0.1)
+    return got[-1]
+
+
+def _sessions(c):
+    return {s.session_id: s for s in c.list_sessions()}
+
+
+@pytest.fixture
+def idle_stack(tiny_model, tmp_path, cache_dir):
+    """Conversations count as idle as soon as their turn ends."""
+    s = _stack(tiny_model, tmp_path, cache_dir, "--active-pin-s", "0")
+    yield s
+    s.stop()
+
+
+def test_warning_keeps_an_unwritten_conversation_and_takes_one_on_ssd(idle_stack):
+    with idle_stack.client() as c:
+        _turn(c, "on-ssd", 40, seed=1)
+        assert c.flush().written_entries == 1
+        _turn(c, "unwritten", 400, seed=2)
+        before = _sessions(c)
+        assert before["on-ssd"].state == "resident-clean"
+        assert before["unwritten"].state == "resident-dirty"
+
+        assert c.set_pressure("warning").source == "injected"
+        r = _wait_receipt(c, "pressure_trim")
+        assert r["level"] == "warning" and r["source"] == "injected"
+        assert r["bank_entries_evicted"] == 1 and r["bank_unwritten_kept"] == 1
+        assert r["bank_unwritten_dropped"] == 0
+        after = _sessions(c)
+        assert after["on-ssd"].state == "cold" and after["on-ssd"].ram_bytes == 0
+        assert after["unwritten"].state == "resident-dirty"
+        assert after["unwritten"].ram_bytes == before["unwritten"].ram_bytes
+        # The conversation that left RAM comes back from SSD, whole.
+        t = _turn(c, "on-ssd", 8, seed=3)
+        assert t.usage["cache_source"] == "ssd" and t.usage["recomputed_tokens"] == 0
+
+
+def test_warning_waits_for_a_busy_engine_then_acts(idle_stack):
+    with idle_stack.client() as c:
+        _turn(c, "idle-one", 40, seed=4)
+        c.flush()
+        first_text = threading.Event()
+        done = {}
+
+        def long_request():
+            with idle_stack.client() as c2:
+                done["turn"] = _turn(c2, "busy-one", 20, seed=5, max_tokens=1500,
+                                     on_text=lambda _: first_text.set())
+                done["at"] = time.time()
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        assert first_text.wait(60), "the long request never streamed"
+        c.set_pressure("warning")
+        t.join(120)
+        r = _wait_receipt(c, "pressure_trim")
+        assert r["deferred_s"] > 0, "the guard trimmed while a request was running"
+        assert r["at"] >= done["at"] - 0.5, "the trim happened before the request ended"
+        assert r["bank_entries_evicted"] >= 1
+        assert _sessions(c)["idle-one"].state == "cold"
+
+
+def test_critical_takes_every_idle_entry_and_counts_the_unwritten(idle_stack):
+    with idle_stack.client() as c:
+        _turn(c, "a", 40, seed=6)
+        c.flush()
+        _turn(c, "b", 60, seed=7)
+        _turn(c, "c", 80, seed=8)
+        c.set_pressure("critical")
+        r = _wait_receipt(c, "pressure_trim")
+        assert r["level"] == "critical"
+        assert r["bank_entries_evicted"] == 3 and r["bank_unwritten_dropped"] == 2
+        assert r["bytes_after"] == 0
+        s = _sessions(c)
+        assert s["a"].state == "cold"
+        # Their history stays (the record is on disk); only the KV that never reached SSD went.
+        assert s["b"].state == "gone" and s["b"].token_count == 64
+        t = _turn(c, "b", 8, seed=9)
+        assert t.usage["cache_source"] == "none" and t.usage["recomputed_tokens"] > 0
+
+
+def test_an_active_conversation_is_never_trimmed(tiny_model, tmp_path, cache_dir):
+    s = _stack(tiny_model, tmp_path, cache_dir)  # default pin: active for 600 s after a turn
+    try:
+        with s.client() as c:
+            _turn(c, "active", 100, seed=10)
+            held = _sessions(c)["active"].ram_bytes
+            c.set_pressure("critical")
+            r = _wait_receipt(c, "pressure_trim")
+            assert r["bank_entries_evicted"] == 0
+            assert r["bytes_after"] >= held > 0  # over the critical target, and it stays
+            t = _turn(c, "active", 8, seed=11)
+            assert t.usage["cache_source"] == "ram"
+    finally:
+        s.stop()
+
+
+def test_a_prompt_that_needs_room_releases_an_idle_conversation_after_writing_it(
+        tiny_model, tmp_path, cache_dir):
+    s = _stack(tiny_model, tmp_path, cache_dir, "--active-pin-s", "0",
+               "--prefill-chunk-tokens", "32", "--memory-budget", "+4000000")
+    try:
+        with s.client() as c:
+            first = _turn(c, "older", 1500, seed=12)
+            assert first.usage["durable"]
+            st = c.status()
+            assert st.bank_bytes > 0 and st.staged_bytes > 0  # in RAM, not on SSD
+            assert _sessions(c)["older"].state == "resident-dirty"
+            pricing = Pricing(st.kv_bytes_per_token, st.fixed_bytes, st.prefill_chunk_tokens,
+                              st.transient_base_bytes, st.transient_per_context_token)
+            free = st.memory_budget_bytes - st.held_bytes
+            freed_by_release = st.bank_bytes + st.staged_bytes
+            want = free + freed_by_release // 2  # needs the release, fits after it
+            prompt, max_tokens = next(((p, m) for p in range(100, 1900, 100)
+                                       for m in range(1, 2000 - p, 10)
+                                       if pricing.request_bytes(p, m) >= want), (None, None))
+            assert prompt is not None, (st, want)
+
+            big = c.generate(token_ids=np.random.default_rng(99).integers(
+                1000, 20000, prompt).tolist(), max_tokens=max_tokens)
+            assert big.usage["completion_tokens"] > 0
+            r = [x for x in _receipts(c, "admission") if x["released_sessions"]][-1]
+            assert r["released_sessions"] == 1 and r["written_out"] == 1
+            assert r["decision"] == "admitted"
+            older = _sessions(c)["older"]
+            assert older.state == "cold" and older.durable_tokens == older.token_count
+
+            t = _turn(c, "older", 8, seed=13)
+            assert t.usage["cache_source"] == "ssd"
+            assert t.usage["cached_tokens"] == older.token_count
+            assert t.usage["recomputed_tokens"] == 0
+    finally:
+        s.stop()
+
+
+def test_a_request_that_can_never_fit_is_refused_up_front(tiny_model, tmp_path, cache_dir):
+    s = _stack(tiny_model, tmp_path, cache_dir, "--prefill-chunk-tokens", "32",
+               "--memory-budget", "+500000")
+    try:
+        with s.client() as c:
+            err = rpc_error(lambda: c.generate(token_ids=list(range(1000, 2000)),
+                                               max_tokens=500))
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "never_at_this_limit" in err.details() and "--memory-budget" in err.details()
+            md = dict(err.trailing_metadata())
+            assert md["x-kvbank-verdict"] == "never_at_this_limit"
+            assert "retry-after" not in md  # waiting will not help
+            assert c.status().running_requests == 0  # refused before any work
+            ok = c.generate(token_ids=list(range(1000, 1020)), max_tokens=4)  # still serving
+            assert ok.usage["completion_tokens"] > 0
+    finally:
+        s.stop()
+
+
+def test_a_full_queue_refuses_with_retry_after(tiny_model, tmp_path, cache_dir):
+    s = _stack(tiny_model, tmp_path, cache_dir, "--max-active-requests", "1",
+               "--max-queue", "0")
+    try:
+        started = threading.Event()
+        result = {}
+
+        def long_request():
+            with s.client() as c2:
+                result["t"] = _turn(c2, "long", 20, seed=14, max_tokens=1500,
+                                    on_text=lambda _: started.set())
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        assert started.wait(60)
+        with s.client() as c:
+            err = rpc_error(lambda: c.generate(token_ids=[1000, 1001], max_tokens=2))
+        t.join(120)
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        md = dict(err.trailing_metadata())
+        assert int(md["retry-after"]) >= 1 and md["x-kvbank-reason"] == "queue_full"
+        assert "--max-queue" in err.details()
+        assert result["t"].usage["completion_tokens"] > 0  # the running one was not affected
+    finally:
+        s.stop()
+
+
+def test_hyper_refuses_a_flag_that_would_allow_more_at_start(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvbank.cli", "up", "--data-dir",
+                          str(tmp_path / "d"), "--scheduler", "hyper",
+                          "--max-active-requests", "2"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0
+    assert "--max-active-requests 2" in out.stderr and "hyper" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_hyper_runs_exactly_one_request_at_a_time(tiny_model, tmp_path, cache_dir):
+    s = _stack(tiny_model, tmp_path, cache_dir, "--scheduler", "hyper")
+    try:
+        spans = {}
+
+        def run(name, seed):
+            with s.client() as c2:
+                t0 = time.monotonic()
+                turn = _turn(c2, name, 30, seed=seed, max_tokens=200)
+                spans[name] = (t0 + turn.usage["queue_s"], time.monotonic())
+
+        threads = [threading.Thread(target=run, args=(f"h{i}", 20 + i)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        with s.client() as c:
+            st = c.status()
+        assert st.scheduler == "hyper"
+        (a0, a1), (b0, b1) = sorted(spans.values())
+        assert b0 >= a1 - 0.05, f"the second request started before the first ended: {spans}"
+    finally:
+        s.stop()
+
+
+def test_batch_short_request_during_a_long_prefill_finishes_first(tiny_model, tmp_path,
+                                                                   cache_dir):
+    s = _stack(tiny_model, tmp_path, cache_dir, "--prefill-chunk-tokens", "32")
+    try:
+        done = {}
+
+        def run(name, n_tokens, seed):
+            with s.client() as c2:
+                _turn(c2, name, n_tokens, seed=seed, max_tokens=2)
+                done[name] = time.monotonic()
+
+        long = threading.Thread(target=run, args=("long", 1900, 30))
+        long.start()
+        with s.client() as c:
+            deadline = time.monotonic() + 60
+            while c.status().running_requests == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+        run("short", 10, 31)
+        long.join(120)
+        assert done["short"] < done["long"], "the short request waited for the whole prefill"
+    finally:
+        s.stop()
