@@ -231,8 +231,8 @@ class ColdstoreServer:
             # The record moved on (deleted, edited, or this block is already there).
             self._finish(job, "stale")
             return
-        self.budgets.record(len(block.payload))
-        self.written_bytes += len(block.payload)
+        self.budgets.record(self.store.last_written_bytes)
+        self.written_bytes += self.store.last_written_bytes
         job.written_blocks += 1
         job.durable_tokens = meta.durable_tokens
         self._send(job.peer, {"op": "progress", "job": job.job_id, "tenant": job.tenant,

@@ -85,6 +85,7 @@ class ColdStore:
     def __init__(self, path: Path, *, readonly: bool = False):
         self.path = Path(path)
         self.readonly = readonly
+        self.last_written_bytes = 0  # by the last commit_block
         if not readonly:
             self.path.mkdir(parents=True, exist_ok=True)
         self.env = lmdb.open(
@@ -216,9 +217,11 @@ class ColdStore:
 
         The block must be the next one the record lacks, and its id must be the one the
         record's own tokens give (so a stale job for an edited history writes nothing).
-        Returns the new meta, or None when the record no longer wants this block.
+        Returns the new meta, or None when the record no longer wants this block;
+        `last_written_bytes` says what reached the disk (0: stored already, by anyone).
         """
         key = session_key(tenant, session_id)
+        self.last_written_bytes = 0
 
         def fn(txn):
             raw = txn.get(key, db=self._db[b"sessions"])
@@ -244,6 +247,7 @@ class ColdStore:
             if txn.get(block_id, db=self._db[b"blocks"]) is None:
                 txn.put(block_id, payload, db=self._db[b"blocks"])
                 self._add_block_bytes(txn, len(payload))
+                self.last_written_bytes = len(payload)
             self._incref(txn, block_id)
             if meta.tail:
                 self._decref(txn, BlockId(bytes.fromhex(meta.tail)))

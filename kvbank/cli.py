@@ -265,6 +265,14 @@ def build_parser() -> argparse.ArgumentParser:
     bcs.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
     bcs.add_argument("--turns", type=int, default=20, help="turns of the amplification run")
     bcs.add_argument("--json", action="store_true")
+    bad = bsub.add_parser("admission", help="admission decision latency; peak RSS / budget "
+                                            "under an adversarial load")
+    bad.add_argument("--model", default=None,
+                     help="model for the adversarial run (default: the tiny test model)")
+    bad.add_argument("--entries", type=int, default=1000, help="bank entries (decision run)")
+    bad.add_argument("--agents", type=int, default=6)
+    bad.add_argument("--turns", type=int, default=6)
+    bad.add_argument("--json", action="store_true")
     bo = bsub.add_parser("overhead", help="streamed decode through shim+router vs in-process")
     _model(bo)
     bo.add_argument("--prompt-tokens", type=int, default=256)
@@ -382,6 +390,13 @@ def main(argv: list[str] | None = None) -> int:
         from kvbank.bench.coldstore import run
 
         result = run(model=args.model, tokens=args.tokens, block_tokens=args.block_tokens,
+                     turns=args.turns)
+        print(json.dumps(result, indent=None if args.json else 2))
+        return 0
+    if cmd == "bench" and args.bench == "admission":
+        from kvbank.bench.admission import run
+
+        result = run(model=args.model, entries=args.entries, agents=args.agents,
                      turns=args.turns)
         print(json.dumps(result, indent=None if args.json else 2))
         return 0

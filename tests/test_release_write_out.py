@@ -250,9 +250,9 @@ def test_ledger_counts_entries_running_requests_and_staged_bytes(rig):
 def test_staging_at_its_cap_makes_the_producer_wait_for_the_coldstore(rig):
     """Bounded staging: the second hand-over waits until the first is on SSD; none is lost."""
     first = rig.turn("s1", 40, seed=21, write=False)
-    rig.writer.staging_max_bytes = kv.layers_nbytes(first.layers) + 1  # room for one entry
     rig.writer.write_behind(first)
     assert rig.writer.staged_bytes > 0
+    rig.writer.staging_max_bytes = rig.writer.staged_bytes + 1  # room for one entry
     assert rig.durable_on_disk("s1") == 0  # busy: the idle lane has not written it
 
     second = rig.turn("s2", 40, seed=22, write=False)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import threading
 import uuid
 
@@ -158,6 +159,7 @@ BAD_CHAT = [  # (what replaces a good body's fields, the field the 400 must name
     ({"max_tokens": -1}, "max_tokens"),
     ({"max_tokens": 1.5}, "max_tokens"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_tokens": 10**30}, "max_tokens"),
     ({"temperature": "hot"}, "temperature"),
     ({"temperature": 3}, "temperature"),
     ({"top_p": -0.1}, "top_p"),
@@ -192,7 +194,8 @@ def test_malformed_bodies_and_router_refusals_are_400s(shim):
         assert set(r.json()["error"]) == {"message", "type", "code", "param"}
     for path, body, param in [("/chat/completions", {"model": "kvbank"}, "messages"),
                               ("/completions", {"model": "kvbank"}, "prompt"),
-                              ("/completions", {"prompt": ["a", "b"]}, "prompt")]:
+                              ("/completions", {"prompt": ["a", "b"]}, "prompt"),
+                              ("/completions", {"prompt": [2**40]}, "prompt")]:
         r = httpx.post(url + path, json=body, headers=headers)
         error = r.json()["error"]
         assert r.status_code == 400 and error["param"] == param, r.text
@@ -274,6 +277,7 @@ class FakeRouter(api_pb2_grpc.GenerationServicer):
     message, "full" is refused as a full queue would be."""
 
     def __init__(self):
+        self.streaming = threading.Semaphore(0)  # released once per call that streams forever
         self.cancelled = threading.Semaphore(0)  # released once per cancelled call
 
     async def Generate(self, request, context):
@@ -284,6 +288,7 @@ class FakeRouter(api_pb2_grpc.GenerationServicer):
         yield api_pb2.GenerateResponse(text="Hel", token_ids=[1])
         if request.prompt == "fail":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is not reachable")
+        self.streaming.release()
         try:
             while True:
                 yield api_pb2.GenerateResponse(text="lo", token_ids=[2])
@@ -314,7 +319,7 @@ def fake():
     thread.start()
     while not http.started:
         thread.join(0.05)
-    router.url = f"http://127.0.0.1:{shim_port}/v1"
+    router.port, router.url = shim_port, f"http://127.0.0.1:{shim_port}/v1"
     yield router
     http.should_exit = True
     thread.join(10)
@@ -353,9 +358,16 @@ def test_a_client_that_hangs_up_cancels_its_router_call(fake):
                       json={"messages": [{"role": "user", "content": "forever"}],
                             "stream": True}) as r:
         next(r.iter_lines())
+    assert fake.streaming.acquire(timeout=30)
     assert fake.cancelled.acquire(timeout=30), "the streamed call was not cancelled"
-    with pytest.raises(httpx.ReadTimeout):  # the answer never ends: the client gives up
-        httpx.post(fake.url + "/completions", json={"prompt": "forever"}, timeout=0.5)
+
+    # A non-streamed answer that never ends: the client hangs up once the router has begun.
+    body = json.dumps({"prompt": "forever"}).encode()
+    with socket.create_connection(("127.0.0.1", fake.port)) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: shim\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        assert fake.streaming.acquire(timeout=30)
     assert fake.cancelled.acquire(timeout=30), "the non-streamed call was not cancelled"
 
 

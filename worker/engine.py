@@ -339,6 +339,13 @@ class Engine:
                         receipt.verdict)
 
     def _step(self) -> None:
+        # A cancelled turn is not committed: the client never saw it, so the session's
+        # history stays as it was (an append builds on what the client has).
+        for r in self.batch.take_cancelled():
+            self.bank.end_request(r.bank_key)
+            r.job.emit(None)
+        if not self.batch:
+            return
         try:
             done = self.batch.step()
         except Exception as e:  # a failed step fails every request in it, not the worker

@@ -84,6 +84,15 @@ class BatchScheduler:
                                    caches=[cache], samplers=[sampler])
         self.running[r.uid] = r
 
+    def take_cancelled(self) -> list[Running]:
+        """Requests whose client went away, taken out before the next step (in prefill too)."""
+        gone = [r for r in self.running.values() if r.job.cancelled.is_set()]
+        if gone:
+            self.gen.remove([r.uid for r in gone])
+            for r in gone:
+                del self.running[r.uid]
+        return gone
+
     def step(self) -> list[tuple[Running, list]]:
         """One decode token for each decoding request, one prefill chunk for the others.
         Returns the requests that ended, each with its cache."""
@@ -108,8 +117,6 @@ class BatchScheduler:
                     continue
             if resp.finish_reason is not None:
                 done.append((self.running.pop(resp.uid), resp.prompt_cache))
-            elif r.job.cancelled.is_set():
-                stopped.append(resp.uid)
         if stopped:
             caches = self.gen.remove(stopped, return_prompt_caches=True)
             for uid in stopped:

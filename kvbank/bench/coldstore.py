@@ -148,7 +148,8 @@ def _restore(read, ids: list, n_tokens: int) -> float:
 
 
 def _write_amplification(tmp: Path, turns: int, seed: int) -> dict:
-    """20 agent turns through a real stack with its default block size and delays."""
+    """20 agent turns through a real stack with its default block size and delays (the tiny
+    model: its context of 2048 tokens holds 20 turns of 40-80 tokens plus 16 answered)."""
     from deploy.local import LocalStack
     from kvbank.models import default_cache_dir, make_tiny_model
 
@@ -159,7 +160,7 @@ def _write_amplification(tmp: Path, turns: int, seed: int) -> dict:
         with stack.client() as c:
             for _ in range(turns):
                 c.generate(session_id=SESSION, append=True, max_tokens=16,
-                           token_ids=rng.integers(1000, 20000, int(rng.integers(60, 200))).tolist())
+                           token_ids=rng.integers(1000, 20000, int(rng.integers(40, 80))).tolist())
                 time.sleep(0.5)  # the agent runs its tool: a quiet window
             tokens = c.get_session(SESSION).token_count
             stack.wait_durable(SESSION, timeout_s=300)

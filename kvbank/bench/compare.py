@@ -68,8 +68,22 @@ def _warm_up(url: str, model_name: str | None) -> None:
     httpx.post(url + "/v1/chat/completions", json=body, timeout=300).raise_for_status()
 
 
+def _sessions(stack) -> dict:
+    """Where kvbank's conversations are after the run: RAM bytes against the budget."""
+    from kvbank.v1 import api_pb2
+
+    with stack.client() as c:
+        sessions = c.sessions.List(api_pb2.ListSessionsRequest(), timeout=30).sessions
+    return {"ram_bytes": sum(s.ram_bytes for s in sessions),
+            "sessions": {s.session_id: {"state": s.state, "ram_bytes": s.ram_bytes,
+                                        "token_count": s.token_count,
+                                        "durable_tokens": s.durable_tokens}
+                         for s in sessions}}
+
+
 @contextmanager
-def _kvbank(model_dir: Path, tmp: Path, budget_bytes: int) -> Iterator[str]:
+def _kvbank(model_dir: Path, tmp: Path, budget_bytes: int, after: dict) -> Iterator[str]:
+    """kvbank with its OpenAI shim; `after` gets the sessions' state once the run is over."""
     from deploy.local import LocalStack
 
     stack = LocalStack.start(model_dir, tmp / "kvbank-data",
@@ -79,6 +93,7 @@ def _kvbank(model_dir: Path, tmp: Path, budget_bytes: int) -> Iterator[str]:
             raise RuntimeError("the kvbank stack was started without its OpenAI shim")
         _wait_health(stack.shim_url, stack.proc, 120, stack.log)
         yield stack.shim_url
+        after.update(_sessions(stack))
     finally:
         stack.stop()
 
@@ -140,10 +155,11 @@ def run(*, model: str | None, scenario, budget_bytes: int, max_wall_s: float,
     model_dir = _prepare_model(model)
     counter = TokenCounter(model_dir)
     results = {}
+    kvbank_after: dict = {}
     with tempfile.TemporaryDirectory(prefix="kvbank-compare-") as tmpdir:
         tmp = Path(tmpdir)
         servers = {
-            "kvbank": lambda: _kvbank(model_dir, tmp, budget_bytes),
+            "kvbank": lambda: _kvbank(model_dir, tmp, budget_bytes, kvbank_after),
             "mlx_lm_budget": lambda: _mlx_lm(model_dir, tmp, budget_bytes, "mlx_lm_budget"),
             "mlx_lm_unlimited": lambda: _mlx_lm(model_dir, tmp, UNLIMITED_BYTES,
                                                 "mlx_lm_unlimited"),
@@ -169,6 +185,7 @@ def run(*, model: str | None, scenario, budget_bytes: int, max_wall_s: float,
         "complete": all(s["turns_ok"] == s["turns"] == scenario.params.agents
                         * scenario.params.turns for s in sums.values()),
         "sides": {name: {"label": label, "summary": sums[name]} for name, label in SIDES},
+        "kvbank_after": kvbank_after,
     }
     return doc, results
 
@@ -200,6 +217,10 @@ def print_table(doc: dict, *, stderr: bool = False) -> None:
                   f"vs_ideal (kvbank / mlx-lm unlimited) {f(doc['vs_ideal'])}, "
                   f"recomputed_fraction {f(doc['recomputed_fraction'], 4)} (mlx-lm same "
                   f"budget: {f(doc['mlx_lm_budget_recomputed_fraction'], 4)})")
+    ram = doc.get("kvbank_after", {}).get("ram_bytes")
+    if ram is not None:
+        console.print(f"kvbank RAM bank after the run: {ram / 1e6:.0f} MB of KV (budget "
+                      f"{doc['budget_bytes'] / 1e6:.0f} MB)")
 
 
 def run_cli(args) -> int:

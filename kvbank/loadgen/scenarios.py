@@ -24,7 +24,6 @@ Scenarios (`SCENARIOS` holds each one's defaults):
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -225,7 +224,3 @@ class Conversation:
 
     def failed(self) -> None:
         self._pending = None
-
-
-def with_overrides(p: Params, **changes) -> Params:
-    return dataclasses.replace(p, **changes).validate()

@@ -24,6 +24,7 @@ DEFAULT_MAX_TOKENS = 256
 # OpenAI's default, honoured as given: clients that want greedy answers send 0.
 DEFAULT_TEMPERATURE = 1.0
 MAX_TEMPERATURE = 2.0  # OpenAI's bound (the router would take up to 10)
+MAX_INT32, MAX_UINT32 = 2**31 - 1, 2**32 - 1  # the proto's field types
 # "developer" is OpenAI's newer name for the system role.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
@@ -83,9 +84,9 @@ def parse(kind: str, body: object, *, session_header: str | None) -> OpenAIReque
         req.chat.messages.extend(_messages(body))
     else:
         _prompt(body, req)
-    max_tokens = _int(body, "max_completion_tokens", lo=1)
+    max_tokens = _int(body, "max_completion_tokens", lo=1, hi=MAX_INT32)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", lo=1)
+        max_tokens = _int(body, "max_tokens", lo=1, hi=MAX_INT32)
     req.max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     temperature = _number(body, "temperature", 0.0, MAX_TEMPERATURE)
     req.sampling.temperature = DEFAULT_TEMPERATURE if temperature is None else temperature
@@ -171,7 +172,8 @@ def _prompt(body: dict, req: api_pb2.GenerateRequest) -> None:
     if isinstance(prompt, str):
         req.prompt = prompt
     elif (isinstance(prompt, list) and prompt
-          and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)):
+          and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_UINT32
+                  for t in prompt)):
         req.tokens.ids.extend(prompt)
     else:
         raise invalid("prompt", "prompt must be a string or an array of token ids (one prompt "
