@@ -26,6 +26,7 @@ from collections import deque
 import numpy as np
 import zmq
 
+from kvbank import metrics
 from kvbank.blocks import BlockId
 from kvbank.config import Layout
 from coldstore.budgets import Budgets, Limits, Refusal
@@ -89,6 +90,7 @@ class ColdstoreServer:
                             break
                         self._handle(frames)
                 self._write_one(time.time())
+                self._update_gauges(time.monotonic())
             self._flush(time.time() + FLUSH_ON_STOP_S)
         finally:
             self.sock.close(linger=0)
@@ -99,6 +101,18 @@ class ColdstoreServer:
 
     def _stop(self) -> None:
         self.stopping = True
+
+    def _update_gauges(self, now: float, every_s: float = 1.0) -> None:
+        if now - getattr(self, "_gauges_at", 0.0) < every_s:
+            return
+        self._gauges_at = now
+        import shutil
+
+        metrics.CS_WRITE_BUDGET_LEFT.set(max(0, self.limits.write_bytes_per_hour
+                                             - self.budgets.written_last_hour()))
+        metrics.CS_DISK_FREE.set(shutil.disk_usage(self.layout.store_dir).free)
+        metrics.CS_STORE_BYTES.set(self.store.block_bytes())
+        metrics.CS_JOBS.set(len(self.lanes.jobs))
 
     def _flush(self, until: float) -> None:
         """On a clean stop, write what is queued, bounded in time."""
@@ -148,6 +162,7 @@ class ColdstoreServer:
     def _op_get_blocks(self, peer, head, frames):
         """Restore through the coldstore (the worker can also read LMDB itself, read-only)."""
         payloads = self.store.get_blocks([BlockId(bytes.fromhex(h)) for h in head["ids"]])
+        metrics.CS_READ.inc(sum(len(p) for p in payloads if p is not None))
         self._send(peer, {"req": head["req"], "ok": True},
                    [p if p is not None else b"" for p in payloads])
         return None
@@ -215,6 +230,7 @@ class ColdstoreServer:
         if refusal is not None:
             logger.warning("write of %s refused (%s): %s", job.session_id, refusal.reason,
                            refusal.message)
+            metrics.CS_REFUSALS.labels(refusal.reason).inc()
             self._finish(job, "refused", error=refusal.message, reason=refusal.reason)
             return
         block = job.blocks.popleft()
@@ -233,6 +249,7 @@ class ColdstoreServer:
             return
         self.budgets.record(self.store.last_written_bytes)
         self.written_bytes += self.store.last_written_bytes
+        metrics.CS_WRITTEN.inc(self.store.last_written_bytes)
         job.written_blocks += 1
         job.durable_tokens = meta.durable_tokens
         self._send(job.peer, {"op": "progress", "job": job.job_id, "tenant": job.tenant,
@@ -281,6 +298,7 @@ def _req(frames) -> int | None:
 
 
 def main(layout: Layout, *, quiet_grace_s: float, max_dirty_s: float, tail_delay_s: float,
-         limits: Limits) -> None:
+         limits: Limits, metrics_port: int = -1) -> None:
+    metrics.serve("coldstore", layout.ensure().run_dir, metrics_port)
     ColdstoreServer(layout, quiet_grace_s=quiet_grace_s, max_dirty_s=max_dirty_s,
                     tail_delay_s=tail_delay_s, limits=limits).serve()

@@ -43,7 +43,7 @@ class LocalStack:
         log = data_dir.parent / f"{data_dir.name}-stack.log"
         argv = [sys.executable, "-m", "kvbank.cli", "up", "--model", str(model),
                 "--data-dir", str(data_dir), "--port", str(port),
-                "--shim-port", str(shim_port), *extra]
+                "--shim-port", str(shim_port), "--metrics-port", "0", *extra]
         with open(log, "wb") as f:
             proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
                                     env={**os.environ, **(env or {})})
@@ -59,6 +59,9 @@ class LocalStack:
 
     def log_tail(self, n: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-n:]
+
+    def metrics_url(self, name: str) -> str:
+        return (self.layout.run_dir / f"{name}.metrics").read_text()
 
     def client(self) -> Client:
         return Client(self.address)

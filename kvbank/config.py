@@ -12,6 +12,7 @@ from pathlib import Path
 
 DEFAULT_ROUTER_PORT = 50051
 DEFAULT_SHIM_PORT = 8000
+DEFAULT_METRICS_PORT = 9400  # router; worker +1, coldstore +2
 DEFAULT_BLOCK_TOKENS = 256
 OPENBLAS_PATHS = (
     "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
@@ -41,6 +42,11 @@ class Layout:
     def run_dir(self) -> Path:
         """Sockets and pid files of the running processes."""
         return self.data_dir / "run"
+
+    @property
+    def events_path(self) -> Path:
+        """The structured event log (JSON lines, rotated)."""
+        return self.data_dir / "log" / "events.jsonl"
 
     @property
     def worker_address(self) -> str:

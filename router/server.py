@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import signal
 import time
@@ -21,6 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvbank import metrics
 from kvbank.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.admission import AdmissionQueue, Ceilings, Refusal, check_ceilings
 from router.auth import Unauthenticated, tenant_for
@@ -156,7 +158,12 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 tokens = await self.b.prompt_tokens(v, tenant, info)
                 self.b.admit_sizes(tokens, v.max_tokens, info)
                 gate = await self.b.queue()
-                queue_s = await gate.acquire()
+                metrics.QUEUE_DEPTH.set(gate.depth + 1)
+                try:
+                    queue_s = await gate.acquire()
+                finally:
+                    metrics.QUEUE_DEPTH.set(gate.depth)
+                metrics.QUEUE_WAIT.observe(queue_s)
                 started = time.monotonic()
                 try:
                     async for out in self._relay(v, tokens, tenant, received_at, t0, queue_s):
@@ -167,7 +174,12 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             code, msg, md = _status_for(e)
             if code == grpc.StatusCode.INTERNAL:
                 logger.exception("Generate failed")
+            metrics.REQUESTS.labels(code.name).inc()
+            reason = dict(md).get("x-kvbank-reason")
+            if reason:
+                metrics.REFUSALS.labels(reason).inc()
             await context.abort(code, msg, trailing_metadata=md)
+        metrics.REQUESTS.labels("OK").inc()
 
     async def _relay(self, v: ValidRequest, tokens: list[int], tenant: str, received_at: float,
                      t0: float, queue_s: float):
@@ -179,8 +191,15 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             request_id=uuid.uuid4().hex, session_id=v.session_id, token_ids=tokens,
             sampling=sampling, max_tokens=v.max_tokens, no_cache=v.no_cache,
             received_at=received_at, stop=v.stop, tenant=tenant)
-        first_at = None
+        first_at = last_at = None
         async for ev in self.b.stub.Generate(wreq, metadata=((TENANT_KEY, tenant),)):
+            if ev.token_ids:
+                now = time.monotonic()
+                if first_at is None:
+                    metrics.TTFT.observe(now - t0)
+                else:
+                    metrics.INTER_TOKEN.observe(now - last_at)
+                last_at = now
             if first_at is None and (ev.token_ids or ev.HasField("usage")):
                 first_at = time.monotonic()
             out = api_pb2.GenerateResponse(text=ev.text, token_ids=ev.token_ids,
@@ -221,10 +240,23 @@ class SessionsServicer(api_pb2_grpc.SessionsServicer):
 class AdminServicer(api_pb2_grpc.AdminServicer):
     """Operator tools, relayed to the worker. Loopback only unless an admin key is set."""
 
-    def __init__(self, backend: Backend):
+    def __init__(self, backend: Backend, admin_key: str | None = None):
         self.b = backend
+        self.admin_key = admin_key
+
+    async def _allowed(self, context) -> None:
+        peer = context.peer()
+        if peer.startswith(("ipv4:127.", "ipv6:[::1]", "unix:")):
+            return
+        key = dict(context.invocation_metadata()).get("x-kvbank-admin-key", "")
+        if self.admin_key and hmac.compare_digest(key.encode(), self.admin_key.encode()):
+            return
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                            "the Admin service answers loopback clients, or clients that send "
+                            "the router's --admin-key as x-kvbank-admin-key metadata")
 
     async def _relay(self, method, request, context, timeout_s: float = 120):
+        await self._allowed(context)
         try:
             return await method(request, metadata=((TENANT_KEY, self.b.tenant(context)),),
                                 timeout=timeout_s)
@@ -245,6 +277,7 @@ class AdminServicer(api_pb2_grpc.AdminServicer):
         return await self._relay(self.b.stub.Status, request, context)
 
     async def Release(self, request, context):
+        await self._allowed(context)
         if not request.session_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is empty: name a session")
         try:
@@ -255,13 +288,15 @@ class AdminServicer(api_pb2_grpc.AdminServicer):
             await context.abort(code, msg, trailing_metadata=md)
 
 
-async def serve(model_dir: Path, worker_address: str, host: str, port: int, **limits) -> None:
+async def serve(model_dir: Path, worker_address: str, host: str, port: int, *,
+                metrics_port: int = -1, admin_key: str | None = None, **limits) -> None:
     """`limits`: Backend's keys, ceilings, max_queue, max_queue_wait_s."""
+    metrics.serve("router", Path(worker_address.removeprefix("unix://")).parent, metrics_port)
     backend = Backend(model_dir, worker_address, **limits)
     server = grpc.aio.server()
     api_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(backend), server)
     api_pb2_grpc.add_SessionsServicer_to_server(SessionsServicer(backend), server)
-    api_pb2_grpc.add_AdminServicer_to_server(AdminServicer(backend), server)
+    api_pb2_grpc.add_AdminServicer_to_server(AdminServicer(backend, admin_key), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [api_pb2.DESCRIPTOR.services_by_name[n].full_name

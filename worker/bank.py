@@ -24,11 +24,12 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 
+from kvbank import events, metrics
 from kvbank.blocks import BlockId, chain_block_ids, common_prefix_len
 from worker.kv import Layers, layers_nbytes
 
@@ -280,11 +281,20 @@ class SessionBank:
     def evict(self, e: BankEntry, reason: str, *, write_out: str | None = None,
               write_out_s: float | None = None) -> None:
         self._remove(e)
+        durable = e.durable_tokens >= e.n_tokens
         self.eviction_log.append(Eviction(
             at=time.time(), reason=reason, session_id=e.session[1], prefix_tokens=e.n_tokens,
-            nbytes=e.nbytes, durable=e.durable_tokens >= e.n_tokens,
-            release_write_out=write_out, write_out_s=write_out_s,
+            nbytes=e.nbytes, durable=durable, release_write_out=write_out,
+            write_out_s=write_out_s,
         ))
+        metrics.EVICTIONS.labels(reason).inc()
+        if write_out is not None:
+            metrics.WRITE_OUTS.labels(write_out).inc()
+        if e.awaits_queued_write:
+            metrics.UNWRITTEN_DROPPED.inc()
+        events.emit("kv_evicted", tenant=e.session[0], session_id=e.session[1], reason=reason,
+                    tokens=e.n_tokens, bytes=e.nbytes, durable_tokens=e.durable_tokens,
+                    now="cold" if durable else "gone", write_out=write_out)
         if e.awaits_queued_write:
             # Its staged bytes go too: the memory is wanted back, in the coldstore as well.
             logger.warning("%s: dropped %s (%d tokens) before its SSD write",
@@ -413,6 +423,9 @@ class SessionBank:
                 self.evict(e, reason, write_out=outcome, write_out_s=took)
             r.add(row)
         r.write_out_s = time.monotonic() - started if write_out_before_release else 0.0
+        if r.rows or r.skipped_busy_sessions:
+            events.emit("release_write_out" if write_out_before_release else "idle_release",
+                        **asdict(r))
         return r
 
 

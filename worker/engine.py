@@ -13,6 +13,7 @@ structures it mutates.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -28,6 +29,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
+from kvbank import events, metrics
 from kvbank.blocks import BlockId, chain_block_ids, chain_root, common_prefix_len, tail_block_id
 from kvbank.config import Layout
 from kvbank.v1 import api_pb2, worker_pb2
@@ -307,6 +309,7 @@ class Engine:
         self.bank.reserve_active(bank_key, need)
         try:
             cache, cached, source = self._restore(tokens, tenant, session, req.no_cache)
+            self._count_restore(req, len(tokens), cached, source)
             sampling = req.sampling
             seed = sampling.seed if sampling.HasField("seed") else None
             r = Running(job=job, tokens=tokens, bank_key=bank_key, session=session,
@@ -321,6 +324,19 @@ class Engine:
             raise
         return True
 
+    def _count_restore(self, req, n_tokens: int, cached: int, source: int) -> None:
+        tier = {api_pb2.CACHE_SOURCE_RAM: "ram", api_pb2.CACHE_SOURCE_SSD: "ssd"}.get(source,
+                                                                                     "none")
+        metrics.PROMPT_TOKENS.inc(n_tokens)
+        if req.no_cache:
+            return
+        metrics.PREFIX_QUERIES.inc()
+        metrics.PREFIX_HITS.labels(tier).inc()
+        if cached:
+            metrics.CACHED_TOKENS.labels(tier).inc(cached)
+            events.emit("kv_restored", tenant=req.tenant, session_id=req.session_id, tier=tier,
+                        tokens=cached, prompt_tokens=n_tokens)
+
     def _price(self, prompt_tokens: int, max_tokens: int) -> int:
         """This request's bytes, with the padding a batched cache adds to the batch."""
         lens = [len(r.tokens) + r.job.request.max_tokens for r in self.batch.running.values()]
@@ -329,6 +345,11 @@ class Engine:
 
     def _log_admission(self, req, receipt) -> None:
         self.admission_log.append((time.time(), req.session_id, receipt))
+        metrics.ADMISSIONS.labels(receipt.decision).inc()
+        if receipt.decision != "wait":
+            events.emit("admission", tenant=req.tenant, session_id=req.session_id,
+                        prompt_tokens=len(req.token_ids), max_tokens=req.max_tokens,
+                        **dataclasses.asdict(receipt))
         if receipt.decision != "admitted" or receipt.lru_evicted or receipt.released_sessions:
             logger.info("admission %s for %s: need %.0f MB, free %.0f -> %.0f MB, lru %d, "
                         "shed %d+%d, released %d (%d written out) %s %s", receipt.decision,
@@ -377,6 +398,8 @@ class Engine:
             queue_s=r.started - r.job.queued_at,
             durable=durable,
         )
+        metrics.GENERATION_TOKENS.inc(len(r.completion))
+        metrics.RECOMPUTED_TOKENS.inc(usage.recomputed_tokens)
         r.job.emit(worker_pb2.WorkerGenerateResponse(finish_reason=r.finish, usage=usage))
         r.job.emit(None)
 
@@ -465,6 +488,8 @@ class Engine:
             self._set_session(session, SessionInfo(full, durable_tokens,
                                                    old.created_at if old else now, now))
         entry = self.bank.insert(bank_key, full, layers, durable_tokens=durable_tokens)
+        events.emit("kv_resident", tenant=bank_key[0], session_id=bank_key[1],
+                    tokens=len(full), bytes=entry.nbytes, durable_tokens=durable_tokens)
         if durable:
             self.writer.write_behind(entry)
         # Over budget, least recently used entries leave, but never one whose SSD write is
@@ -487,6 +512,32 @@ class Engine:
         for e in self.bank.entries.values():
             out[e.session] = out.get(e.session, 0) + e.nbytes
         self.ram_bytes = out
+        metrics.BANK_BYTES.set(self.bank.total_nbytes)
+        metrics.BANK_ENTRIES.set(len(self.bank.entries))
+
+    def session_state(self, key: SessionKey, info: SessionInfo) -> str:
+        """Any thread: where a session's KV is."""
+        ram = self.ram_bytes.get(key, 0)
+        if self.bank.is_busy(key):
+            return "active"
+        if ram and info.durable_tokens < len(info.tokens):
+            return "resident-dirty"
+        if ram:
+            return "resident-clean"
+        return "cold" if info.durable_tokens > 0 else "gone"
+
+    def update_gauges(self) -> None:
+        """Any thread (the guard's tick): the gauges that are cheap to read from snapshots."""
+        import psutil
+
+        counts = dict.fromkeys(("active", "resident-dirty", "resident-clean", "cold", "gone"), 0)
+        for key, info in list(self.sessions.items()):
+            counts[self.session_state(key, info)] += 1
+        for state, n in counts.items():
+            metrics.SESSIONS.labels(state).set(n)
+        metrics.MEMORY_HELD.set(self.held_bytes())
+        metrics.MEMORY_BUDGET.set(self.memory_budget)
+        metrics.WORKER_RSS.set(psutil.Process().memory_info().rss)
 
     def _on_coldstore_event(self, msg: dict) -> None:
         """Progress and completion of write jobs (I/O thread): update snapshots, then the bank."""
@@ -503,6 +554,9 @@ class Engine:
             self.bank.mark_durable(session, durable)
             if msg["op"] == "done":
                 self.bank.mark_write_done(session, msg["job"])
+                if msg["outcome"] == "written":
+                    events.emit("kv_durable", tenant=session[0], session_id=session[1],
+                                durable_tokens=durable)
                 if msg["outcome"] not in ("written", "superseded", "cancelled"):
                     logger.warning("write of %s ended %s (%s): %s", session[1], msg["outcome"],
                                    msg.get("reason", ""), msg.get("error", ""))

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import psutil
 
+from kvbank import events, metrics
+
 logger = logging.getLogger(__name__)
 
 LEVELS = ("normal", "warning", "critical")
@@ -124,6 +126,8 @@ class Guard:
         while not self._stop.is_set():
             try:
                 self.level, self.source = self.measure()
+                metrics.PRESSURE_LEVEL.set(_rank(self.level))
+                self.engine.update_gauges()
                 self.engine.call(self.engine.apply_dynamic_ceiling)
                 self._maybe_act(time.monotonic())
             except Exception:
@@ -151,4 +155,6 @@ class Guard:
             lambda: self.engine.pressure_trim(level, source, deferred)).result()
         self.receipts.append(receipt)
         del self.receipts[:-256]
+        metrics.PRESSURE_TRIMS.labels(level).inc()
+        events.emit(**asdict(receipt))
         logger.warning("pressure %s (%s): %s", level, source, asdict(receipt))

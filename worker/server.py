@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvbank import events, metrics
 from kvbank.config import Layout
 from kvbank.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 from worker.engine import Engine, GenerateJob, NotAdmitted, RequestError
@@ -74,14 +75,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _session_pb(self, key, info, with_tokens: bool) -> api_pb2.Session:
         ram = self.engine.ram_bytes.get(key, 0)
         n = len(info.tokens)
-        if ram and info.durable_tokens < n:
-            state = "resident-dirty"
-        elif ram:
-            state = "resident-clean"
-        elif info.durable_tokens > 0:
-            state = "cold"
-        else:
-            state = "gone"
+        state = self.engine.session_state(key, info)
         s = api_pb2.Session(session_id=key[1], token_count=n, durable_tokens=info.durable_tokens,
                             ram_bytes=ram, created_at=info.created_at, updated_at=info.updated_at,
                             state=state)
@@ -162,8 +156,10 @@ def _matmul_gflops() -> float:
     return 4 * 2 * 1024**3 / (time.perf_counter() - t0) / 1e9
 
 
-async def serve(model: Path, layout: Layout, **engine_kw) -> None:
+async def serve(model: Path, layout: Layout, *, metrics_port: int = -1, **engine_kw) -> None:
     """`engine_kw`: the Engine's settings (block_tokens, bank_bytes, scheduler, ...)."""
+    events.open_log(layout.events_path)
+    metrics.serve("worker", layout.ensure().run_dir, metrics_port)
     gflops = _matmul_gflops()
     if gflops < 20:
         logger.warning("SLOW MATMUL: %.1f GFLOP/s. MLX is using its bundled reference BLAS; "

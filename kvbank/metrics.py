@@ -1,0 +1,75 @@
+"""Prometheus metrics: every name in one place, served by each process on its own port.
+
+Names follow what vLLM and llama.cpp users know: a `kvbank_` prefix, units in the name
+(`_seconds`, `_bytes`, `_tokens`), `_total` for counters. Each process starts its endpoint
+with `serve(name, layout, port)` and writes the URL to `run/<name>.metrics`, so tools and
+tests find it even when the port was chosen by the OS.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+logger = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+# -- router --------------------------------------------------------------------------------------
+REQUESTS = Counter("kvbank_requests_total", "Generate requests by final gRPC status", ["status"])
+QUEUE_DEPTH = Gauge("kvbank_queue_depth", "Requests waiting for an admission slot")
+QUEUE_WAIT = Histogram("kvbank_queue_wait_seconds", "Time waiting for an admission slot",
+                       buckets=LATENCY_BUCKETS)
+TTFT = Histogram("kvbank_time_to_first_token_seconds", "Request received -> first token out",
+                 buckets=LATENCY_BUCKETS)
+INTER_TOKEN = Histogram("kvbank_inter_token_latency_seconds", "Time between streamed tokens",
+                        buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
+REFUSALS = Counter("kvbank_refusals_total", "Requests refused, by reason", ["reason"])
+
+# -- worker --------------------------------------------------------------------------------------
+PREFIX_QUERIES = Counter("kvbank_prefix_queries_total", "Requests that looked for cached KV")
+PREFIX_HITS = Counter("kvbank_prefix_hits_total", "Where a request's cached KV came from",
+                      ["tier"])
+CACHED_TOKENS = Counter("kvbank_cached_tokens_total", "Prompt tokens restored, not computed",
+                        ["tier"])
+PROMPT_TOKENS = Counter("kvbank_prompt_tokens_total", "Prompt tokens of admitted requests")
+GENERATION_TOKENS = Counter("kvbank_generation_tokens_total", "Tokens generated")
+RECOMPUTED_TOKENS = Counter("kvbank_recomputed_tokens_total",
+                            "Prompt tokens of a session's own history computed again")
+BANK_BYTES = Gauge("kvbank_bank_bytes", "KV bytes held in the worker's RAM bank")
+BANK_ENTRIES = Gauge("kvbank_bank_entries", "Entries in the RAM bank")
+SESSIONS = Gauge("kvbank_sessions", "Sessions by where their KV is", ["state"])
+EVICTIONS = Counter("kvbank_evictions_total", "Bank entries that left RAM, by reason",
+                    ["reason"])
+UNWRITTEN_DROPPED = Counter("kvbank_unwritten_dropped_total",
+                            "Bank entries that left RAM before their KV reached SSD")
+WRITE_OUTS = Counter("kvbank_write_outs_total", "Release write-outs by outcome", ["outcome"])
+ADMISSIONS = Counter("kvbank_admissions_total", "Admission decisions", ["decision"])
+MEMORY_HELD = Gauge("kvbank_memory_held_bytes", "Bytes the worker's ledger holds")
+MEMORY_BUDGET = Gauge("kvbank_memory_budget_bytes", "The worker's memory budget")
+WORKER_RSS = Gauge("kvbank_worker_rss_bytes", "The worker's resident set size")
+PRESSURE_LEVEL = Gauge("kvbank_pressure_level", "0 normal, 1 warning, 2 critical")
+PRESSURE_TRIMS = Counter("kvbank_pressure_trims_total", "Guard trims by level", ["level"])
+
+# -- coldstore -----------------------------------------------------------------------------------
+CS_WRITTEN = Counter("kvbank_coldstore_written_bytes_total", "KV bytes committed to LMDB")
+CS_READ = Counter("kvbank_coldstore_read_bytes_total", "KV bytes read through the coldstore")
+CS_WRITE_BUDGET_LEFT = Gauge("kvbank_coldstore_write_budget_left_bytes",
+                             "Bytes the rolling-hour write budget still allows")
+CS_DISK_FREE = Gauge("kvbank_coldstore_disk_free_bytes", "Free bytes on the store's disk")
+CS_STORE_BYTES = Gauge("kvbank_coldstore_store_bytes", "KV bytes stored")
+CS_JOBS = Gauge("kvbank_coldstore_jobs_queued", "Write jobs waiting")
+CS_REFUSALS = Counter("kvbank_coldstore_refusals_total", "Writes refused, by reason",
+                      ["reason"])
+
+
+def serve(name: str, run_dir, port: int | None) -> str | None:
+    """Start this process's /metrics on loopback (port 0: any free one); None: disabled."""
+    if port is None or port < 0:
+        return None
+    httpd, _ = start_http_server(port, addr="127.0.0.1")
+    url = f"http://127.0.0.1:{httpd.server_port}/metrics"
+    (run_dir / f"{name}.metrics").write_text(url)
+    logger.info("%s metrics on %s", name, url)
+    return url

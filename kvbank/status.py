@@ -1,0 +1,80 @@
+"""`kvbank status`: where every conversation's KV is, and the tiers, budgets and pressure.
+
+One table of sessions (state, tokens, bytes in RAM, durable up to, dirty age, last use) and
+one of the worker's memory; `--watch` redraws every `--every` seconds; `--json` prints both.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from kvbank.client import Client
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def _ago(t: float, now: float) -> str:
+    if not t:
+        return "-"
+    s = max(0.0, now - t)
+    return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.0f}h"
+
+
+def snapshot(c: Client) -> dict:
+    return {"sessions": [MessageToDict(s, always_print_fields_with_no_presence=True)
+                         for s in c.list_sessions()],
+            "worker": MessageToDict(c.status(), always_print_fields_with_no_presence=True)}
+
+
+def render(c: Client):
+    now = time.time()
+    st = c.status()
+    sessions = Table(title="sessions", title_justify="left")
+    for col in ("session", "state", "tokens", "RAM", "durable up to", "dirty for", "last use"):
+        sessions.add_column(col, justify="left" if col in ("session", "state") else "right")
+    for s in sorted(c.list_sessions(), key=lambda s: -s.updated_at):
+        dirty = s.durable_tokens < s.token_count
+        sessions.add_row(s.session_id, s.state, str(s.token_count), _mb(s.ram_bytes),
+                         str(s.durable_tokens), _ago(s.updated_at, now) if dirty else "-",
+                         _ago(s.updated_at, now))
+    memory = Table(title="worker memory", title_justify="left")
+    for col in ("budget", "held", "model", "bank", "running", "staged", "bank cap",
+                "pressure", "scheduler", "running / waiting"):
+        memory.add_column(col, justify="right")
+    memory.add_row(_mb(st.memory_budget_bytes), _mb(st.held_bytes), _mb(st.fixed_bytes),
+                   f"{_mb(st.bank_bytes)} ({st.bank_entries})", _mb(st.running_bytes),
+                   _mb(st.staged_bytes),
+                   _mb(min(st.bank_max_bytes, st.bank_ceiling_bytes or st.bank_max_bytes)),
+                   f"{st.pressure_level} ({st.pressure_source})", st.scheduler,
+                   f"{st.running_requests} / {st.waiting_requests}")
+    return Group(sessions, memory)
+
+
+def run_status(address: str, *, watch: bool, every_s: float, as_json: bool) -> int:
+    try:
+        with Client(address) as c:
+            if as_json:
+                print(json.dumps(snapshot(c)))
+                return 0
+            if not watch:
+                Console().print(render(c))
+                return 0
+            with Live(render(c), refresh_per_second=4) as live:
+                while True:
+                    time.sleep(every_s)
+                    live.update(render(c))
+    except grpc.RpcError as e:
+        print(f"kvbank status: {address}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
