@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 OPENBLAS := /usr/lib/x86_64-linux-gnu/libopenblas.so.0
 ARGS ?=
 
-.PHONY: install run test proto clean
+.PHONY: install run test resilience proto clean
 
 $(STAMP): pyproject.toml
 	@if [ "$$(uname -s)" = Linux ] && [ ! -e $(OPENBLAS) ] && command -v apt-get >/dev/null; then \
@@ -28,6 +28,10 @@ run: install
 
 test: install
 	$(PY) -m pytest -q tests $(ARGS)
+
+# Kill processes under load (seeded, bounded); writes resilience-report.json.
+resilience: install
+	$(VENV)/bin/kvbank resilience $(ARGS)
 
 # Regenerate the protobuf/gRPC modules (committed; never edit them by hand).
 proto: install

@@ -256,6 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--no-write-out", action="store_true",
                     help="drop its KV from RAM even if it is not on SSD yet")
 
+    rs = sub.add_parser("resilience", help="SIGKILL processes under load; check nothing "
+                                           "acknowledged is lost (make resilience)")
+    rs.add_argument("--model", default=None, help="default: the tiny test model")
+    rs.add_argument("--agents", type=int, default=3)
+    rs.add_argument("--turns", type=int, default=15, help="turns per agent")
+    rs.add_argument("--kills", type=int, default=8)
+    rs.add_argument("--seed", type=int, default=0)
+    rs.add_argument("--report", type=Path, default=Path("resilience-report.json"))
+
     lg = sub.add_parser("loadgen", help="drive agents' conversations against a server")
     from kvbank.loadgen.cli import add_arguments as loadgen_arguments
 
@@ -378,6 +387,16 @@ def main(argv: list[str] | None = None) -> int:
         from kvbank.admin import run_admin
 
         return run_admin(args)
+    if cmd == "resilience":
+        import json
+
+        from kvbank.resilience import run as resilience_run
+
+        _setup_logging("resilience")
+        summary = resilience_run(model=args.model, agents=args.agents, turns=args.turns,
+                                 kills=args.kills, seed=args.seed, report_path=args.report)
+        print(json.dumps(summary, indent=2))
+        return 0 if summary["ok"] else 1
     if cmd == "loadgen":
         from kvbank.loadgen.cli import run_cli
 

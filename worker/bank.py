@@ -53,6 +53,7 @@ class BankEntry:
     last_used: float
     durable_tokens: int = 0  # KV committed in LMDB up to here
     write_job: int | None = None  # id of its queued coldstore write, if any
+    write_pending: bool = False  # its write must be sent again (refused, lost, no record)
 
     @property
     def n_tokens(self) -> int:
@@ -60,8 +61,10 @@ class BankEntry:
 
     @property
     def awaits_queued_write(self) -> bool:
-        """Its own SSD write is queued and not committed: RAM holds the only copy."""
-        return self.write_job is not None and self.durable_tokens < self.n_tokens
+        """Its SSD write is queued (or waits to be sent again) and not committed: RAM holds
+        the only copy."""
+        return ((self.write_job is not None or self.write_pending)
+                and self.durable_tokens < self.n_tokens)
 
     @property
     def durable(self) -> bool:
@@ -267,10 +270,12 @@ class SessionBank:
         for e in self.session_entries(session):
             e.durable_tokens = max(e.durable_tokens, min(durable_tokens, e.n_tokens))
 
-    def mark_write_done(self, session: SessionKey, job_id: int) -> None:
+    def mark_write_done(self, session: SessionKey, job_id: int, retry: bool = False) -> None:
+        """The job ended; with `retry` (refused, failed) its entries wait to be sent again."""
         for e in self.session_entries(session):
             if e.write_job == job_id:
                 e.write_job = None
+                e.write_pending = retry and not e.durable
 
     # -- policies ---------------------------------------------------------------------------
 

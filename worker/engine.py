@@ -44,7 +44,8 @@ from worker.persist import ColdstoreClient, ColdstoreUnavailable, KVWriter
 
 logger = logging.getLogger(__name__)
 
-RECORD_TIMEOUT_S = 10.0
+RECORD_TIMEOUT_S = 3.0
+RETRY_WRITES_EVERY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class SessionInfo:
     durable_tokens: int
     created_at: float
     updated_at: float
+    recorded: bool = True  # the record on disk holds these tokens
 
 
 @dataclass
@@ -486,12 +488,15 @@ class Engine:
             now = time.time()
             old = self.sessions.get(session)
             self._set_session(session, SessionInfo(full, durable_tokens,
-                                                   old.created_at if old else now, now))
+                                                   old.created_at if old else now, now,
+                                                   recorded=durable))
         entry = self.bank.insert(bank_key, full, layers, durable_tokens=durable_tokens)
         events.emit("kv_resident", tenant=bank_key[0], session_id=bank_key[1],
                     tokens=len(full), bytes=entry.nbytes, durable_tokens=durable_tokens)
         if durable:
             self.writer.write_behind(entry)
+        elif session is not None:  # the coldstore is away: record and KV go when it is back
+            entry.write_pending = True
         # Over budget, least recently used entries leave, but never one whose SSD write is
         # still queued: it leaves once written (at most --max-dirty-s later).
         self.bank.shrink_to_bytes(self.bank.effective_max_bytes, reason="bank_budget",
@@ -553,7 +558,8 @@ class Engine:
         def apply():
             self.bank.mark_durable(session, durable)
             if msg["op"] == "done":
-                self.bank.mark_write_done(session, msg["job"])
+                self.bank.mark_write_done(session, msg["job"],
+                                          retry=msg["outcome"] in ("refused", "error"))
                 if msg["outcome"] == "written":
                     events.emit("kv_durable", tenant=session[0], session_id=session[1],
                                 durable_tokens=durable)
@@ -664,3 +670,47 @@ class Engine:
             "transient_base_bytes": self.pricing.transient_base,
             "transient_per_context_token": self.pricing.transient_per_context_token,
         }
+
+    def retry_writes(self) -> int:
+        """Send again what the coldstore refused, lost (it restarted) or never got (it was
+        down): the record first if it missed turns, then the KV. Returns entries sent."""
+        now = time.monotonic()
+        if now - getattr(self, "_retried_at", 0.0) < RETRY_WRITES_EVERY_S:
+            return 0
+        self._retried_at = now
+        pending = [e for e in self.bank.entries.values()
+                   if e.session in self.sessions and e.awaits_queued_write]
+        if not pending:
+            return 0
+        try:
+            live = set(self.coldstore.request({"op": "ping"}, timeout_s=2.0)["jobs"])
+        except ColdstoreUnavailable:
+            return 0
+        sent = 0
+        for e in pending:
+            if e.write_job is not None and e.write_job in live:
+                continue
+            info = self.sessions.get(e.session)
+            if info is None or not self._ensure_record(e.session, info):
+                continue
+            e.write_pending = False
+            if self.writer.write_behind(e) is not None:
+                sent += 1
+        if sent:
+            logger.info("sent %d conversations' KV to the coldstore again", sent)
+        return sent
+
+    def _ensure_record(self, session: SessionKey, info: SessionInfo) -> bool:
+        if info.recorded:
+            return True
+        try:
+            reply = self.coldstore.request(
+                {"op": "put_session", "tenant": session[0], "session_id": session[1],
+                 "block_tokens": self.block_tokens}, [info.tokens.tobytes()], timeout_s=2.0)
+        except ColdstoreUnavailable:
+            return False
+        current = self.sessions.get(session)
+        if current is info:
+            self._set_session(session, replace(info, recorded=True,
+                                               durable_tokens=reply["durable_tokens"]))
+        return True

@@ -129,6 +129,7 @@ class Guard:
                 metrics.PRESSURE_LEVEL.set(_rank(self.level))
                 self.engine.update_gauges()
                 self.engine.call(self.engine.apply_dynamic_ceiling)
+                self.engine.call(self.engine.retry_writes)
                 self._maybe_act(time.monotonic())
             except Exception:
                 logger.exception("pressure guard tick failed")

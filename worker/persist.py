@@ -233,6 +233,7 @@ class KVWriter:
             return None
         job = self.client.next_id()
         entry.write_job = job
+        entry.write_pending = False
         head = {"op": "write", "job": job, "tenant": entry.session[0],
                 "session_id": entry.session[1], "root": root.hex(), "blocks": blocks,
                 "dirty_since": time.time()}
@@ -281,6 +282,8 @@ class KVWriter:
         """Write the entry now, by `give_up_at` (unix s): written | deadline | refused | error."""
         if entry.write_job is None:
             job = self.write_behind(entry, give_up_at=give_up_at)
+            if job is None:
+                return "written" if entry.durable else "error"
         else:
             job = entry.write_job
             self.client.send({"op": "promote", "job": job, "give_up_at": give_up_at})

@@ -71,7 +71,7 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-bytes", type=int, default=DEFAULT_BUDGET_BYTES,
                    help="KV memory budget for kvbank's bank and mlx-lm's prompt cache "
                         "(default: %(default)s)")
-    p.add_argument("--max-wall-s", type=float, default=400.0,
+    p.add_argument("--max-wall-s", type=float, default=600.0,
                    help="per server: start no turn after this many seconds "
                         "(default: %(default)s)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",

@@ -17,9 +17,10 @@ from rich.table import Table
 
 from kvbank.loadgen.run import Row, RunResult
 
-# Plot colours by cache source: kvbank's own (ram/ssd/none), or derived from cached_tokens.
+# Plot colours by cache source: kvbank's own (ram/ssd/none), or derived (see run.Row).
 SOURCE_COLOURS = {"ram": "tab:green", "ssd": "tab:blue", "none": "tab:red",
-                  "hit": "tab:olive", "miss": "tab:orange", None: "tab:gray"}
+                  "hit": "tab:olive", "partial": "tab:orange", "miss": "tab:red",
+                  None: "tab:gray"}
 
 
 def _sum(rows: list[Row], field: str) -> int | None:

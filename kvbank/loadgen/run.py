@@ -46,7 +46,8 @@ class Row:
     new_tokens: int | None = None
     recomputed_tokens: int | None = None     # prompt - cached - new, >= 0
     server_recomputed_tokens: int | None = None
-    cache_source: str | None = None          # ram | ssd | none (server) | hit | miss (derived)
+    cache_source: str | None = None          # ram | ssd | none: the server's; else derived:
+    #                                          hit | partial (recomputed > 0) | miss (cached 0)
     server_ttft_s: float | None = None
     compacted: bool = False
     reason: str | None = None
@@ -209,4 +210,5 @@ class Runner:
         if reply.cache_source:
             row.cache_source = reply.cache_source
         elif row.cached_tokens is not None:
-            row.cache_source = "hit" if row.cached_tokens > 0 else "miss"
+            row.cache_source = ("miss" if row.cached_tokens == 0 else
+                                "partial" if row.recomputed_tokens else "hit")

@@ -1,0 +1,233 @@
+"""`kvbank resilience` (`make resilience`): kill processes under load, check what was promised.
+
+Agents hold conversations through the router (append mode, greedy) while a killer SIGKILLs
+the worker, the coldstore or the router at random moments (seeded). After every kill the
+supervisor restarts the process; the run waits until the stack answers again and checks:
+- every turn whose final message reached its client is in its session record, token for
+  token (`turns_lost`);
+- a sample of restored turns gives the same tokens as recomputing them (`wrong_restores`);
+- a conversation that was on SSD when the worker died restores from SSD afterwards;
+- the LMDB store opens and every block a record names is whole and decodes (at the end).
+The report is printed and written as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+             grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
+             grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+PROCESSES = ("worker", "coldstore", "router")
+
+
+@dataclass
+class Report:
+    seed: int
+    kills: dict = field(default_factory=lambda: dict.fromkeys(PROCESSES, 0))
+    turns_acknowledged: int = 0
+    turns_lost: int = 0
+    restores_checked: int = 0
+    wrong_restores: int = 0
+    ssd_restores_expected: int = 0
+    ssd_restores_missed: int = 0
+    store_blocks_checked: int = 0
+    store_bad_blocks: int = 0
+    retried_turns: int = 0
+    recovery_s: list = field(default_factory=list)
+
+    def summary(self) -> dict:
+        out = asdict(self)
+        rec = sorted(self.recovery_s)
+        out["recovery_p50_s"] = round(rec[len(rec) // 2], 2) if rec else None
+        out["recovery_max_s"] = round(rec[-1], 2) if rec else None
+        out["recovery_s"] = [round(r, 2) for r in rec]
+        out["ok"] = (self.turns_lost == 0 and self.wrong_restores == 0
+                     and self.ssd_restores_missed == 0 and self.store_bad_blocks == 0)
+        return out
+
+
+class Run:
+    def __init__(self, stack, *, agents: int, turns: int, kills: int, seed: int,
+                 check_every: int = 3):
+        self.stack, self.agents, self.turns, self.kills = stack, agents, turns, kills
+        self.rng = random.Random(seed)
+        self.report = Report(seed)
+        self.acked: dict[str, list[int]] = {}  # session -> its record when a turn was acked
+        self.expect_ssd: set[str] = set()  # had KV on SSD when the worker died: next turn
+        # restores from SSD (RAM starts empty)
+        self.lock = threading.Lock()
+        self.check_every = check_every
+        self.stop = threading.Event()
+        self.killer_done = threading.Event()
+
+    # -- agents -----------------------------------------------------------------------------
+
+    def agent(self, i: int) -> None:
+        rng = np.random.default_rng(self.report.seed * 1000 + i)
+        session = f"agent-{i}"
+        turn = 0
+        with self.stack.client() as c:
+            # At least `turns` turns, and on until the killer is done (or 10x that).
+            while turn < self.turns or (not self.killer_done.is_set() and turn < 10 * self.turns):
+                turn += 1
+                new = rng.integers(1000, 20000, int(rng.integers(20, 60))).tolist()
+                got = self._turn_with_retries(c, session, new)
+                if got is None:
+                    return
+                t, before = got
+                with self.lock:
+                    self.report.turns_acknowledged += 1
+                    record = list(c.get_session(session).token_ids)
+                    self.acked[session] = record
+                    expected_ssd = session in self.expect_ssd
+                    self.expect_ssd.discard(session)
+                if expected_ssd:
+                    self.report.ssd_restores_expected += 1
+                    if t.usage["cache_source"] != "ssd":
+                        self.report.ssd_restores_missed += 1
+                if t.usage["cached_tokens"] and turn % self.check_every == 0:
+                    cold = self._retry(lambda: c.generate(token_ids=before + new,
+                                                          max_tokens=len(t.token_ids) or 1,
+                                                          no_cache=True))
+                    if cold is not None:
+                        self.report.restores_checked += 1
+                        if cold.token_ids != t.token_ids:
+                            self.report.wrong_restores += 1
+
+    def _turn_with_retries(self, c, session: str, new: list[int]):
+        for _ in range(60):
+            try:
+                before = list(c.get_session(session).token_ids)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    before = []
+                elif e.code() in RETRYABLE:
+                    time.sleep(0.5)
+                    continue
+                else:
+                    raise
+            try:
+                t = c.generate(session_id=session, token_ids=new, append=True, max_tokens=6,
+                               timeout_s=120)
+                return t, before
+            except grpc.RpcError as e:
+                if e.code() not in RETRYABLE:
+                    raise
+                self.report.retried_turns += 1
+                time.sleep(0.5)
+        return None
+
+    def _retry(self, fn):
+        for _ in range(60):
+            try:
+                return fn()
+            except grpc.RpcError as e:
+                if e.code() not in RETRYABLE:
+                    raise
+                time.sleep(0.5)
+        return None
+
+    # -- the killer -------------------------------------------------------------------------
+
+    def killer(self) -> None:
+        try:
+            self._kill_all()
+        finally:
+            self.killer_done.set()
+
+    def _kill_all(self) -> None:
+        for _ in range(self.kills):
+            if self.stop.wait(self.rng.uniform(1.0, 4.0)):
+                return
+            name = self.rng.choice(PROCESSES)
+            with self.lock:
+                if name == "worker":
+                    self.expect_ssd |= self._durable_sessions()
+                old = self.stack.kill9(name)
+                t0 = time.monotonic()
+            self.stack.wait_restarted(name, old, timeout_s=300)
+            self.report.recovery_s.append(time.monotonic() - t0)
+            self.report.kills[name] += 1
+            self.check_records()
+
+    def _durable_sessions(self) -> set[str]:
+        with self.stack.client() as c:
+            try:
+                return {s.session_id for s in c.list_sessions() if s.durable_tokens > 0}
+            except grpc.RpcError:
+                return set()
+
+    # -- invariants -------------------------------------------------------------------------
+
+    def check_records(self) -> None:
+        """Every acknowledged turn is in its session record, token for token."""
+        with self.stack.client() as c, self.lock:
+            for session, acked in self.acked.items():
+                record = self._retry(lambda: list(c.get_session(session).token_ids))
+                if record is None or record[:len(acked)] != acked:
+                    self.report.turns_lost += 1
+
+    def check_store(self) -> None:
+        """The store opens, and every block a record names is whole and decodes."""
+        from coldstore.store import ColdStore
+        from kvbank.blocks import decode_block
+
+        store = ColdStore(self.stack.layout.store_dir, readonly=True)
+        try:
+            for meta in store.list_sessions():
+                ids = meta.block_ids()
+                for bid, raw in zip(ids, store.get_blocks(ids)):
+                    self.report.store_blocks_checked += 1
+                    try:
+                        header, _ = decode_block(raw)
+                        assert header.n_tokens > 0
+                    except Exception:
+                        self.report.store_bad_blocks += 1
+        finally:
+            store.close()
+
+    def run(self) -> Report:
+        killer = threading.Thread(target=self.killer, name="killer")
+        agents = [threading.Thread(target=self.agent, args=(i,)) for i in range(self.agents)]
+        killer.start()
+        for a in agents:
+            a.start()
+        for a in agents:
+            a.join()
+        self.stop.set()
+        killer.join()
+        self.check_records()
+        self.check_store()
+        return self.report
+
+
+def run(*, model: str | None, agents: int, turns: int, kills: int, seed: int,
+        report_path: Path | None) -> dict:
+    from deploy.local import LocalStack
+    from kvbank.cli import _prepare_model
+    from kvbank.models import default_cache_dir, make_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="kvbank-resilience-") as tmp:
+        tmp = Path(tmp)
+        model_dir = (make_tiny_model(tmp / "tiny", seed=0, cache_dir=default_cache_dir())
+                     if model is None else _prepare_model(model))
+        stack = LocalStack.start(model_dir, tmp / "data", shim=False, extra=[
+            "--block-tokens", "16", "--quiet-grace-s", "0.1", "--tail-delay-s", "1",
+            "--max-dirty-s", "2"])
+        try:
+            summary = Run(stack, agents=agents, turns=turns, kills=kills, seed=seed).run().summary()
+        finally:
+            stack.stop()
+    if report_path is not None:
+        report_path.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,249 @@
+"""Tenants and listeners: with API keys, one tenant's sessions and cached KV are invisible to
+another; without flags, every listener is on loopback.
+
+Tenants are named by an `--api-keys-file` (`alice KEY_A`, `bob KEY_B`) and reached through
+both doors: gRPC with `authorization: Bearer KEY` metadata, and the OpenAI shim with the
+`openai` client's api_key.
+
+No timing test here: cache hits are kept apart by construction, not by constant time. The
+bank's lookup (`SessionBank.lookup`) and the SSD lookup (`Engine._ssd_prefix`) both start
+from the caller's tenant root (`chain_root(fingerprint, tenant)`): block ids are chained from
+that root, and the bank's index is entered at that root, so another tenant's blocks are never
+reached, hashed against or token-compared, and a lookup's time cannot depend on them. The
+tests below pin the visible half of that: another tenant's identical prompt restores nothing.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+import uuid
+
+import grpc
+import httpx
+import openai
+import psutil
+import pytest
+
+from kvbank.v1 import api_pb2, api_pb2_grpc
+from tests.conftest import rpc_error, start_stack
+
+KEYS = {"alice": "KEY_A-" + "a" * 20, "bob": "KEY_B-" + "b" * 20}
+BLOCK_TOKENS = 16  # start_stack's --block-tokens
+PROMPT = [100 + (7 * i) % 900 for i in range(3 * BLOCK_TOKENS + 5)]  # three full blocks + 5
+
+
+class Tenant:
+    """The router's gRPC API as one API key sees it (kvbank.client.Client sends no metadata)."""
+
+    def __init__(self, address: str, key: str | None):
+        self.channel = grpc.insecure_channel(address)
+        self.metadata = (("authorization", f"Bearer {key}"),) if key is not None else ()
+        self.generation = api_pb2_grpc.GenerationStub(self.channel)
+        self.sessions = api_pb2_grpc.SessionsStub(self.channel)
+        self.admin = api_pb2_grpc.AdminStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def generate(self, token_ids: list[int], session_id: str = "", max_tokens: int = 4,
+                 append: bool = False) -> api_pb2.Usage:
+        req = api_pb2.GenerateRequest(session_id=session_id, append=append,
+                                      max_tokens=max_tokens)
+        req.tokens.ids.extend(token_ids)
+        [*_, last] = self.generation.Generate(req, metadata=self.metadata, timeout=60)
+        assert last.HasField("usage")
+        return last.usage
+
+    def list(self) -> list[str]:
+        r = self.sessions.List(api_pb2.ListSessionsRequest(), metadata=self.metadata, timeout=30)
+        return [s.session_id for s in r.sessions]
+
+    def get(self, session_id: str) -> api_pb2.Session:
+        return self.sessions.Get(api_pb2.GetSessionRequest(session_id=session_id),
+                                 metadata=self.metadata, timeout=30)
+
+    def delete(self, session_id: str) -> bool:
+        return self.sessions.Delete(api_pb2.DeleteSessionRequest(session_id=session_id),
+                                    metadata=self.metadata, timeout=30).deleted
+
+    def release(self, session_id: str) -> api_pb2.ReleaseResponse:
+        return self.admin.Release(api_pb2.ReleaseRequest(session_id=session_id, write_out=True),
+                                  metadata=self.metadata, timeout=120)
+
+    def wait_durable(self, session_id: str, timeout_s: float = 60) -> api_pb2.Session:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            s = self.get(session_id)
+            if s.durable_tokens == s.token_count:
+                return s
+            time.sleep(0.1)
+        raise TimeoutError(f"session {session_id} never became durable")
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_model, tmp_path_factory, cache_dir):
+    root = tmp_path_factory.mktemp("security")
+    keys_file = root / "keys"
+    keys_file.write_text("# tenant key\n" + "".join(f"{t} {k}\n" for t, k in KEYS.items()))
+    s = start_stack(tiny_model, root / "data", extra=["--api-keys-file", str(keys_file)],
+                    cache_dir=cache_dir)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def alice(keyed):
+    t = Tenant(keyed.address, KEYS["alice"])
+    yield t
+    t.close()
+
+
+@pytest.fixture
+def bob(keyed):
+    t = Tenant(keyed.address, KEYS["bob"])
+    yield t
+    t.close()
+
+
+def _name(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def _unique_prompt() -> list[int]:
+    """PROMPT behind a fresh first token: no earlier test's KV is a prefix of it."""
+    return [1000 + uuid.uuid4().int % 40000] + PROMPT
+
+
+def test_another_tenants_session_cannot_be_listed_read_deleted_or_released(alice, bob):
+    sid = _name("alice-notes")
+    alice.generate(_unique_prompt(), session_id=sid, append=True)
+    before = alice.get(sid)
+    assert sid in alice.list()
+
+    assert sid not in bob.list()
+    err = rpc_error(lambda: bob.get(sid))
+    assert err.code() == grpc.StatusCode.NOT_FOUND and sid in err.details()
+    assert bob.delete(sid) is False
+    assert bob.release(sid).released_entries == 0
+
+    # bob may use the same name: it is his own, empty conversation, not alice's.
+    mine = bob.generate([5, 6, 7], session_id=sid, append=True)
+    assert mine.cached_tokens == 0 and bob.get(sid).token_count < before.token_count
+
+    after = alice.get(sid)
+    assert list(after.token_ids) == list(before.token_ids)
+    assert after.ram_bytes == before.ram_bytes > 0  # bob's release did not touch alice's KV
+    assert bob.delete(sid) is True  # bob's own session of that name
+    assert list(alice.get(sid).token_ids) == list(before.token_ids)
+
+
+def test_no_prefix_hit_across_tenants_from_ram(alice, bob):
+    prompt = _unique_prompt()
+    first = alice.generate(prompt)
+    assert first.cached_tokens == 0
+
+    theirs = bob.generate(prompt)  # alice's KV for exactly these tokens is in the bank now
+    assert theirs.cached_tokens == 0 and theirs.cache_source == api_pb2.CACHE_SOURCE_NONE
+
+    again = alice.generate(prompt)
+    assert again.cached_tokens > 0 and again.cache_source == api_pb2.CACHE_SOURCE_RAM
+
+
+def test_no_prefix_hit_across_tenants_from_ssd(alice, bob):
+    """alice's blocks in LMDB, out of RAM: bob's identical prompt still restores nothing."""
+    sid = _name("alice-ssd")
+    prompt = _unique_prompt()
+    alice.generate(prompt, session_id=sid, max_tokens=2)
+    durable = alice.wait_durable(sid)
+    assert durable.durable_tokens >= 3 * BLOCK_TOKENS
+    assert alice.release(sid).released_entries > 0
+    assert alice.get(sid).ram_bytes == 0
+
+    theirs = bob.generate(prompt, session_id=_name("bob-ssd"), max_tokens=2)
+    assert theirs.cached_tokens == 0 and theirs.cache_source == api_pb2.CACHE_SOURCE_NONE
+
+    again = alice.generate(prompt, session_id=_name("alice-ssd-2"), max_tokens=2)
+    assert again.cache_source == api_pb2.CACHE_SOURCE_SSD
+    assert again.cached_tokens >= 3 * BLOCK_TOKENS
+
+
+def test_no_prefix_hit_across_tenants_through_the_shim(keyed):
+    def ask(key: str):
+        c = openai.OpenAI(base_url=keyed.shim_url + "/v1", api_key=key, max_retries=0)
+        return c.chat.completions.create(model="kvbank", messages=messages, max_tokens=2,
+                                         temperature=0).usage.prompt_tokens_details.cached_tokens
+
+    messages = [{"role": "user", "content": f"[{uuid.uuid4().hex}] " + "a long shared prefix " * 20}]
+    assert ask(KEYS["alice"]) == 0
+    assert ask(KEYS["bob"]) == 0
+    assert ask(KEYS["alice"]) > 0
+
+
+@pytest.mark.parametrize("metadata", [
+    (),
+    (("authorization", "Bearer not-a-key"),),
+    (("authorization", f"Basic {KEYS['alice']}"),),
+    (("authorization", "Bearer "),),
+    (("authorization", KEYS["alice"]),),
+], ids=["none", "unknown", "basic", "empty", "no-scheme"])
+def test_without_a_known_key_the_router_says_unauthenticated(keyed, metadata):
+    stub = Tenant(keyed.address, None)
+    stub.metadata = metadata
+    req = api_pb2.GenerateRequest(prompt="hi", max_tokens=2)
+    calls = [lambda: list(stub.generation.Generate(req, metadata=metadata, timeout=30)),
+             lambda: stub.list(), lambda: stub.get("any"), lambda: stub.delete("any"),
+             lambda: stub.admin.Status(api_pb2.StatusRequest(), metadata=metadata, timeout=30)]
+    try:
+        for call in calls:
+            err = rpc_error(call)
+            assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err.details()
+            assert "API key" in err.details()
+    finally:
+        stub.close()
+
+
+@pytest.mark.parametrize("header", [None, "Bearer not-a-key", f"Basic {KEYS['bob']}"],
+                         ids=["none", "unknown", "basic"])
+def test_without_a_known_key_the_shim_says_401(keyed, header):
+    headers = {"authorization": header} if header else {}
+    url = keyed.shim_url + "/v1"
+    body = {"model": "kvbank", "max_tokens": 2}
+    for path, extra in [("/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                        ("/completions", {"prompt": "hi"})]:
+        r = httpx.post(url + path, json=body | extra, headers=headers)
+        assert r.status_code == 401, r.text
+        error = r.json()["error"]
+        assert error["code"] == "invalid_api_key" and "API key" in error["message"]
+    assert httpx.get(url + "/models", headers=headers).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url, api_key="not-a-key", max_retries=0).completions.create(
+            model="kvbank", prompt="hi", max_tokens=2)
+
+
+def _loopback(ip: str) -> bool:
+    """127.0.0.0/8 or ::1, also as an IPv4-mapped IPv6 address (gRPC's sockets are IPv6)."""
+    addr = ipaddress.ip_address(ip)
+    return (getattr(addr, "ipv4_mapped", None) or addr).is_loopback
+
+
+def test_every_listener_binds_loopback_by_default(tiny_model, tmp_path, cache_dir):
+    """A stack started without --host/--shim-host: the router, the shim and every metrics
+    port listen on 127.0.0.1 and nowhere else (the worker and coldstore use unix sockets)."""
+    s = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir)
+    try:
+        names = ("router", "worker", "coldstore", "shim")
+        pids = {n: s.pid(n) for n in names} | {"supervisor": s.proc.pid}
+        listening = {}
+        for name, pid in pids.items():
+            for conn in psutil.Process(pid).net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN:
+                    listening[(conn.laddr.ip, conn.laddr.port)] = name
+        expected = {int(s.address.rsplit(":", 1)[1]): "router",
+                    int(s.shim_url.rsplit(":", 1)[1]): "shim"}
+        for name in ("router", "worker", "coldstore"):
+            expected[int(httpx.URL(s.metrics_url(name)).port)] = name
+    finally:
+        s.stop()
+    assert all(_loopback(ip) for ip, _ in listening), listening
+    assert {port: name for (_, port), name in listening.items()} == expected
