@@ -298,7 +298,25 @@ def _req(frames) -> int | None:
 
 
 def main(layout: Layout, *, quiet_grace_s: float, max_dirty_s: float, tail_delay_s: float,
-         limits: Limits, metrics_port: int = -1) -> None:
+         limits: Limits, metrics_port: int = -1, fake_slow_disk_s: float = 0.0) -> None:
     metrics.serve("coldstore", layout.ensure().run_dir, metrics_port)
-    ColdstoreServer(layout, quiet_grace_s=quiet_grace_s, max_dirty_s=max_dirty_s,
-                    tail_delay_s=tail_delay_s, limits=limits).serve()
+    server = ColdstoreServer(layout, quiet_grace_s=quiet_grace_s, max_dirty_s=max_dirty_s,
+                             tail_delay_s=tail_delay_s, limits=limits)
+    if fake_slow_disk_s > 0:
+        server.store = FakeSlowDiskStore(server.store, fake_slow_disk_s)
+    server.serve()
+
+
+class FakeSlowDiskStore:
+    """TESTING ONLY (--fake-slow-disk-s): the real store, each block commit delayed, a
+    stand-in for a throttled disk (something outside the project)."""
+
+    def __init__(self, store: ColdStore, delay_s: float):
+        self._store, self._delay_s = store, delay_s
+
+    def commit_block(self, *args, **kw):
+        time.sleep(self._delay_s)
+        return self._store.commit_block(*args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)

@@ -95,6 +95,9 @@ def _coldstore_flags(p: argparse.ArgumentParser) -> None:
            (["--tail-delay-s"], dict(type=float, default=30.0,
             help="hold a conversation's partial last block this long before writing it (its "
                  "next turn rewrites it); a write-out never waits (default: %(default)s)")),
+           (["--fake-slow-disk-s"], dict(type=float, default=0.0,
+            help="TESTING ONLY: sleep this long before each block commit, a stand-in for a "
+                 "throttled disk (default: off)")),
            (["--quiet-grace-s"], dict(type=float, default=0.25,
                                       help="the worker must be idle this long before idle-lane "
                                            "writes (default: %(default)s)")),
@@ -127,6 +130,9 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
                  "request, nothing shares the machine (default: %(default)s)")),
            (["--max-active-requests"], dict(type=int, default=None,
             help="requests the worker runs at once (default: 4 in batch, 1 otherwise)")),
+           (["--write-out-deadline-s"], dict(type=float, default=30.0,
+            help="a release waits this long for a conversation's KV to reach SSD; past it "
+                 "the write is abandoned and reported `deadline` (default: %(default)s)")),
            (["--active-pin-s"], dict(type=float, default=600.0,
             help="a conversation counts as active this long after its last turn: trims "
                  "(pressure, admission LRU) leave it alone (default: %(default)s)")),
@@ -358,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                     memory_budget=args.memory_budget, active_pin_s=args.active_pin_s,
                     admission_chain_shed=args.admission_chain_shed,
                     prefill_chunk_tokens=args.prefill_chunk_tokens,
+                    write_out_deadline_s=args.write_out_deadline_s,
                     metrics_port=args.metrics_port)
         return 0
     if cmd == "coldstore":
@@ -370,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                         entry_max_bytes=args.entry_max_bytes)
         coldstore_main(Layout(args.data_dir), quiet_grace_s=args.quiet_grace_s,
                        max_dirty_s=args.max_dirty_s, tail_delay_s=args.tail_delay_s,
-                       limits=limits, metrics_port=args.metrics_port)
+                       limits=limits, metrics_port=args.metrics_port,
+                       fake_slow_disk_s=args.fake_slow_disk_s)
         return 0
     if cmd == "shim":
         from router.auth import load_keys

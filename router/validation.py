@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from kvbank.v1 import api_pb2
 
 ROLES = ("system", "user", "assistant", "tool")
-MAX_SESSION_ID_CHARS = 256
+# In UTF-8 bytes, not characters: the coldstore's key is `tenant NUL session_id`, and LMDB
+# refuses keys over 511 bytes (256 characters of emoji are 1 KiB).
+MAX_SESSION_ID_BYTES = 256
 MAX_STOP_STRINGS = 8
 
 
@@ -37,9 +39,12 @@ class ValidRequest:
 
 def validate(req: api_pb2.GenerateRequest, *, vocab_size: int) -> ValidRequest:
     sid = req.session_id
-    if len(sid) > MAX_SESSION_ID_CHARS or "\0" in sid:
-        raise InvalidRequest(f"session_id must be at most {MAX_SESSION_ID_CHARS} characters "
-                             f"without NUL; given {len(sid)} characters")
+    if len(sid.encode()) > MAX_SESSION_ID_BYTES:
+        raise InvalidRequest(f"session_id must be at most {MAX_SESSION_ID_BYTES} bytes of UTF-8; "
+                             f"given {len(sid.encode())} bytes ({len(sid)} characters)")
+    if "\0" in sid:
+        raise InvalidRequest(f"session_id must not contain NUL; given one at character "
+                             f"{sid.index(chr(0))}")
     kind = req.WhichOneof("input")
     if kind is None:
         raise InvalidRequest("the request has no input: set one of chat, prompt or tokens")

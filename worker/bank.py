@@ -110,6 +110,7 @@ class SessionBank:
         self.max_bytes = max_bytes
         self.ceiling_bytes: int | None = None  # a dynamic ceiling below max_bytes
         self.active_pin_s = active_pin_s
+        self.write_out_deadline_s: float | None = None  # None: RELEASE_WRITE_OUT_MAX_S
         self.entries: dict[int, BankEntry] = {}
         self.total_nbytes = 0
         self.eviction_log: deque[Eviction] = deque(maxlen=log_size)
@@ -391,7 +392,8 @@ class SessionBank:
         """
         from worker.persist import RELEASE_WRITE_OUT_MAX_S
 
-        budget_s = RELEASE_WRITE_OUT_MAX_S if max_write_out_s is None else max_write_out_s
+        budget_s = (max_write_out_s if max_write_out_s is not None
+                    else self.write_out_deadline_s or RELEASE_WRITE_OUT_MAX_S)
         started = time.monotonic()
         give_up_at = time.time() + budget_s
         keep = set(keep_session_ids)

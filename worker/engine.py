@@ -85,7 +85,8 @@ class Engine:
                  scheduler: SchedulerConfig = SchedulerConfig(),
                  memory_budget: str | int | None = None, active_pin_s: float = 600.0,
                  admission_chain_shed: bool = False,
-                 prefill_chunk_tokens: int = PREFILL_STEP_TOKENS):
+                 prefill_chunk_tokens: int = PREFILL_STEP_TOKENS,
+                 write_out_deadline_s: float | None = None):
         from mlx_lm import load
 
         self.model_path = Path(model_path)
@@ -113,6 +114,7 @@ class Engine:
         self.bank = SessionBank(block_tokens=block_tokens, root_for=self.root_for,
                                 max_bytes=bank_bytes, writer=self.writer,
                                 active_pin_s=active_pin_s)
+        self.bank.write_out_deadline_s = write_out_deadline_s
         self.pricing = self._price_model(prefill_chunk_tokens)
         self.memory_budget = self._budget(memory_budget)
         self.admission_chain_shed = admission_chain_shed
@@ -643,7 +645,7 @@ class Engine:
         from worker.persist import RELEASE_WRITE_OUT_MAX_S
 
         t0 = time.monotonic()
-        give_up_at = time.time() + RELEASE_WRITE_OUT_MAX_S
+        give_up_at = time.time() + (self.bank.write_out_deadline_s or RELEASE_WRITE_OUT_MAX_S)
         written = failed = 0
         for e in [e for e in self.bank.entries.values() if e.awaits_queued_write]:
             if self.writer.write_out(e, give_up_at) == "written":

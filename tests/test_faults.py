@@ -1,0 +1,120 @@
+"""Faults outside kvbank: a full disk, a coldstore that stops answering, a slow disk.
+
+Real processes throughout. The full disk is real (a ballast file fills the store's disk
+below the coldstore's free-disk floor); the stopped coldstore is SIGSTOP; the slow disk is
+the coldstore's --fake-slow-disk-s (a stand-in for a throttled disk).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+
+import numpy as np
+
+from tests.conftest import start_stack
+
+
+def _turn(c, session, n, seed, **kw):
+    toks = np.random.default_rng(seed).integers(1000, 20000, n).tolist()
+    return c.generate(session_id=session, token_ids=toks, append=True, max_tokens=4, **kw)
+
+
+def _state(c, session):
+    return c.get_session(session)
+
+
+def _wait(pred, what, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_full_disk_refuses_writes_keeps_serving_and_recovers(tiny_model, tmp_path, cache_dir):
+    free = shutil.disk_usage(tmp_path).free
+    floor = free - (1 << 30)  # 1 GiB of room above the floor
+    s = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir, shim=False,
+                    extra=["--free-disk-floor-bytes", str(floor)])
+    ballast = tmp_path / "ballast"
+    try:
+        with s.client() as c:
+            _turn(c, "before", 60, seed=1)
+            s.wait_durable("before")
+
+            fd = os.open(ballast, os.O_CREAT | os.O_WRONLY)
+            os.posix_fallocate(fd, 0, 2 << 30)  # the disk is now 1 GiB below the floor
+            os.close(fd)
+            t = _turn(c, "during", 60, seed=2)
+            assert t.usage["durable"]  # the record (tokens) is small and still committed
+            _wait(lambda: "disk_floor" in s.log_tail(20000), "the coldstore never refused")
+            assert _state(c, "during").state == "resident-dirty"
+            assert _turn(c, "during", 8, seed=3).usage["cache_source"] == "ram"
+
+            # What is on SSD keeps restoring.
+            c.release("before")
+            assert _turn(c, "before", 8, seed=4).usage["cache_source"] == "ssd"
+            assert _state(c, "before").state in ("resident-dirty", "resident-clean")
+
+            ballast.unlink()  # room returns: the refused conversation is written
+            done = s.wait_durable("during", timeout_s=60)
+            assert done.durable_tokens == done.token_count
+    finally:
+        ballast.unlink(missing_ok=True)
+        s.stop()
+
+
+def test_a_stopped_coldstore_does_not_stop_serving_and_writes_resume(tiny_model, tmp_path,
+                                                                     cache_dir):
+    s = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir, shim=False,
+                    extra=["--active-pin-s", "0"])
+    pid = s.pid("coldstore")
+    try:
+        with s.client() as c:
+            _turn(c, "steady", 40, seed=5)
+            s.wait_durable("steady")
+            os.kill(pid, signal.SIGSTOP)
+            t = _turn(c, "away", 40, seed=6)
+            assert not t.usage["durable"] and t.usage["completion_tokens"] > 0
+            t2 = _turn(c, "away", 8, seed=7)  # served from RAM while the coldstore is away
+            assert t2.usage["cache_source"] == "ram" and not t2.usage["durable"]
+            history = list(c.get_session("away").token_ids)
+
+            c.set_pressure("warning")  # the only copy of "away" is in RAM: it stays
+            _wait(lambda: any(json.loads(r).get("kind") == "pressure_trim"
+                              for r in c.status().recent_receipts_json), "no pressure trim")
+            assert _state(c, "away").ram_bytes > 0
+            c.set_pressure("auto")
+
+            os.kill(pid, signal.SIGCONT)
+            done = s.wait_durable("away", timeout_s=60)
+            assert list(done.token_ids) == history  # every answered turn is on disk
+        assert s.pid("coldstore") == pid  # it was never restarted: it resumed
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        s.stop()
+
+
+def test_a_slow_disk_makes_a_release_give_up_at_its_deadline(tiny_model, tmp_path, cache_dir):
+    s = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir, shim=False,
+                    extra=["--quiet-grace-s", "3600", "--max-dirty-s", "3600",
+                           "--fake-slow-disk-s", "0.5", "--write-out-deadline-s", "1"])
+    try:
+        with s.client() as c:
+            _turn(c, "big", 300, seed=8)  # ~19 blocks of 16 tokens: ~10 s on this disk
+            r = c.release("big")
+            assert r.written_out_entries == 0 and r.dropped_unwritten_entries == 1
+            events = [json.loads(x) for x in s.layout.events_path.read_text().splitlines()]
+            (ev,) = [e for e in events if e["kind"] == "kv_evicted" and e["session_id"] == "big"]
+            assert ev["write_out"] == "deadline" and ev["now"] == "gone"
+            # The history is kept; the next turn recomputes what never reached SSD.
+            t = _turn(c, "big", 8, seed=9)
+            assert t.usage["completion_tokens"] > 0
+    finally:
+        s.stop()

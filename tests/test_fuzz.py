@@ -1,0 +1,446 @@
+"""Bad input, at random: hypothesis drives the router's gRPC API and the OpenAI shim of one
+real stack (router, worker, coldstore, shim) with malformed, empty, huge and hostile requests.
+
+What must hold for every request: it ends in OK, or in a clear status (gRPC INVALID_ARGUMENT,
+RESOURCE_EXHAUSTED, NOT_FOUND, UNAUTHENTICATED; HTTP 400/401/404/413/422/429 in OpenAI's error
+shape) with a sentence saying why. What must hold after all of them: no process died or was
+restarted, a session made before the fuzzing has exactly its token history, and a normal
+request still works. The tiny model is random, so only statuses and shapes are checked.
+
+The runs are derandomized (one fixed set of examples per test, no example database), so CI
+sees the same requests every time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from collections import Counter
+
+import grpc
+import httpx
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from kvbank.v1 import api_pb2, api_pb2_grpc
+from router.validation import MAX_SESSION_ID_BYTES, MAX_STOP_STRINGS, ROLES
+from tests.conftest import rpc_error, start_stack
+
+KEY = "fuzz-key"
+AUTH = (("authorization", f"Bearer {KEY}"),)
+CALL_TIMEOUT_S = 60  # a call that takes longer has hung: DEADLINE_EXCEEDED fails the test
+PROCESSES = ("router", "worker", "coldstore", "shim")
+VOCAB = 49152  # the default model's tokenizer, which the tiny model shares
+OK = grpc.StatusCode.OK
+CLEAR = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+         grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED}
+HTTP_CLEAR = {400, 401, 404, 413, 422, 429}
+FUZZ = settings(derandomize=True, database=None, deadline=None, print_blob=False,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                       HealthCheck.large_base_example])
+
+
+class Stack:
+    """The module's stack, its process ids at start, and one session nobody fuzzes."""
+
+    def __init__(self, stack, keeper: str):
+        self.stack = stack
+        self.pids = {name: stack.pid(name) for name in PROCESSES}
+        self.channel = grpc.insecure_channel(
+            stack.address, options=[("grpc.max_send_message_length", 16 << 20)])
+        self.generation = api_pb2_grpc.GenerationStub(self.channel)
+        self.sessions = api_pb2_grpc.SessionsStub(self.channel)
+        self.keeper = keeper
+        for text in ("Remember the number 42.", "And the colour blue."):
+            self.turn(keeper, text)
+        self.keeper_tokens = list(self.get(keeper).token_ids)
+
+    def turn(self, session_id: str, text: str, max_tokens: int = 6) -> api_pb2.Usage:
+        req = api_pb2.GenerateRequest(session_id=session_id, append=True, max_tokens=max_tokens)
+        req.chat.messages.add(role="user", content=text)
+        [*_, last] = self.generation.Generate(req, metadata=AUTH, timeout=CALL_TIMEOUT_S)
+        return last.usage
+
+    def get(self, session_id: str) -> api_pb2.Session:
+        return self.sessions.Get(api_pb2.GetSessionRequest(session_id=session_id),
+                                 metadata=AUTH, timeout=CALL_TIMEOUT_S)
+
+    def delete(self, session_id: str) -> bool:
+        return self.sessions.Delete(api_pb2.DeleteSessionRequest(session_id=session_id),
+                                    metadata=AUTH, timeout=CALL_TIMEOUT_S).deleted
+
+    def assert_unharmed(self) -> None:
+        """No process died or was restarted, the keeper's history is intact, and it serves."""
+        assert self.stack.proc.poll() is None, self.stack.log_tail()
+        for name, pid in self.pids.items():
+            assert self.stack.pid(name) == pid, f"{name} was restarted:\n{self.stack.log_tail()}"
+            os.kill(pid, 0)  # raises ProcessLookupError if it is gone
+        assert list(self.get(self.keeper).token_ids) == self.keeper_tokens
+        usage = self.turn(f"after-{uuid.uuid4().hex[:8]}", "Still there?", max_tokens=2)
+        assert usage.durable and 0 < usage.completion_tokens <= 2
+
+
+@pytest.fixture(scope="module")
+def fuzz(tiny_model, tmp_path_factory, cache_dir):
+    """One stack for the module, with an API key, so that auth is part of every request."""
+    s = start_stack(tiny_model, tmp_path_factory.mktemp("fuzz") / "data",
+                    extra=["--api-key", KEY], cache_dir=cache_dir)
+    try:
+        stack = Stack(s, keeper=f"keeper-{uuid.uuid4().hex}")
+        yield stack
+        stack.channel.close()
+    finally:
+        s.stop()
+
+
+# -- strategies ------------------------------------------------------------------------------
+
+CONTROL = st.characters(max_codepoint=0x1F) | st.sampled_from("\x7f\u200b\u202e\ufeff\uffff")
+session_ids = st.one_of(
+    st.just(""),
+    st.sampled_from(["fuzz-a", "fuzz-b"]),  # reused: appends grow them, deletes find them
+    st.text(max_size=12),
+    st.text(CONTROL, min_size=1, max_size=8),
+    st.builds(lambda c, n: c * n, st.sampled_from("aé😀"),
+              st.sampled_from([64, 65, 128, 256, 257, 1000])),  # around the limit, in bytes
+)
+metadata = st.sampled_from([AUTH, AUTH, AUTH, AUTH, (), (("authorization", "Bearer nope"),),
+                            (("authorization", "bearer"),), (("authorization", KEY),)])
+floats32 = st.floats(width=32) | st.sampled_from([0.0, 0.5, 1.0])
+messages = st.lists(
+    st.builds(lambda role, content: api_pb2.ChatMessage(role=role, content=content),
+              st.sampled_from(ROLES) | st.text(max_size=8),
+              st.text(max_size=40) | st.sampled_from(["", " \n\t", "word " * 3000])),
+    max_size=4)
+prompts = st.text(max_size=60) | st.sampled_from(["", "word " * 300, "word " * 2100,
+                                                  "word " * 1_000_000])  # 5 MB: over the limit
+token_ids = st.one_of(st.lists(st.integers(0, 2**32 - 1), max_size=8),
+                      st.lists(st.integers(0, VOCAB + 100), min_size=1, max_size=40),
+                      st.sampled_from([[5] * 3000, [VOCAB - 1], [VOCAB]]))
+max_tokens = st.one_of(st.integers(-(2**31), 0), st.integers(1, 6),
+                       st.integers(2049, 2**31 - 1))
+stops = st.lists(st.text(max_size=6), max_size=MAX_STOP_STRINGS + 2) \
+    | st.sampled_from([["s" * 200_000], ["\n"] * 1000])
+
+
+@st.composite
+def generate_requests(draw) -> api_pb2.GenerateRequest:
+    req = api_pb2.GenerateRequest(session_id=draw(session_ids), append=draw(st.booleans()),
+                                  max_tokens=draw(max_tokens), no_cache=draw(st.booleans()))
+    kind = draw(st.sampled_from(["chat", "prompt", "tokens", None]))
+    if kind == "chat":
+        req.chat.messages.extend(draw(messages))
+        req.chat.SetInParent()  # an empty chat is still a chat
+    elif kind == "prompt":
+        req.prompt = draw(prompts)
+    elif kind == "tokens":
+        req.tokens.ids.extend(draw(token_ids))
+        req.tokens.SetInParent()
+    req.sampling.temperature = draw(floats32)
+    req.sampling.top_p = draw(floats32)
+    if (seed := draw(st.none() | st.integers(0, 2**64 - 1))) is not None:
+        req.sampling.seed = seed
+    req.stop.extend(draw(stops))
+    return req
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _field(number: int, wire_type: int, payload: bytes) -> bytes:
+    """One protobuf field on the wire: varint (0), 64-bit (1), length-delimited (2), 32-bit (5)."""
+    body = {0: lambda: _varint(int.from_bytes(payload[:8] or b"\0", "little")),
+            1: lambda: payload[:8].ljust(8, b"\0"), 2: lambda: _varint(len(payload)) + payload,
+            5: lambda: payload[:4].ljust(4, b"\0")}[wire_type]()
+    return _varint(number << 3 | wire_type) + body
+
+
+GOOD_REQUEST = api_pb2.GenerateRequest(prompt="Hello", max_tokens=2).SerializeToString()
+unknown_fields = st.lists(
+    st.builds(_field, st.integers(10, 2**29 - 1).filter(lambda n: not 19000 <= n <= 19999),
+              st.sampled_from([0, 1, 2, 5]), st.binary(max_size=12)),
+    min_size=1, max_size=4).map(b"".join)
+not_utf8 = st.binary(min_size=1, max_size=12).filter(lambda b: not _is_utf8(b))
+
+
+def _is_utf8(b: bytes) -> bool:
+    try:
+        b.decode()
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+# -- gRPC ------------------------------------------------------------------------------------
+
+
+def _generate(stack: Stack, req: api_pb2.GenerateRequest, md) -> grpc.StatusCode:
+    """One call, checked: OK with a well-formed stream, or a clear status with a sentence."""
+    try:
+        out = list(stack.generation.Generate(req, metadata=md, timeout=CALL_TIMEOUT_S))
+    except grpc.RpcError as e:
+        assert e.code() in CLEAR, f"{e.code()}: {e.details()!r}"
+        assert e.details(), e.code()
+        return e.code()
+    *body, last = out
+    assert last.HasField("usage") and not any(m.HasField("usage") for m in body)
+    assert last.finish_reason in (api_pb2.FINISH_REASON_STOP, api_pb2.FINISH_REASON_LENGTH)
+    u = last.usage
+    assert sum(len(m.token_ids) for m in out) == u.completion_tokens <= req.max_tokens
+    assert u.cached_tokens < u.prompt_tokens
+    if req.session_id:  # an acknowledged turn of a named session is in its record on disk
+        assert u.durable, f"turn of session {req.session_id!r} acknowledged but not durable"
+    return OK
+
+
+def test_random_generate_requests_get_ok_or_a_clear_status(fuzz):
+    seen: Counter = Counter()
+
+    @settings(FUZZ, max_examples=60)
+    @given(req=generate_requests(), md=metadata)
+    @example(req=api_pb2.GenerateRequest(session_id="😀" * 256, prompt="hi", max_tokens=2),
+             md=AUTH).via("a session id of 1 KiB of UTF-8: past LMDB's key size")
+    @example(req=api_pb2.GenerateRequest(session_id="é" * (MAX_SESSION_ID_BYTES // 2),
+                                         prompt="hi", max_tokens=2, append=True),
+             md=AUTH).via("the longest session id")
+    @example(req=api_pb2.GenerateRequest(prompt="word " * 1_000_000, max_tokens=2),
+             md=AUTH).via("a 5 MB prompt: over gRPC's message size")
+    def run(req, md):
+        seen[_generate(fuzz, req, md)] += 1
+
+    run()
+    assert seen[OK] and seen[grpc.StatusCode.INVALID_ARGUMENT], seen  # both sides were reached
+    fuzz.assert_unharmed()
+
+
+def test_random_session_calls_get_ok_or_a_clear_status(fuzz):
+    seen: Counter = Counter()
+
+    @settings(FUZZ, max_examples=40)
+    @given(op=st.sampled_from(["list", "get", "delete"]), sid=session_ids, md=metadata)
+    def run(op, sid, md):
+        try:
+            if op == "list":
+                r = fuzz.sessions.List(api_pb2.ListSessionsRequest(), metadata=md,
+                                       timeout=CALL_TIMEOUT_S)
+                assert fuzz.keeper in [s.session_id for s in r.sessions]
+            elif op == "get":
+                s = fuzz.sessions.Get(api_pb2.GetSessionRequest(session_id=sid), metadata=md,
+                                      timeout=CALL_TIMEOUT_S)
+                assert s.session_id == sid and len(s.token_ids) == s.token_count
+            else:
+                fuzz.sessions.Delete(api_pb2.DeleteSessionRequest(session_id=sid), metadata=md,
+                                     timeout=CALL_TIMEOUT_S)
+            seen[OK] += 1
+        except grpc.RpcError as e:
+            assert e.code() in CLEAR, f"{op} {sid!r}: {e.code()}: {e.details()!r}"
+            assert e.details(), e.code()
+            seen[e.code()] += 1
+
+    run()
+    assert seen[OK] and seen[grpc.StatusCode.NOT_FOUND], seen
+    fuzz.assert_unharmed()
+
+
+def _raw_generate(stack: Stack, raw: bytes):
+    """Generate with bytes that skip the client's serializer: the server must parse them."""
+    call = stack.channel.unary_stream("/kvbank.v1.Generation/Generate",
+                                      request_serializer=lambda b: b,
+                                      response_deserializer=api_pb2.GenerateResponse.FromString)
+    return list(call(raw, metadata=AUTH, timeout=CALL_TIMEOUT_S))
+
+
+def test_random_bytes_get_a_status_and_a_sentence(fuzz):
+    """Bytes that do not parse, or parse into nonsense, or carry a string field that is not
+    UTF-8: each call ends with a status and a sentence, and nothing else is disturbed. (The
+    status for bytes that do not parse is UNKNOWN today: see the xfail test below.)"""
+
+    @settings(FUZZ, max_examples=40)
+    @given(raw=st.one_of(st.binary(max_size=64),
+                         st.builds(bytes.__add__, st.just(GOOD_REQUEST), st.binary(max_size=16)),
+                         st.builds(lambda n, b: _field(n, 2, b), st.sampled_from([1, 3]),
+                                   not_utf8)))
+    def run(raw):
+        try:
+            _raw_generate(fuzz, raw)
+        except grpc.RpcError as e:
+            assert e.code() in CLEAR | {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}, \
+                f"{e.code()}: {e.details()!r}"
+            assert e.details(), e.code()
+
+    run()
+    fuzz.assert_unharmed()
+
+
+def test_unknown_fields_are_ignored(fuzz):
+    @settings(FUZZ, max_examples=25)
+    @given(extra=unknown_fields, before=st.booleans())
+    def run(extra, before):
+        *_, last = _raw_generate(fuzz, extra + GOOD_REQUEST if before else GOOD_REQUEST + extra)
+        assert last.HasField("usage") and last.usage.completion_tokens <= 2
+
+    run()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "router/server.py: a request body that is not a GenerateRequest (corrupt wire format, or a "
+    "string field that is not UTF-8) fails in grpc's deserializer before the servicer runs, so "
+    "the client gets UNKNOWN 'Unexpected <class DecodeError>: ...' instead of INVALID_ARGUMENT"))
+@pytest.mark.parametrize("raw", [b"\xff\xff\xff", _field(1, 2, b"\xff\xfe"), _field(3, 2, b"\xc3(")],
+                         ids=["corrupt", "session-id-not-utf8", "prompt-not-utf8"])
+def test_undecodable_request_is_invalid_argument(fuzz, raw):
+    err = rpc_error(lambda: _raw_generate(fuzz, raw))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.code(), err.details())
+    assert "GenerateRequest" in err.details()
+
+
+def test_deleting_a_session_while_it_generates(fuzz):
+    """One thread streams a long turn of session s while this one deletes s over and over:
+    both end with clear answers, the worker stays up, and the next turn on s works."""
+    sid = f"busy-{uuid.uuid4().hex[:8]}"
+    req = api_pb2.GenerateRequest(session_id=sid, append=True, max_tokens=1500)
+    req.chat.messages.add(role="user", content="Go on and on.")
+    streaming, outcome = threading.Event(), {}
+
+    def stream():
+        try:
+            out = []
+            for msg in fuzz.generation.Generate(req, metadata=AUTH, timeout=120):
+                out.append(msg)
+                streaming.set()
+            outcome["last"] = out[-1]
+        except grpc.RpcError as e:
+            outcome["error"] = e
+        finally:
+            streaming.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    deletes, during = [], 0
+    while thread.is_alive():
+        deletes.append(fuzz.delete(sid))  # raises on anything but an answer
+        during += streaming.is_set() and thread.is_alive()
+        time.sleep(0.005)
+    thread.join()
+
+    if "error" in outcome:
+        e = outcome["error"]
+        assert e.code() in CLEAR and e.details(), (e.code(), e.details())
+    else:
+        last = outcome["last"]
+        assert last.HasField("usage")
+        assert last.finish_reason in (api_pb2.FINISH_REASON_STOP, api_pb2.FINISH_REASON_LENGTH)
+    assert during > 0, "no delete ran while the turn streamed"
+    assert all(isinstance(d, bool) for d in deletes)
+
+    usage = fuzz.turn(sid, "Are you still there?", max_tokens=4)
+    assert usage.durable
+    assert fuzz.get(sid).token_count == usage.prompt_tokens + usage.completion_tokens
+    fuzz.assert_unharmed()
+
+
+# -- the OpenAI shim -------------------------------------------------------------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=10)
+numbers = st.one_of(st.integers(), st.floats(), st.sampled_from(
+    [0, 1, -1, 2**31, 2**63, 2**64, 10**30, -(10**30), 1e308, float("nan"), float("inf")]))
+openai_messages = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "developer", "user", "assistant",
+                                                    "tool", "wizard"]) | json_values},
+                          optional={"content": st.text(max_size=30) | json_values | st.lists(
+                              st.fixed_dictionaries({"type": st.just("text") | json_values,
+                                                     "text": st.text(max_size=10) | json_values}),
+                              max_size=3)}),
+    max_size=3) | json_values
+openai_bodies = st.fixed_dictionaries(
+    # max_tokens is always there: the shim's default (256) would make the run slow.
+    {"max_tokens": st.integers(1, 4) | numbers | json_values},
+    optional={"model": st.just("kvbank") | json_values, "messages": openai_messages,
+              "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 2**33), max_size=5)
+              | json_values,
+              "max_completion_tokens": numbers, "temperature": numbers, "top_p": numbers,
+              "seed": numbers, "stop": st.text(max_size=4) | json_values,
+              "stream": st.booleans() | json_values,
+              "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()})
+              | json_values,
+              "n": numbers, "user": st.text(max_size=20) | st.just("u" * 300) | json_values,
+              "tools": json_values, "logprobs": json_values, "response_format": json_values,
+              "echo": json_values, "best_of": numbers, "suffix": json_values,
+              "frequency_penalty": numbers, "not_an_openai_field": json_values})
+bodies = st.one_of(
+    openai_bodies.map(lambda b: json.dumps(b).encode()),  # NaN/Infinity: Python's JSON takes them
+    json_values.map(lambda v: json.dumps(v).encode()),
+    st.binary(max_size=40),
+    not_utf8.map(lambda b: b'{"prompt": "' + b + b'", "max_tokens": 2}'),
+    st.sampled_from([b"", b"{", b"\xef\xbb\xbf{}", b'{"prompt": "hi"}' * 2]),
+)
+http_headers = st.fixed_dictionaries(
+    {"authorization": st.sampled_from([f"Bearer {KEY}"] * 4 + ["", "Bearer nope", KEY])},
+    optional={"content-type": st.sampled_from(["text/plain", "application/x-www-form-urlencoded",
+                                               "application/json; charset=latin-1"]),
+              "x-session-id": st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E),
+                                      max_size=300)
+              | st.binary(min_size=1, max_size=8).map(lambda b: bytes(x | 0x80 for x in b))})
+
+
+def _check_http(r: httpx.Response, path: str) -> int:
+    """An OpenAI error with a clear status, or a 200 whose body (or stream) is well formed."""
+    assert r.status_code in HTTP_CLEAR | {200}, (r.status_code, r.text[:500])
+    assert "Traceback" not in r.text
+    if r.status_code != 200:
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "code", "param"} and error["message"], error
+        return r.status_code
+    chat = path.endswith("/chat/completions")
+    if r.headers["content-type"].startswith("text/event-stream"):
+        data = [line.removeprefix("data: ") for line in r.text.splitlines()
+                if line.startswith("data: ")]
+        assert data[-1] == "[DONE]", data[-3:]
+        chunks = [json.loads(d) for d in data[:-1]]
+        assert chunks and all("error" not in c for c in chunks), chunks[-1]
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        assert all(c["object"] == kind for c in chunks)
+        return 200
+    body = r.json()
+    assert body["object"] == ("chat.completion" if chat else "text_completion")
+    [choice] = body["choices"]
+    assert choice["finish_reason"] in ("stop", "length")
+    assert isinstance(choice["message"]["content"] if chat else choice["text"], str)
+    assert body["usage"]["total_tokens"] == (body["usage"]["prompt_tokens"]
+                                            + body["usage"]["completion_tokens"])
+    return 200
+
+
+def test_random_shim_requests_get_a_200_or_an_openai_error(fuzz):
+    seen: Counter = Counter()
+    with httpx.Client(base_url=fuzz.stack.shim_url, timeout=CALL_TIMEOUT_S) as http:
+
+        @settings(FUZZ, max_examples=60)
+        @given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]), body=bodies,
+               headers=http_headers)
+        @example(path="/v1/completions", body=b'{"prompt": "hi", "max_tokens": 2}',
+                 headers={"authorization": f"Bearer {KEY}", "content-type": "text/plain"})
+        @example(path="/v1/chat/completions",
+                 body=json.dumps({"messages": [{"role": "user", "content": "x" * 5_000_000}],
+                                  "max_tokens": 2}).encode(),
+                 headers={"authorization": f"Bearer {KEY}"})
+        def run(path, body, headers):
+            seen[_check_http(http.post(path, content=body, headers=headers), path)] += 1
+
+        run()
+    assert seen[200] and seen[400] and seen[401], seen
+    fuzz.assert_unharmed()
