@@ -144,10 +144,10 @@ def test_an_active_conversation_is_never_trimmed(tiny_model, tmp_path, cache_dir
 def test_a_prompt_that_needs_room_releases_an_idle_conversation_after_writing_it(
         tiny_model, tmp_path, cache_dir):
     s = _stack(tiny_model, tmp_path, cache_dir, "--active-pin-s", "0",
-               "--prefill-chunk-tokens", "32", "--memory-budget", "+4000000")
+               "--prefill-chunk-tokens", "32", "--memory-budget", "+2000000")
     try:
         with s.client() as c:
-            first = _turn(c, "older", 1500, seed=12)
+            first = _turn(c, "older", 500, seed=12)
             assert first.usage["durable"]
             st = c.status()
             assert st.bank_bytes > 0 and st.staged_bytes > 0  # in RAM, not on SSD

@@ -82,6 +82,24 @@ class Stack:
         assert list(self.get(self.keeper).token_ids) == self.keeper_tokens
         usage = self.turn(f"after-{uuid.uuid4().hex[:8]}", "Still there?", max_tokens=2)
         assert usage.durable and 0 < usage.completion_tokens <= 2
+        assert not _unexpected_errors(self.stack.log.read_text(errors="replace"))
+
+
+# gRPC logs these itself, with a traceback, when a request does not parse (see
+# test_undecodable_request_is_invalid_argument); any other ERROR or traceback is a failure.
+DECODE_ERROR = "google.protobuf.message.DecodeError: Error parsing message with type"
+
+
+def _unexpected_errors(log: str) -> list[str]:
+    """The stack log's ERROR lines and tracebacks, but for requests that did not parse."""
+    lines = log.splitlines()
+    errors = [line for line in lines if (" ERROR " in line or " CRITICAL " in line)
+              and "Unexpected [DecodeError] raised by servicer method" not in line]
+    tracebacks = sum(line.startswith("Traceback (most recent call last)") for line in lines)
+    decode_errors = sum(line.startswith(DECODE_ERROR) for line in lines)
+    if tracebacks != decode_errors:
+        errors.append(f"{tracebacks - decode_errors} tracebacks not of a DecodeError")
+    return errors
 
 
 @pytest.fixture(scope="module")
@@ -98,19 +116,22 @@ def fuzz(tiny_model, tmp_path_factory, cache_dir):
 
 
 # -- strategies ------------------------------------------------------------------------------
+# A request is mostly well formed with one part broken (so each check of the validation is
+# reached with everything else right), or broken everywhere at once.
 
+NAMES = st.text(st.characters(categories=["L", "N"], include_characters="-_.:/"),
+                min_size=1, max_size=16)
 CONTROL = st.characters(max_codepoint=0x1F) | st.sampled_from("\x7f\u200b\u202e\ufeff\uffff")
 session_ids = st.one_of(
-    st.just(""),
     st.sampled_from(["fuzz-a", "fuzz-b"]),  # reused: appends grow them, deletes find them
     st.text(max_size=12),
     st.text(CONTROL, min_size=1, max_size=8),
     st.builds(lambda c, n: c * n, st.sampled_from("aé😀"),
               st.sampled_from([64, 65, 128, 256, 257, 1000])),  # around the limit, in bytes
 )
-metadata = st.sampled_from([AUTH, AUTH, AUTH, AUTH, (), (("authorization", "Bearer nope"),),
-                            (("authorization", "bearer"),), (("authorization", KEY),)])
-floats32 = st.floats(width=32) | st.sampled_from([0.0, 0.5, 1.0])
+bad_metadata = st.sampled_from([(), (("authorization", "Bearer nope"),),
+                                (("authorization", "bearer"),), (("authorization", KEY),),
+                                (("authorization", f"Basic {KEY}"),)])
 messages = st.lists(
     st.builds(lambda role, content: api_pb2.ChatMessage(role=role, content=content),
               st.sampled_from(ROLES) | st.text(max_size=8),
@@ -121,31 +142,56 @@ prompts = st.text(max_size=60) | st.sampled_from(["", "word " * 300, "word " * 2
 token_ids = st.one_of(st.lists(st.integers(0, 2**32 - 1), max_size=8),
                       st.lists(st.integers(0, VOCAB + 100), min_size=1, max_size=40),
                       st.sampled_from([[5] * 3000, [VOCAB - 1], [VOCAB]]))
-max_tokens = st.one_of(st.integers(-(2**31), 0), st.integers(1, 6),
-                       st.integers(2049, 2**31 - 1))
-stops = st.lists(st.text(max_size=6), max_size=MAX_STOP_STRINGS + 2) \
-    | st.sampled_from([["s" * 200_000], ["\n"] * 1000])
+GOOD = {
+    "session_id": st.just("") | st.sampled_from(["fuzz-a", "fuzz-b", "fuzz-c"]) | NAMES,
+    "input": st.one_of(
+        st.lists(st.builds(lambda r, c: api_pb2.ChatMessage(role=r, content=c),
+                           st.sampled_from(ROLES), NAMES), min_size=1, max_size=3),
+        NAMES, st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40).map(tuple)),
+    "max_tokens": st.integers(1, 6),
+    "temperature": st.floats(0, 2, width=32),
+    "top_p": st.floats(0, 1, width=32),
+    "seed": st.none() | st.integers(0, 2**64 - 1),
+    "stop": st.lists(NAMES, max_size=3),
+}
+BAD = {
+    "session_id": session_ids,
+    "input": st.one_of(st.none(), messages, prompts, token_ids.map(tuple)),
+    "max_tokens": st.one_of(st.integers(-(2**31), 0), st.integers(2049, 2**31 - 1)),
+    "temperature": st.floats(width=32),
+    "top_p": st.floats(width=32),
+    "seed": st.integers(0, 2**64 - 1),
+    "stop": st.lists(st.text(max_size=6), max_size=MAX_STOP_STRINGS + 2)
+    | st.sampled_from([["s" * 200_000], ["\n"] * 1000]),
+}
 
 
 @st.composite
-def generate_requests(draw) -> api_pb2.GenerateRequest:
-    req = api_pb2.GenerateRequest(session_id=draw(session_ids), append=draw(st.booleans()),
-                                  max_tokens=draw(max_tokens), no_cache=draw(st.booleans()))
-    kind = draw(st.sampled_from(["chat", "prompt", "tokens", None]))
-    if kind == "chat":
-        req.chat.messages.extend(draw(messages))
-        req.chat.SetInParent()  # an empty chat is still a chat
-    elif kind == "prompt":
-        req.prompt = draw(prompts)
-    elif kind == "tokens":
-        req.tokens.ids.extend(draw(token_ids))
+def generate_requests(draw) -> tuple[api_pb2.GenerateRequest, tuple]:
+    """(request, metadata): well formed but for one part (or none, or all)."""
+    broken = draw(st.sampled_from([None, None, "auth", "all", *GOOD]))
+
+    def part(name: str):
+        return draw((BAD if broken in (name, "all") else GOOD)[name])
+
+    req = api_pb2.GenerateRequest(session_id=part("session_id"), max_tokens=part("max_tokens"),
+                                  append=draw(st.booleans()), no_cache=draw(st.booleans()))
+    given = part("input")
+    if isinstance(given, list):  # chat messages; an empty list is still a chat
+        req.chat.SetInParent()
+        req.chat.messages.extend(given)
+    elif isinstance(given, str):
+        req.prompt = given
+    elif isinstance(given, tuple):
         req.tokens.SetInParent()
-    req.sampling.temperature = draw(floats32)
-    req.sampling.top_p = draw(floats32)
-    if (seed := draw(st.none() | st.integers(0, 2**64 - 1))) is not None:
+        req.tokens.ids.extend(given)
+    req.sampling.temperature = part("temperature")
+    req.sampling.top_p = part("top_p")
+    if (seed := part("seed")) is not None:
         req.sampling.seed = seed
-    req.stop.extend(draw(stops))
-    return req
+    req.stop.extend(part("stop"))
+    md = draw(bad_metadata) if broken in ("auth", "all") else AUTH
+    return req, md
 
 
 def _varint(n: int) -> bytes:
@@ -207,16 +253,16 @@ def test_random_generate_requests_get_ok_or_a_clear_status(fuzz):
     seen: Counter = Counter()
 
     @settings(FUZZ, max_examples=60)
-    @given(req=generate_requests(), md=metadata)
-    @example(req=api_pb2.GenerateRequest(session_id="😀" * 256, prompt="hi", max_tokens=2),
-             md=AUTH).via("a session id of 1 KiB of UTF-8: past LMDB's key size")
-    @example(req=api_pb2.GenerateRequest(session_id="é" * (MAX_SESSION_ID_BYTES // 2),
+    @given(call=generate_requests())
+    @example(call=(api_pb2.GenerateRequest(session_id="😀" * 256, prompt="hi", max_tokens=2),
+             AUTH)).via("a session id of 1 KiB of UTF-8: past LMDB's key size")
+    @example(call=(api_pb2.GenerateRequest(session_id="é" * (MAX_SESSION_ID_BYTES // 2),
                                          prompt="hi", max_tokens=2, append=True),
-             md=AUTH).via("the longest session id")
-    @example(req=api_pb2.GenerateRequest(prompt="word " * 1_000_000, max_tokens=2),
-             md=AUTH).via("a 5 MB prompt: over gRPC's message size")
-    def run(req, md):
-        seen[_generate(fuzz, req, md)] += 1
+             AUTH)).via("the longest session id")
+    @example(call=(api_pb2.GenerateRequest(prompt="word " * 1_000_000, max_tokens=2),
+             AUTH)).via("a 5 MB prompt: over gRPC's message size")
+    def run(call):
+        seen[_generate(fuzz, *call)] += 1
 
     run()
     assert seen[OK] and seen[grpc.StatusCode.INVALID_ARGUMENT], seen  # both sides were reached
@@ -227,7 +273,8 @@ def test_random_session_calls_get_ok_or_a_clear_status(fuzz):
     seen: Counter = Counter()
 
     @settings(FUZZ, max_examples=40)
-    @given(op=st.sampled_from(["list", "get", "delete"]), sid=session_ids, md=metadata)
+    @given(op=st.sampled_from(["list", "get", "delete"]), sid=st.just("") | session_ids,
+           md=st.sampled_from([AUTH] * 4) | bad_metadata)
     def run(op, sid, md):
         try:
             if op == "list":
@@ -366,30 +413,55 @@ openai_messages = st.lists(
                                                      "text": st.text(max_size=10) | json_values}),
                               max_size=3)}),
     max_size=3) | json_values
-openai_bodies = st.fixed_dictionaries(
-    # max_tokens is always there: the shim's default (256) would make the run slow.
-    {"max_tokens": st.integers(1, 4) | numbers | json_values},
-    optional={"model": st.just("kvbank") | json_values, "messages": openai_messages,
-              "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 2**33), max_size=5)
-              | json_values,
-              "max_completion_tokens": numbers, "temperature": numbers, "top_p": numbers,
-              "seed": numbers, "stop": st.text(max_size=4) | json_values,
-              "stream": st.booleans() | json_values,
-              "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()})
-              | json_values,
-              "n": numbers, "user": st.text(max_size=20) | st.just("u" * 300) | json_values,
-              "tools": json_values, "logprobs": json_values, "response_format": json_values,
-              "echo": json_values, "best_of": numbers, "suffix": json_values,
-              "frequency_penalty": numbers, "not_an_openai_field": json_values})
-bodies = st.one_of(
-    openai_bodies.map(lambda b: json.dumps(b).encode()),  # NaN/Infinity: Python's JSON takes them
-    json_values.map(lambda v: json.dumps(v).encode()),
-    st.binary(max_size=40),
-    not_utf8.map(lambda b: b'{"prompt": "' + b + b'", "max_tokens": 2}'),
-    st.sampled_from([b"", b"{", b"\xef\xbb\xbf{}", b'{"prompt": "hi"}' * 2]),
-)
+GOOD_BODY = {  # optional fields, each well formed
+    "temperature": st.floats(0, 2), "top_p": st.floats(0, 1), "seed": st.integers(0, 2**64 - 1),
+    "stop": NAMES | st.lists(NAMES, min_size=1, max_size=3), "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "user": NAMES, "n": st.just(1), "frequency_penalty": st.floats(-2, 2),
+    "logit_bias": st.dictionaries(st.integers(0, 100).map(str), st.integers(-100, 100)),
+}
+BAD_BODY = {  # any field, with anything in it
+    "model": json_values, "messages": openai_messages,
+    "prompt": st.lists(st.integers(-5, 2**33), max_size=5) | json_values,
+    "max_tokens": numbers | json_values, "max_completion_tokens": numbers,
+    "temperature": numbers, "top_p": numbers, "seed": numbers, "n": numbers, "best_of": numbers,
+    "stop": json_values, "stream": json_values, "stream_options": json_values,
+    "user": st.just("u" * 300) | json_values, "tools": json_values, "logprobs": json_values,
+    "response_format": json_values, "echo": json_values, "suffix": json_values,
+    "not_an_openai_field": json_values,
+}
+
+
+@st.composite
+def shim_requests(draw) -> tuple[str, bytes]:
+    """(path, body): mostly an OpenAI body with a few fields broken, else any bytes at all."""
+    chat = draw(st.booleans())
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    shape = draw(st.sampled_from(["openai"] * 4 + ["json", "bytes", "not-utf8", "fixed"]))
+    if shape == "json":
+        return path, json.dumps(draw(json_values)).encode()
+    if shape == "bytes":
+        return path, draw(st.binary(max_size=40))
+    if shape == "not-utf8":
+        return path, b'{"prompt": "' + draw(not_utf8) + b'", "max_tokens": 2}'
+    if shape == "fixed":
+        return path, draw(st.sampled_from([b"", b"{", b"\xef\xbb\xbf{}", b"[]", b"null",
+                                           b'{"prompt": "hi"}' * 2, b'{"max_tokens": NaN}']))
+    # max_tokens is always set: the shim's default (256) would make the run slow.
+    body = {"model": "kvbank", "max_tokens": draw(st.integers(1, 4))}
+    if chat:
+        body["messages"] = [{"role": "user", "content": draw(NAMES)}]
+    else:
+        body["prompt"] = draw(NAMES | st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8))
+    for name in draw(st.lists(st.sampled_from(sorted(GOOD_BODY)), max_size=3, unique=True)):
+        body[name] = draw(GOOD_BODY[name])
+    for name in draw(st.lists(st.sampled_from(sorted(BAD_BODY)), max_size=2, unique=True)):
+        body[name] = draw(BAD_BODY[name])
+    return path, json.dumps(body).encode()  # NaN and Infinity too: Python's JSON reads them
+
+
 http_headers = st.fixed_dictionaries(
-    {"authorization": st.sampled_from([f"Bearer {KEY}"] * 4 + ["", "Bearer nope", KEY])},
+    {"authorization": st.sampled_from([f"Bearer {KEY}"] * 8 + ["", "Bearer nope", KEY])},
     optional={"content-type": st.sampled_from(["text/plain", "application/x-www-form-urlencoded",
                                                "application/json; charset=latin-1"]),
               "x-session-id": st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E),
@@ -430,17 +502,29 @@ def test_random_shim_requests_get_a_200_or_an_openai_error(fuzz):
     with httpx.Client(base_url=fuzz.stack.shim_url, timeout=CALL_TIMEOUT_S) as http:
 
         @settings(FUZZ, max_examples=60)
-        @given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]), body=bodies,
-               headers=http_headers)
-        @example(path="/v1/completions", body=b'{"prompt": "hi", "max_tokens": 2}',
+        @given(request=shim_requests(), headers=http_headers)
+        @example(request=("/v1/completions", b'{"prompt": "hi", "max_tokens": 2}'),
                  headers={"authorization": f"Bearer {KEY}", "content-type": "text/plain"})
-        @example(path="/v1/chat/completions",
-                 body=json.dumps({"messages": [{"role": "user", "content": "x" * 5_000_000}],
-                                  "max_tokens": 2}).encode(),
-                 headers={"authorization": f"Bearer {KEY}"})
-        def run(path, body, headers):
+        @example(request=("/v1/chat/completions", json.dumps(
+            {"messages": [{"role": "user", "content": "x" * 5_000_000}], "max_tokens": 2}
+        ).encode()), headers={"authorization": f"Bearer {KEY}"}).via("over the router's 4 MiB")
+        def run(request, headers):
+            path, body = request
             seen[_check_http(http.post(path, content=body, headers=headers), path)] += 1
 
         run()
-    assert seen[200] and seen[400] and seen[401], seen
+    assert seen[200] and seen[400] and seen[401] and seen[413], seen
     fuzz.assert_unharmed()
+
+
+def test_a_request_over_the_routers_message_limit_is_a_413_not_a_429(fuzz):
+    """gRPC itself refuses a message over 4 MiB with RESOURCE_EXHAUSTED; passed on, that was a
+    429 with Retry-After, and the openai clients retried a request that can never succeed."""
+    for path, body in [("/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "x" * (5 << 20)}]}),
+                       ("/v1/completions", {"prompt": "x" * (5 << 20)})]:
+        r = httpx.post(fuzz.stack.shim_url + path, json=body | {"max_tokens": 2},
+                       headers={"authorization": f"Bearer {KEY}"}, timeout=CALL_TIMEOUT_S)
+        assert r.status_code == 413, r.text[:300]
+        assert r.headers["x-should-retry"] == "false" and "retry-after" not in r.headers
+        assert r.json()["error"]["code"] == "request_too_large"

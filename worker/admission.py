@@ -89,15 +89,15 @@ class Pricing:
 
 
 def calibrate(model, pricing: Pricing) -> Pricing:
-    """Measure a prefill chunk's transient bytes at two context lengths (MLX tracks CPU
+    """Measure a prefill chunk's transient bytes at contexts 0 and 4 chunks (MLX tracks CPU
     allocations too), so pricing reflects this model and this chunk size."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     C = pricing.chunk_tokens
     cache = make_prompt_cache(model)
-    peaks = []
-    for i in range(2):
+    peaks = {}
+    for i in range(5):  # measure at context 0 and 4C: the slope over a wide span is steady
         tokens = mx.array([[(1000 + 7 * j + i) % 5000 for j in range(C)]], dtype=mx.uint32)
         mx.eval(tokens)
         mx.reset_peak_memory()
@@ -105,11 +105,13 @@ def calibrate(model, pricing: Pricing) -> Pricing:
         model(tokens, cache=cache)
         mx.eval([c.state for c in cache])
         kv_growth = mx.get_active_memory() - before
-        peaks.append(max(0, mx.get_peak_memory() - before - kv_growth))
+        if i in (0, 4):
+            peaks[i] = max(0, mx.get_peak_memory() - before - kv_growth)
     del cache
     mx.clear_cache()
+    peaks = [peaks[0], peaks[4]]
     pricing.transient_base = peaks[0]
-    pricing.transient_per_context_token = max(0.0, (peaks[1] - peaks[0]) / C)
+    pricing.transient_per_context_token = max(0.0, (peaks[1] - peaks[0]) / (4 * C))
     return pricing
 
 

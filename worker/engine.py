@@ -45,6 +45,7 @@ from worker.persist import ColdstoreClient, ColdstoreUnavailable, KVWriter
 logger = logging.getLogger(__name__)
 
 RECORD_TIMEOUT_S = 3.0
+SESSION_STATES = ("active", "resident-dirty", "resident-clean", "cold", "gone")
 RETRY_WRITES_EVERY_S = 5.0
 
 
@@ -127,6 +128,10 @@ class Engine:
         self._anon = 0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
+        for state in SESSION_STATES:  # counted when scraped
+            metrics.SESSIONS.labels(state).set_function(
+                lambda state=state: sum(self.session_state(k, i) == state
+                                        for k, i in list(self.sessions.items())))
         self.guard = Guard(self).start()
 
     def _price_model(self, chunk_tokens: int) -> Pricing:
@@ -537,11 +542,6 @@ class Engine:
         """Any thread (the guard's tick): the gauges that are cheap to read from snapshots."""
         import psutil
 
-        counts = dict.fromkeys(("active", "resident-dirty", "resident-clean", "cold", "gone"), 0)
-        for key, info in list(self.sessions.items()):
-            counts[self.session_state(key, info)] += 1
-        for state, n in counts.items():
-            metrics.SESSIONS.labels(state).set(n)
         metrics.MEMORY_HELD.set(self.held_bytes())
         metrics.MEMORY_BUDGET.set(self.memory_budget)
         metrics.WORKER_RSS.set(psutil.Process().memory_info().rss)

@@ -25,6 +25,10 @@ DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 1.0
 MAX_TEMPERATURE = 2.0  # OpenAI's bound (the router would take up to 10)
 MAX_INT32, MAX_UINT32 = 2**31 - 1, 2**32 - 1  # the proto's field types
+# gRPC's default receive limit, which the router keeps. A larger request would come back from
+# gRPC itself as RESOURCE_EXHAUSTED, which the shim would pass on as a 429: no rate limit, since
+# the same request can never succeed. It is refused here with 413 instead.
+MAX_REQUEST_BYTES = 4 << 20
 # "developer" is OpenAI's newer name for the system role.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
@@ -100,6 +104,10 @@ def parse(kind: str, body: object, *, session_header: str | None) -> OpenAIReque
     options = _optional(body, "stream_options", dict, "an object") or {}
     include_usage = _optional(options, "include_usage", bool, "true or false",
                               param="stream_options.include_usage")
+    if (size := req.ByteSize()) > MAX_REQUEST_BYTES:
+        raise ApiError(413, f"the request is {size} bytes as a kvbank request; the router takes "
+                            f"at most {MAX_REQUEST_BYTES}: shorten the prompt",
+                       code="request_too_large", retry=False)
     return OpenAIRequest(kind, req, stream, bool(include_usage))
 
 
