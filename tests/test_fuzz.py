@@ -44,7 +44,7 @@ FUZZ = settings(derandomize=True, database=None, deadline=None, print_blob=False
                                        HealthCheck.large_base_example])
 
 
-class Stack:
+class FuzzStack:
     """The module's stack, its process ids at start, and one session nobody fuzzes."""
 
     def __init__(self, stack, keeper: str):
@@ -82,7 +82,8 @@ class Stack:
         assert list(self.get(self.keeper).token_ids) == self.keeper_tokens
         usage = self.turn(f"after-{uuid.uuid4().hex[:8]}", "Still there?", max_tokens=2)
         assert usage.durable and 0 < usage.completion_tokens <= 2
-        assert not _unexpected_errors(self.stack.log.read_text(errors="replace"))
+        errors = _unexpected_errors(self.stack.log.read_text(errors="replace"))
+        assert not errors, "\n".join(errors[:20])
 
 
 # gRPC logs these itself, with a traceback, when a request does not parse (see
@@ -108,7 +109,7 @@ def fuzz(tiny_model, tmp_path_factory, cache_dir):
     s = start_stack(tiny_model, tmp_path_factory.mktemp("fuzz") / "data",
                     extra=["--api-key", KEY], cache_dir=cache_dir)
     try:
-        stack = Stack(s, keeper=f"keeper-{uuid.uuid4().hex}")
+        stack = FuzzStack(s, keeper=f"keeper-{uuid.uuid4().hex}")
         yield stack
         stack.channel.close()
     finally:
@@ -230,7 +231,7 @@ def _is_utf8(b: bytes) -> bool:
 # -- gRPC ------------------------------------------------------------------------------------
 
 
-def _generate(stack: Stack, req: api_pb2.GenerateRequest, md) -> grpc.StatusCode:
+def _generate(stack: FuzzStack, req: api_pb2.GenerateRequest, md) -> grpc.StatusCode:
     """One call, checked: OK with a well-formed stream, or a clear status with a sentence."""
     try:
         out = list(stack.generation.Generate(req, metadata=md, timeout=CALL_TIMEOUT_S))
@@ -250,17 +251,18 @@ def _generate(stack: Stack, req: api_pb2.GenerateRequest, md) -> grpc.StatusCode
 
 
 def test_random_generate_requests_get_ok_or_a_clear_status(fuzz):
+    """Also three fixed cases: a 1 KiB (256 emoji) session id, past LMDB's key size once the
+    store prefixes the tenant (it was acknowledged, never durable); the longest session id
+    allowed; and a 5 MB prompt, over gRPC's message size."""
     seen: Counter = Counter()
 
     @settings(FUZZ, max_examples=60)
     @given(call=generate_requests())
     @example(call=(api_pb2.GenerateRequest(session_id="😀" * 256, prompt="hi", max_tokens=2),
-             AUTH)).via("a session id of 1 KiB of UTF-8: past LMDB's key size")
+                   AUTH))
     @example(call=(api_pb2.GenerateRequest(session_id="é" * (MAX_SESSION_ID_BYTES // 2),
-                                         prompt="hi", max_tokens=2, append=True),
-             AUTH)).via("the longest session id")
-    @example(call=(api_pb2.GenerateRequest(prompt="word " * 1_000_000, max_tokens=2),
-             AUTH)).via("a 5 MB prompt: over gRPC's message size")
+                                           prompt="hi", max_tokens=2, append=True), AUTH))
+    @example(call=(api_pb2.GenerateRequest(prompt="word " * 1_000_000, max_tokens=2), AUTH))
     def run(call):
         seen[_generate(fuzz, *call)] += 1
 
@@ -299,7 +301,7 @@ def test_random_session_calls_get_ok_or_a_clear_status(fuzz):
     fuzz.assert_unharmed()
 
 
-def _raw_generate(stack: Stack, raw: bytes):
+def _raw_generate(stack: FuzzStack, raw: bytes):
     """Generate with bytes that skip the client's serializer: the server must parse them."""
     call = stack.channel.unary_stream("/kvbank.v1.Generation/Generate",
                                       request_serializer=lambda b: b,
@@ -343,7 +345,8 @@ def test_unknown_fields_are_ignored(fuzz):
     "router/server.py: a request body that is not a GenerateRequest (corrupt wire format, or a "
     "string field that is not UTF-8) fails in grpc's deserializer before the servicer runs, so "
     "the client gets UNKNOWN 'Unexpected <class DecodeError>: ...' instead of INVALID_ARGUMENT"))
-@pytest.mark.parametrize("raw", [b"\xff\xff\xff", _field(1, 2, b"\xff\xfe"), _field(3, 2, b"\xc3(")],
+@pytest.mark.parametrize("raw", [b"\xff\xff\xff", _field(1, 2, b"\xff\xfe"),
+                                 _field(3, 2, b"\xc3(")],
                          ids=["corrupt", "session-id-not-utf8", "prompt-not-utf8"])
 def test_undecodable_request_is_invalid_argument(fuzz, raw):
     err = rpc_error(lambda: _raw_generate(fuzz, raw))
@@ -394,6 +397,34 @@ def test_deleting_a_session_while_it_generates(fuzz):
     assert usage.durable
     assert fuzz.get(sid).token_count == usage.prompt_tokens + usage.completion_tokens
     fuzz.assert_unharmed()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "worker/engine.py _commit (or router/server.py Sessions.Delete, which does not take the "
+    "session's lock): Delete answers deleted=true while a turn of the session is running, Get "
+    "then says NOT_FOUND, but the running turn's commit writes the whole prompt (the deleted "
+    "history + the new turn) back as the session record, durable, and it survives a restart"))
+def test_a_session_deleted_mid_turn_does_not_come_back(fuzz):
+    sid = f"undead-{uuid.uuid4().hex[:8]}"
+    fuzz.turn(sid, "A secret to forget.", max_tokens=4)
+    secret = list(fuzz.get(sid).token_ids)
+    req = api_pb2.GenerateRequest(session_id=sid, append=True, max_tokens=800)
+    req.chat.messages.add(role="user", content="Go on and on.")
+    stream = fuzz.generation.Generate(req, metadata=AUTH, timeout=120)
+    next(stream)  # the turn is running
+    assert fuzz.delete(sid) is True
+    assert rpc_error(lambda: fuzz.get(sid)).code() == grpc.StatusCode.NOT_FOUND
+    try:
+        for _ in stream:
+            pass
+    except grpc.RpcError as e:
+        assert e.details(), e.code()  # the turn may be refused or cancelled; with a sentence
+    try:
+        after = list(fuzz.get(sid).token_ids)
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.NOT_FOUND
+        return
+    assert after[: len(secret)] != secret, "the deleted history came back"
 
 
 # -- the OpenAI shim -------------------------------------------------------------------------
@@ -507,7 +538,7 @@ def test_random_shim_requests_get_a_200_or_an_openai_error(fuzz):
                  headers={"authorization": f"Bearer {KEY}", "content-type": "text/plain"})
         @example(request=("/v1/chat/completions", json.dumps(
             {"messages": [{"role": "user", "content": "x" * 5_000_000}], "max_tokens": 2}
-        ).encode()), headers={"authorization": f"Bearer {KEY}"}).via("over the router's 4 MiB")
+        ).encode()), headers={"authorization": f"Bearer {KEY}"})
         def run(request, headers):
             path, body = request
             seen[_check_http(http.post(path, content=body, headers=headers), path)] += 1

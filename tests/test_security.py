@@ -174,7 +174,8 @@ def test_no_prefix_hit_across_tenants_through_the_shim(keyed):
         return c.chat.completions.create(model="kvbank", messages=messages, max_tokens=2,
                                          temperature=0).usage.prompt_tokens_details.cached_tokens
 
-    messages = [{"role": "user", "content": f"[{uuid.uuid4().hex}] " + "a long shared prefix " * 20}]
+    prefix = "a long shared prefix " * 20
+    messages = [{"role": "user", "content": f"[{uuid.uuid4().hex}] {prefix}"}]
     assert ask(KEYS["alice"]) == 0
     assert ask(KEYS["bob"]) == 0
     assert ask(KEYS["alice"]) > 0

@@ -37,10 +37,11 @@ from coldstore.store import ColdStore
 from worker import kv
 from worker.admission import (Pricing, Refused, SchedulerConfig, calibrate,
                               default_memory_budget, make_room)
-from worker.guard import Guard, PressureTrim
-from worker.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running, make_request_sampler
 from worker.bank import SessionBank, SessionKey
+from worker.guard import Guard
 from worker.persist import ColdstoreClient, ColdstoreUnavailable, KVWriter
+from worker.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running, make_request_sampler
+from worker.upkeep import Upkeep
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class NotAdmitted(Exception):
         self.receipt = refused.receipt
 
 
-class Engine:
+class Engine(Upkeep):
     def __init__(self, model_path: Path, layout: Layout, *, block_tokens: int, bank_bytes: int,
                  staging_max_bytes: int | None = None, restore_via: str = "direct",
                  scheduler: SchedulerConfig = SchedulerConfig(),
@@ -570,149 +571,3 @@ class Engine:
                                    msg.get("reason", ""), msg.get("error", ""))
 
         self.call(apply)
-
-    # -- session operations (engine thread, via call) ---------------------------------------
-
-    def delete_session(self, session: SessionKey) -> bool:
-        existed = session in self.sessions or bool(self.bank.session_entries(session))
-        self.bank.drop_session(session, reason="session_deleted")
-        self.coldstore.request({"op": "delete_session", "tenant": session[0],
-                                "session_id": session[1]})
-        self._set_session(session, None)
-        self._refresh_ram_bytes()
-        return existed
-
-    def release(self, session: SessionKey, write_out: bool):
-        """Move one session's KV out of RAM (Admin.Release); returns the receipt."""
-        receipt = self.bank.release_sessions(None, only_sessions=[session], reason="admin_release",
-                                             write_out_before_release=write_out)
-        self._refresh_ram_bytes()
-        return receipt
-
-    # -- memory and pressure (engine thread, via call, unless noted) ------------------------
-
-    def held_bytes(self) -> int:
-        """Any thread: the ledger's total (a moment's reading)."""
-        while True:
-            try:
-                return self.pricing.fixed_bytes + self.bank.ledger()["held_bytes"]
-            except RuntimeError:  # a dict changed under us: read again
-                continue
-
-    def idle(self) -> bool:
-        """Any thread: no request running or waiting."""
-        return not self.batch and not self._pending
-
-    def apply_dynamic_ceiling(self) -> None:
-        """The bank may hold what the budget leaves after everything else; never an active
-        conversation's KV (it may stay above)."""
-        ledger = self.bank.ledger()
-        others = self.pricing.fixed_bytes + ledger["active_bytes"] + ledger["staged_bytes"]
-        self.bank.ceiling_bytes = max(0, self.memory_budget - others)
-        if self.bank.total_nbytes > self.bank.effective_max_bytes:
-            self.bank.shrink_to_bytes(self.bank.effective_max_bytes, reason="dynamic_ceiling",
-                                      protect_active=True, protect_unwritten=True)
-            self._refresh_ram_bytes()
-
-    def pressure_trim(self, level: str, source: str, deferred_s: float) -> PressureTrim:
-        """warning: half of the bank, keeping active and unwritten conversations;
-        critical: every idle entry, unwritten ones counted."""
-        out: dict = {}
-        if level == "warning":
-            self.bank.shrink_to_bytes(self.bank.total_nbytes // 2, reason="pressure_warning",
-                                      protect_active=True, protect_unwritten=True,
-                                      receipt_out=out)
-        else:
-            self.bank.shrink_to_bytes(0, reason="pressure_critical", protect_active=True,
-                                      receipt_out=out)
-        self._refresh_ram_bytes()
-        return PressureTrim(level=level, source=source,
-                            bank_entries_evicted=out.get("evicted_entries", 0),
-                            bank_unwritten_kept=out.get("unwritten_kept", 0),
-                            bank_unwritten_dropped=out.get("unwritten_dropped", 0),
-                            bytes_after=self.bank.total_nbytes, deferred_s=round(deferred_s, 3))
-
-    def trim(self) -> dict:
-        """Admin: every idle conversation already on SSD leaves RAM."""
-        out: dict = {}
-        self.bank.shrink_to_bytes(0, reason="admin_trim", protect_active=False,
-                                  protect_unwritten=True, receipt_out=out)
-        self._refresh_ram_bytes()
-        return out
-
-    def flush(self) -> tuple[int, int, float]:
-        """Admin: write every conversation not on SSD yet, now; they stay in RAM."""
-        from worker.persist import RELEASE_WRITE_OUT_MAX_S
-
-        t0 = time.monotonic()
-        give_up_at = time.time() + (self.bank.write_out_deadline_s or RELEASE_WRITE_OUT_MAX_S)
-        written = failed = 0
-        for e in [e for e in self.bank.entries.values() if e.awaits_queued_write]:
-            if self.writer.write_out(e, give_up_at) == "written":
-                written += 1
-            else:
-                failed += 1
-        self._refresh_ram_bytes()
-        return written, failed, time.monotonic() - t0
-
-    def status(self) -> dict:
-        ledger = self.bank.ledger()
-        return {
-            "pressure_level": self.guard.level, "pressure_source": self.guard.source,
-            "memory_budget_bytes": self.memory_budget,
-            "held_bytes": self.pricing.fixed_bytes + ledger["held_bytes"],
-            "fixed_bytes": self.pricing.fixed_bytes, "bank_bytes": ledger["entries_bytes"],
-            "running_bytes": ledger["active_bytes"], "staged_bytes": ledger["staged_bytes"],
-            "bank_max_bytes": self.bank.max_bytes,
-            "bank_ceiling_bytes": self.bank.ceiling_bytes or 0,
-            "bank_entries": len(self.bank.entries), "scheduler": self.scheduler.mode,
-            "running_requests": len(self.batch), "waiting_requests": len(self._pending),
-            "kv_bytes_per_token": self.kv_bytes_per_token,
-            "prefill_chunk_tokens": self.pricing.chunk_tokens,
-            "transient_base_bytes": self.pricing.transient_base,
-            "transient_per_context_token": self.pricing.transient_per_context_token,
-        }
-
-    def retry_writes(self) -> int:
-        """Send again what the coldstore refused, lost (it restarted) or never got (it was
-        down): the record first if it missed turns, then the KV. Returns entries sent."""
-        now = time.monotonic()
-        if now - getattr(self, "_retried_at", 0.0) < RETRY_WRITES_EVERY_S:
-            return 0
-        self._retried_at = now
-        pending = [e for e in self.bank.entries.values()
-                   if e.session in self.sessions and e.awaits_queued_write]
-        if not pending:
-            return 0
-        try:
-            live = set(self.coldstore.request({"op": "ping"}, timeout_s=2.0)["jobs"])
-        except ColdstoreUnavailable:
-            return 0
-        sent = 0
-        for e in pending:
-            if e.write_job is not None and e.write_job in live:
-                continue
-            info = self.sessions.get(e.session)
-            if info is None or not self._ensure_record(e.session, info):
-                continue
-            e.write_pending = False
-            if self.writer.write_behind(e) is not None:
-                sent += 1
-        if sent:
-            logger.info("sent %d conversations' KV to the coldstore again", sent)
-        return sent
-
-    def _ensure_record(self, session: SessionKey, info: SessionInfo) -> bool:
-        if info.recorded:
-            return True
-        try:
-            reply = self.coldstore.request(
-                {"op": "put_session", "tenant": session[0], "session_id": session[1],
-                 "block_tokens": self.block_tokens}, [info.tokens.tobytes()], timeout_s=2.0)
-        except ColdstoreUnavailable:
-            return False
-        current = self.sessions.get(session)
-        if current is info:
-            self._set_session(session, replace(info, recorded=True,
-                                               durable_tokens=reply["durable_tokens"]))
-        return True
