@@ -301,11 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
     bcs.add_argument("--json", action="store_true")
     bad = bsub.add_parser("admission", help="admission decision latency; peak RSS / budget "
                                             "under an adversarial load")
-    bad.add_argument("--model", default=None,
-                     help="model for the adversarial run (default: the tiny test model)")
+    _model(bad)
     bad.add_argument("--entries", type=int, default=1000, help="bank entries (decision run)")
     bad.add_argument("--agents", type=int, default=6)
     bad.add_argument("--turns", type=int, default=6)
+    bad.add_argument("--budget-kv-bytes", type=int, default=150_000_000,
+                     help="the worker's budget beyond the model (--memory-budget +N)")
     bad.add_argument("--json", action="store_true")
     bo = bsub.add_parser("overhead", help="streamed decode through shim+router vs in-process")
     _model(bo)
@@ -452,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvbank.bench.admission import run
 
         result = run(model=args.model, entries=args.entries, agents=args.agents,
-                     turns=args.turns)
+                     turns=args.turns, budget_kv_bytes=args.budget_kv_bytes)
         print_result(args.bench, result, args.json)
         return 0
     if cmd == "bench" and args.bench == "overhead":

@@ -32,6 +32,20 @@ def usage_dict(u: api_pb2.Usage) -> dict:
     }
 
 
+class _ApiKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, key: str):
+        self.md = (("authorization", f"Bearer {key}"),)
+
+    def _add(self, details):
+        return details._replace(metadata=tuple(details.metadata or ()) + self.md)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._add(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._add(details), request)
+
+
 @dataclass
 class Turn:
     text: str
@@ -41,8 +55,10 @@ class Turn:
 
 
 class Client:
-    def __init__(self, address: str):
+    def __init__(self, address: str, api_key: str | None = None):
         self.channel = grpc.insecure_channel(address)
+        if api_key:  # every call carries it: the router maps it to this client's tenant
+            self.channel = grpc.intercept_channel(self.channel, _ApiKey(api_key))
         self.generation = api_pb2_grpc.GenerationStub(self.channel)
         self.sessions = api_pb2_grpc.SessionsStub(self.channel)
         self.admin = api_pb2_grpc.AdminStub(self.channel)

@@ -288,15 +288,59 @@ class AdminServicer(api_pb2_grpc.AdminServicer):
             await context.abort(code, msg, trailing_metadata=md)
 
 
+def _add_service(server, service, servicer) -> None:
+    """Like the generated add_*_to_server, but bytes that do not parse as the request message
+    get INVALID_ARGUMENT with a sentence, not UNKNOWN and a traceback."""
+    from google.protobuf import message_factory
+    from google.protobuf.message import DecodeError
+
+    handlers = {}
+    for method in service.methods:
+        req_cls = message_factory.GetMessageClass(method.input_type)
+        resp_cls = message_factory.GetMessageClass(method.output_type)
+        behavior = getattr(servicer, method.name)
+
+        def parse(raw, req_cls=req_cls):
+            try:
+                return req_cls.FromString(raw)
+            except DecodeError as e:
+                return _Undecodable(f"the request is not a valid {req_cls.DESCRIPTOR.full_name} "
+                                    f"message ({e}): send a serialized {req_cls.__name__}")
+
+        if method.server_streaming:
+            async def call(request, context, behavior=behavior):
+                if isinstance(request, _Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                async for out in behavior(request, context):
+                    yield out
+            make = grpc.unary_stream_rpc_method_handler
+        else:
+            async def call(request, context, behavior=behavior):
+                if isinstance(request, _Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                return await behavior(request, context)
+            make = grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(call, request_deserializer=parse,
+                                     response_serializer=resp_cls.SerializeToString)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+class _Undecodable:
+    def __init__(self, message: str):
+        self.message = message
+
+
 async def serve(model_dir: Path, worker_address: str, host: str, port: int, *,
                 metrics_port: int = -1, admin_key: str | None = None, **limits) -> None:
     """`limits`: Backend's keys, ceilings, max_queue, max_queue_wait_s."""
     metrics.serve("router", Path(worker_address.removeprefix("unix://")).parent, metrics_port)
     backend = Backend(model_dir, worker_address, **limits)
     server = grpc.aio.server()
-    api_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(backend), server)
-    api_pb2_grpc.add_SessionsServicer_to_server(SessionsServicer(backend), server)
-    api_pb2_grpc.add_AdminServicer_to_server(AdminServicer(backend, admin_key), server)
+    for name, servicer in (("Generation", GenerationServicer(backend)),
+                           ("Sessions", SessionsServicer(backend)),
+                           ("Admin", AdminServicer(backend, admin_key))):
+        _add_service(server, api_pb2.DESCRIPTOR.services_by_name[name], servicer)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [api_pb2.DESCRIPTOR.services_by_name[n].full_name

@@ -138,6 +138,14 @@ def test_another_tenants_session_cannot_be_listed_read_deleted_or_released(alice
     assert list(alice.get(sid).token_ids) == list(before.token_ids)
 
 
+def test_admin_status_does_not_show_another_tenants_session_names(alice, bob):
+    sid = _name("alice-private")
+    alice.generate(_unique_prompt(), session_id=sid)
+    receipts = bob.admin.Status(api_pb2.StatusRequest(), metadata=bob.metadata,
+                                timeout=30).recent_receipts_json
+    assert not [r for r in receipts if sid in r]
+
+
 def test_no_prefix_hit_across_tenants_from_ram(alice, bob):
     prompt = _unique_prompt()
     first = alice.generate(prompt)

@@ -61,6 +61,9 @@ class Pricing:
     chunk_tokens: int
     transient_base: int = 0  # one chunk at an empty context
     transient_per_context_token: float = 0.0
+    # Resident memory the ledger does not explain (allocator caches, fragmentation), measured
+    # against RSS every guard tick and counted as held, so the budget is the real one.
+    unaccounted_bytes: int = 0
 
     def cache_bytes(self, tokens: int) -> int:
         return 2 * self.kv_bytes_per_token * tokens
@@ -126,8 +129,9 @@ def default_memory_budget() -> int:
 
 
 def held_bytes(pricing: Pricing, bank) -> int:
-    """Every byte the worker answers for: fixed, bank entries, running requests, staged."""
-    return pricing.fixed_bytes + bank.ledger()["held_bytes"]
+    """Every byte the worker answers for: fixed, bank entries, running requests, staged, and
+    what RSS shows beyond them."""
+    return pricing.fixed_bytes + pricing.unaccounted_bytes + bank.ledger()["held_bytes"]
 
 
 @dataclass
@@ -197,7 +201,8 @@ def make_room(*, bank, pricing: Pricing, budget: int, need: int, solo_need: int,
     # 6. it does not fit: wait for requests in flight, or refuse with the reason
     ledger = bank.ledger()
     r.holders = {"fixed_bytes": pricing.fixed_bytes, "bank_bytes": ledger["entries_bytes"],
-                 "running_bytes": ledger["active_bytes"], "staged_bytes": ledger["staged_bytes"]}
+                 "running_bytes": ledger["active_bytes"], "staged_bytes": ledger["staged_bytes"],
+                 "unaccounted_bytes": pricing.unaccounted_bytes}
     if solo_need > budget - pricing.fixed_bytes:
         r.decision, r.reason, r.verdict = "refused", "over_memory_budget", "never_at_this_limit"
         raise Refused(r, f"this request needs {_size(solo_need)} but the memory budget leaves "

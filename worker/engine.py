@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
+import psutil
 
 from kvbank import events, metrics
 from kvbank.blocks import BlockId, chain_block_ids, chain_root, common_prefix_len, tail_block_id
@@ -46,6 +47,8 @@ from worker.upkeep import Upkeep
 logger = logging.getLogger(__name__)
 
 RECORD_TIMEOUT_S = 3.0
+RSS_SLACK = 0.05
+MLX_CACHE_BYTES = 8 << 20
 SESSION_STATES = ("active", "resident-dirty", "resident-clean", "cold", "gone")
 RETRY_WRITES_EVERY_S = 5.0
 
@@ -117,14 +120,19 @@ class Engine(Upkeep):
                                 max_bytes=bank_bytes, writer=self.writer,
                                 active_pin_s=active_pin_s)
         self.bank.write_out_deadline_s = write_out_deadline_s
-        self.pricing = self._price_model(prefill_chunk_tokens)
-        self.memory_budget = self._budget(memory_budget)
+        mx.set_cache_limit(MLX_CACHE_BYTES)  # freed buffers MLX keeps count in RSS
+        self.pricing = calibrate(self.model, Pricing(self.kv_bytes_per_token, 0,
+                                                     prefill_chunk_tokens))
         self.admission_chain_shed = admission_chain_shed
         self.admission_log: deque = deque(maxlen=1024)
         self.batch = BatchScheduler(self.model, max_active=scheduler.max_active,
                                     eos_token_ids=self.eos_token_ids,
                                     prefill_step_tokens=prefill_chunk_tokens)
+        self._warm_up(prefill_chunk_tokens)
+        self.pricing.fixed_bytes = psutil.Process().memory_info().rss
+        self.memory_budget = self._budget(memory_budget)
         self._pending: deque[GenerateJob] = deque()
+        self._deleted_at: dict[SessionKey, float] = {}  # deleted while a turn ran on it
         self._queue: queue.Queue = queue.Queue()
         self._anon = 0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -135,12 +143,20 @@ class Engine(Upkeep):
                                         for k, i in list(self.sessions.items())))
         self.guard = Guard(self).start()
 
-    def _price_model(self, chunk_tokens: int) -> Pricing:
-        import psutil
+    def _warm_up(self, chunk_tokens: int) -> None:
+        """One short request through the scheduler, so the memory a first request leaves
+        behind (kernels, allocator, buffers) is in the fixed part of the budget."""
+        tokens = np.arange(1000, 1000 + 2 * chunk_tokens + 1, dtype=np.uint32)
+        job = GenerateJob(worker_pb2.WorkerGenerateRequest(max_tokens=2), emit=lambda ev: None)
+        r = Running(job=job, tokens=tokens, bank_key=("", "warm-up"), session=None, cached=0,
+                    source=api_pb2.CACHE_SOURCE_NONE, known=0, started=time.monotonic(),
+                    stops=[], detok=self.tokenizer.detokenizer)
+        from mlx_lm.models.cache import make_prompt_cache
 
-        pricing = calibrate(self.model, Pricing(self.kv_bytes_per_token, 0, chunk_tokens))
-        pricing.fixed_bytes = psutil.Process().memory_info().rss
-        return pricing
+        self.batch.add(r, make_prompt_cache(self.model), 2, make_request_sampler(0.0, 0.0, None))
+        while self.batch:
+            self.batch.step()
+        mx.clear_cache()
 
     def _budget(self, spec: str | int | None) -> int:
         """An absolute byte count, or "+N": N bytes for KV beyond the model and one prefill
@@ -354,7 +370,7 @@ class Engine(Upkeep):
                                           batch_len=max(lens, default=0), batch_size=len(lens))
 
     def _log_admission(self, req, receipt) -> None:
-        self.admission_log.append((time.time(), req.session_id, receipt))
+        self.admission_log.append((time.time(), req.tenant, req.session_id, receipt))
         metrics.ADMISSIONS.labels(receipt.decision).inc()
         if receipt.decision != "wait":
             events.emit("admission", tenant=req.tenant, session_id=req.session_id,
@@ -397,7 +413,7 @@ class Engine(Upkeep):
 
     def _finish(self, r: Running, cache: list) -> None:
         full = np.concatenate([r.tokens, np.asarray(r.completion, dtype=np.uint32)])
-        durable = self._commit(r.bank_key, r.session, full, cache)
+        durable = self._commit(r.bank_key, r.session, full, cache, r.started)
         usage = api_pb2.Usage(
             prompt_tokens=len(r.tokens),
             completion_tokens=len(r.completion),
@@ -480,8 +496,13 @@ class Engine(Upkeep):
     # -- commit -----------------------------------------------------------------------------
 
     def _commit(self, bank_key: SessionKey, session: SessionKey | None, full: np.ndarray,
-                cache: list) -> bool:
-        """Session record (durable), then bank entry, then the write-behind job."""
+                cache: list, started: float = 0.0) -> bool:
+        """Session record (durable), then bank entry, then the write-behind job.
+
+        A session deleted while its turn ran stays deleted: the turn is answered, not kept."""
+        if session is not None and self._deleted_at.get(session, -1.0) >= started:
+            self._deleted_at.pop(session, None)
+            return False
         layers = kv.freeze(cache, len(full))
         durable, durable_tokens = False, 0
         if session is not None:
@@ -541,11 +562,15 @@ class Engine(Upkeep):
 
     def update_gauges(self) -> None:
         """Any thread (the guard's tick): the gauges that are cheap to read from snapshots."""
-        import psutil
-
+        rss = psutil.Process().memory_info().rss
+        ledger = self.held_bytes() - self.pricing.unaccounted_bytes
+        # Reconcile with what the OS sees: RSS may drift past the ledger by a little (threads,
+        # interpreter, allocator); beyond RSS_SLACK of the budget the excess counts as held.
+        slack = int(self.memory_budget * RSS_SLACK)
+        self.pricing.unaccounted_bytes = max(0, rss - ledger - slack)
         metrics.MEMORY_HELD.set(self.held_bytes())
         metrics.MEMORY_BUDGET.set(self.memory_budget)
-        metrics.WORKER_RSS.set(psutil.Process().memory_info().rss)
+        metrics.WORKER_RSS.set(rss)
 
     def _on_coldstore_event(self, msg: dict) -> None:
         """Progress and completion of write jobs (I/O thread): update snapshots, then the bank."""

@@ -131,11 +131,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                      seconds=took)
 
     async def Status(self, request, context):
+        """The caller's tenant sees its own admission receipts only."""
         e = self.engine
+        tenant = _tenant(context)
         st = await asyncio.wrap_future(e.call(e.status))
         receipts = [json.dumps({"at": at, "kind": "admission", "session_id": sid,
                                 **dataclasses.asdict(r)})
-                    for at, sid, r in list(e.admission_log)[-20:]]
+                    for at, t, sid, r in list(e.admission_log)[-50:] if t == tenant][-20:]
         receipts += [json.dumps(dataclasses.asdict(r)) for r in e.guard.receipts[-20:]]
         return api_pb2.StatusResponse(**st, recent_receipts_json=receipts)
 

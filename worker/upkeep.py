@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
+
+import psutil
 from dataclasses import replace
 
 from typing import TYPE_CHECKING
 
+from worker.admission import held_bytes
 from worker.bank import SessionKey
 from worker.guard import PressureTrim
 from worker.persist import ColdstoreUnavailable
@@ -29,6 +32,8 @@ class Upkeep:
 
     def delete_session(self, session: SessionKey) -> bool:
         existed = session in self.sessions or bool(self.bank.session_entries(session))
+        if self.bank.is_busy(session):  # its running turn must not bring it back
+            self._deleted_at[session] = time.monotonic()
         self.bank.drop_session(session, reason="session_deleted")
         self.coldstore.request({"op": "delete_session", "tenant": session[0],
                                 "session_id": session[1]})
@@ -49,7 +54,7 @@ class Upkeep:
         """Any thread: the ledger's total (a moment's reading)."""
         while True:
             try:
-                return self.pricing.fixed_bytes + self.bank.ledger()["held_bytes"]
+                return held_bytes(self.pricing, self.bank)
             except RuntimeError:  # a dict changed under us: read again
                 continue
 
@@ -114,7 +119,9 @@ class Upkeep:
         return {
             "pressure_level": self.guard.level, "pressure_source": self.guard.source,
             "memory_budget_bytes": self.memory_budget,
-            "held_bytes": self.pricing.fixed_bytes + ledger["held_bytes"],
+            "held_bytes": held_bytes(self.pricing, self.bank),
+            "unaccounted_bytes": self.pricing.unaccounted_bytes,
+            "rss_bytes": psutil.Process().memory_info().rss,
             "fixed_bytes": self.pricing.fixed_bytes, "bank_bytes": ledger["entries_bytes"],
             "running_bytes": ledger["active_bytes"], "staged_bytes": ledger["staged_bytes"],
             "bank_max_bytes": self.bank.max_bytes,

@@ -63,7 +63,7 @@ def _adversarial(model: Path, *, agents: int, turns: int, budget_kv_bytes: int,
 
     with tempfile.TemporaryDirectory(prefix="kvbank-bench-") as tmp:
         stack = LocalStack.start(model, Path(tmp) / "data", shim=False, extra=[
-            "--memory-budget", f"+{budget_kv_bytes}", "--prefill-chunk-tokens", "64",
+            "--memory-budget", f"+{budget_kv_bytes}", "--prefill-chunk-tokens", "128",
             "--active-pin-s", "0"])
         try:
             with stack.client() as c:
@@ -114,20 +114,13 @@ def _adversarial(model: Path, *, agents: int, turns: int, budget_kv_bytes: int,
 
 
 def run(*, model: str | None, entries: int = 1000, decisions: int = 2000, agents: int = 6,
-        turns: int = 6, budget_kv_bytes: int = 6_000_000, seed: int = 0) -> dict:
-    """The adversarial part runs the tiny model unless --model is given (the budget's KV part
-    is then scaled by the default model's KV bytes per token)."""
+        turns: int = 6, budget_kv_bytes: int = 150_000_000, seed: int = 0) -> dict:
+    """Default: SmolLM2 (46 KB of KV per token); 6 agents growing to ~1,400 tokens each hold
+    ~390 MB of KV against a budget with 150 MB for KV."""
     from kvbank.cli import _prepare_model
-    from kvbank.models import default_cache_dir, make_tiny_model
 
     out = _decision_latency(entries, decisions, seed)
-    with tempfile.TemporaryDirectory(prefix="kvbank-tiny-") as tmp:
-        if model is None:
-            model_dir = make_tiny_model(Path(tmp) / "tiny", seed=0, cache_dir=default_cache_dir())
-        else:
-            model_dir = _prepare_model(model)
-            budget_kv_bytes *= 90  # KV bytes per token: 46,080 (SmolLM2) / 512 (tiny)
-        out.update(_adversarial(model_dir, agents=agents, turns=turns,
-                                budget_kv_bytes=budget_kv_bytes, seed=seed))
+    out.update(_adversarial(_prepare_model(model), agents=agents, turns=turns,
+                            budget_kv_bytes=budget_kv_bytes, seed=seed))
     out["goal_decision_p99_ms"] = GOAL_P99_MS
     return out
