@@ -2,7 +2,8 @@
 
 Three rules, in this order:
 1. A write-out job (it has `give_up_at`) goes first and ignores the worker's busy signal: a
-   release is waiting on it. Past its deadline it stops and reports `deadline`.
+   release is waiting on it. Past its deadline it stops, takes back the blocks it committed
+   (all or nothing: the entry is on SSD whole, or not at all) and reports `deadline`.
 2. The idle lane writes only in quiet windows: the worker said "quiet" at least
    `quiet_grace_s` ago (or has said nothing for a while: no worker, nothing to disturb).
 3. Bounded staleness: a conversation dirty for longer than `max_dirty_s` is written even while
@@ -39,6 +40,7 @@ class WriteJob:
     blocks: deque[PendingBlock]
     dirty_since: float
     give_up_at: float | None = None
+    first_start: int = 0  # where its first block begins: a deadline rolls back to here
     written_blocks: int = 0
     durable_tokens: int = 0
 

@@ -188,7 +188,7 @@ class ColdstoreServer:
         job = WriteJob(
             job_id=head["job"], peer=peer, tenant=head["tenant"], session_id=head["session_id"],
             root=bytes.fromhex(head["root"]), blocks=blocks, dirty_since=head.get("dirty_since", time.time()),
-            give_up_at=head.get("give_up_at"),
+            give_up_at=head.get("give_up_at"), first_start=blocks[0].start if blocks else 0,
         )
         old = self.lanes.submit(job)
         if old is not None:
@@ -221,6 +221,9 @@ class ColdstoreServer:
 
     def _write_block(self, job: WriteJob, now: float) -> None:
         if job.give_up_at is not None and now >= job.give_up_at:
+            if job.written_blocks:  # all or nothing: take back what this job committed
+                meta = self.store.truncate_session(job.tenant, job.session_id, job.first_start)
+                job.durable_tokens = meta.durable_tokens if meta else 0
             self._finish(job, "deadline")
             return
         if not job.blocks:

@@ -261,6 +261,23 @@ class ColdStore:
 
         return self._write(fn)
 
+    def truncate_session(self, tenant: str, session_id: str,
+                         keep_tokens: int) -> SessionMeta | None:
+        """Forget the session's blocks past `keep_tokens` (its token history stays)."""
+        key = session_key(tenant, session_id)
+
+        def fn(txn):
+            raw = txn.get(key, db=self._db[b"sessions"])
+            if raw is None:
+                return None
+            meta = SessionMeta.from_json(raw)
+            if meta.durable_tokens > keep_tokens:
+                self._truncate_blocks(txn, meta, keep_tokens)
+                txn.put(key, meta.to_json(), db=self._db[b"sessions"])
+            return meta
+
+        return self._write(fn)
+
     def delete_session(self, tenant: str, session_id: str) -> bool:
         key = session_key(tenant, session_id)
 

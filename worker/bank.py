@@ -267,9 +267,13 @@ class SessionBank:
 
     # -- durability (fed by the coldstore's acknowledgements) -------------------------------
 
-    def mark_durable(self, session: SessionKey, durable_tokens: int) -> None:
+    def mark_durable(self, session: SessionKey, durable_tokens: int,
+                     lowered: bool = False) -> None:
+        """What LMDB holds of the session; `lowered` when a write-out's deadline took back
+        blocks (it can only grow otherwise)."""
         for e in self.session_entries(session):
-            e.durable_tokens = max(e.durable_tokens, min(durable_tokens, e.n_tokens))
+            n = min(durable_tokens, e.n_tokens)
+            e.durable_tokens = n if lowered else max(e.durable_tokens, n)
 
     def mark_write_done(self, session: SessionKey, job_id: int, retry: bool = False) -> None:
         """The job ended; with `retry` (refused, failed) its entries wait to be sent again."""

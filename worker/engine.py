@@ -199,6 +199,7 @@ class Engine(Upkeep):
             st = f.stat()
             h.update(f"{f.name}:{st.st_size}".encode())
         h.update(f"{self.kv_dtype}:{self.kv_bytes_per_token}:{self.block_tokens}".encode())
+        h.update(kv.BLOCK_LAYOUT.encode())
         return h.digest()
 
     def root_for(self, tenant: str) -> BlockId:
@@ -579,12 +580,13 @@ class Engine(Upkeep):
             return
         session = (msg["tenant"], msg["session_id"])
         durable = msg.get("durable_tokens", 0)
+        lowered = msg.get("outcome") == "deadline"  # all or nothing: its blocks were taken back
         info = self.sessions.get(session)
-        if info is not None and durable > info.durable_tokens:
+        if info is not None and (durable > info.durable_tokens or lowered):
             self._set_session(session, replace(info, durable_tokens=durable))
 
         def apply():
-            self.bank.mark_durable(session, durable)
+            self.bank.mark_durable(session, durable, lowered=lowered)
             if msg["op"] == "done":
                 self.bank.mark_write_done(session, msg["job"],
                                           retry=msg["outcome"] in ("refused", "error"))

@@ -15,6 +15,7 @@ from mlx_lm.models.cache import KVCache
 from kvbank.blocks import BlockHeader, decode_block, encode_block
 
 Layers = list[tuple[mx.array, mx.array]]
+BLOCK_LAYOUT = "kv-block-layout:token-major"  # part of the model fingerprint: never mixed
 
 
 def freeze(cache: list[KVCache], n_tokens: int) -> Layers:
@@ -54,8 +55,12 @@ def _to_numpy(a: mx.array) -> np.ndarray:
 
 
 def encode_range(layers: Layers, start: int, end: int) -> bytes:
-    """The stored form of tokens [start, end) of an entry: one block."""
-    parts = [(_to_numpy(k[0, :, start:end, :]), _to_numpy(v[0, :, start:end, :])) for k, v in layers]
+    """The stored form of tokens [start, end) of an entry: one block.
+
+    Each layer's K and V are stored token-major, (n, kv_heads, head_dim), so the blocks of a
+    conversation concatenate by appending bytes: a restore makes one contiguous copy."""
+    parts = [(_to_numpy(k[0, :, start:end, :].transpose(1, 0, 2)),
+              _to_numpy(v[0, :, start:end, :].transpose(1, 0, 2))) for k, v in layers]
     k0, v0 = parts[0]
     header = BlockHeader(
         dtype=str(layers[0][0].dtype).split(".")[-1],
@@ -68,24 +73,20 @@ def encode_range(layers: Layers, start: int, end: int) -> bytes:
 
 
 def decode_blocks(payloads: list[bytes]) -> Layers:
-    """Concatenate stored blocks (in order) back into per-layer (1, H, n, D) arrays."""
-    per_layer_k: list[list[mx.array]] = []
-    per_layer_v: list[list[mx.array]] = []
-    for raw in payloads:
-        header, layers = decode_block(raw)
-        dt = getattr(mx, header.dtype)
-        for i, (k, v) in enumerate(layers):
-            kk, vv = mx.array(k), mx.array(v)
+    """Stored blocks (in order) back into per-layer (1, H, n, D) arrays: per layer, the blocks'
+    token-major bytes are joined in one copy, and read through a transposed view."""
+    decoded = [decode_block(raw) for raw in payloads]
+    header = decoded[0][0]
+    dt = getattr(mx, header.dtype)
+    out = []
+    for i in range(header.n_layers):
+        kv_pair = []
+        for j in (0, 1):
+            joined = np.concatenate([layers[i][j] for _, layers in decoded], axis=0)
+            a = mx.array(joined)
             if header.dtype == "bfloat16":
-                kk, vv = kk.view(dt), vv.view(dt)
-            if i == len(per_layer_k):
-                per_layer_k.append([])
-                per_layer_v.append([])
-            per_layer_k[i].append(kk)
-            per_layer_v[i].append(vv)
-    out = [
-        (mx.concatenate(ks, axis=1)[None], mx.concatenate(vs, axis=1)[None])
-        for ks, vs in zip(per_layer_k, per_layer_v)
-    ]
+                a = a.view(dt)
+            kv_pair.append(a.transpose(1, 0, 2)[None])
+        out.append(tuple(kv_pair))
     mx.eval(out)
     return out

@@ -292,7 +292,8 @@ class KVWriter:
                 outcome = self._outcome.get(job)
                 # Progress of this job, not of the session: an edited history or a branch of
                 # the same session must not count as this entry's write.
-                if outcome == "written" or self._job_durable.get(job, 0) >= entry.n_tokens:
+                if outcome == "written" or (outcome is None and
+                                            self._job_durable.get(job, 0) >= entry.n_tokens):
                     entry.durable_tokens = entry.n_tokens
                     self._staged.pop(job, None)  # committed: the coldstore holds it no more
                     return "written"

@@ -237,8 +237,13 @@ def run_cli(args) -> int:
         sys.stderr.write(f"kvbank bench compare: {e}\n")
         return 2
     scenario = build(p)
-    doc, results = run(model=args.model, scenario=scenario, budget_bytes=args.budget_bytes,
-                       max_wall_s=args.max_wall_s, progress=not args.no_progress)
+    try:
+        doc, results = run(model=args.model, scenario=scenario,
+                           budget_bytes=args.budget_bytes, max_wall_s=args.max_wall_s,
+                           progress=not args.no_progress)
+    except RuntimeError as e:  # a server that would not start: its log tail is in the message
+        sys.stderr.write(f"kvbank bench compare: {e}\n")
+        return 2
     if args.plot_dir:
         labels = dict(SIDES)
         report.plot_ttft(Path(args.plot_dir) / f"compare-{p.scenario}.png",
