@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import signal
 import time
 from collections import deque
@@ -106,8 +107,6 @@ class ColdstoreServer:
         if now - getattr(self, "_gauges_at", 0.0) < every_s:
             return
         self._gauges_at = now
-        import shutil
-
         metrics.CS_WRITE_BUDGET_LEFT.set(max(0, self.limits.write_bytes_per_hour
                                              - self.budgets.written_last_hour()))
         metrics.CS_DISK_FREE.set(shutil.disk_usage(self.layout.store_dir).free)
@@ -157,7 +156,10 @@ class ColdstoreServer:
         state = ("busy" if self.lanes.worker_busy else "quiet") if heard else "silent"
         return {"req": head["req"], "ok": True, "stats": self.store.stats(), "worker_state": state,
                 "queued_jobs": len(self.lanes.jobs), "jobs": sorted(self.lanes.jobs),
-                "staged_bytes": self.lanes.staged_bytes(), "written_bytes": self.written_bytes}
+                "staged_bytes": self.lanes.staged_bytes(), "written_bytes": self.written_bytes,
+                "write_budget_left_bytes": max(0, self.limits.write_bytes_per_hour
+                                               - self.budgets.written_last_hour()),
+                "free_disk_bytes": shutil.disk_usage(self.layout.store_dir).free}
 
     def _op_get_blocks(self, peer, head, frames):
         """Restore through the coldstore (the worker can also read LMDB itself, read-only)."""

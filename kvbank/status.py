@@ -40,11 +40,14 @@ def render(c: Client):
     now = time.time()
     st = c.status()
     sessions = Table(title="sessions", title_justify="left")
-    for col in ("session", "state", "tokens", "RAM", "durable up to", "dirty for", "last use"):
-        sessions.add_column(col, justify="left" if col in ("session", "state") else "right")
+    for col in ("tenant", "session", "state", "tokens", "RAM", "durable up to", "dirty for",
+                "last use"):
+        sessions.add_column(col, justify="left" if col in ("tenant", "session", "state")
+                            else "right")
     for s in sorted(c.list_sessions(), key=lambda s: -s.updated_at):
         dirty = s.durable_tokens < s.token_count
-        sessions.add_row(s.session_id, s.state, str(s.token_count), _mb(s.ram_bytes),
+        sessions.add_row(s.tenant or "-", s.session_id, s.state, str(s.token_count),
+                         _mb(s.ram_bytes),
                          str(s.durable_tokens), _ago(s.updated_at, now) if dirty else "-",
                          _ago(s.updated_at, now))
     memory = Table(title="worker memory", title_justify="left")
@@ -57,7 +60,20 @@ def render(c: Client):
                    _mb(min(st.bank_max_bytes, st.bank_ceiling_bytes or st.bank_max_bytes)),
                    f"{st.pressure_level} ({st.pressure_source})", st.scheduler,
                    f"{st.running_requests} / {st.waiting_requests}")
-    return Group(sessions, memory)
+    tiers = Table(title="SSD tier (coldstore)", title_justify="left")
+    tier = json.loads(st.coldstore_json) if st.coldstore_json else {}
+    if not tier:
+        tiers.add_column("state")
+        tiers.add_row("the coldstore is not answering")
+    else:
+        for col in ("stored KV", "sessions", "blocks", "queued jobs", "staged", "written",
+                    "write budget left", "free disk"):
+            tiers.add_column(col, justify="right")
+        tiers.add_row(_mb(tier["store_bytes"]), str(tier["sessions"]), str(tier["blocks"]),
+                      str(tier["queued_jobs"]), _mb(tier["staged_bytes"]),
+                      _mb(tier["written_bytes"]), _mb(tier["write_budget_left_bytes"]),
+                      _mb(tier["free_disk_bytes"]))
+    return Group(sessions, memory, tiers)
 
 
 def run_status(address: str, *, watch: bool, every_s: float, as_json: bool) -> int:

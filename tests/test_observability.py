@@ -61,7 +61,9 @@ def test_metrics_events_status_and_admin_follow_a_conversation(tiny_model, tmp_p
         st = json.loads(_kvbank(s, "status", "--json"))
         (obs,) = [x for x in st["sessions"] if x["sessionId"] == "obs"]
         assert obs["state"] == "resident-dirty"
-        assert "obs" in _kvbank(s, "status")  # the table names it too
+        table = _kvbank(s, "status")
+        assert "obs" in table and "SSD tier" in table  # the tables name it, and the tiers
+        assert json.loads(st["worker"]["coldstoreJson"])["sessions"] == 1
 
         flush = json.loads(_kvbank(s, "admin", "flush"))
         assert flush["writtenEntries"] == 1

@@ -78,7 +78,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         state = self.engine.session_state(key, info)
         s = api_pb2.Session(session_id=key[1], token_count=n, durable_tokens=info.durable_tokens,
                             ram_bytes=ram, created_at=info.created_at, updated_at=info.updated_at,
-                            state=state)
+                            state=state, tenant=key[0])
         if with_tokens:
             s.token_ids.extend(info.tokens.tolist())
         return s
@@ -139,7 +139,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                 **dataclasses.asdict(r)})
                     for at, t, sid, r in list(e.admission_log)[-50:] if t == tenant][-20:]
         receipts += [json.dumps(dataclasses.asdict(r)) for r in e.guard.receipts[-20:]]
-        return api_pb2.StatusResponse(**st, recent_receipts_json=receipts)
+        try:
+            cs = await asyncio.to_thread(e.coldstore.request, {"op": "ping"}, (), 2.0)
+            tier = {"store_bytes": cs["stats"]["block_bytes"],
+                    "sessions": cs["stats"]["sessions"], "blocks": cs["stats"]["blocks"],
+                    **{k: cs[k] for k in ("queued_jobs", "staged_bytes", "written_bytes",
+                                          "write_budget_left_bytes", "free_disk_bytes")}}
+        except Exception:  # the coldstore is away: say nothing rather than fail the status
+            tier = {}
+        return api_pb2.StatusResponse(**st, recent_receipts_json=receipts,
+                                      coldstore_json=json.dumps(tier) if tier else "")
 
 
 def _tenant(context) -> str:

@@ -112,7 +112,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "token_count", "durable_tokens", "ram_bytes", "created_at", "updated_at", "token_ids", "state")
+    __slots__ = ("session_id", "token_count", "durable_tokens", "ram_bytes", "created_at", "updated_at", "token_ids", "state", "tenant")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     DURABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class Session(_message.Message):
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_count: int
     durable_tokens: int
@@ -129,7 +130,8 @@ class Session(_message.Message):
     updated_at: float
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     state: str
-    def __init__(self, session_id: _Optional[str] = ..., token_count: _Optional[int] = ..., durable_tokens: _Optional[int] = ..., ram_bytes: _Optional[int] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ..., token_ids: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, session_id: _Optional[str] = ..., token_count: _Optional[int] = ..., durable_tokens: _Optional[int] = ..., ram_bytes: _Optional[int] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ..., token_ids: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
     __slots__ = ()
@@ -226,7 +228,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("pressure_level", "pressure_source", "memory_budget_bytes", "held_bytes", "fixed_bytes", "bank_bytes", "running_bytes", "staged_bytes", "bank_max_bytes", "bank_ceiling_bytes", "bank_entries", "scheduler", "running_requests", "waiting_requests", "recent_receipts_json", "kv_bytes_per_token", "prefill_chunk_tokens", "transient_base_bytes", "transient_per_context_token", "unaccounted_bytes", "rss_bytes")
+    __slots__ = ("pressure_level", "pressure_source", "memory_budget_bytes", "held_bytes", "fixed_bytes", "bank_bytes", "running_bytes", "staged_bytes", "bank_max_bytes", "bank_ceiling_bytes", "bank_entries", "scheduler", "running_requests", "waiting_requests", "recent_receipts_json", "kv_bytes_per_token", "prefill_chunk_tokens", "transient_base_bytes", "transient_per_context_token", "unaccounted_bytes", "rss_bytes", "coldstore_json")
     PRESSURE_LEVEL_FIELD_NUMBER: _ClassVar[int]
     PRESSURE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +250,7 @@ class StatusResponse(_message.Message):
     TRANSIENT_PER_CONTEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     UNACCOUNTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COLDSTORE_JSON_FIELD_NUMBER: _ClassVar[int]
     pressure_level: str
     pressure_source: str
     memory_budget_bytes: int
@@ -269,4 +272,5 @@ class StatusResponse(_message.Message):
     transient_per_context_token: float
     unaccounted_bytes: int
     rss_bytes: int
-    def __init__(self, pressure_level: _Optional[str] = ..., pressure_source: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ..., fixed_bytes: _Optional[int] = ..., bank_bytes: _Optional[int] = ..., running_bytes: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., bank_max_bytes: _Optional[int] = ..., bank_ceiling_bytes: _Optional[int] = ..., bank_entries: _Optional[int] = ..., scheduler: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., recent_receipts_json: _Optional[_Iterable[str]] = ..., kv_bytes_per_token: _Optional[int] = ..., prefill_chunk_tokens: _Optional[int] = ..., transient_base_bytes: _Optional[int] = ..., transient_per_context_token: _Optional[float] = ..., unaccounted_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ...) -> None: ...
+    coldstore_json: str
+    def __init__(self, pressure_level: _Optional[str] = ..., pressure_source: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ..., fixed_bytes: _Optional[int] = ..., bank_bytes: _Optional[int] = ..., running_bytes: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., bank_max_bytes: _Optional[int] = ..., bank_ceiling_bytes: _Optional[int] = ..., bank_entries: _Optional[int] = ..., scheduler: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., recent_receipts_json: _Optional[_Iterable[str]] = ..., kv_bytes_per_token: _Optional[int] = ..., prefill_chunk_tokens: _Optional[int] = ..., transient_base_bytes: _Optional[int] = ..., transient_per_context_token: _Optional[float] = ..., unaccounted_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., coldstore_json: _Optional[str] = ...) -> None: ...
