@@ -121,6 +121,19 @@ def calibrate(model, pricing: Pricing) -> Pricing:
 # -- the ledger ---------------------------------------------------------------------------------
 
 
+def resident_bytes(pid: int | str = "self") -> int:
+    """Memory a process holds itself: anonymous + shared resident pages (Linux RssAnon +
+    RssShmem). File-backed pages (libraries, the LMDB map a restore reads) are the kernel's
+    page cache and can be dropped any time, so they do not count. Elsewhere: RSS."""
+    try:
+        fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+        return sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem"))
+    except (OSError, KeyError, ValueError):
+        import psutil
+
+        return psutil.Process(None if pid == "self" else int(pid)).memory_info().rss
+
+
 def default_memory_budget() -> int:
     """60 % of RAM: the rest is for the OS, the coldstore's page cache and other programs."""
     import psutil

@@ -28,7 +28,6 @@ from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
-import psutil
 
 from kvbank import events, metrics
 from kvbank.blocks import BlockId, chain_block_ids, chain_root, common_prefix_len, tail_block_id
@@ -37,7 +36,7 @@ from kvbank.v1 import api_pb2, worker_pb2
 from coldstore.store import ColdStore
 from worker import kv
 from worker.admission import (Pricing, Refused, SchedulerConfig, calibrate,
-                              default_memory_budget, make_room)
+                              default_memory_budget, make_room, resident_bytes)
 from worker.bank import SessionBank, SessionKey
 from worker.guard import Guard
 from worker.persist import ColdstoreClient, ColdstoreUnavailable, KVWriter
@@ -82,6 +81,25 @@ class NotAdmitted(Exception):
     def __init__(self, refused: Refused):
         super().__init__(str(refused))
         self.receipt = refused.receipt
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the OS after a request, so RSS follows the ledger."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None
 
 
 class Engine(Upkeep):
@@ -129,7 +147,7 @@ class Engine(Upkeep):
                                     eos_token_ids=self.eos_token_ids,
                                     prefill_step_tokens=prefill_chunk_tokens)
         self._warm_up(prefill_chunk_tokens)
-        self.pricing.fixed_bytes = psutil.Process().memory_info().rss
+        self.pricing.fixed_bytes = resident_bytes()
         self.memory_budget = self._budget(memory_budget)
         self._pending: deque[GenerateJob] = deque()
         self._deleted_at: dict[SessionKey, float] = {}  # deleted while a turn ran on it
@@ -411,6 +429,8 @@ class Engine(Upkeep):
                 r.job.emit(e)
             finally:
                 self.bank.end_request(r.bank_key)
+        if done:
+            _trim_heap()
 
     def _finish(self, r: Running, cache: list) -> None:
         full = np.concatenate([r.tokens, np.asarray(r.completion, dtype=np.uint32)])
@@ -563,7 +583,7 @@ class Engine(Upkeep):
 
     def update_gauges(self) -> None:
         """Any thread (the guard's tick): the gauges that are cheap to read from snapshots."""
-        rss = psutil.Process().memory_info().rss
+        rss = resident_bytes()
         ledger = self.held_bytes() - self.pricing.unaccounted_bytes
         # Reconcile with what the OS sees: RSS may drift past the ledger by a little (threads,
         # interpreter, allocator); beyond RSS_SLACK of the budget the excess counts as held.

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import logging
 import time
-
-import psutil
 from dataclasses import replace
 
 from typing import TYPE_CHECKING
 
-from worker.admission import held_bytes
+from worker.admission import held_bytes, resident_bytes
 from worker.bank import SessionKey
 from worker.guard import PressureTrim
 from worker.persist import ColdstoreUnavailable
@@ -121,7 +119,7 @@ class Upkeep:
             "memory_budget_bytes": self.memory_budget,
             "held_bytes": held_bytes(self.pricing, self.bank),
             "unaccounted_bytes": self.pricing.unaccounted_bytes,
-            "rss_bytes": psutil.Process().memory_info().rss,
+            "rss_bytes": resident_bytes(),
             "fixed_bytes": self.pricing.fixed_bytes, "bank_bytes": ledger["entries_bytes"],
             "running_bytes": ledger["active_bytes"], "staged_bytes": ledger["staged_bytes"],
             "bank_max_bytes": self.bank.max_bytes,
