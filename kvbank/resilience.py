@@ -6,7 +6,7 @@ supervisor restarts the process; the run waits until the stack answers again and
 - every turn whose final message reached its client is in its session record, token for
   token (`turns_lost`);
 - a sample of restored turns gives the same tokens as recomputing them (`wrong_restores`);
-- a conversation that was on SSD when the worker died restores from SSD afterwards;
+- a conversation that was on SSD when the worker died is restored afterwards, not recomputed;
 - the LMDB store opens and every block a record names is whole and decodes (at the end).
 The report is printed and written as JSON.
 """
@@ -43,6 +43,8 @@ class Report:
     store_blocks_checked: int = 0
     store_bad_blocks: int = 0
     retried_turns: int = 0
+    agent_errors: list = field(default_factory=list)
+    findings: list = field(default_factory=list)
     recovery_s: list = field(default_factory=list)
 
     def summary(self) -> dict:
@@ -51,7 +53,7 @@ class Report:
         out["recovery_p50_s"] = round(rec[len(rec) // 2], 2) if rec else None
         out["recovery_max_s"] = round(rec[-1], 2) if rec else None
         out["recovery_s"] = [round(r, 2) for r in rec]
-        out["ok"] = (self.turns_lost == 0 and self.wrong_restores == 0
+        out["ok"] = (self.turns_lost == 0 and self.wrong_restores == 0 and not self.agent_errors
                      and self.ssd_restores_missed == 0 and self.store_bad_blocks == 0)
         return out
 
@@ -63,8 +65,9 @@ class Run:
         self.rng = random.Random(seed)
         self.report = Report(seed)
         self.acked: dict[str, list[int]] = {}  # session -> its record when a turn was acked
-        self.expect_ssd: set[str] = set()  # had KV on SSD when the worker died: next turn
-        # restores from SSD (RAM starts empty)
+        # session -> when the worker died with some of its KV on SSD: the first turn started
+        # after that restores from SSD (RAM starts empty)
+        self.expect_ssd: dict[str, float] = {}
         self.lock = threading.Lock()
         self.check_every = check_every
         self.stop = threading.Event()
@@ -73,28 +76,46 @@ class Run:
     # -- agents -----------------------------------------------------------------------------
 
     def agent(self, i: int) -> None:
+        try:
+            self._agent(i)
+        except Exception as e:  # an agent that dies is a finding, not a silent thread
+            with self.lock:
+                self.report.agent_errors.append(f"agent-{i}: {type(e).__name__}: {e}"[:300])
+
+    def _agent(self, i: int) -> None:
         rng = np.random.default_rng(self.report.seed * 1000 + i)
         session = f"agent-{i}"
         turn = 0
         with self.stack.client() as c:
-            # At least `turns` turns, and on until the killer is done (or 10x that).
-            while turn < self.turns or (not self.killer_done.is_set() and turn < 10 * self.turns):
+            # At least `turns` turns, on until the killer is done (or 10x that), and one more
+            # when a worker kill left this conversation to come back from SSD.
+            while (turn < self.turns or session in self.expect_ssd
+                   or (not self.killer_done.is_set() and turn < 10 * self.turns)):
                 turn += 1
                 new = rng.integers(1000, 20000, int(rng.integers(20, 60))).tolist()
                 got = self._turn_with_retries(c, session, new)
                 if got is None:
                     return
-                t, before = got
+                t, before, started_at = got
+                record = self._retry(lambda: list(c.get_session(session).token_ids))
                 with self.lock:
                     self.report.turns_acknowledged += 1
-                    record = list(c.get_session(session).token_ids)
-                    self.acked[session] = record
-                    expected_ssd = session in self.expect_ssd
-                    self.expect_ssd.discard(session)
+                    if record is not None:
+                        self.acked[session] = record
+                    killed_at = self.expect_ssd.get(session)
+                    expected_ssd = killed_at is not None and started_at > killed_at
+                    if expected_ssd:
+                        del self.expect_ssd[session]
                 if expected_ssd:
                     self.report.ssd_restores_expected += 1
-                    if t.usage["cache_source"] != "ssd":
+                    # RAM counts too: the check of the turn before (recomputed, cache off)
+                    # may have put the same prefix back in RAM first. Recomputing is the miss.
+                    if t.usage["cache_source"] == "none":
                         self.report.ssd_restores_missed += 1
+                        self.report.findings.append(
+                            f"{session}: after a worker restart its turn came from "
+                            f"{t.usage['cache_source']} ({t.usage['cached_tokens']} cached of "
+                            f"{t.usage['prompt_tokens']}): it was recomputed")
                 if t.usage["cached_tokens"] and turn % self.check_every == 0:
                     cold = self._retry(lambda: c.generate(token_ids=before + new,
                                                           max_tokens=len(t.token_ids) or 1,
@@ -117,9 +138,10 @@ class Run:
                 else:
                     raise
             try:
+                started_at = time.monotonic()
                 t = c.generate(session_id=session, token_ids=new, append=True, max_tokens=6,
                                timeout_s=120)
-                return t, before
+                return t, before, started_at
             except grpc.RpcError as e:
                 if e.code() not in RETRYABLE:
                     raise
@@ -150,11 +172,15 @@ class Run:
             if self.stop.wait(self.rng.uniform(1.0, 4.0)):
                 return
             name = self.rng.choice(PROCESSES)
+            if name == "worker":  # let something reach SSD first, so the check has a subject
+                deadline = time.monotonic() + 15
+                while not self._durable_sessions() and time.monotonic() < deadline:
+                    time.sleep(0.2)
             with self.lock:
-                if name == "worker":
-                    self.expect_ssd |= self._durable_sessions()
+                durable = self._durable_sessions() if name == "worker" else set()
                 old = self.stack.kill9(name)
                 t0 = time.monotonic()
+                self.expect_ssd.update(dict.fromkeys(durable, t0))
             self.stack.wait_restarted(name, old, timeout_s=300)
             self.report.recovery_s.append(time.monotonic() - t0)
             self.report.kills[name] += 1

@@ -17,10 +17,12 @@ def test_kills_under_load_lose_no_acknowledged_turn(tiny_model, tmp_path, cache_
         report = run.run().summary()
     finally:
         stack.stop()
+    assert report["agent_errors"] == [], report
     assert sum(report["kills"].values()) == 3, report
     assert report["turns_acknowledged"] >= 16, report
     assert report["turns_lost"] == 0, report
     assert report["wrong_restores"] == 0 and report["restores_checked"] > 0, report
     assert report["kills"] == {"worker": 1, "coldstore": 1, "router": 1}, report
-    assert report["ssd_restores_missed"] == 0 and report["ssd_restores_expected"] > 0, report
+    assert report["ssd_restores_missed"] == 0 and report["ssd_restores_expected"] > 0, \
+        report["findings"]
     assert report["store_bad_blocks"] == 0 and report["store_blocks_checked"] > 0, report
