@@ -11,7 +11,10 @@ re-measures and stops as soon as the request fits:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 SCHEDULERS = ("batch", "serial", "hyper")
 DEFAULT_BATCH_ACTIVE = 4
@@ -139,6 +142,47 @@ def default_memory_budget() -> int:
     import psutil
 
     return int(psutil.virtual_memory().total * 0.6)
+
+
+def memory_budget_bytes(spec: str | int | None, pricing: Pricing) -> int:
+    """--memory-budget: bytes, or "+N" (N bytes for KV beyond the model and one prefill
+    chunk's working memory), or None (default_memory_budget)."""
+    if spec is None:
+        budget = default_memory_budget()
+    elif isinstance(spec, str) and spec.startswith("+"):
+        budget = pricing.fixed_bytes + pricing.transient_base + int(spec[1:])
+    else:
+        budget = int(spec)
+    logger.info("memory budget %.0f MB: model and runtime %.0f MB, a %d-token prefill chunk "
+                "%.0f MB + %.0f KB per context token; one request fits up to %d tokens",
+                budget / 1e6, pricing.fixed_bytes / 1e6, pricing.chunk_tokens,
+                pricing.transient_base / 1e6, pricing.transient_per_context_token / 1e3,
+                pricing.max_fit_tokens(budget))
+    if pricing.fixed_bytes + pricing.transient_base >= budget:
+        raise SystemExit(f"--memory-budget {spec}: {budget} bytes is less than the model "
+                         f"and one prefill chunk take ({pricing.fixed_bytes} + "
+                         f"{pricing.transient_base} bytes): raise it")
+    return budget
+
+
+_LIBC = None
+
+
+def give_back_freed_memory() -> None:
+    """Return freed heap pages to the OS after requests, so resident memory follows the
+    ledger (glibc keeps them otherwise)."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
 
 
 def held_bytes(pricing: Pricing, bank) -> int:

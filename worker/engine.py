@@ -36,7 +36,8 @@ from kvbank.v1 import api_pb2, worker_pb2
 from coldstore.store import ColdStore
 from worker import kv
 from worker.admission import (Pricing, Refused, SchedulerConfig, calibrate,
-                              default_memory_budget, make_room, resident_bytes)
+                              give_back_freed_memory, make_room, memory_budget_bytes,
+                              resident_bytes)
 from worker.bank import SessionBank, SessionKey
 from worker.guard import Guard
 from worker.persist import ColdstoreClient, ColdstoreUnavailable, KVWriter
@@ -81,25 +82,6 @@ class NotAdmitted(Exception):
     def __init__(self, refused: Refused):
         super().__init__(str(refused))
         self.receipt = refused.receipt
-
-
-def _trim_heap() -> None:
-    """Give freed heap pages back to the OS after a request, so RSS follows the ledger."""
-    global _LIBC
-    if _LIBC is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
-
-
-_LIBC = None
 
 
 class Engine(Upkeep):
@@ -148,7 +130,7 @@ class Engine(Upkeep):
                                     prefill_step_tokens=prefill_chunk_tokens)
         self._warm_up(prefill_chunk_tokens)
         self.pricing.fixed_bytes = resident_bytes()
-        self.memory_budget = self._budget(memory_budget)
+        self.memory_budget = memory_budget_bytes(memory_budget, self.pricing)
         self._pending: deque[GenerateJob] = deque()
         self._deleted_at: dict[SessionKey, float] = {}  # deleted while a turn ran on it
         self._queue: queue.Queue = queue.Queue()
@@ -175,27 +157,6 @@ class Engine(Upkeep):
         while self.batch:
             self.batch.step()
         mx.clear_cache()
-
-    def _budget(self, spec: str | int | None) -> int:
-        """An absolute byte count, or "+N": N bytes for KV beyond the model and one prefill
-        chunk's working memory."""
-        pricing = self.pricing
-        if spec is None:
-            budget = default_memory_budget()
-        elif isinstance(spec, str) and spec.startswith("+"):
-            budget = pricing.fixed_bytes + pricing.transient_base + int(spec[1:])
-        else:
-            budget = int(spec)
-        logger.info("memory budget %.0f MB: model and runtime %.0f MB, a %d-token prefill chunk "
-                    "%.0f MB + %.0f KB per context token; one request fits up to %d tokens",
-                    budget / 1e6, pricing.fixed_bytes / 1e6, pricing.chunk_tokens,
-                    pricing.transient_base / 1e6, pricing.transient_per_context_token / 1e3,
-                    pricing.max_fit_tokens(budget))
-        if pricing.fixed_bytes + pricing.transient_base >= budget:
-            raise SystemExit(f"--memory-budget {spec}: {budget} bytes is less than the model "
-                             f"and one prefill chunk take ({pricing.fixed_bytes} + "
-                             f"{pricing.transient_base} bytes): raise it")
-        return budget
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -430,7 +391,7 @@ class Engine(Upkeep):
             finally:
                 self.bank.end_request(r.bank_key)
         if done:
-            _trim_heap()
+            give_back_freed_memory()
 
     def _finish(self, r: Running, cache: list) -> None:
         full = np.concatenate([r.tokens, np.asarray(r.completion, dtype=np.uint32)])
