@@ -142,6 +142,15 @@ class Backend:
     def tenant(self, context) -> str:
         return tenant_for(self.keys, context.invocation_metadata())
 
+    async def forward(self, method, request, context, timeout_s: float):
+        """One unary call to the worker as the caller's tenant; errors go through the table."""
+        try:
+            return await method(request, metadata=((TENANT_KEY, self.tenant(context)),),
+                                timeout=timeout_s)
+        except Exception as e:
+            code, msg, md = _status_for(e)
+            await context.abort(code, msg, trailing_metadata=md)
+
 
 class GenerationServicer(api_pb2_grpc.GenerationServicer):
     def __init__(self, backend: Backend):
@@ -216,12 +225,7 @@ class SessionsServicer(api_pb2_grpc.SessionsServicer):
         self.b = backend
 
     async def _call(self, method, request, context):
-        try:
-            return await method(request, metadata=((TENANT_KEY, self.b.tenant(context)),),
-                                timeout=30)
-        except Exception as e:
-            code, msg, md = _status_for(e)
-            await context.abort(code, msg, trailing_metadata=md)
+        return await self.b.forward(method, request, context, timeout_s=30)
 
     async def List(self, request, context):
         return await self._call(self.b.stub.ListSessions, request, context)
@@ -257,12 +261,7 @@ class AdminServicer(api_pb2_grpc.AdminServicer):
 
     async def _relay(self, method, request, context, timeout_s: float = 120):
         await self._allowed(context)
-        try:
-            return await method(request, metadata=((TENANT_KEY, self.b.tenant(context)),),
-                                timeout=timeout_s)
-        except Exception as e:
-            code, msg, md = _status_for(e)
-            await context.abort(code, msg, trailing_metadata=md)
+        return await self.b.forward(method, request, context, timeout_s)
 
     async def SetPressure(self, request, context):
         return await self._relay(self.b.stub.SetPressure, request, context)
@@ -280,12 +279,7 @@ class AdminServicer(api_pb2_grpc.AdminServicer):
         await self._allowed(context)
         if not request.session_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is empty: name a session")
-        try:
-            return await self.b.stub.Release(
-                request, metadata=((TENANT_KEY, self.b.tenant(context)),), timeout=60)
-        except Exception as e:
-            code, msg, md = _status_for(e)
-            await context.abort(code, msg, trailing_metadata=md)
+        return await self.b.forward(self.b.stub.Release, request, context, timeout_s=60)
 
 
 def _add_service(server, service, servicer) -> None:

@@ -219,9 +219,6 @@ class Engine(Upkeep):
         self._queue.put((fn, fut))
         return fut
 
-    def queue_depth(self) -> int:
-        return self._queue.qsize()
-
     def _run(self) -> None:
         while True:
             idle = not self.batch and not self._pending
