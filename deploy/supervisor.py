@@ -42,9 +42,6 @@ def _kvbank(*args: str) -> list[str]:
 
 def _worker_env() -> dict[str, str]:
     env = dict(os.environ)
-    # Large buffers from mmap, returned to the OS when freed: without this glibc serves KV-sized
-    # allocations from its heap after the first free, and RSS stays above what is held.
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
     blas = next((p for p in OPENBLAS_PATHS if os.path.exists(p)), None)
     if blas:
         env["LD_PRELOAD"] = ":".join(x for x in (blas, env.get("LD_PRELOAD")) if x)

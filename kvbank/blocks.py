@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from dataclasses import dataclass
 from typing import NewType, Sequence
@@ -92,11 +93,11 @@ class BlockHeader:
 
     @property
     def k_nbytes(self) -> int:
-        return int(np.prod(self.k_shape)) * _itemsize(self.dtype)
+        return math.prod(self.k_shape) * _itemsize(self.dtype)
 
     @property
     def v_nbytes(self) -> int:
-        return int(np.prod(self.v_shape)) * _itemsize(self.dtype)
+        return math.prod(self.v_shape) * _itemsize(self.dtype)
 
 
 def _itemsize(dtype: str) -> int:
@@ -147,11 +148,11 @@ def decode_block(buf: bytes | memoryview) -> tuple[BlockHeader, list[tuple[np.nd
     """Numpy views (no copy) of each layer's K and V; bfloat16 comes back as uint16 bits."""
     header, off = decode_header(buf)
     np_dtype = np.uint16 if header.dtype == "bfloat16" else np.dtype(header.dtype)
+    k_count, v_count = math.prod(header.k_shape), math.prod(header.v_shape)
+    data = np.frombuffer(buf, dtype=np_dtype, offset=off)  # one view, sliced per layer
     layers = []
-    for _ in range(header.n_layers):
-        k = np.frombuffer(buf, dtype=np_dtype, count=int(np.prod(header.k_shape)), offset=off)
-        off += header.k_nbytes
-        v = np.frombuffer(buf, dtype=np_dtype, count=int(np.prod(header.v_shape)), offset=off)
-        off += header.v_nbytes
-        layers.append((k.reshape(header.k_shape), v.reshape(header.v_shape)))
+    for i in range(header.n_layers):
+        k0 = i * (k_count + v_count)
+        layers.append((data[k0:k0 + k_count].reshape(header.k_shape),
+                       data[k0 + k_count:k0 + k_count + v_count].reshape(header.v_shape)))
     return header, layers

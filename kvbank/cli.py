@@ -298,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="conversation length for the read/write and recompute runs")
     bcs.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
     bcs.add_argument("--turns", type=int, default=20, help="turns of the amplification run")
+    bcs.add_argument("--repeats", type=int, default=5,
+                     help="back-to-back raw/coldstore pairs for writes and reads; medians "
+                          "are reported (default: %(default)s)")
     bcs.add_argument("--json", action="store_true")
     bad = bsub.add_parser("admission", help="admission decision latency; peak RSS / budget "
                                             "under an adversarial load")
@@ -446,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvbank.bench.coldstore import run
 
         result = run(model=args.model, tokens=args.tokens, block_tokens=args.block_tokens,
-                     turns=args.turns)
+                     turns=args.turns, repeats=args.repeats)
         print_result(args.bench, result, args.json)
         return 0
     if cmd == "bench" and args.bench == "admission":

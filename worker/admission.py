@@ -166,11 +166,11 @@ def memory_budget_bytes(spec: str | int | None, pricing: Pricing) -> int:
 
 
 _LIBC = None
+_M_MMAP_THRESHOLD = -3  # mallopt parameter, from glibc's malloc.h
+MMAP_THRESHOLD_BYTES = 128 << 10
 
 
-def give_back_freed_memory() -> None:
-    """Return freed heap pages to the OS after requests, so resident memory follows the
-    ledger (glibc keeps them otherwise)."""
+def _libc():
     global _LIBC
     if _LIBC is None:
         import ctypes
@@ -179,9 +179,24 @@ def give_back_freed_memory() -> None:
         try:
             _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+            _LIBC.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
         except (OSError, AttributeError):
             _LIBC = False
-    if _LIBC:
+    return _LIBC
+
+
+def keep_large_buffers_off_the_heap() -> None:
+    """Serve KV-sized buffers from mmap, handed back to the OS when freed. Without this, glibc
+    raises its threshold after the first such free and serves them from its heap, and RSS
+    stays above what is held."""
+    if _libc():
+        _LIBC.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+
+
+def give_back_freed_memory() -> None:
+    """Return freed heap pages to the OS after requests, so resident memory follows the
+    ledger (glibc keeps them otherwise)."""
+    if _libc():
         _LIBC.malloc_trim(0)
 
 

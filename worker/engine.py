@@ -36,7 +36,8 @@ from kvbank.v1 import api_pb2, worker_pb2
 from coldstore.store import ColdStore
 from worker import kv
 from worker.admission import (Pricing, Refused, SchedulerConfig, calibrate,
-                              give_back_freed_memory, make_room, memory_budget_bytes,
+                              give_back_freed_memory, keep_large_buffers_off_the_heap,
+                              make_room, memory_budget_bytes,
                               resident_bytes)
 from worker.bank import SessionBank, SessionKey
 from worker.guard import Guard
@@ -94,6 +95,7 @@ class Engine(Upkeep):
                  write_out_deadline_s: float | None = None):
         from mlx_lm import load
 
+        keep_large_buffers_off_the_heap()
         self.model_path = Path(model_path)
         self.layout = layout.ensure()
         self.block_tokens = block_tokens

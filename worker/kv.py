@@ -8,6 +8,10 @@ reallocates before it writes past them, so two requests never share mutable stat
 
 from __future__ import annotations
 
+import itertools
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
@@ -16,6 +20,8 @@ from kvbank.blocks import BlockHeader, decode_block, encode_block
 
 Layers = list[tuple[mx.array, mx.array]]
 BLOCK_LAYOUT = "kv-block-layout:token-major"  # part of the model fingerprint: never mixed
+RESTORE_LANES = 4  # at most; fewer on a machine with fewer cores
+_LANES: tuple[ThreadPoolExecutor, list] | None = None
 
 
 def freeze(cache: list[KVCache], n_tokens: int) -> Layers:
@@ -72,21 +78,49 @@ def encode_range(layers: Layers, start: int, end: int) -> bytes:
     return encode_block(header, parts)
 
 
+def _restore_lanes() -> tuple[ThreadPoolExecutor, list]:
+    """Threads and MLX CPU streams that a restore spreads over, made on first use.
+
+    Page faults on fresh memory cost as much as the copy itself, so a restore uses the
+    machine's cores for both: the engine waits on it anyway."""
+    global _LANES
+    if _LANES is None:
+        n = max(1, min(RESTORE_LANES, os.cpu_count() or 1))
+        streams = [mx.default_stream(mx.cpu)] + [mx.new_stream(mx.cpu) for _ in range(n - 1)]
+        _LANES = (ThreadPoolExecutor(n, thread_name_prefix="kv-restore"), streams)
+    return _LANES
+
+
 def decode_blocks(payloads: list[bytes]) -> Layers:
-    """Stored blocks (in order) back into per-layer (1, H, n, D) arrays: per layer, the blocks'
-    token-major bytes are joined in one copy, and read through a transposed view."""
+    """Stored blocks (in order) back into per-layer (1, H, n, D) arrays, in one copy.
+
+    MLX cannot adopt outside memory, so each layer's K and V is allocated by MLX and filled
+    through a NumPy view of it (documented: writing to the view writes the array). The lanes
+    take every n-th block, so a cold read still moves front to back through the file. The
+    arrays are token-major and read through a transposed view."""
     decoded = [decode_block(raw) for raw in payloads]
     header = decoded[0][0]
-    dt = getattr(mx, header.dtype)
-    out = []
-    for i in range(header.n_layers):
-        kv_pair = []
-        for j in (0, 1):
-            joined = np.concatenate([layers[i][j] for _, layers in decoded], axis=0)
-            a = mx.array(joined)
-            if header.dtype == "bfloat16":
-                a = a.view(dt)
-            kv_pair.append(a.transpose(1, 0, 2)[None])
-        out.append(tuple(kv_pair))
+    starts = list(itertools.accumulate((h.n_tokens for h, _ in decoded), initial=0))
+    bf16 = header.dtype == "bfloat16"  # filled as its uint16 bits, viewed as bf16 after
+    alloc = mx.uint16 if bf16 else getattr(mx, header.dtype)
+    pool, streams = _restore_lanes()
+    arrays = [tuple(mx.zeros((starts[-1], *shape[1:]), dtype=alloc,
+                             stream=streams[i % len(streams)])
+                    for shape in (header.k_shape, header.v_shape))
+              for i in range(header.n_layers)]
+    mx.eval(arrays)
+    targets = [tuple(np.array(a, copy=False) for a in pair) for pair in arrays]
+
+    def fill(blocks: range) -> None:
+        for b in blocks:
+            s, e = starts[b], starts[b + 1]
+            for (k, v), (tk, tv) in zip(decoded[b][1], targets):
+                tk[s:e] = k
+                tv[s:e] = v
+
+    lanes = len(streams)
+    list(pool.map(fill, [range(i, len(decoded), lanes) for i in range(lanes)]))
+    out = [tuple((a.view(mx.bfloat16) if bf16 else a).transpose(1, 0, 2)[None] for a in pair)
+           for pair in arrays]
     mx.eval(out)
     return out

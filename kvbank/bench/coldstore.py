@@ -1,12 +1,14 @@
 """`kvbank bench coldstore`: the SSD tier against raw LMDB, and against recomputing.
 
-In one run, on one disk:
+In one run, on one disk, each pair measured back to back `repeats` times (medians reported;
+this disk's speed drifts between runs):
 - write: the same block payloads put into a fresh LMDB environment (one synced commit per
   block, as the coldstore commits) vs handed to a real coldstore process as a write-behind
-  job, timed until its acknowledgement;
+  job, timed until its acknowledgement (each repeat a new conversation, so nothing is deduped);
 - read: the same payloads read back from LMDB (page cache dropped first) vs the worker's
-  restore (read-only map, decode into MLX arrays, mlx-lm caches), both direct and through the
-  coldstore process;
+  restore (read-only map, decode into MLX arrays, mlx-lm caches) under the worker's allocator
+  settings; the restore through the coldstore process is measured once, last (its reads stay
+  mapped in that process, so the page cache cannot be dropped for it again);
 - write amplification: a 20-turn conversation through a real stack (tiny model, default block
   size and delays), bytes the coldstore wrote / bytes of distinct KV it holds at the end;
 - restore vs recompute: an N-token conversation of the model (default 8K, SmolLM2).
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -89,14 +93,14 @@ class _Coldstore:
             self.done.set()
 
     def write(self, tokens: np.ndarray, root, ids: list, payloads: list[bytes],
-              block_tokens: int) -> float:
-        self.client.request({"op": "put_session", "tenant": TENANT, "session_id": SESSION,
+              block_tokens: int, session: str = SESSION) -> float:
+        self.client.request({"op": "put_session", "tenant": TENANT, "session_id": session,
                              "block_tokens": block_tokens}, [tokens.tobytes()])
         blocks = [{"id": b.hex(), "start": i * block_tokens} for i, b in enumerate(ids)]
         self.done.clear()
         t0 = time.perf_counter()
         self.client.send({"op": "write", "job": self.client.next_id(), "tenant": TENANT,
-                          "session_id": SESSION, "root": root.hex(), "blocks": blocks,
+                          "session_id": session, "root": root.hex(), "blocks": blocks,
                           "dirty_since": time.time()}, payloads)
         self.done.wait(600)
         dt = time.perf_counter() - t0
@@ -176,59 +180,89 @@ def _write_amplification(tmp: Path, turns: int, seed: int) -> dict:
             "write_amplification": round(reply["written_bytes"] / distinct, 3)}
 
 
-def run(*, model: str | None, tokens: int = 8192, block_tokens: int = 256, turns: int = 20,
-        seed: int = 0) -> dict:
-    from kvbank.config import preload_openblas
+def _ids(conv: np.ndarray, root, block_tokens: int) -> list:
+    from kvbank.blocks import chain_block_ids, tail_block_id
 
-    preload_openblas()
-    from kvbank.blocks import chain_block_ids, chain_root, tail_block_id
-    from kvbank.cli import _prepare_model
-    from worker import kv
-
-    model_dir = _prepare_model(model)
-    conv, layers, recompute_s = _conversation_kv(model_dir, tokens, seed)
-    root = chain_root(FINGERPRINT, TENANT)
     ids = chain_block_ids(conv, root, block_tokens)
     n_full = len(ids) * block_tokens
-    if n_full < tokens:
+    if n_full < len(conv):
         ids.append(tail_block_id(ids[-1] if ids else root, conv[n_full:]))
+    return ids
+
+
+def _median_ratio(pairs: list[tuple[float, float]]) -> float:
+    """The median of raw / coldstore over pairs measured back to back."""
+    return statistics.median(raw / ours for raw, ours in pairs)
+
+
+def run(*, model: str | None, tokens: int = 8192, block_tokens: int = 256, turns: int = 20,
+        repeats: int = 5, seed: int = 0) -> dict:
+    from kvbank.config import preload_openblas
+
+    preload_openblas()  # before the first import of MLX
+    import mlx.core as mx
+
+    from coldstore.store import ColdStore
+    from kvbank.blocks import chain_root
+    from kvbank.cli import _prepare_model
+    from worker import kv
+    from worker.admission import give_back_freed_memory, keep_large_buffers_off_the_heap
+    from worker.engine import MLX_CACHE_BYTES
+
+    keep_large_buffers_off_the_heap()  # the worker's allocator settings, for both sides
+    model_dir = _prepare_model(model)
+    conv, layers, recompute_s = _conversation_kv(model_dir, tokens, seed)
     payloads = [kv.encode_range(layers, s, min(s + block_tokens, tokens))
                 for s in range(0, tokens, block_tokens)]
     nbytes = sum(map(len, payloads))
     del layers
+    mx.set_cache_limit(MLX_CACHE_BYTES)
+    writes, reads = [], []
     with tempfile.TemporaryDirectory(prefix="kvbank-bench-") as tmp:
         tmp = Path(tmp)
-        raw_write_s = _raw_write(tmp / "raw", ids, payloads)
-        raw_read_s = _raw_read(tmp / "raw", ids)
         cs = _Coldstore(tmp / "cs")
         try:
-            cs_write_s = cs.write(conv, root, ids, payloads, block_tokens)
-            from coldstore.store import ColdStore
-
+            for r in range(repeats):
+                root = chain_root(FINGERPRINT + b"%d" % r, TENANT)
+                ids = _ids(conv, root, block_tokens)
+                raw_s = _raw_write(tmp / f"raw{r}", ids, payloads)
+                writes.append((raw_s, cs.write(conv, root, ids, payloads, block_tokens,
+                                               session=f"{SESSION}-{r}")))
+                if r:
+                    shutil.rmtree(tmp / f"raw{r}")
+            ids = _ids(conv, chain_root(FINGERPRINT + b"0", TENANT), block_tokens)
             data = tmp / "cs" / "store" / "data.mdb"
-            _drop_page_cache(data)
-            store = ColdStore(tmp / "cs" / "store", readonly=True)
-            direct_s = _restore(lambda i: store.get_blocks(i, decode=kv.decode_blocks), ids, tokens)
-            store.close()
+            for _ in range(repeats):
+                give_back_freed_memory()  # as the worker does after each request
+                raw_s = _raw_read(tmp / "raw0", ids)
+                give_back_freed_memory()
+                _drop_page_cache(data)
+                store = ColdStore(tmp / "cs" / "store", readonly=True)
+                reads.append((raw_s, _restore(
+                    lambda i: store.get_blocks(i, decode=kv.decode_blocks), ids, tokens)))
+                store.close()
             _drop_page_cache(data)
             via_s = _restore(lambda i: kv.decode_blocks(cs.read(i)), ids, tokens)
         finally:
             cs.stop()
         amp = _write_amplification(tmp, turns, seed)
-    restore_s = min(direct_s, via_s)
+    raw_write_s, cs_write_s = (statistics.median(x) for x in zip(*writes))
+    raw_read_s, direct_s = (statistics.median(x) for x in zip(*reads))
     mb = nbytes / 1e6
     return {
         "model": str(model_dir), "tokens": tokens, "block_tokens": block_tokens,
-        "kv_bytes": nbytes,
+        "kv_bytes": nbytes, "repeats": repeats,
         "raw_write_mb_s": round(mb / raw_write_s, 1),
         "coldstore_write_mb_s": round(mb / cs_write_s, 1),
-        "write_ratio": round(raw_write_s / cs_write_s, 3),
+        "write_ratio": round(_median_ratio(writes), 3),
+        "write_ratios": [round(a / b, 3) for a, b in writes],
         "raw_read_mb_s": round(mb / raw_read_s, 1),
         "restore_direct_s": round(direct_s, 3),
         "restore_via_coldstore_s": round(via_s, 3),
         "restore_default": "direct" if direct_s <= via_s else "coldstore",
-        "restore_ratio": round(raw_read_s / restore_s, 3),
+        "restore_ratio": round(_median_ratio(reads), 3),
+        "restore_ratios": [round(a / b, 3) for a, b in reads],
         "recompute_s": round(recompute_s, 2),
-        "restore_vs_recompute": round(recompute_s / restore_s, 1),
+        "restore_vs_recompute": round(recompute_s / min(direct_s, via_s), 1),
         **amp,
     }
