@@ -14,6 +14,10 @@ The partial tail block of a conversation is rewritten whole by its next turn, so
 holds it back for `tail_delay_s`: an agent's quick turns then write each token's KV about once
 (write amplification near 1), and the tail is still on SSD within `tail_delay_s` of its turn,
 at once for a write-out.
+
+A job's payloads stream in behind its header, so its first block is committed while the rest
+are still in transit; a job is picked only when its next block's payload is here. One whose
+payloads stop arriving for `payload_stall_s` (its sender died) is ended, not kept forever.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from dataclasses import dataclass, field
 class PendingBlock:
     block_id: bytes
     start: int
-    payload: memoryview
+    nbytes: int
+    payload: memoryview | None = None  # None: still in transit
     tail: bool = False  # the partial last block: its next turn will rewrite it
 
 
@@ -43,10 +48,29 @@ class WriteJob:
     first_start: int = 0  # where its first block begins: a deadline rolls back to here
     written_blocks: int = 0
     durable_tokens: int = 0
+    in_transit: int = 0  # the last blocks, whose payloads have not arrived yet
+    payload_at: float = 0.0  # when payloads last arrived
 
     @property
     def staged_bytes(self) -> int:
-        return sum(len(b.payload) for b in self.blocks)
+        """Payload bytes held in memory until committed."""
+        return sum(len(b.payload) for b in self.blocks if b.payload is not None)
+
+    @property
+    def entry_bytes(self) -> int:
+        """Every block of the job, arrived or not (for the per-entry size cap)."""
+        return sum(b.nbytes for b in self.blocks)
+
+    def receive(self, payloads: list[memoryview], now: float) -> None:
+        """The next blocks' payloads, in order."""
+        if len(payloads) > self.in_transit:
+            raise ValueError(f"job {self.job_id}: {len(payloads)} payloads for "
+                             f"{self.in_transit} blocks in transit")
+        first = len(self.blocks) - self.in_transit
+        for i, payload in enumerate(payloads):
+            self.blocks[first + i].payload = payload
+        self.in_transit -= len(payloads)
+        self.payload_at = now
 
 
 @dataclass
@@ -56,6 +80,7 @@ class Lanes:
     tail_delay_s: float = 30.0
     stale_block_interval_s: float = 0.05
     silent_worker_s: float = 2.0
+    payload_stall_s: float = 30.0
     jobs: dict[int, WriteJob] = field(default_factory=dict)
     worker_busy: bool = False
     state_changed_at: float = 0.0
@@ -101,13 +126,25 @@ class Lanes:
         return (job.give_up_at is None and len(job.blocks) == 1 and job.blocks[0].tail
                 and now - job.dirty_since < self.tail_delay_s)
 
+    def stalled(self, job: WriteJob, now: float) -> bool:
+        return bool(job.in_transit) and now - job.payload_at >= self.payload_stall_s
+
+    def _actionable(self, job: WriteJob, now: float) -> bool:
+        """Its next block is here, or it is finished, past its deadline, or stalled."""
+        if not job.blocks or self.stalled(job, now):
+            return True
+        if job.give_up_at is not None and now >= job.give_up_at:
+            return True
+        return job.blocks[0].payload is not None
+
     def next_job(self, now: float) -> WriteJob | None:
         if not self.jobs:
             return None
-        deadline = [j for j in self.jobs.values() if j.give_up_at is not None]
+        actionable = [j for j in self.jobs.values() if self._actionable(j, now)]
+        deadline = [j for j in actionable if j.give_up_at is not None]
         if deadline:
             return min(deadline, key=lambda j: j.give_up_at)
-        ready = [j for j in self.jobs.values() if not self.held(j, now)]
+        ready = [j for j in actionable if not self.held(j, now)]
         if not ready:
             return None
         oldest = min(ready, key=lambda j: j.dirty_since)

@@ -7,8 +7,10 @@ block, so a message never waits behind more than one block's commit.
 Messages are multipart: a JSON header, then raw frames (token ids, block payloads).
     put_session    {req, tenant, session_id, block_tokens} + tokens -> reply after commit
     delete_session {req, tenant, session_id}                          -> reply after commit
-    write          {job, tenant, session_id, root, blocks:[{id,start}], give_up_at?} + payloads
-                   -> "progress" after each committed block, "done" with an outcome at the end
+    write          {job, tenant, session_id, root, blocks:[{id,start,bytes}], give_up_at?}
+                   + the first blocks' payloads -> "progress" after each committed block,
+                   "done" with an outcome at the end
+    payload        {job} + the next blocks' payloads (a job's payloads stream in behind it)
     promote        {job, give_up_at}   a queued job becomes a write-out with a deadline
     cancel         {job}
     get_blocks     {req, ids:[hex]}   -> reply + one frame per id (empty: not stored)
@@ -41,14 +43,15 @@ FLUSH_ON_STOP_S = 10.0
 
 class ColdstoreServer:
     def __init__(self, layout: Layout, *, quiet_grace_s: float = 0.25, max_dirty_s: float = 30.0,
-                 tail_delay_s: float = 30.0, limits: Limits = Limits()):
+                 tail_delay_s: float = 30.0, payload_stall_s: float = 30.0,
+                 limits: Limits = Limits()):
         self.layout = layout.ensure()
         self.store = ColdStore(layout.store_dir)
         self.limits = limits
         self.budgets = Budgets(limits, layout.store_dir)
         self._enforce_cap()
         self.lanes = Lanes(quiet_grace_s=quiet_grace_s, max_dirty_s=max_dirty_s,
-                           tail_delay_s=tail_delay_s)
+                           tail_delay_s=tail_delay_s, payload_stall_s=payload_stall_s)
         self.written_bytes = 0  # block payload bytes committed since start (benchmarks)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -183,19 +186,32 @@ class ColdstoreServer:
         return {"req": head["req"], "ok": True, "deleted": deleted}
 
     def _op_write(self, peer, head, frames):
+        now = time.time()
+        if len(frames) > len(head["blocks"]):
+            raise ValueError(f"{len(frames)} payloads for {len(head['blocks'])} blocks")
         blocks = deque(
-            PendingBlock(bytes.fromhex(b["id"]), b["start"], frames[i].buffer, b.get("tail", False))
+            PendingBlock(bytes.fromhex(b["id"]), b["start"],
+                         b["bytes"] if "bytes" in b else len(frames[i].buffer),
+                         tail=b.get("tail", False))
             for i, b in enumerate(head["blocks"])
         )
         job = WriteJob(
             job_id=head["job"], peer=peer, tenant=head["tenant"], session_id=head["session_id"],
-            root=bytes.fromhex(head["root"]), blocks=blocks, dirty_since=head.get("dirty_since", time.time()),
-            give_up_at=head.get("give_up_at"), first_start=blocks[0].start if blocks else 0,
+            root=bytes.fromhex(head["root"]), blocks=blocks,
+            dirty_since=head.get("dirty_since", now), give_up_at=head.get("give_up_at"),
+            first_start=blocks[0].start if blocks else 0, in_transit=len(blocks),
         )
+        job.receive([f.buffer for f in frames], now)
         old = self.lanes.submit(job)
         if old is not None:
             self._send(old.peer, {"op": "done", "job": old.job_id, "outcome": "superseded",
                                   "by": job.job_id, "durable_tokens": old.durable_tokens})
+        return None
+
+    def _op_payload(self, peer, head, frames):
+        job = self.lanes.jobs.get(head["job"])
+        if job is not None:  # else it ended (superseded, cancelled): drop what was in transit
+            job.receive([f.buffer for f in frames], time.time())
         return None
 
     def _op_promote(self, peer, head, frames):
@@ -223,13 +239,16 @@ class ColdstoreServer:
 
     def _write_block(self, job: WriteJob, now: float) -> None:
         if job.give_up_at is not None and now >= job.give_up_at:
-            if job.written_blocks:  # all or nothing: take back what this job committed
-                meta = self.store.truncate_session(job.tenant, job.session_id, job.first_start)
-                job.durable_tokens = meta.durable_tokens if meta else 0
+            self._take_back(job)
             self._finish(job, "deadline")
             return
         if not job.blocks:
             self._finish(job, "written")
+            return
+        if job.blocks[0].payload is None:  # stalled (or a stop): the rest is not coming
+            if job.give_up_at is not None:
+                self._take_back(job)
+            self._finish(job, "error", error=f"{job.in_transit} block payloads never arrived")
             return
         refusal = self._refusal(job, len(job.blocks[0].payload))
         if refusal is not None:
@@ -262,10 +281,16 @@ class ColdstoreServer:
         if not job.blocks:
             self._finish(job, "written")
 
+    def _take_back(self, job: WriteJob) -> None:
+        """A write-out is all or nothing: undo the blocks this job committed."""
+        if job.written_blocks:
+            meta = self.store.truncate_session(job.tenant, job.session_id, job.first_start)
+            job.durable_tokens = meta.durable_tokens if meta else 0
+
     def _refusal(self, job: WriteJob, nbytes: int) -> Refusal | None:
         """The budgets, checked before each block; the size cap first makes room if it can."""
         if job.written_blocks == 0:
-            entry = job.staged_bytes + self.store.session_block_bytes(job.tenant, job.session_id)
+            entry = job.entry_bytes + self.store.session_block_bytes(job.tenant, job.session_id)
             refusal = self.budgets.check_entry(entry)
             if refusal is not None:
                 return refusal
@@ -303,10 +328,12 @@ def _req(frames) -> int | None:
 
 
 def main(layout: Layout, *, quiet_grace_s: float, max_dirty_s: float, tail_delay_s: float,
-         limits: Limits, metrics_port: int = -1, fake_slow_disk_s: float = 0.0) -> None:
+         limits: Limits, payload_stall_s: float = 30.0, metrics_port: int = -1,
+         fake_slow_disk_s: float = 0.0) -> None:
     metrics.serve("coldstore", layout.ensure().run_dir, metrics_port)
     server = ColdstoreServer(layout, quiet_grace_s=quiet_grace_s, max_dirty_s=max_dirty_s,
-                             tail_delay_s=tail_delay_s, limits=limits)
+                             tail_delay_s=tail_delay_s, payload_stall_s=payload_stall_s,
+                             limits=limits)
     if fake_slow_disk_s > 0:
         server.store = FakeSlowDiskStore(server.store, fake_slow_disk_s)
     server.serve()

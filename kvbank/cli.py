@@ -95,6 +95,9 @@ def _coldstore_flags(p: argparse.ArgumentParser) -> None:
            (["--tail-delay-s"], dict(type=float, default=30.0,
             help="hold a conversation's partial last block this long before writing it (its "
                  "next turn rewrites it); a write-out never waits (default: %(default)s)")),
+           (["--payload-stall-s"], dict(type=float, default=30.0,
+            help="end a write job whose streamed payloads stopped arriving this long ago (its "
+                 "sender died); what it committed stays (default: %(default)s)")),
            (["--fake-slow-disk-s"], dict(type=float, default=0.0,
             help="TESTING ONLY: sleep this long before each block commit, a stand-in for a "
                  "throttled disk (default: off)")),
@@ -381,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                         entry_max_bytes=args.entry_max_bytes)
         coldstore_main(Layout(args.data_dir), quiet_grace_s=args.quiet_grace_s,
                        max_dirty_s=args.max_dirty_s, tail_delay_s=args.tail_delay_s,
+                       payload_stall_s=args.payload_stall_s,
                        limits=limits, metrics_port=args.metrics_port,
                        fake_slow_disk_s=args.fake_slow_disk_s)
         return 0

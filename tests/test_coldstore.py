@@ -157,12 +157,13 @@ def check_record_against_kv(disk: Disk, session_id: str, want: kv.Layers, want_t
 
 class ColdstoreProc:
     def __init__(self, data_dir: Path, *, max_dirty_s: float = 3600.0,
-                 quiet_grace_s: float = 0.05, tail_delay_s: float = 0.0):
+                 quiet_grace_s: float = 0.05, tail_delay_s: float = 0.0,
+                 payload_stall_s: float = 30.0):
         self.layout = Layout(data_dir).ensure()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvbank.cli", "coldstore", "--data-dir", str(data_dir),
              "--quiet-grace-s", str(quiet_grace_s), "--max-dirty-s", str(max_dirty_s),
-             "--tail-delay-s", str(tail_delay_s)])
+             "--tail-delay-s", str(tail_delay_s), "--payload-stall-s", str(payload_stall_s)])
         deadline = time.monotonic() + 30
         while not _zmq_ping(self.layout.coldstore_address):
             assert self.proc.poll() is None, f"coldstore exited with {self.proc.returncode}"
@@ -521,6 +522,60 @@ def test_kill_9_during_a_write_leaves_only_correct_blocks(start):
     assert meta2.durable_tokens == n and meta2.blocks[: len(meta.blocks)] == meta.blocks
     assert link2.disk.stats()["blocks"] == n // B + 1
     assert proc2.proc.poll() is None
+
+
+# -- 7b. payloads stream in behind their job ----------------------------------------------------
+
+class HeldPayloads:
+    """Keeps the worker's streamed `payload` messages from leaving, until `release`."""
+
+    def __init__(self, link: Link):
+        self.link, self.send, self.held = link, link.client.send, []
+        link.client.send = self._send
+
+    def _send(self, head, frames=()):
+        if head.get("op") == "payload":
+            self.held.append((head, frames))
+        else:
+            self.send(head, frames)
+
+    def release(self) -> None:
+        self.link.client.send = self.send
+        for head, frames in self.held:
+            self.send(head, frames)
+
+
+def test_the_first_block_is_committed_while_the_rest_are_in_transit(start):
+    _, link = start()
+    held = HeldPayloads(link)
+    n = 4 * B
+    t, layers = tokens(n, seed=80), make_kv(n, seed=80)
+    job = link.turn("stream", t, layers).write_job
+    assert held.held, "the job's later blocks did not travel behind it"
+    link.set_busy(False)
+    link.wait_durable("stream", B, what="the first block, the rest still held back")
+    assert job in link.ping()["jobs"], "the job ended before the rest of its payloads came"
+    held.release()
+    assert link.wait_done(job)["outcome"] == "written"
+    assert check_record_against_kv(link.disk, "stream", layers, t, "streamed").durable_tokens == n
+
+
+def test_a_job_whose_payloads_stop_arriving_ends_and_keeps_what_it_committed(start):
+    _, link = start(payload_stall_s=0.5)
+    held = HeldPayloads(link)  # the sender "dies" after the job's first message
+    n = 4 * B
+    t, layers = tokens(n, seed=81), make_kv(n, seed=81)
+    e = link.turn("stall", t, layers)
+    link.set_busy(False)
+    done = link.wait_done(e.write_job)
+    assert done["outcome"] == "error" and "never arrived" in done["error"], done
+    assert link.ping()["staged_bytes"] == 0, "the stalled job's payloads are still held"
+    assert check_record_against_kv(link.disk, "stall", layers, t, "stalled").durable_tokens == B
+    held.held.clear()
+    held.release()  # the sender is back, and sends the job again
+    job = link.writer.write_behind(e)
+    assert link.wait_done(job)["outcome"] == "written"
+    assert link.disk.durable("stall") == n
 
 
 # -- 8. a stale job writes nothing that the record's history does not give ------------------------

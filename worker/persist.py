@@ -26,6 +26,7 @@ from kvbank.config import Layout
 logger = logging.getLogger(__name__)
 
 STATE_EVERY_S = 0.1
+STREAM_CHUNK_BYTES = 8 << 20
 _OUT = "inproc://kvbank-coldstore-out"
 
 
@@ -89,6 +90,23 @@ class ColdstoreClient:
     def send(self, head: dict, frames: Sequence = ()) -> None:
         """Fire and forget (write jobs, cancels); queued by ZeroMQ while the coldstore is down."""
         self._send_raw([b"msg", json.dumps(head).encode(), *frames])
+
+    def send_write(self, head: dict, payloads: Sequence) -> None:
+        """A write job, its payloads streamed: the first block's rides with the header and the
+        rest follow in `payload` messages of about STREAM_CHUNK_BYTES, so the coldstore commits
+        the first block while the others are still in transit."""
+        for block, payload in zip(head["blocks"], payloads):
+            block["bytes"] = len(payload)
+        self.send(head, payloads[:1])
+        chunk, size = [], 0
+        for payload in payloads[1:]:
+            chunk.append(payload)
+            size += len(payload)
+            if size >= STREAM_CHUNK_BYTES:
+                self.send({"op": "payload", "job": head["job"]}, chunk)
+                chunk, size = [], 0
+        if chunk:
+            self.send({"op": "payload", "job": head["job"]}, chunk)
 
     def set_busy(self, busy: bool) -> None:
         if busy != self._busy:
@@ -241,7 +259,7 @@ class KVWriter:
             head["give_up_at"] = give_up_at
         with self._cond:
             self._staged[job] = nbytes
-        self.client.send(head, frames)
+        self.client.send_write(head, frames)
         return job
 
     def _wait_for_room(self, nbytes: int) -> bool:

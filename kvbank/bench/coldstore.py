@@ -4,7 +4,9 @@ In one run, on one disk, each pair measured back to back `repeats` times (median
 this disk's speed drifts between runs):
 - write: the same block payloads put into a fresh LMDB environment (one synced commit per
   block, as the coldstore commits) vs handed to a real coldstore process as a write-behind
-  job, timed until its acknowledgement (each repeat a new conversation, so nothing is deduped);
+  job the way the worker sends one (payloads streamed behind the header), timed until its
+  acknowledgement; each repeat a new conversation, so nothing is deduped, and both sides
+  write to new space;
 - read: the same payloads read back from LMDB (page cache dropped first) vs the worker's
   restore (read-only map, decode into MLX arrays, mlx-lm caches) under the worker's allocator
   settings; the restore through the coldstore process is measured once, last (its reads stay
@@ -99,9 +101,9 @@ class _Coldstore:
         blocks = [{"id": b.hex(), "start": i * block_tokens} for i, b in enumerate(ids)]
         self.done.clear()
         t0 = time.perf_counter()
-        self.client.send({"op": "write", "job": self.client.next_id(), "tenant": TENANT,
-                          "session_id": session, "root": root.hex(), "blocks": blocks,
-                          "dirty_since": time.time()}, payloads)
+        self.client.send_write({"op": "write", "job": self.client.next_id(), "tenant": TENANT,
+                                "session_id": session, "root": root.hex(), "blocks": blocks,
+                                "dirty_since": time.time()}, payloads)
         self.done.wait(600)
         dt = time.perf_counter() - t0
         if getattr(self, "outcome", None) != "written":
@@ -225,11 +227,14 @@ def run(*, model: str | None, tokens: int = 8192, block_tokens: int = 256, turns
             for r in range(repeats):
                 root = chain_root(FINGERPRINT + b"%d" % r, TENANT)
                 ids = _ids(conv, root, block_tokens)
-                raw_s = _raw_write(tmp / f"raw{r}", ids, payloads)
-                writes.append((raw_s, cs.write(conv, root, ids, payloads, block_tokens,
-                                               session=f"{SESSION}-{r}")))
-                if r:
-                    shutil.rmtree(tmp / f"raw{r}")
+                # Who goes first alternates: on this disk, space freed by the run before is
+                # faster to write than space never written.
+                timed = {}
+                for side in ("raw", "coldstore")[::1 if r % 2 == 0 else -1]:
+                    timed[side] = (_raw_write(tmp / f"raw{r}", ids, payloads) if side == "raw"
+                                   else cs.write(conv, root, ids, payloads, block_tokens,
+                                                 session=f"{SESSION}-{r}"))
+                writes.append((timed["raw"], timed["coldstore"]))
             ids = _ids(conv, chain_root(FINGERPRINT + b"0", TENANT), block_tokens)
             data = tmp / "cs" / "store" / "data.mdb"
             for _ in range(repeats):
