@@ -50,6 +50,7 @@ class WriteJob:
     durable_tokens: int = 0
     in_transit: int = 0  # the last blocks, whose payloads have not arrived yet
     payload_at: float = 0.0  # when payloads last arrived
+    taken_back: bool = False  # a write-out that failed: the blocks it committed were undone
 
     @property
     def staged_bytes(self) -> int:
@@ -62,11 +63,15 @@ class WriteJob:
         return sum(b.nbytes for b in self.blocks)
 
     def receive(self, payloads: list[memoryview], now: float) -> None:
-        """The next blocks' payloads, in order."""
+        """The next blocks' payloads, in order; each must be the size its header said."""
         if len(payloads) > self.in_transit:
             raise ValueError(f"job {self.job_id}: {len(payloads)} payloads for "
                              f"{self.in_transit} blocks in transit")
         first = len(self.blocks) - self.in_transit
+        for i, payload in enumerate(payloads):
+            if len(payload) != self.blocks[first + i].nbytes:
+                raise ValueError(f"job {self.job_id}: a payload of {len(payload)} bytes for a "
+                                 f"block announced as {self.blocks[first + i].nbytes}")
         for i, payload in enumerate(payloads):
             self.blocks[first + i].payload = payload
         self.in_transit -= len(payloads)
@@ -137,13 +142,17 @@ class Lanes:
             return True
         return job.blocks[0].payload is not None
 
-    def next_job(self, now: float) -> WriteJob | None:
+    def next_job(self, now: float, *, flushing: bool = False) -> WriteJob | None:
+        """The job to write a block of now, if any. `flushing` (a clean stop): any job that
+        has a block here, quiet window or not, tail or not."""
         if not self.jobs:
             return None
         actionable = [j for j in self.jobs.values() if self._actionable(j, now)]
         deadline = [j for j in actionable if j.give_up_at is not None]
         if deadline:
             return min(deadline, key=lambda j: j.give_up_at)
+        if flushing:
+            return actionable[0] if actionable else None
         ready = [j for j in actionable if not self.held(j, now)]
         if not ready:
             return None

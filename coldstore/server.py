@@ -87,12 +87,7 @@ class ColdstoreServer:
                 if self.state in events:
                     self._drain_state()
                 if self.sock in events:
-                    for _ in range(64):
-                        try:
-                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._handle(frames)
+                    self._receive(timeout_ms=0)
                 self._write_one(time.time())
                 self._update_gauges(time.monotonic())
             self._flush(time.time() + FLUSH_ON_STOP_S)
@@ -117,13 +112,27 @@ class ColdstoreServer:
         metrics.CS_JOBS.set(len(self.lanes.jobs))
 
     def _flush(self, until: float) -> None:
-        """On a clean stop, write what is queued, bounded in time."""
+        """On a clean stop, write what is queued, bounded in time; payloads still streaming
+        in are received meanwhile."""
         left = len(self.lanes.jobs)
         while self.lanes.jobs and time.time() < until:
-            job = next(iter(self.lanes.jobs.values()))
+            self._receive(timeout_ms=0)
+            job = self.lanes.next_job(time.time(), flushing=True)
+            if job is None:  # waiting for payloads
+                self._receive(timeout_ms=50)
+                continue
             self._write_block(job, time.time())
         if left:
             logger.info("flush on stop: %d jobs queued, %d left unwritten", left, len(self.lanes.jobs))
+
+    def _receive(self, timeout_ms: int) -> None:
+        if self.sock.poll(timeout_ms, zmq.POLLIN):
+            for _ in range(64):
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._handle(frames)
 
     def _drain_state(self) -> None:
         while True:
@@ -191,7 +200,7 @@ class ColdstoreServer:
             raise ValueError(f"{len(frames)} payloads for {len(head['blocks'])} blocks")
         blocks = deque(
             PendingBlock(bytes.fromhex(b["id"]), b["start"],
-                         b["bytes"] if "bytes" in b else len(frames[i].buffer),
+                         _block_bytes(b, frames[i].buffer if i < len(frames) else None),
                          tail=b.get("tail", False))
             for i, b in enumerate(head["blocks"])
         )
@@ -201,7 +210,11 @@ class ColdstoreServer:
             dirty_since=head.get("dirty_since", now), give_up_at=head.get("give_up_at"),
             first_start=blocks[0].start if blocks else 0, in_transit=len(blocks),
         )
-        job.receive([f.buffer for f in frames], now)
+        try:
+            job.receive([f.buffer for f in frames], now)
+        except ValueError as e:
+            self._finish(job, "error", error=str(e))
+            return None
         old = self.lanes.submit(job)
         if old is not None:
             self._send(old.peer, {"op": "done", "job": old.job_id, "outcome": "superseded",
@@ -210,8 +223,14 @@ class ColdstoreServer:
 
     def _op_payload(self, peer, head, frames):
         job = self.lanes.jobs.get(head["job"])
-        if job is not None:  # else it ended (superseded, cancelled): drop what was in transit
+        if job is None or job.peer != peer:  # it ended (superseded, cancelled): drop these
+            return None
+        try:
             job.receive([f.buffer for f in frames], time.time())
+        except ValueError as e:
+            if job.give_up_at is not None:
+                self._take_back(job)
+            self._finish(job, "error", error=str(e))
         return None
 
     def _op_promote(self, peer, head, frames):
@@ -286,6 +305,7 @@ class ColdstoreServer:
         if job.written_blocks:
             meta = self.store.truncate_session(job.tenant, job.session_id, job.first_start)
             job.durable_tokens = meta.durable_tokens if meta else 0
+            job.taken_back = True
 
     def _refusal(self, job: WriteJob, nbytes: int) -> Refusal | None:
         """The budgets, checked before each block; the size cap first makes room if it can."""
@@ -317,7 +337,22 @@ class ColdstoreServer:
             msg["error"] = error
         if reason:
             msg["reason"] = reason
+        if job.taken_back:
+            msg["taken_back"] = True
         self._send(job.peer, msg)
+
+
+def _block_bytes(block: dict, payload) -> int:
+    """A block's size: announced (its payload streams in later), or its payload's."""
+    if "bytes" not in block:
+        if payload is None:
+            raise ValueError(f"block at {block.get('start')} has neither a payload nor 'bytes'")
+        return len(payload)
+    n = block["bytes"]
+    if type(n) is not int or n < 0:
+        raise ValueError(f"block at {block.get('start')}: 'bytes' must be a byte count, "
+                         f"not {n!r}")
+    return n
 
 
 def _req(frames) -> int | None:

@@ -97,7 +97,8 @@ def _coldstore_flags(p: argparse.ArgumentParser) -> None:
                  "next turn rewrites it); a write-out never waits (default: %(default)s)")),
            (["--payload-stall-s"], dict(type=float, default=30.0,
             help="end a write job whose streamed payloads stopped arriving this long ago (its "
-                 "sender died); what it committed stays (default: %(default)s)")),
+                 "sender died); what it committed stays, except a write-out's, which is all or "
+                 "nothing (default: %(default)s)")),
            (["--fake-slow-disk-s"], dict(type=float, default=0.0,
             help="TESTING ONLY: sleep this long before each block commit, a stand-in for a "
                  "throttled disk (default: off)")),

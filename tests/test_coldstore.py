@@ -578,6 +578,32 @@ def test_a_job_whose_payloads_stop_arriving_ends_and_keeps_what_it_committed(sta
     assert link.disk.durable("stall") == n
 
 
+def test_a_write_out_whose_payloads_stop_is_taken_back_whole(start):
+    _, link = start(payload_stall_s=0.5)
+    HeldPayloads(link)  # never released
+    n = 4 * B
+    t, layers = tokens(n, seed=82), make_kv(n, seed=82)
+    link.put_session("out", t)
+    e = link.bank.insert((TENANT, "out"), t, layers)
+    job = link.writer.write_behind(e, give_up_at=time.time() + 60)  # a release's write-out
+    link.wait_durable("out", B, what="the write-out's first block, before its stall")
+    done = link.wait_done(job)
+    assert done["outcome"] == "error" and done.get("taken_back"), done
+    assert done["durable_tokens"] == 0 and link.disk.durable("out") == 0, (
+        "a write-out that failed left part of the entry restorable")
+
+
+def test_a_malformed_write_job_ends_with_an_error_and_the_coldstore_carries_on(start):
+    _, link = start()
+    head = {"op": "write", "job": 999, "tenant": TENANT, "session_id": "bad", "root": "00" * 32,
+            "blocks": [{"id": "11" * 32, "start": 0, "bytes": "many"}]}
+    link.client.send(head, [])
+    head = dict(head, job=1000, blocks=[{"id": "11" * 32, "start": 0, "bytes": 64}])
+    link.client.send(head, [b"x" * 65])  # not the size it announced
+    assert "announced as 64" in link.wait_done(1000)["error"]
+    assert link.ping()["ok"] and link.ping()["queued_jobs"] == 0
+
+
 # -- 8. a stale job writes nothing that the record's history does not give ------------------------
 
 @pytest.mark.parametrize("edit_at", [5, 2 * B + 3, 3 * B + 3], ids=["block0", "block2", "tail"])

@@ -560,7 +560,8 @@ class Engine(Upkeep):
             return
         session = (msg["tenant"], msg["session_id"])
         durable = msg.get("durable_tokens", 0)
-        lowered = msg.get("outcome") == "deadline"  # all or nothing: its blocks were taken back
+        # A write-out is all or nothing: a failed one's blocks were taken back.
+        lowered = msg.get("outcome") == "deadline" or bool(msg.get("taken_back"))
         info = self.sessions.get(session)
         if info is not None and (durable > info.durable_tokens or lowered):
             self._set_session(session, replace(info, durable_tokens=durable))

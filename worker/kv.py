@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import itertools
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import mlx.core as mx
 import numpy as np
@@ -20,8 +21,9 @@ from kvbank.blocks import BlockHeader, decode_block, encode_block
 
 Layers = list[tuple[mx.array, mx.array]]
 BLOCK_LAYOUT = "kv-block-layout:token-major"  # part of the model fingerprint: never mixed
-RESTORE_LANES = 4  # at most; fewer on a machine with fewer cores
-_LANES: tuple[ThreadPoolExecutor, list] | None = None
+RESTORE_LANES = max(1, min(4, os.cpu_count() or 1))  # threads and streams a restore uses
+_POOL: ThreadPoolExecutor | None = None
+_STREAMS = threading.local()
 
 
 def freeze(cache: list[KVCache], n_tokens: int) -> Layers:
@@ -82,20 +84,24 @@ def _restore_lanes() -> tuple[ThreadPoolExecutor, list]:
     """Threads and MLX CPU streams that a restore spreads over, made on first use.
 
     Page faults on fresh memory cost as much as the copy itself, so a restore uses the
-    machine's cores for both: the engine waits on it anyway."""
-    global _LANES
-    if _LANES is None:
-        n = max(1, min(RESTORE_LANES, os.cpu_count() or 1))
-        streams = [mx.default_stream(mx.cpu)] + [mx.new_stream(mx.cpu) for _ in range(n - 1)]
-        _LANES = (ThreadPoolExecutor(n, thread_name_prefix="kv-restore"), streams)
-    return _LANES
+    machine's cores for both: the engine waits on it anyway. MLX streams belong to the thread
+    that made them, so each restoring thread has its own."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(RESTORE_LANES, thread_name_prefix="kv-restore")
+    streams = getattr(_STREAMS, "streams", None)
+    if streams is None:
+        streams = _STREAMS.streams = [mx.default_stream(mx.cpu)] + [
+            mx.new_stream(mx.cpu) for _ in range(RESTORE_LANES - 1)]
+    return _POOL, streams
 
 
 def decode_blocks(payloads: list[bytes]) -> Layers:
     """Stored blocks (in order) back into per-layer (1, H, n, D) arrays, in one copy.
 
-    MLX cannot adopt outside memory, so each layer's K and V is allocated by MLX and filled
-    through a NumPy view of it (documented: writing to the view writes the array). The lanes
+    MLX copies outside memory in (it refuses a CPU buffer without a copy), so each layer's K
+    and V is allocated by MLX and filled through a NumPy view of it (documented: writing to the
+    view writes the array). The lanes
     take every n-th block, so a cold read still moves front to back through the file. The
     arrays are token-major and read through a transposed view."""
     decoded = [decode_block(raw) for raw in payloads]
@@ -119,7 +125,9 @@ def decode_blocks(payloads: list[bytes]) -> Layers:
                 tv[s:e] = v
 
     lanes = len(streams)
-    list(pool.map(fill, [range(i, len(decoded), lanes) for i in range(lanes)]))
+    done, _ = wait([pool.submit(fill, range(i, len(decoded), lanes)) for i in range(lanes)])
+    for f in done:  # every lane has stopped reading the blocks before an error is raised
+        f.result()
     out = [tuple((a.view(mx.bfloat16) if bf16 else a).transpose(1, 0, 2)[None] for a in pair)
            for pair in arrays]
     mx.eval(out)

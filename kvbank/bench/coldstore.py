@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -197,6 +196,55 @@ def _median_ratio(pairs: list[tuple[float, float]]) -> float:
     return statistics.median(raw / ours for raw, ours in pairs)
 
 
+def _in_turns(r: int) -> tuple[str, str]:
+    """Who goes first alternates: on this disk, space freed by the run before is faster to
+    write than space never written, and its speed drifts."""
+    return ("raw", "coldstore") if r % 2 == 0 else ("coldstore", "raw")
+
+
+def _write_pairs(tmp: Path, cs: _Coldstore, conv: np.ndarray, payloads: list[bytes],
+                 block_tokens: int, repeats: int) -> list[tuple[float, float]]:
+    """(raw, coldstore) write times; each repeat a new conversation, nothing deleted."""
+    from kvbank.blocks import chain_root
+
+    pairs = []
+    for r in range(repeats):
+        root = chain_root(FINGERPRINT + b"%d" % r, TENANT)
+        ids = _ids(conv, root, block_tokens)
+        timed = {}
+        for side in _in_turns(r):
+            timed[side] = (_raw_write(tmp / f"raw{r}", ids, payloads) if side == "raw"
+                           else cs.write(conv, root, ids, payloads, block_tokens,
+                                         session=f"{SESSION}-{r}"))
+        pairs.append((timed["raw"], timed["coldstore"]))
+    return pairs
+
+
+def _read_pairs(tmp: Path, ids: list, tokens: int, repeats: int) -> list[tuple[float, float]]:
+    """(raw, restore) read times of the first conversation, page cache dropped each time,
+    under the worker's allocator settings (it returns freed memory after each request)."""
+    from coldstore.store import ColdStore
+    from worker import kv
+    from worker.admission import give_back_freed_memory
+
+    def restore_direct() -> float:
+        _drop_page_cache(tmp / "cs" / "store" / "data.mdb")
+        store = ColdStore(tmp / "cs" / "store", readonly=True)
+        try:
+            return _restore(lambda i: store.get_blocks(i, decode=kv.decode_blocks), ids, tokens)
+        finally:
+            store.close()
+
+    pairs = []
+    for r in range(repeats):
+        timed = {}
+        for side in _in_turns(r):
+            give_back_freed_memory()
+            timed[side] = _raw_read(tmp / "raw0", ids) if side == "raw" else restore_direct()
+        pairs.append((timed["raw"], timed["coldstore"]))
+    return pairs
+
+
 def run(*, model: str | None, tokens: int = 8192, block_tokens: int = 256, turns: int = 20,
         repeats: int = 5, seed: int = 0) -> dict:
     from kvbank.config import preload_openblas
@@ -204,11 +252,10 @@ def run(*, model: str | None, tokens: int = 8192, block_tokens: int = 256, turns
     preload_openblas()  # before the first import of MLX
     import mlx.core as mx
 
-    from coldstore.store import ColdStore
     from kvbank.blocks import chain_root
     from kvbank.cli import _prepare_model
     from worker import kv
-    from worker.admission import give_back_freed_memory, keep_large_buffers_off_the_heap
+    from worker.admission import keep_large_buffers_off_the_heap
     from worker.engine import MLX_CACHE_BYTES
 
     keep_large_buffers_off_the_heap()  # the worker's allocator settings, for both sides
@@ -219,34 +266,14 @@ def run(*, model: str | None, tokens: int = 8192, block_tokens: int = 256, turns
     nbytes = sum(map(len, payloads))
     del layers
     mx.set_cache_limit(MLX_CACHE_BYTES)
-    writes, reads = [], []
     with tempfile.TemporaryDirectory(prefix="kvbank-bench-") as tmp:
         tmp = Path(tmp)
         cs = _Coldstore(tmp / "cs")
         try:
-            for r in range(repeats):
-                root = chain_root(FINGERPRINT + b"%d" % r, TENANT)
-                ids = _ids(conv, root, block_tokens)
-                # Who goes first alternates: on this disk, space freed by the run before is
-                # faster to write than space never written.
-                timed = {}
-                for side in ("raw", "coldstore")[::1 if r % 2 == 0 else -1]:
-                    timed[side] = (_raw_write(tmp / f"raw{r}", ids, payloads) if side == "raw"
-                                   else cs.write(conv, root, ids, payloads, block_tokens,
-                                                 session=f"{SESSION}-{r}"))
-                writes.append((timed["raw"], timed["coldstore"]))
+            writes = _write_pairs(tmp, cs, conv, payloads, block_tokens, repeats)
             ids = _ids(conv, chain_root(FINGERPRINT + b"0", TENANT), block_tokens)
-            data = tmp / "cs" / "store" / "data.mdb"
-            for _ in range(repeats):
-                give_back_freed_memory()  # as the worker does after each request
-                raw_s = _raw_read(tmp / "raw0", ids)
-                give_back_freed_memory()
-                _drop_page_cache(data)
-                store = ColdStore(tmp / "cs" / "store", readonly=True)
-                reads.append((raw_s, _restore(
-                    lambda i: store.get_blocks(i, decode=kv.decode_blocks), ids, tokens)))
-                store.close()
-            _drop_page_cache(data)
+            reads = _read_pairs(tmp, ids, tokens, repeats)
+            _drop_page_cache(tmp / "cs" / "store" / "data.mdb")
             via_s = _restore(lambda i: kv.decode_blocks(cs.read(i)), ids, tokens)
         finally:
             cs.stop()
