@@ -56,7 +56,10 @@ class ColdstoreClient:
 
     def close(self) -> None:
         self._stop.set()
-        self._send_raw([b"wake"])
+        try:
+            self._send_raw([b"wake"], flags=zmq.NOBLOCK)
+        except zmq.Again:  # the I/O thread is gone already: nothing to wake
+            pass
         self._thread.join(timeout=2)
         with self._lock:
             for push in self._pushes:
@@ -113,7 +116,7 @@ class ColdstoreClient:
             self._busy = busy
             self._send_raw([b"wake"])
 
-    def _send_raw(self, parts: list) -> None:
+    def _send_raw(self, parts: list, flags: int = 0) -> None:
         push = getattr(self._local, "push", None)
         if push is None:
             push = self._local.push = self.ctx.socket(zmq.PUSH)
@@ -121,7 +124,7 @@ class ColdstoreClient:
             push.connect(_OUT)
             with self._lock:
                 self._pushes.append(push)
-        push.send_multipart(parts, copy=False)
+        push.send_multipart(parts, flags=flags, copy=False)
 
     # -- the I/O thread ---------------------------------------------------------------------
 
@@ -139,30 +142,40 @@ class ColdstoreClient:
         last_state, sent_busy = 0.0, None
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(int(STATE_EVERY_S * 1000)))
-                if self._pull in events:
-                    while True:
-                        try:
-                            parts = self._pull.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        if parts[0].bytes == b"msg":
-                            dealer.send_multipart(parts[1:], copy=False)
-                if dealer in events:
-                    while True:
-                        try:
-                            parts = dealer.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._dispatch(json.loads(parts[0]), parts[1:])
-                now = time.monotonic()
-                if self._busy != sent_busy or now - last_state >= STATE_EVERY_S:
-                    pub.send(b"busy" if self._busy else b"quiet")
-                    sent_busy, last_state = self._busy, now
+                try:
+                    events = dict(poller.poll(int(STATE_EVERY_S * 1000)))
+                    if self._pull in events:
+                        self._forward(dealer)
+                    if dealer in events:
+                        self._receive(dealer)
+                    now = time.monotonic()
+                    if self._busy != sent_busy or now - last_state >= STATE_EVERY_S:
+                        pub.send(b"busy" if self._busy else b"quiet")
+                        sent_busy, last_state = self._busy, now
+                except Exception:  # the link outlives a bad message: writes depend on it
+                    logger.exception("coldstore link: I/O step failed")
         finally:
             dealer.close()
             pub.close()
             self._pull.close()
+
+    def _forward(self, dealer: zmq.Socket) -> None:
+        """Other threads' messages, out to the coldstore."""
+        while True:
+            try:
+                parts = self._pull.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if parts[0].bytes == b"msg":
+                dealer.send_multipart(parts[1:], copy=False)
+
+    def _receive(self, dealer: zmq.Socket) -> None:
+        while True:
+            try:
+                parts = dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._dispatch(json.loads(parts[0]), parts[1:])
 
     def _dispatch(self, msg: dict, frames: list[bytes]) -> None:
         req = msg.get("req")
