@@ -228,9 +228,7 @@ class ColdstoreServer:
         try:
             job.receive([f.buffer for f in frames], time.time())
         except ValueError as e:
-            if job.give_up_at is not None:
-                self._take_back(job)
-            self._finish(job, "error", error=str(e))
+            self._fail(job, str(e))
         return None
 
     def _op_promote(self, peer, head, frames):
@@ -265,9 +263,7 @@ class ColdstoreServer:
             self._finish(job, "written")
             return
         if job.blocks[0].payload is None:  # stalled (or a stop): the rest is not coming
-            if job.give_up_at is not None:
-                self._take_back(job)
-            self._finish(job, "error", error=f"{job.in_transit} block payloads never arrived")
+            self._fail(job, f"{job.in_transit} block payloads never arrived")
             return
         refusal = self._refusal(job, len(job.blocks[0].payload))
         if refusal is not None:
@@ -299,6 +295,12 @@ class ColdstoreServer:
                               "session_id": job.session_id, "durable_tokens": meta.durable_tokens})
         if not job.blocks:
             self._finish(job, "written")
+
+    def _fail(self, job: WriteJob, error: str) -> None:
+        """End a job that cannot go on; a write-out's committed blocks are taken back."""
+        if job.give_up_at is not None:
+            self._take_back(job)
+        self._finish(job, "error", error=error)
 
     def _take_back(self, job: WriteJob) -> None:
         """A write-out is all or nothing: undo the blocks this job committed."""
