@@ -15,6 +15,9 @@ Messages are multipart: a JSON header, then raw frames (token ids, block payload
     cancel         {job}
     get_blocks     {req, ids:[hex]}   -> reply + one frame per id (empty: not stored)
     ping           {req}              -> store stats, worker state, the queued jobs
+To the worker, unasked:
+    retired        {tenant, session_id, reason, updated_at}   a record was retired
+                   (`anonymous_ttl`, `store_cap`); also an event in the event log
 """
 
 from __future__ import annotations
@@ -29,27 +32,31 @@ from collections import deque
 import numpy as np
 import zmq
 
-from kvbank import metrics
-from kvbank.blocks import BlockId
+from kvbank import events, metrics
+from kvbank.blocks import BlockId, is_anonymous
 from kvbank.config import Layout
 from coldstore.budgets import Budgets, Limits, Refusal
 from coldstore.lanes import Lanes, PendingBlock, WriteJob
-from coldstore.store import ColdStore
+from coldstore.store import ColdStore, SessionMeta
 
 logger = logging.getLogger(__name__)
 
 FLUSH_ON_STOP_S = 10.0
+EXPIRE_EVERY_S = 60.0
+DEFAULT_ANONYMOUS_TTL_S = 7 * 86400.0
+WORKER_PEER = b"worker"  # the worker's DEALER identity
 
 
 class ColdstoreServer:
     def __init__(self, layout: Layout, *, quiet_grace_s: float = 0.25, max_dirty_s: float = 30.0,
                  tail_delay_s: float = 30.0, payload_stall_s: float = 30.0,
-                 limits: Limits = Limits()):
+                 limits: Limits = Limits(), anonymous_ttl_s: float = DEFAULT_ANONYMOUS_TTL_S):
         self.layout = layout.ensure()
         self.store = ColdStore(layout.store_dir)
         self.limits = limits
+        self.anonymous_ttl_s = anonymous_ttl_s
+        self._expired_at = 0.0
         self.budgets = Budgets(limits, layout.store_dir)
-        self._enforce_cap()
         self.lanes = Lanes(quiet_grace_s=quiet_grace_s, max_dirty_s=max_dirty_s,
                            tail_delay_s=tail_delay_s, payload_stall_s=payload_stall_s)
         self.written_bytes = 0  # block payload bytes committed since start (benchmarks)
@@ -67,8 +74,28 @@ class ColdstoreServer:
         cap = self.limits.store_max_bytes
         if cap is not None and self.store.block_bytes() > cap:
             retired = self.store.retire_lru(cap)
+            self._retired(retired, "store_cap")
             logger.warning("store over its cap of %d bytes: retired the KV of %d sessions, "
                            "now %d bytes", cap, len(retired), self.store.block_bytes())
+
+    def _expire(self, now: float) -> None:
+        """Anonymous conversations that never came back within --anonymous-ttl-s go."""
+        if now - self._expired_at < EXPIRE_EVERY_S:
+            return
+        self._expired_at = now
+        self._retired(self.store.expire_anonymous(now - self.anonymous_ttl_s), "anonymous_ttl")
+
+    def _retired(self, metas: list[SessionMeta], reason: str) -> None:
+        """Each retirement: an event, a metric, and word to the worker (its list of sessions)."""
+        for m in metas:
+            gone = "record" if is_anonymous(m.session_id) else "kv"
+            events.emit("conversation_retired", tenant=m.tenant, session_id=m.session_id,
+                        reason=reason, removed=gone, tokens=m.token_count,
+                        durable_tokens=m.durable_tokens, updated_at=m.updated_at)
+            metrics.CS_RETIRED.labels(reason).inc()
+            self._send(WORKER_PEER, {"op": "retired", "tenant": m.tenant,
+                                     "session_id": m.session_id, "reason": reason,
+                                     "removed": gone, "updated_at": m.updated_at})
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -80,6 +107,7 @@ class ColdstoreServer:
         poller.register(self.state, zmq.POLLIN)
         logger.info("coldstore listening on %s, store %s (%s)",
                     self.layout.coldstore_address, self.layout.store_dir, self.store.stats())
+        self._enforce_cap()
         try:
             while not self.stopping:
                 ready = self.lanes.next_job(time.time()) is not None
@@ -89,6 +117,7 @@ class ColdstoreServer:
                 if self.sock in events:
                     self._receive(timeout_ms=0)
                 self._write_one(time.time())
+                self._expire(time.time())
                 self._update_gauges(time.monotonic())
             self._flush(time.time() + FLUSH_ON_STOP_S)
         finally:
@@ -323,7 +352,9 @@ class ColdstoreServer:
         if cap is not None and self.store.block_bytes() + nbytes > cap:
             retired = self.store.retire_lru(cap - nbytes, keep=(job.tenant, job.session_id))
             if retired:
-                logger.info("store cap: retired the KV of %s", ", ".join(retired))
+                self._retired(retired, "store_cap")
+                logger.info("store cap: retired the KV of %s",
+                            ", ".join(m.session_id for m in retired))
             if self.store.block_bytes() + nbytes > cap:
                 return Refusal("store_cap", f"the store holds {self.store.block_bytes()} bytes "
                                f"of KV and its cap is {cap} bytes (--store-max-bytes); nothing "
@@ -366,11 +397,13 @@ def _req(frames) -> int | None:
 
 def main(layout: Layout, *, quiet_grace_s: float, max_dirty_s: float, tail_delay_s: float,
          limits: Limits, payload_stall_s: float = 30.0, metrics_port: int = -1,
-         fake_slow_disk_s: float = 0.0) -> None:
+         fake_slow_disk_s: float = 0.0,
+         anonymous_ttl_s: float = DEFAULT_ANONYMOUS_TTL_S) -> None:
+    events.open_log(layout.events_path)
     metrics.serve("coldstore", layout.ensure().run_dir, metrics_port)
     server = ColdstoreServer(layout, quiet_grace_s=quiet_grace_s, max_dirty_s=max_dirty_s,
                              tail_delay_s=tail_delay_s, payload_stall_s=payload_stall_s,
-                             limits=limits)
+                             limits=limits, anonymous_ttl_s=anonymous_ttl_s)
     if fake_slow_disk_s > 0:
         server.store = FakeSlowDiskStore(server.store, fake_slow_disk_s)
     server.serve()

@@ -28,7 +28,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from kvbank.blocks import BlockId, common_prefix_len, next_block_id, tail_block_id
+from kvbank.blocks import BlockId, common_prefix_len, is_anonymous, next_block_id, tail_block_id
 
 logger = logging.getLogger(__name__)
 
@@ -293,26 +293,32 @@ class ColdStore:
 
         return self._write(fn)
 
-    def retire_lru(self, target_bytes: int, *, keep: tuple[str, str] | None = None) -> list[str]:
-        """Drop the KV of least recently used sessions (their token history stays) until the
-        stored blocks fit in target_bytes; blocks no record names any more are collected.
-        Returns the session ids retired."""
-        retired: list[str] = []
+    def retire_lru(self, target_bytes: int, *,
+                   keep: tuple[str, str] | None = None) -> list[SessionMeta]:
+        """Drop the KV of least recently used sessions until the stored blocks fit in
+        target_bytes; blocks no record names any more are collected. A named session keeps
+        its token history; an anonymous one is deleted whole (nothing could name it again).
+        Returns the records retired, as they were."""
+        retired: list[SessionMeta] = []
         for meta in sorted(self.list_sessions(), key=lambda m: m.updated_at):
             if self.block_bytes() <= target_bytes:
                 break
             if not meta.durable_tokens or (meta.tenant, meta.session_id) == keep:
                 continue
-            key = session_key(meta.tenant, meta.session_id)
-
-            def fn(txn, key=key):
-                m = SessionMeta.from_json(txn.get(key, db=self._db[b"sessions"]))
-                self._truncate_blocks(txn, m, 0)
-                txn.put(key, m.to_json(), db=self._db[b"sessions"])
-
-            self._write(fn)
-            retired.append(meta.session_id)
+            if is_anonymous(meta.session_id):
+                self.delete_session(meta.tenant, meta.session_id)
+            else:
+                self.truncate_session(meta.tenant, meta.session_id, 0)
+            retired.append(meta)
         return retired
+
+    def expire_anonymous(self, before: float) -> list[SessionMeta]:
+        """Delete the anonymous conversations last used before `before` (unix s)."""
+        expired = [m for m in self.list_sessions()
+                   if is_anonymous(m.session_id) and m.updated_at < before]
+        for meta in expired:
+            self.delete_session(meta.tenant, meta.session_id)
+        return expired
 
     # -- reference counts: a block lives while a record names it ---------------------------
 

@@ -27,6 +27,14 @@ import numpy as np
 
 BlockId = NewType("BlockId", bytes)
 
+# A conversation that came with no name is recorded under an id of this form: `~` and 12 hex
+# digits of a hash of its first prompt (worker/lineage.py). Every process tells them apart so.
+ANONYMOUS_PREFIX = "~"
+
+
+def is_anonymous(session_id: str) -> bool:
+    return session_id.startswith(ANONYMOUS_PREFIX)
+
 CHAIN_SEED = b"kvbank/block-chain/v1"
 ID_BYTES = 16
 _MAGIC = b"KVB1"

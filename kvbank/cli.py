@@ -113,7 +113,10 @@ def _coldstore_flags(p: argparse.ArgumentParser) -> None:
             help="cap on stored KV; over it the least recently used sessions' KV is retired "
                  "(their history stays) (default: no cap)")),
            (["--entry-max-bytes"], dict(type=int, default=None,
-            help="largest conversation KV written to SSD (default: no cap)")))
+            help="largest conversation KV written to SSD (default: no cap)")),
+           (["--anonymous-ttl-s"], dict(type=float, default=7 * 86400.0,
+            help="a conversation that came with no name and has not come back for this long "
+                 "is deleted from the store, with an event (default: 7 days)")))
 
 
 def _worker_flags(p: argparse.ArgumentParser) -> None:
@@ -387,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                        max_dirty_s=args.max_dirty_s, tail_delay_s=args.tail_delay_s,
                        payload_stall_s=args.payload_stall_s,
                        limits=limits, metrics_port=args.metrics_port,
-                       fake_slow_disk_s=args.fake_slow_disk_s)
+                       fake_slow_disk_s=args.fake_slow_disk_s,
+                       anonymous_ttl_s=args.anonymous_ttl_s)
         return 0
     if cmd == "shim":
         from router.auth import load_keys

@@ -29,6 +29,7 @@ def usage_dict(u: api_pb2.Usage) -> dict:
         "ttft_s": round(u.ttft_s, 4),
         "queue_s": round(u.queue_s, 4),
         "durable": u.durable,
+        "session_id": u.session_id,
     }
 
 

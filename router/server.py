@@ -26,7 +26,7 @@ from kvbank import metrics
 from kvbank.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.admission import AdmissionQueue, Ceilings, Refusal, check_ceilings
 from router.auth import Unauthenticated, tenant_for
-from router.tokenizer import PromptTokenizer
+from router.tokenizer import AnswerTokens, PromptTokenizer
 from router.validation import InvalidRequest, ValidRequest, validate
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ class Backend:
         self._queue_limits = (max_queue, max_queue_wait_s)
         self._queue: AdmissionQueue | None = None
         self.tokenizer = PromptTokenizer(model_dir)
+        self.answers = AnswerTokens()  # what the model generated, for clients that send it back
         self.channel = grpc.aio.insecure_channel(
             worker_address, options=[("grpc.max_receive_message_length", 64 << 20)])
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
@@ -123,7 +124,8 @@ class Backend:
             if v.append:
                 new = tok.chat_append(history, list(v.messages), set(info.eos_token_ids))
             else:
-                new = tok.chat(list(v.messages))
+                new = tok.chat(list(v.messages),
+                               answer_tokens=lambda text: self.answers.get(tenant, text))
         elif v.kind == "prompt":
             new = tok.encode(v.prompt)
         else:
@@ -201,7 +203,13 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             sampling=sampling, max_tokens=v.max_tokens, no_cache=v.no_cache,
             received_at=received_at, stop=v.stop, tenant=tenant)
         first_at = last_at = None
+        texts: list[str] = []
+        ids: list[int] = []
         async for ev in self.b.stub.Generate(wreq, metadata=((TENANT_KEY, tenant),)):
+            texts.append(ev.text)
+            ids.extend(ev.token_ids)
+            if ev.HasField("usage"):
+                self._remember_answer(tenant, "".join(texts), ids)
             if ev.token_ids:
                 now = time.monotonic()
                 if first_at is None:
@@ -218,6 +226,13 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 out.usage.ttft_s = first_at - t0
                 out.usage.queue_s += queue_s
             yield out
+
+
+    def _remember_answer(self, tenant: str, text: str, ids: list[int]) -> None:
+        """So the next turn can send this answer back as text and still hit its KV. Only an
+        answer whose text is all of its tokens (no stop string cut it) is kept."""
+        if text and ids and self.b.tokenizer.decode(ids) == text:
+            self.b.answers.put(tenant, text, ids)
 
 
 class SessionsServicer(api_pb2_grpc.SessionsServicer):

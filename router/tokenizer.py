@@ -1,19 +1,52 @@
 """Prompt text and chat messages to token ids, with the model's own tokenizer (no weights).
 
-Append mode must extend the committed history token for token, or the cached KV would not
-match. Re-rendering the whole conversation can tokenize the earlier assistant turns
-differently from what the model generated, so we render only what is new: the text a chat
-template puts after an assistant message, up to the next generation prompt.
+A returning turn must extend the committed history token for token, or the cached KV would
+not match. Re-rendering a whole conversation can tokenize the earlier assistant turns
+differently from what the model generated, so:
+- append mode renders only what is new: the text a chat template puts after an assistant
+  message, up to the next generation prompt;
+- a client that sends the whole conversation back (every OpenAI client) gets each assistant
+  message it was answered with spliced in as the tokens the model generated (`AnswerTokens`
+  remembers them by their text), and the template's text around them tokenized in pieces.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from collections import OrderedDict
 from pathlib import Path
+from typing import Callable
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
 _MARK = "\ue000kvbank-assistant-end\ue000"  # private-use characters: never in real text
+ANSWERS_KEPT = 16384
+
+
+class AnswerTokens:
+    """The tokens behind recent answers, by tenant and text (a bounded LRU)."""
+
+    def __init__(self, capacity: int = ANSWERS_KEPT):
+        self.capacity = capacity
+        self._ids: OrderedDict[bytes, np.ndarray] = OrderedDict()
+
+    @staticmethod
+    def _key(tenant: str, text: str) -> bytes:
+        return hashlib.blake2b(f"{tenant}\0{text}".encode(), digest_size=16).digest()
+
+    def put(self, tenant: str, text: str, token_ids: list[int]) -> None:
+        key = self._key(tenant, text)
+        self._ids[key] = np.asarray(token_ids, dtype=np.uint32)
+        self._ids.move_to_end(key)
+        while len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+    def get(self, tenant: str, text: str) -> list[int] | None:
+        ids = self._ids.get(self._key(tenant, text))
+        return None if ids is None else ids.tolist()
 
 
 class PromptTokenizer:
@@ -36,9 +69,31 @@ class PromptTokenizer:
     def render(self, messages: list[dict]) -> str:
         return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-    def chat(self, messages: list[dict]) -> list[int]:
-        """A whole conversation, ready for the assistant's next turn."""
-        return self.encode(self.render(messages))
+    def chat(self, messages: list[dict],
+             answer_tokens: Callable[[str], list[int] | None] | None = None) -> list[int]:
+        """A whole conversation, ready for the assistant's next turn. Assistant messages
+        whose generated tokens `answer_tokens` knows go in as those tokens."""
+        plain = lambda: self.encode(self.render(messages))  # noqa: E731
+        if answer_tokens is None:
+            return plain()
+        spliced: list[list[int]] = []
+        marked = []
+        for m in messages:
+            ids = answer_tokens(m["content"]) if m["role"] == "assistant" else None
+            if ids:
+                m = {**m, "content": f"\ue000kvbank-answer-{len(spliced)}\ue000"}
+                spliced.append(ids)
+            marked.append(m)
+        if not spliced:
+            return plain()
+        text = self.render(marked)
+        out: list[int] = []
+        for i, ids in enumerate(spliced):
+            before, found, text = text.partition(f"\ue000kvbank-answer-{i}\ue000")
+            if not found:  # a template that rewrites assistant content
+                return plain()
+            out += self.encode(before) + ids
+        return out + self.encode(text)
 
     def chat_append(self, history: list[int], messages: list[dict],
                     eos_token_ids: set[int]) -> list[int]:

@@ -191,15 +191,19 @@ class SessionBank:
     # -- commit -----------------------------------------------------------------------------
 
     def insert(self, session: SessionKey, tokens: np.ndarray, layers: Layers,
-               *, durable_tokens: int = 0) -> BankEntry:
+               *, durable_tokens: int = 0, supersede_slack: int = 0) -> BankEntry:
         """Add a finished turn's KV. Entries of the same session that are a prefix of it are
         superseded (the new entry serves every prefix of its own) and leave; entries of a
-        branch stay, as non-terminal."""
+        branch stay, as non-terminal. With `supersede_slack`, an entry the new one covers up
+        to its last `supersede_slack` tokens is superseded too (a client that re-rendered the
+        end of the previous answer differently continues, not branches)."""
         tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
         now = time.monotonic()
         for old in list(self.session_entries(session)):
-            if old.n_tokens <= len(tokens) and np.array_equal(old.tokens, tokens[: old.n_tokens]):
-                durable_tokens = max(durable_tokens, old.durable_tokens)
+            shared = common_prefix_len(old.tokens, tokens)
+            if shared == old.n_tokens or (supersede_slack and old.n_tokens <= len(tokens)
+                                          and shared >= old.n_tokens - supersede_slack):
+                durable_tokens = max(durable_tokens, min(old.durable_tokens, shared))
                 self._remove(old)
         e = BankEntry(
             key=next(self._ids),

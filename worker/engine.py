@@ -41,6 +41,7 @@ from worker.admission import (Pricing, Refused, SchedulerConfig, calibrate,
                               resident_bytes)
 from worker.bank import SessionBank, SessionKey
 from worker.guard import Guard
+from worker.lineage import Lineages, is_anonymous
 from worker.persist import ColdstoreClient, ColdstoreUnavailable, KVWriter
 from worker.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running, make_request_sampler
 from worker.upkeep import Upkeep
@@ -114,6 +115,7 @@ class Engine(Upkeep):
         self.sessions: dict[SessionKey, SessionInfo] = {}
         self.ram_bytes: dict[SessionKey, int] = {}
         self._store: ColdStore | None = None
+        self.lineages = Lineages(root_for=self.root_for, block_tokens=block_tokens)
         self._load_sessions()
         self.coldstore = ColdstoreClient(layout, on_event=self._on_coldstore_event).start()
         self.writer = KVWriter(self.coldstore, block_tokens=block_tokens, root_for=self.root_for,
@@ -136,7 +138,6 @@ class Engine(Upkeep):
         self._pending: deque[GenerateJob] = deque()
         self._deleted_at: dict[SessionKey, float] = {}  # deleted while a turn ran on it
         self._queue: queue.Queue = queue.Queue()
-        self._anon = 0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
         for state in SESSION_STATES:  # counted when scraped
@@ -208,7 +209,9 @@ class Engine(Upkeep):
                 sessions[(meta.tenant, meta.session_id)] = SessionInfo(
                     toks.copy(), meta.durable_tokens, meta.created_at, meta.updated_at)
         self.sessions = sessions
-        logger.info("loaded %d session records from the store", len(sessions))
+        self.lineages.rebuild((k, i.tokens) for k, i in sessions.items())
+        logger.info("loaded %d session records from the store (%d anonymous)", len(sessions),
+                    len(self.lineages))
 
     # -- the queue --------------------------------------------------------------------------
 
@@ -290,13 +293,13 @@ class Engine(Upkeep):
                 f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                 f"model's context of {self.max_context_tokens} tokens")
         tenant = req.tenant
-        session: SessionKey | None = (tenant, req.session_id) if req.session_id else None
+        session = self._conversation(tokens, tenant, req.session_id)
         need = self._price(len(tokens), req.max_tokens)
         try:
             receipt = make_room(bank=self.bank, pricing=self.pricing, budget=self.memory_budget,
                                 need=need, tokens=tokens, tenant=tenant,
                                 solo_need=self.pricing.request_bytes(len(tokens), req.max_tokens),
-                                session_id=req.session_id, running=len(self.batch),
+                                session_id=session[1], running=len(self.batch),
                                 chain_shed=self.admission_chain_shed)
         except Refused as e:
             self._log_admission(req, e.receipt)
@@ -306,15 +309,13 @@ class Engine(Upkeep):
         if receipt.decision == "wait":
             return False
         self._log_admission(req, receipt)
-        if session is None:
-            self._anon += 1
-        bank_key = session or (tenant, f"anon-{self._anon}")
-        info = self.sessions.get(session) if session else None
+        bank_key = session
+        info = self.sessions.get(session)
         self.bank.begin_request(bank_key)
         self.bank.reserve_active(bank_key, need)
         try:
             cache, cached, source = self._restore(tokens, tenant, session, req.no_cache)
-            self._count_restore(req, len(tokens), cached, source)
+            self._count_restore(req, session, len(tokens), cached, source)
             sampling = req.sampling
             seed = sampling.seed if sampling.HasField("seed") else None
             r = Running(job=job, tokens=tokens, bank_key=bank_key, session=session,
@@ -329,7 +330,20 @@ class Engine(Upkeep):
             raise
         return True
 
-    def _count_restore(self, req, n_tokens: int, cached: int, source: int) -> None:
+    def _conversation(self, tokens: np.ndarray, tenant: str, name: str) -> SessionKey:
+        """The conversation this request continues: its name, else the one its tokens extend
+        (worker/lineage.py), else a new anonymous one."""
+        if name:
+            return (tenant, name)
+        found = self.lineages.find(tokens, tenant, self.sessions, self.bank.is_busy)
+        if found is not None:
+            return found
+        return (tenant, self.lineages.new_id(
+            tokens, tenant, lambda k: (k in self.sessions or self.bank.is_busy(k)
+                                       or bool(self.bank.session_entries(k)))))
+
+    def _count_restore(self, req, session: SessionKey, n_tokens: int, cached: int,
+                       source: int) -> None:
         tier = {api_pb2.CACHE_SOURCE_RAM: "ram", api_pb2.CACHE_SOURCE_SSD: "ssd"}.get(source,
                                                                                      "none")
         metrics.PROMPT_TOKENS.inc(n_tokens)
@@ -339,7 +353,7 @@ class Engine(Upkeep):
         metrics.PREFIX_HITS.labels(tier).inc()
         if cached:
             metrics.CACHED_TOKENS.labels(tier).inc(cached)
-            events.emit("kv_restored", tenant=req.tenant, session_id=req.session_id, tier=tier,
+            events.emit("kv_restored", tenant=req.tenant, session_id=session[1], tier=tier,
                         tokens=cached, prompt_tokens=n_tokens)
 
     def _price(self, prompt_tokens: int, max_tokens: int) -> int:
@@ -404,13 +418,14 @@ class Engine(Upkeep):
             ttft_s=(r.first_token_at or time.monotonic()) - r.started,
             queue_s=r.started - r.job.queued_at,
             durable=durable,
+            session_id=r.session[1],
         )
         metrics.GENERATION_TOKENS.inc(len(r.completion))
         metrics.RECOMPUTED_TOKENS.inc(usage.recomputed_tokens)
         r.job.emit(worker_pb2.WorkerGenerateResponse(finish_reason=r.finish, usage=usage))
         r.job.emit(None)
 
-    def _restore(self, tokens: np.ndarray, tenant: str, session: SessionKey | None,
+    def _restore(self, tokens: np.ndarray, tenant: str, session: SessionKey,
                  no_cache: bool) -> tuple[list, int, int]:
         """The request's own cache over the longest known prefix: (cache, tokens, source)."""
         from mlx_lm.models.cache import make_prompt_cache
@@ -432,7 +447,7 @@ class Engine(Upkeep):
             return kv.restore(hit.entry.layers, ram_n), ram_n, api_pb2.CACHE_SOURCE_RAM
         return none
 
-    def _ssd_prefix(self, tokens: np.ndarray, tenant: str, session: SessionKey | None,
+    def _ssd_prefix(self, tokens: np.ndarray, tenant: str, session: SessionKey,
                     better_than: int) -> tuple[kv.Layers, int] | None:
         """The longest prefix whose blocks are committed in LMDB, if it beats `better_than`."""
         store = self.store()
@@ -446,7 +461,7 @@ class Engine(Upkeep):
             n_full += 1
         want = list(ids[:n_full])
         n = n_full * B
-        got = store.get_session(*session) if session else None
+        got = store.get_session(*session)
         if got is not None:
             meta = got[0]
             if meta.tail and len(meta.blocks) == n_full and len(tokens) >= n + meta.tail_tokens:
@@ -476,36 +491,39 @@ class Engine(Upkeep):
 
     # -- commit -----------------------------------------------------------------------------
 
-    def _commit(self, bank_key: SessionKey, session: SessionKey | None, full: np.ndarray,
+    def _commit(self, bank_key: SessionKey, session: SessionKey, full: np.ndarray,
                 cache: list, started: float = 0.0) -> bool:
         """Session record (durable), then bank entry, then the write-behind job.
 
         A session deleted while its turn ran stays deleted: the turn is answered, not kept."""
-        if session is not None and self._deleted_at.get(session, -1.0) >= started:
+        if self._deleted_at.get(session, -1.0) >= started:
             self._deleted_at.pop(session, None)
             return False
         layers = kv.freeze(cache, len(full))
         durable, durable_tokens = False, 0
-        if session is not None:
-            try:
-                reply = self.coldstore.request(
-                    {"op": "put_session", "tenant": session[0], "session_id": session[1],
-                     "block_tokens": self.block_tokens},
-                    [full.tobytes()], timeout_s=RECORD_TIMEOUT_S)
-                durable, durable_tokens = True, reply["durable_tokens"]
-            except ColdstoreUnavailable as e:
-                logger.warning("session %s: turn not durable: %s", session[1], e)
-            now = time.time()
-            old = self.sessions.get(session)
-            self._set_session(session, SessionInfo(full, durable_tokens,
-                                                   old.created_at if old else now, now,
-                                                   recorded=durable))
-        entry = self.bank.insert(bank_key, full, layers, durable_tokens=durable_tokens)
+        try:
+            reply = self.coldstore.request(
+                {"op": "put_session", "tenant": session[0], "session_id": session[1],
+                 "block_tokens": self.block_tokens},
+                [full.tobytes()], timeout_s=RECORD_TIMEOUT_S)
+            durable, durable_tokens = True, reply["durable_tokens"]
+        except ColdstoreUnavailable as e:
+            logger.warning("session %s: turn not durable: %s", session[1], e)
+        now = time.time()
+        old = self.sessions.get(session)
+        self._set_session(session, SessionInfo(full, durable_tokens,
+                                               old.created_at if old else now, now,
+                                               recorded=durable))
+        if is_anonymous(session[1]):
+            self.lineages.set(session, full)
+        entry = self.bank.insert(bank_key, full, layers, durable_tokens=durable_tokens,
+                                 supersede_slack=(self.lineages.slack
+                                                  if is_anonymous(session[1]) else 0))
         events.emit("kv_resident", tenant=bank_key[0], session_id=bank_key[1],
                     tokens=len(full), bytes=entry.nbytes, durable_tokens=durable_tokens)
         if durable:
             self.writer.write_behind(entry)
-        elif session is not None:  # the coldstore is away: record and KV go when it is back
+        else:  # the coldstore is away: record and KV go when it is back
             entry.write_pending = True
         # Over budget, least recently used entries leave, but never one whose SSD write is
         # still queued: it leaves once written (at most --max-dirty-s later).
@@ -555,6 +573,9 @@ class Engine(Upkeep):
 
     def _on_coldstore_event(self, msg: dict) -> None:
         """Progress and completion of write jobs (I/O thread): update snapshots, then the bank."""
+        if msg.get("op") == "retired":
+            self.call(lambda: self.forget_retired(msg))
+            return
         self.writer.on_event(msg)
         if "session_id" not in msg:
             return

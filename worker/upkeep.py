@@ -35,9 +35,25 @@ class Upkeep:
         self.bank.drop_session(session, reason="session_deleted")
         self.coldstore.request({"op": "delete_session", "tenant": session[0],
                                 "session_id": session[1]})
+        self.lineages.drop(session)
         self._set_session(session, None)
         self._refresh_ram_bytes()
         return existed
+
+    def forget_retired(self, msg: dict) -> None:
+        """The coldstore retired a conversation's KV (an anonymous one's whole record): what
+        RAM holds of it is no longer on SSD. A turn committed since then keeps it."""
+        session = (msg["tenant"], msg["session_id"])
+        info = self.sessions.get(session)
+        if info is None or info.updated_at > msg["updated_at"] + 1e-3:
+            return
+        self.bank.mark_durable(session, 0, lowered=True)
+        if msg["removed"] == "record":
+            self.lineages.drop(session)
+            self._set_session(session, None)
+        else:
+            self._set_session(session, replace(info, durable_tokens=0))
+        logger.info("the coldstore retired %s (%s)", session[1], msg["reason"])
 
     def release(self, session: SessionKey, write_out: bool):
         """Move one session's KV out of RAM (Admin.Release); returns the receipt."""

@@ -74,9 +74,10 @@ class OpenAIRequest:
 def parse(kind: str, body: object, *, session_header: str | None) -> OpenAIRequest:
     """A decoded JSON body of /v1/chat/completions (kind "chat") or /v1/completions.
 
-    The session is the `x-session-id` header, else the body's `user`, else none (anonymous).
-    The input is always the whole conversation (append=False), as OpenAI clients send it;
-    kvbank's prefix matching reuses the KV of what it has already seen.
+    The session name is the `x-session-id` header, else `x-smg-routing-key` (what SMG-style
+    gateways send), else the body's `user`, else none: most clients send none, and the worker
+    then finds the conversation by its tokens. The input is always the whole conversation
+    (append=False), as OpenAI clients send it.
     """
     if not isinstance(body, dict):
         raise invalid(None, f"the body must be a JSON object; given {type(body).__name__}")
@@ -239,7 +240,8 @@ def usage_body(u: api_pb2.Usage) -> dict:
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
         "kvbank": {"cache_source": CACHE_SOURCES[u.cache_source],
                    "recomputed_tokens": u.recomputed_tokens, "ttft_s": round(u.ttft_s, 4),
-                   "queue_s": round(u.queue_s, 4), "durable": u.durable},
+                   "queue_s": round(u.queue_s, 4), "durable": u.durable,
+                   "session_id": u.session_id},
     }
 
 

@@ -155,7 +155,8 @@ class Shim:
         try:
             metadata = self.authorize(request)
             req = parse(kind, await _json(request),
-                        session_header=request.headers.get("x-session-id"))
+                        session_header=(request.headers.get("x-session-id")
+                                        or request.headers.get("x-smg-routing-key")))
             call = self.generation.Generate(req.generate, metadata=metadata)
             first = await _unless_hung_up(request, call, _read(call))
             if first is HUNG_UP:
