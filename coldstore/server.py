@@ -16,7 +16,7 @@ Messages are multipart: a JSON header, then raw frames (token ids, block payload
     get_blocks     {req, ids:[hex]}   -> reply + one frame per id (empty: not stored)
     ping           {req}              -> store stats, worker state, the queued jobs
 To the worker, unasked:
-    retired        {tenant, session_id, reason, updated_at}   a record was retired
+    retired        {tenant, session_id, reason, removed, at}   a record was retired
                    (`anonymous_ttl`, `store_cap`); also an event in the event log
 """
 
@@ -80,7 +80,7 @@ class ColdstoreServer:
 
     def _expire(self, now: float) -> None:
         """Anonymous conversations that never came back within --anonymous-ttl-s go."""
-        if now - self._expired_at < EXPIRE_EVERY_S:
+        if now - self._expired_at < min(EXPIRE_EVERY_S, max(0.5, self.anonymous_ttl_s / 2)):
             return
         self._expired_at = now
         self._retired(self.store.expire_anonymous(now - self.anonymous_ttl_s), "anonymous_ttl")
@@ -95,7 +95,7 @@ class ColdstoreServer:
             metrics.CS_RETIRED.labels(reason).inc()
             self._send(WORKER_PEER, {"op": "retired", "tenant": m.tenant,
                                      "session_id": m.session_id, "reason": reason,
-                                     "removed": gone, "updated_at": m.updated_at})
+                                     "removed": gone, "at": time.time()})
 
     # -- the loop ---------------------------------------------------------------------------
 

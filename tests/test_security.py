@@ -176,6 +176,28 @@ def test_no_prefix_hit_across_tenants_from_ssd(alice, bob):
     assert again.cached_tokens >= 3 * BLOCK_TOKENS
 
 
+def test_no_anonymous_hit_across_tenants_from_ram_or_ssd(alice, bob):
+    """Without names too: alice's conversation, found by its tokens, on SSD and out of RAM,
+    restores nothing for bob's identical prompt, and is alice's again."""
+    prompt = _unique_prompt()
+    first = alice.generate(prompt, max_tokens=2)
+    assert first.session_id.startswith("~") and first.durable
+    assert alice.wait_durable(first.session_id).durable_tokens >= 3 * BLOCK_TOKENS
+
+    theirs = bob.generate(prompt, max_tokens=2)
+    assert theirs.cached_tokens == 0 and theirs.cache_source == api_pb2.CACHE_SOURCE_NONE
+    assert theirs.session_id not in alice.list() and first.session_id not in bob.list()
+
+    assert alice.release(first.session_id).released_entries > 0
+    assert bob.release(theirs.session_id).released_entries > 0
+    theirs = bob.generate(prompt + [7], max_tokens=2)
+    assert theirs.cache_source == api_pb2.CACHE_SOURCE_SSD  # bob's own, now on SSD
+    assert alice.release(first.session_id).released_entries == 0
+    again = alice.generate(prompt + [7], max_tokens=2)
+    assert again.cache_source == api_pb2.CACHE_SOURCE_SSD
+    assert again.cached_tokens >= 3 * BLOCK_TOKENS
+
+
 def test_no_prefix_hit_across_tenants_through_the_shim(keyed):
     def ask(key: str):
         c = openai.OpenAI(base_url=keyed.shim_url + "/v1", api_key=key, max_retries=0)

@@ -45,7 +45,7 @@ class Upkeep:
         RAM holds of it is no longer on SSD. A turn committed since then keeps it."""
         session = (msg["tenant"], msg["session_id"])
         info = self.sessions.get(session)
-        if info is None or info.updated_at > msg["updated_at"] + 1e-3:
+        if info is None or info.updated_at > msg["at"]:
             return
         self.bank.mark_durable(session, 0, lowered=True)
         if msg["removed"] == "record":

@@ -79,6 +79,9 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot-dir", type=Path, default=None,
                    help="write TTFT plots (PNG) here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--session-ids", action="store_true",
+                   help="name each conversation (`user` and `x-session-id`); by default none "
+                        "is sent, as most OpenAI clients send none")
 
 
 def execute(scenario, target, *, run_id: str, max_wall_s: float, request_timeout_s: float,

@@ -6,8 +6,9 @@
   and the server's own count of recomputed tokens.
 - `openai://HOST:PORT[/PREFIX]` (or `openai://http://...`, `openai://https://...`): any
   OpenAI-compatible server: kvbank's shim, `mlx_lm.server`, others. `POST
-  {base}/v1/chat/completions` with `stream: true` and `stream_options.include_usage`; the
-  agent id goes in `user`, the session id in the `x-session-id` header. Cached tokens come from
+  {base}/v1/chat/completions` with `stream: true` and `stream_options.include_usage`; with
+  `names` the agent id goes in `user` and the session id in the `x-session-id` header, without
+  (as most real clients send) neither. Cached tokens come from
   `usage.prompt_tokens_details.cached_tokens` when the server gives them.
 
 TTFT is measured here, for both: from just before the request is sent to the first non-empty
@@ -121,10 +122,12 @@ def _grpc_failure(e: grpc.RpcError, total_s: float) -> Reply:
 
 
 class OpenAITarget:
-    def __init__(self, url: str, base_url: str, model_name: str | None = None):
+    def __init__(self, url: str, base_url: str, model_name: str | None = None,
+                 names: bool = True):
         self.url = url
         self.base_url = base_url.rstrip("/")
         self.model_name = model_name
+        self.names = names
         self.http = httpx.Client(timeout=httpx.Timeout(30.0, connect=10.0))
 
     def _api(self, path: str) -> str:
@@ -152,14 +155,17 @@ class OpenAITarget:
              timeout_s: float) -> Reply:
         body = {"model": self.model_name or "default_model", "messages": messages,
                 "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                "stream_options": {"include_usage": True}, "user": agent_id}
+                "stream_options": {"include_usage": True}}
+        headers = {}
+        if self.names:
+            body["user"], headers["x-session-id"] = agent_id, session_id
         t0 = time.monotonic()
         first: float | None = None
         text: list[str] = []
         usage: dict = {}
         try:
             with self.http.stream("POST", self._api("/chat/completions"), json=body,
-                                  headers={"x-session-id": session_id},
+                                  headers=headers,
                                   timeout=httpx.Timeout(timeout_s, connect=10.0)) as r:
                 if r.status_code != 200:
                     r.read()
@@ -221,7 +227,7 @@ def _http_failure(r: httpx.Response, total_s: float) -> Reply:
     return Reply(status, total_s=total_s, reason=f"HTTP {r.status_code}", message=message)
 
 
-def parse_target(url: str, *, model_name: str | None = None) -> Target:
+def parse_target(url: str, *, model_name: str | None = None, names: bool = True) -> Target:
     """A target from its URL; raises ValueError for one this does not know."""
     scheme, sep, rest = url.partition("://")
     if not sep or not rest:
@@ -235,5 +241,5 @@ def parse_target(url: str, *, model_name: str | None = None) -> Target:
         base = rest if rest.startswith(("http://", "https://")) else "http://" + rest
         if not urlsplit(base).netloc:
             raise ValueError(f"openai target needs a host; given: {url!r}")
-        return OpenAITarget(url, base, model_name)
+        return OpenAITarget(url, base, model_name, names=names)
     raise ValueError(f"target must be grpc://HOST:PORT or openai://URL; given: {url!r}")
