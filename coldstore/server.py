@@ -270,10 +270,17 @@ class ColdstoreServer:
         return None
 
     def _op_cancel(self, peer, head, frames):
+        """A write-behind that is cancelled keeps what it committed; a write-out (a release
+        that gave up on it) is all or nothing, so its blocks are taken back."""
         job = self.lanes.cancel(head["job"])
         if job is not None:
-            self._send(job.peer, {"op": "done", "job": job.job_id, "outcome": "cancelled",
-                                  "durable_tokens": job.durable_tokens})
+            if job.give_up_at is not None:
+                self._take_back(job)
+            msg = {"op": "done", "job": job.job_id, "outcome": "cancelled", "tenant": job.tenant,
+                   "session_id": job.session_id, "durable_tokens": job.durable_tokens}
+            if job.taken_back:
+                msg["taken_back"] = True
+            self._send(job.peer, msg)
         return None
 
     # -- writing ----------------------------------------------------------------------------

@@ -131,7 +131,8 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
            (["--restore-via"], dict(choices=("direct", "coldstore"), default="direct",
             help="read SSD KV straight from the LMDB map (read-only, zero-copy) or through the "
                  "coldstore process (default: %(default)s, the faster here)")),
-           (["--scheduler"], dict(choices=("batch", "serial", "hyper"), default="batch",
+           (["--scheduler-mode", "--scheduler"], dict(choices=("batch", "serial", "hyper"),
+                                                       default="batch",
             help="batch: admitted requests progress together (prefill chunks interleaved, "
                  "decode batched); serial: one at a time, FIFO; hyper: exactly one admitted "
                  "request, nothing shares the machine (default: %(default)s)")),
@@ -256,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     stp.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
     stp.add_argument("--every", type=float, default=2.0, help="seconds between redraws")
     stp.add_argument("--json", action="store_true")
+    stp.add_argument("--evictions", action="store_true",
+                     help="the bank's eviction log: each entry that left RAM, its reason, and "
+                          "a release's write outcome and seconds")
 
     adm = sub.add_parser("admin", help="operator tools (over the router's Admin service)")
     _address(adm)
@@ -342,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from worker.admission import SchedulerConfig
 
-        SchedulerConfig.from_flags(args.scheduler, args.max_active_requests)  # refuse at start
+        SchedulerConfig.from_flags(args.scheduler_mode, args.max_active_requests)  # refuse at start
         model = _prepare_model(args.model)
         return Supervisor(model=model, layout=Layout(args.data_dir), host=args.host,
                           port=args.port, shim_port=args.shim_port,
@@ -368,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from worker.admission import SchedulerConfig
 
-        sched = SchedulerConfig.from_flags(args.scheduler, args.max_active_requests)
+        sched = SchedulerConfig.from_flags(args.scheduler_mode, args.max_active_requests)
         worker_main(args.model, Layout(args.data_dir), block_tokens=args.block_tokens,
                     bank_bytes=args.bank_bytes, staging_max_bytes=args.staging_max_bytes,
                     restore_via=args.restore_via, scheduler=sched,
@@ -403,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "status":
         from kvbank.status import run_status
 
-        return run_status(args.address, watch=args.watch, every_s=args.every, as_json=args.json)
+        return run_status(args.address, watch=args.watch, every_s=args.every, as_json=args.json,
+                          show_evictions=args.evictions)
     if cmd == "admin":
         from kvbank.admin import run_admin
 

@@ -28,6 +28,9 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
              grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
              grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 PROCESSES = ("worker", "coldstore", "router")
+# An agent compacts (starts a new conversation) before its history passes this many tokens,
+# as a real agent does, so it stays inside the model's context (the tiny model's is 2,048).
+COMPACT_AT_TOKENS = 1500
 
 
 @dataclass
@@ -65,6 +68,7 @@ class Run:
         self.rng = random.Random(seed)
         self.report = Report(seed)
         self.acked: dict[str, list[int]] = {}  # session -> its record when a turn was acked
+        self.current: dict[int, str] = {}  # agent -> the conversation it is on
         # session -> when the worker died with some of its KV on SSD: the first turn started
         # after that restores from SSD (RAM starts empty)
         self.expect_ssd: dict[str, float] = {}
@@ -84,19 +88,24 @@ class Run:
 
     def _agent(self, i: int) -> None:
         rng = np.random.default_rng(self.report.seed * 1000 + i)
-        session = f"agent-{i}"
+        session, compactions, history = f"agent-{i}", 0, 0
         turn = 0
         with self.stack.client() as c:
-            # At least `turns` turns, on until the killer is done (or 10x that), and one more
+            # At least `turns` turns, on until the killer is done (or 100x that), and one more
             # when a worker kill left this conversation to come back from SSD.
             while (turn < self.turns or session in self.expect_ssd
-                   or (not self.killer_done.is_set() and turn < 10 * self.turns)):
+                   or (not self.killer_done.is_set() and turn < 100 * self.turns)):
                 turn += 1
                 new = rng.integers(1000, 20000, int(rng.integers(20, 60))).tolist()
+                if history + len(new) + 6 > COMPACT_AT_TOKENS and session not in self.expect_ssd:
+                    compactions += 1  # the agent compacts: a new conversation from here
+                    session, history = f"agent-{i}-c{compactions}", 0
+                self.current[i] = session
                 got = self._turn_with_retries(c, session, new)
                 if got is None:
                     return
                 t, before, started_at = got
+                history = len(before) + len(new) + len(t.token_ids) + 1
                 record = self._retry(lambda: list(c.get_session(session).token_ids))
                 with self.lock:
                     self.report.turns_acknowledged += 1
@@ -187,9 +196,12 @@ class Run:
             self.check_records()
 
     def _durable_sessions(self) -> set[str]:
+        """The conversations agents are on whose KV is (partly) on SSD."""
+        current = set(self.current.values())
         with self.stack.client() as c:
             try:
-                return {s.session_id for s in c.list_sessions() if s.durable_tokens > 0}
+                return {s.session_id for s in c.list_sessions()
+                        if s.durable_tokens > 0 and s.session_id in current}
             except grpc.RpcError:
                 return set()
 

@@ -1,7 +1,8 @@
 """`kvbank status`: where every conversation's KV is, and the tiers, budgets and pressure.
 
 One table of sessions (state, tokens, bytes in RAM, durable up to, dirty age, last use) and
-one of the worker's memory; `--watch` redraws every `--every` seconds; `--json` prints both.
+one of the worker's memory; `--evictions` shows the bank's eviction log instead; `--watch`
+redraws every `--every` seconds; `--json` prints the same as JSON.
 """
 
 from __future__ import annotations
@@ -34,6 +35,25 @@ def snapshot(c: Client) -> dict:
     return {"sessions": [MessageToDict(s, always_print_fields_with_no_presence=True)
                          for s in c.list_sessions()],
             "worker": MessageToDict(c.status(), always_print_fields_with_no_presence=True)}
+
+
+def evictions(c: Client) -> list[dict]:
+    return [json.loads(x) for x in c.status().recent_evictions_json]
+
+
+def render_evictions(c: Client) -> Table:
+    """The bank's eviction log: who left RAM, why, and what a release's write did."""
+    now = time.time()
+    t = Table(title="evictions (newest last)", title_justify="left")
+    for col in ("ago", "session", "reason", "tokens", "RAM", "on SSD", "write-out", "write s"):
+        t.add_column(col, justify="left" if col in ("session", "reason", "write-out")
+                     else "right")
+    for e in evictions(c):
+        t.add_row(_ago(e["at"], now), e["session_id"], e["reason"], str(e["prefix_tokens"]),
+                  _mb(e["nbytes"]), "yes" if e["durable"] else "no",
+                  e["release_write_out"] or "-",
+                  "-" if e["write_out_s"] is None else f"{e['write_out_s']:.2f}")
+    return t
 
 
 def render(c: Client):
@@ -76,19 +96,24 @@ def render(c: Client):
     return Group(sessions, memory, tiers)
 
 
-def run_status(address: str, *, watch: bool, every_s: float, as_json: bool) -> int:
+def run_status(address: str, *, watch: bool, every_s: float, as_json: bool,
+               show_evictions: bool = False) -> int:
+    draw = render_evictions if show_evictions else render
     try:
         with Client(address) as c:
             if as_json:
-                print(json.dumps(snapshot(c)))
+                print(json.dumps(evictions(c) if show_evictions else snapshot(c)))
                 return 0
             if not watch:
-                Console().print(render(c))
+                console = Console()
+                if not console.is_terminal:  # a pipe or a file: do not squeeze to 80 columns
+                    console = Console(width=160)
+                console.print(draw(c))
                 return 0
-            with Live(render(c), refresh_per_second=4) as live:
+            with Live(draw(c), refresh_per_second=4) as live:
                 while True:
                     time.sleep(every_s)
-                    live.update(render(c))
+                    live.update(draw(c))
     except grpc.RpcError as e:
         print(f"kvbank status: {address}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1

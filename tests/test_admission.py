@@ -52,8 +52,10 @@ def _sessions(c):
 
 @pytest.fixture
 def idle_stack(tiny_model, tmp_path, cache_dir):
-    """Conversations count as idle as soon as their turn ends."""
-    s = _stack(tiny_model, tmp_path, cache_dir, "--active-pin-s", "0")
+    """The default active pin (600 s): every conversation here was used a moment ago, and
+    still a pressure trim may take it once its request has ended (the pin orders the LRU; it
+    does not veto a trim)."""
+    s = _stack(tiny_model, tmp_path, cache_dir)
     yield s
     s.stop()
 
@@ -125,20 +127,32 @@ def test_critical_takes_every_idle_entry_and_counts_the_unwritten(idle_stack):
         assert t.usage["cache_source"] == "none" and t.usage["recomputed_tokens"] > 0
 
 
-def test_an_active_conversation_is_never_trimmed(tiny_model, tmp_path, cache_dir):
-    s = _stack(tiny_model, tmp_path, cache_dir)  # default pin: active for 600 s after a turn
-    try:
-        with s.client() as c:
-            _turn(c, "active", 100, seed=10)
-            held = _sessions(c)["active"].ram_bytes
-            c.set_pressure("critical")
-            r = _wait_receipt(c, "pressure_trim")
-            assert r["bank_entries_evicted"] == 0
-            assert r["bytes_after"] >= held > 0  # over the critical target, and it stays
-            t = _turn(c, "active", 8, seed=11)
-            assert t.usage["cache_source"] == "ram"
-    finally:
-        s.stop()
+def test_critical_spares_only_a_conversation_with_a_request_in_flight(idle_stack):
+    """The seed: at critical the trim takes everything idle, recently used or not; only a
+    conversation whose request is running keeps its KV, and it comes back from RAM."""
+    with idle_stack.client() as c:
+        _turn(c, "recent", 60, seed=10)
+        _turn(c, "running", 100, seed=11)
+        held = _sessions(c)["running"].ram_bytes
+        first_text = threading.Event()
+        done = {}
+
+        def long_request():
+            with idle_stack.client() as c2:
+                done["turn"] = _turn(c2, "running", 8, seed=12, max_tokens=1500,
+                                     on_text=lambda _: first_text.set())
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        assert first_text.wait(60), "the long request never streamed"
+        c.set_pressure("critical")
+        r = _wait_receipt(c, "pressure_trim")
+        t.join(120)
+        assert r["level"] == "critical" and r["bank_entries_evicted"] == 1
+        assert r["bytes_after"] >= held > 0  # over the critical target: the running one stays
+        s = _sessions(c)
+        assert s["recent"].ram_bytes == 0
+        assert done["turn"].usage["cache_source"] == "ram"
 
 
 def test_a_prompt_that_needs_room_releases_an_idle_conversation_after_writing_it(
@@ -167,7 +181,14 @@ def test_a_prompt_that_needs_room_releases_an_idle_conversation_after_writing_it
             assert big.usage["completion_tokens"] > 0
             r = [x for x in _receipts(c, "admission") if x["released_sessions"]][-1]
             assert r["released_sessions"] == 1 and r["written_out"] == 1
-            assert r["decision"] == "admitted"
+            assert r["decision"] == "admitted" and r["write_out_s"] > 0
+            # The release step's own receipt and the eviction log leave the process too.
+            rel = _receipts(c, "release_write_out")[-1]
+            assert [row["session_id"] for row in rel["rows"]] == ["older"]
+            assert rel["written_out_entries"] == 1 and rel["write_out_s"] == r["write_out_s"]
+            (ev,) = [e for e in map(json.loads, c.status().recent_evictions_json)
+                     if e["session_id"] == "older"]
+            assert ev["release_write_out"] == "written" and ev["write_out_s"] > 0
             older = _sessions(c)["older"]
             assert older.state == "cold" and older.durable_tokens == older.token_count
 
@@ -225,9 +246,28 @@ def test_a_full_queue_refuses_with_retry_after(tiny_model, tmp_path, cache_dir):
         s.stop()
 
 
+def test_router_ceilings_refuse_at_once_naming_the_flag(tiny_model, tmp_path, cache_dir):
+    s = _stack(tiny_model, tmp_path, cache_dir, "--max-prompt-tokens", "50",
+               "--max-request-tokens", "80")
+    try:
+        with s.client() as c:
+            for n, max_tokens, flag in ((60, 4, "--max-prompt-tokens"),
+                                        (40, 50, "--max-request-tokens")):
+                err = rpc_error(lambda: c.generate(token_ids=list(range(1000, 1000 + n)),
+                                                   max_tokens=max_tokens))
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert flag in err.details(), err.details()
+            ok = c.generate(token_ids=list(range(1000, 1040)), max_tokens=30)
+            assert ok.usage["completion_tokens"] > 0
+            # Refused at the router: the worker priced only the request that fits.
+            assert len(_receipts(c, "admission")) == 1
+    finally:
+        s.stop()
+
+
 def test_hyper_refuses_a_flag_that_would_allow_more_at_start(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kvbank.cli", "up", "--data-dir",
-                          str(tmp_path / "d"), "--scheduler", "hyper",
+                          str(tmp_path / "d"), "--scheduler-mode", "hyper",
                           "--max-active-requests", "2"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode != 0

@@ -128,9 +128,11 @@ def test_protect_active_keeps_active_session_above_target():
     assert n == 2
     assert list(bank.entries.values()) == [active]
     assert bank.total_nbytes == 2400 > bank.effective_max_bytes
+    assert receipt.pop("at") > 0
     assert receipt == {"reason": "dynamic_ceiling", "target_bytes": 1000, "evicted_entries": 2,
                        "evicted_bytes": 2400, "unwritten_kept": 0, "unwritten_dropped": 0,
-                       "bytes_after": 2400}
+                       "bytes_after": 2400, "kind": "shrink_to_bytes"}
+    assert bank.receipts[-1].evicted_entries == 2  # it left the bank as a receipt too
     check_invariants(bank)
 
 
@@ -237,7 +239,7 @@ def test_admission_takes_non_terminal_first_then_terminal_never_restore_source_o
     got = bank.shrink_for_admission(0, protect_tokens=incoming, reason="admission",
                                     tenant=TENANT)
 
-    assert got == (1, 3)
+    assert (got.non_terminal_evicted, got.terminal_evicted) == (1, 3)
     assert log_ids(bank) == ["A", "B", "A", "C"]
     assert [ev.prefix_tokens for ev in bank.eviction_log] == [9, 9, 10, 10]  # A1, B, A2, C2
     assert set(bank.entries) == {e["C1"].key, e["D1"].key, e["D2"].key}
@@ -250,12 +252,12 @@ def test_admission_prefers_a_newer_non_terminal_over_an_older_terminal():
     bank, e = _branch_bank()
     target = bank.total_nbytes - 800  # one entry must go
     got = bank.shrink_for_admission(target, protect_tokens=None, reason="admission")
-    assert got == (1, 0)
+    assert (got.non_terminal_evicted, got.terminal_evicted) == (1, 0)
     assert [(ev.session_id, ev.prefix_tokens) for ev in bank.eviction_log] == [("A", 9)]
     assert e["B"].key in bank.entries and e["A1"].key not in bank.entries
 
     got = bank.shrink_for_admission(target - 800, protect_tokens=None, reason="admission")
-    assert got == (1, 0)  # C1 (D1 is busy)
+    assert (got.non_terminal_evicted, got.terminal_evicted) == (1, 0)  # C1 (D1 is busy)
     assert log_ids(bank) == ["A", "C"]
     check_invariants(bank)
 
@@ -506,7 +508,7 @@ def test_release_all_idle_sessions_durable_first_then_lru():
     """Releasing idle conversations frees those already on SSD first (nothing lost), then the
     least recently used; a conversation mid-request and a kept one stay whole."""
     bank = _release_bank()
-    r = bank.release_sessions(None, reason="idle_release", keep_session_ids=["keep"],
+    r = bank.release_sessions(None, reason="idle_release", keep_sessions=[(TENANT, "keep")],
                               write_out_before_release=False)
 
     rows = [(w.session_id, w.entries, w.held_bytes, w.on_ssd_entries, w.dropped_entries,

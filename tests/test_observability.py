@@ -84,6 +84,10 @@ def test_metrics_events_status_and_admin_follow_a_conversation(tiny_model, tmp_p
         assert _get(cs, "kvbank_coldstore_written_bytes_total") > 0
         assert _get(w, "kvbank_sessions", state="cold") == 1
 
+        (ev,) = json.loads(_kvbank(s, "status", "--evictions", "--json"))
+        assert ev["session_id"] == "obs" and ev["reason"] == "admin_release" and ev["durable"]
+        assert "admin_release" in _kvbank(s, "status", "--evictions")
+
         kinds = [e["kind"] for e in _events(s)]
         assert kinds.count("kv_resident") == 2 and kinds.count("kv_restored") == 1
         assert kinds.count("kv_durable") == 1

@@ -247,8 +247,9 @@ def test_ledger_counts_entries_running_requests_and_staged_bytes(rig):
                                  "staged_bytes": 0, "held_bytes": e.nbytes}
 
 
-def test_staging_at_its_cap_makes_the_producer_wait_for_the_coldstore(rig):
-    """Bounded staging: the second hand-over waits until the first is on SSD; none is lost."""
+def test_staging_at_its_cap_puts_the_hand_over_off_and_keeps_the_entry_protected(rig):
+    """Bounded staging, without stalling the engine: at the cap the second hand-over waits in
+    RAM marked to be sent again, protected from trims, and goes once the first is on SSD."""
     first = rig.turn("s1", 40, seed=21, write=False)
     rig.writer.write_behind(first)
     assert rig.writer.staged_bytes > 0
@@ -256,12 +257,55 @@ def test_staging_at_its_cap_makes_the_producer_wait_for_the_coldstore(rig):
     assert rig.durable_on_disk("s1") == 0  # busy: the idle lane has not written it
 
     second = rig.turn("s2", 40, seed=22, write=False)
-    rig.writer.write_behind(second)  # at the cap: waits (and says quiet while it waits)
+    t0 = time.monotonic()
+    assert rig.writer.write_behind(second) is None  # at the cap: nothing handed over...
+    assert time.monotonic() - t0 < 1.0  # ...and no wait on the caller's thread
+    assert rig.writer.staging_deferred == 1
+    assert second.write_pending and second.awaits_queued_write
 
-    assert rig.writer.staging_waits == 1
-    assert rig.durable_on_disk("s1") == 40  # the wait ended because the first reached SSD
-    assert rig.writer.staged_bytes <= rig.writer.staging_max_bytes
-    deadline = time.monotonic() + 20
-    while rig.durable_on_disk("s2") < 40:  # and the second was handed over, not dropped
-        assert time.monotonic() < deadline, "the second entry never reached SSD"
+    receipt: dict = {}
+    rig.bank.shrink_to_bytes(0, reason="bank_budget", protect_unwritten=True,
+                             receipt_out=receipt)
+    assert second.key in rig.bank.entries and receipt["unwritten_kept"] == 2
+
+    rig.let_idle_lane_write(first)  # the coldstore drains: room again
+    deadline = time.monotonic() + 10
+    while not rig.writer.has_room(second.nbytes):
+        assert time.monotonic() < deadline, "staged bytes never released after the commit"
         time.sleep(0.05)
+    assert rig.writer.write_behind(second) is not None  # what Engine.retry_writes does
+    rig.let_idle_lane_write(second)
+    assert rig.durable_on_disk("s2") == 40 and not second.write_pending
+
+
+@pytest.fixture
+def slow_rig(tmp_path, model):
+    """The rig over a coldstore whose every block commit takes 0.8 s (a stand-in disk)."""
+    layout = Layout(tmp_path / "slow").ensure()
+    proc = subprocess.Popen([sys.executable, "-m", "kvbank.cli", "coldstore", "--data-dir",
+                             str(layout.data_dir), "--max-dirty-s", "3600",
+                             "--tail-delay-s", "0", "--fake-slow-disk-s", "0.8"])
+    deadline = time.monotonic() + 30
+    while not _zmq_ping(layout.coldstore_address):
+        assert proc.poll() is None and time.monotonic() < deadline, "coldstore did not start"
+    r = Rig(layout, model)
+    yield r
+    r.close()
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_one_release_of_two_sessions_ends_at_its_deadline_and_counts_what_missed(slow_rig):
+    """RELEASE_WRITE_OUT_MAX_S bounds the whole release, not each write: two conversations of
+    ~10 blocks each on a slow disk, a 1 s deadline, one release."""
+    for i, sid in enumerate(("w1", "w2")):
+        slow_rig.turn(sid, 160, seed=30 + i)
+    t0 = time.monotonic()
+    r = slow_rig.bank.release_sessions(None, reason="admission", write_out_before_release=True,
+                                       max_write_out_s=1.0)
+    took = time.monotonic() - t0
+    assert took < 1.0 + 0.3, f"the release took {took:.2f} s against a 1 s deadline"
+    assert r.released_entries == 2 and r.written_out_entries == 0
+    assert r.unwritten_dropped == 2
+    assert [e.release_write_out for e in slow_rig.bank.eviction_log] == ["deadline"] * 2
+    assert 0.9 <= r.write_out_s < 1.3

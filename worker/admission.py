@@ -29,17 +29,17 @@ class SchedulerConfig:
     def from_flags(cls, mode: str, max_active: int | None) -> "SchedulerConfig":
         """Checked at start: a flag that contradicts the mode stops the process, naming it."""
         if mode not in SCHEDULERS:
-            raise SystemExit(f"--scheduler {mode}: choose one of {', '.join(SCHEDULERS)}")
+            raise SystemExit(f"--scheduler-mode {mode}: choose one of {', '.join(SCHEDULERS)}")
         if max_active is not None and max_active < 1:
             raise SystemExit(f"--max-active-requests {max_active}: must be at least 1")
         if mode == "hyper" and max_active not in (None, 1):
-            raise SystemExit(f"--scheduler hyper runs exactly one request at a time; "
+            raise SystemExit(f"--scheduler-mode hyper runs exactly one request at a time; "
                              f"--max-active-requests {max_active} would allow more: drop it "
-                             f"or use --scheduler batch")
+                             f"or use --scheduler-mode batch")
         if mode == "serial" and max_active not in (None, 1):
-            raise SystemExit(f"--scheduler serial runs one request at a time (FIFO); "
+            raise SystemExit(f"--scheduler-mode serial runs one request at a time (FIFO); "
                              f"--max-active-requests {max_active} would allow more: drop it "
-                             f"or use --scheduler batch")
+                             f"or use --scheduler-mode batch")
         if max_active is None:
             max_active = DEFAULT_BATCH_ACTIVE if mode == "batch" else 1
         return cls(mode, max_active)
@@ -217,7 +217,9 @@ class AdmissionReceipt:
     shed_non_terminal: int = 0
     shed_terminal: int = 0
     released_sessions: int = 0
+    shed_target_bytes: int | None = None  # the bank size step 4 shed to (chain shed: lower)
     written_out: int = 0
+    write_out_s: float = 0.0  # its release step's writes
     decision: str = "admitted"  # admitted | wait | refused
     reason: str = ""
     verdict: str = ""
@@ -258,15 +260,19 @@ def make_room(*, bank, pricing: Pricing, budget: int, need: int, solo_need: int,
         shed_target = target()
         if chain_shed:  # the admission-chain policy: shed what the chain will need too
             shed_target = max(0, shed_target - pricing.cache_bytes(len(tokens)))
-        r.shed_non_terminal, r.shed_terminal = bank.shrink_for_admission(
+        r.shed_target_bytes = shed_target
+        shed = bank.shrink_for_admission(
             shed_target, protect_tokens=tokens, reason="admission_shed", tenant=tenant,
-            protect_session_ids=(session_id,) if session_id else (), protect_unwritten=True)
-    # 5. release idle conversations, writing their KV to SSD first
+            protect_sessions=[(tenant, session_id)], protect_unwritten=True)
+        r.shed_non_terminal, r.shed_terminal = shed.non_terminal_evicted, shed.terminal_evicted
+    # 5. release idle conversations, writing their KV to SSD first; never the request's own
+    #    conversation, nor the entry its prompt restores from (whoever's it is)
     if free() < need:
         rel = bank.release_sessions(target(), reason="admission_release",
-                                    keep_session_ids=(session_id,) if session_id else (),
+                                    keep_sessions=[(tenant, session_id)], protect_keys=source,
                                     write_out_before_release=True)
         r.released_sessions, r.written_out = len(rel.rows), rel.written_out_entries
+        r.write_out_s = rel.write_out_s
     r.free_after = free()
     if r.free_after >= need:
         return r

@@ -12,7 +12,7 @@ Eviction order (who leaves first), kept by `_eviction_order`:
   2. within a class, least recently used first.
 Protections are filters on top of that order, never reorderings: `protect_active` skips
 active sessions, `protect_unwritten` skips entries whose own SSD write is still queued,
-`protect_keys` / `protect_session_ids` skip what the caller names.
+`protect_keys` (entries) / `protect_sessions` (tenant, session id) skip what the caller names.
 
 The bank owns one byte ledger (`total_nbytes`), changed only in `_add` and `_remove`.
 The bank runs on the worker's engine thread: no locks.
@@ -87,16 +87,35 @@ class Eviction:
     durable: bool
     release_write_out: str | None = None  # written | deadline | refused | error
     write_out_s: float | None = None
+    tenant: str = ""
 
 
 @dataclass
 class ShrinkReceipt:
+    """`shrink_to_bytes`: what the LRU trim took and kept."""
+
     reason: str
     target_bytes: int
+    kind: str = "shrink_to_bytes"
+    at: float = field(default_factory=time.time)
     evicted_entries: int = 0
     evicted_bytes: int = 0
     unwritten_kept: int = 0
     unwritten_dropped: int = 0
+    bytes_after: int = 0
+
+
+@dataclass
+class ShedReceipt:
+    """`shrink_for_admission`: abandoned branches first, then whole idle turns."""
+
+    reason: str
+    target_bytes: int
+    kind: str = "shrink_for_admission"
+    at: float = field(default_factory=time.time)
+    non_terminal_evicted: int = 0
+    terminal_evicted: int = 0
+    evicted_bytes: int = 0
     bytes_after: int = 0
 
 
@@ -114,6 +133,7 @@ class SessionBank:
         self.entries: dict[int, BankEntry] = {}
         self.total_nbytes = 0
         self.eviction_log: deque[Eviction] = deque(maxlen=log_size)
+        self.receipts: deque = deque(maxlen=256)  # every policy receipt that did something
         self._index: dict[BlockId, set[int]] = {}
         self._by_session: dict[SessionKey, set[int]] = {}
         self._in_flight: dict[SessionKey, int] = {}
@@ -288,6 +308,12 @@ class SessionBank:
 
     # -- policies ---------------------------------------------------------------------------
 
+    def _record(self, receipt) -> None:
+        """A policy's receipt leaves the process: the Status RPC reads `receipts`, and the
+        event log gets it as one line."""
+        self.receipts.append(receipt)
+        events.emit(**asdict(receipt))
+
     def _eviction_order(self, now: float) -> list[BankEntry]:
         return sorted(self.entries.values(),
                       key=lambda e: (self.is_active(e.session, now), e.last_used))
@@ -299,7 +325,7 @@ class SessionBank:
         self.eviction_log.append(Eviction(
             at=time.time(), reason=reason, session_id=e.session[1], prefix_tokens=e.n_tokens,
             nbytes=e.nbytes, durable=durable, release_write_out=write_out,
-            write_out_s=write_out_s,
+            write_out_s=write_out_s, tenant=e.session[0],
         ))
         metrics.EVICTIONS.labels(reason).inc()
         if write_out is not None:
@@ -318,7 +344,7 @@ class SessionBank:
 
     def shrink_to_bytes(self, target_bytes: int, *, reason: str, protect_active: bool = False,
                         protect_unwritten: bool = False, protect_keys: Iterable[int] = (),
-                        protect_session_ids: Iterable[str] = (),
+                        protect_sessions: Iterable[SessionKey] = (),
                         receipt_out: dict | None = None) -> int:
         """Evict in eviction order until the bank holds <= target_bytes. Returns entries evicted.
 
@@ -328,12 +354,12 @@ class SessionBank:
         target and counts them in `unwritten_kept`.
         """
         r = ShrinkReceipt(reason=reason, target_bytes=target_bytes)
-        protect_keys, protect_sids = set(protect_keys), set(protect_session_ids)
+        protect_keys, protect_sessions = set(protect_keys), set(protect_sessions)
         now = time.monotonic()
         for e in self._eviction_order(now):
             if self.total_nbytes <= target_bytes:
                 break
-            if e.key in protect_keys or e.session[1] in protect_sids or self.is_busy(e.session):
+            if e.key in protect_keys or e.session in protect_sessions or self.is_busy(e.session):
                 continue
             if protect_active and self.is_active(e.session, now):
                 continue
@@ -346,6 +372,8 @@ class SessionBank:
             r.evicted_bytes += e.nbytes
             self.evict(e, reason)
         r.bytes_after = self.total_nbytes
+        if r.evicted_entries or r.unwritten_kept:
+            self._record(r)
         if receipt_out is not None:
             receipt_out.update(vars(r))
         return r.evicted_entries
@@ -359,34 +387,43 @@ class SessionBank:
 
     def shrink_for_admission(self, target_bytes: int, *, protect_tokens: np.ndarray | None,
                              reason: str, tenant: str = "",
-                             protect_session_ids: Iterable[str] = (),
-                             protect_unwritten: bool = False) -> tuple[int, int]:
+                             protect_sessions: Iterable[SessionKey] = (),
+                             protect_unwritten: bool = False) -> ShedReceipt:
         """Make room before a prefill: non-terminal entries first (LRU), then any entry of a
         session with no request running. The entries `protect_tokens` would restore from are
         never taken, nor, with protect_unwritten, one whose SSD write is still queued (the
-        release step writes those out first). Returns (non_terminal_evicted, terminal_evicted)."""
+        release step writes those out first)."""
         protected: set[int] = set()
         if protect_tokens is not None and len(protect_tokens):
             hit = self.lookup(np.asarray(protect_tokens, dtype=np.uint32), tenant)
             if hit is not None:
                 protected.add(hit.entry.key)
-        sids = set(protect_session_ids)
+        keep = set(protect_sessions)
         terminals = {t.key for t in (self.terminal(s) for s in list(self._by_session)) if t}
         order = self._eviction_order(time.monotonic())
-        counts = [0, 0]
-        for phase, wanted in ((0, lambda e: e.key not in terminals), (1, lambda e: True)):
+        r = ShedReceipt(reason=reason, target_bytes=target_bytes)
+        for terminal_phase in (False, True):
             for e in order:
                 if self.total_nbytes <= target_bytes:
-                    return counts[0], counts[1]
-                if (e.key not in self.entries or e.key in protected or e.session[1] in sids
-                        or self.is_busy(e.session) or not wanted(e)
+                    break
+                if (e.key not in self.entries or e.key in protected or e.session in keep
+                        or self.is_busy(e.session) or (e.key in terminals) != terminal_phase
                         or (protect_unwritten and e.awaits_queued_write)):
                     continue
                 self.evict(e, reason)
-                counts[phase] += 1
-        return counts[0], counts[1]
+                r.evicted_bytes += e.nbytes
+                if terminal_phase:
+                    r.terminal_evicted += 1
+                else:
+                    r.non_terminal_evicted += 1
+        r.bytes_after = self.total_nbytes
+        if r.evicted_bytes:
+            self._record(r)
+        return r
 
-    def release_sessions(self, target_bytes: int | None, *, keep_session_ids: Iterable[str] = (),
+    def release_sessions(self, target_bytes: int | None, *,
+                         keep_sessions: Iterable[SessionKey] = (),
+                         protect_keys: Iterable[int] = (),
                          reason: str, write_out_before_release: bool = False,
                          only_sessions: Iterable[SessionKey] | None = None,
                          max_write_out_s: float | None = None) -> "ReleaseReceipt":
@@ -400,15 +437,15 @@ class SessionBank:
         """
         from worker.persist import RELEASE_WRITE_OUT_MAX_S
 
-        budget_s = (max_write_out_s if max_write_out_s is not None
-                    else self.write_out_deadline_s or RELEASE_WRITE_OUT_MAX_S)
-        started = time.monotonic()
+        budget_s = next(s for s in (max_write_out_s, self.write_out_deadline_s,
+                                    RELEASE_WRITE_OUT_MAX_S) if s is not None)
         give_up_at = time.time() + budget_s
-        keep = set(keep_session_ids)
+        keep, protected = set(keep_sessions), set(protect_keys)
         only = None if only_sessions is None else set(only_sessions)
-        r = ReleaseReceipt(reason=reason)
+        r = ReleaseReceipt(reason=reason, kind=("release_write_out" if write_out_before_release
+                                                else "idle_release"))
         candidates = [s for s in self._by_session
-                      if s[1] not in keep and (only is None or s in only)]
+                      if s not in keep and (only is None or s in only)]
         candidates.sort(key=lambda s: (not all(e.durable for e in self.session_entries(s)),
                                        self._last_use.get(s, 0.0)))
         for session in candidates:
@@ -417,8 +454,10 @@ class SessionBank:
             if self.is_busy(session):
                 r.skipped_busy_sessions += 1
                 continue
-            row = ReleaseRow(session_id=session[1])
+            row = ReleaseRow(session_id=session[1], tenant=session[0])
             for e in sorted(self.session_entries(session), key=lambda e: e.n_tokens):
+                if e.key in protected:  # the incoming prompt restores from it
+                    continue
                 if self.is_busy(session):  # a request started while we wrote: keep the rest
                     r.skipped_busy_sessions += 1
                     break
@@ -427,6 +466,7 @@ class SessionBank:
                     t0 = time.monotonic()
                     outcome = self.writer.write_out(e, give_up_at)
                     took = time.monotonic() - t0
+                    r.write_out_s += took
                     if outcome == "written":
                         row.written_out_entries += 1
                 row.entries += 1
@@ -437,16 +477,16 @@ class SessionBank:
                     row.dropped_entries += 1
                 self.evict(e, reason, write_out=outcome, write_out_s=took)
             r.add(row)
-        r.write_out_s = time.monotonic() - started if write_out_before_release else 0.0
+        r.write_out_s = round(r.write_out_s, 4)
         if r.rows or r.skipped_busy_sessions:
-            events.emit("release_write_out" if write_out_before_release else "idle_release",
-                        **asdict(r))
+            self._record(r)
         return r
 
 
 @dataclass
 class ReleaseRow:
     session_id: str
+    tenant: str = ""
     entries: int = 0
     held_bytes: int = 0
     on_ssd_entries: int = 0
@@ -456,7 +496,12 @@ class ReleaseRow:
 
 @dataclass
 class ReleaseReceipt:
+    """`release_sessions`: one row per conversation released; `write_out_s` is the time spent
+    writing, summed over the writes."""
+
     reason: str
+    kind: str = "idle_release"  # release_write_out with write_out_before_release
+    at: float = field(default_factory=time.time)
     rows: list[ReleaseRow] = field(default_factory=list)
     released_entries: int = 0
     released_bytes: int = 0

@@ -1,11 +1,12 @@
 """The engine: the one thread that owns the model and the SessionBank.
 
 Everything that touches MLX or the bank runs here, fed by a queue (as mlx-lm's server does),
-so no state needs a lock. A generation job goes: admission (price it, make room by the bank's
-policies, or refuse), restore the longest cached prefix (RAM bank, else SSD), then the
-scheduler prefills the rest and decodes, step by step with the other admitted requests, and
-finally the turn is committed: the session record first (durable before the final message),
-then the bank entry, then the write-behind job for its new KV blocks.
+so no state needs a lock. A generation job goes: its conversation (the name, else the one its
+tokens continue), admission (price it, make room by the bank's policies, or refuse), restore
+the longest cached prefix (RAM bank, else SSD), then the scheduler prefills the rest and
+decodes, step by step with the other admitted requests, and finally the turn is committed:
+the session record first (durable before the final message), then the bank entry, then the
+write-behind job for its new KV blocks.
 
 Other threads read two snapshots the engine replaces whole (`sessions`, `ram_bytes`), never
 structures it mutates.
@@ -52,7 +53,6 @@ RECORD_TIMEOUT_S = 3.0
 RSS_SLACK = 0.05
 MLX_CACHE_BYTES = 8 << 20
 SESSION_STATES = ("active", "resident-dirty", "resident-clean", "cold", "gone")
-RETRY_WRITES_EVERY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -309,16 +309,15 @@ class Engine(Upkeep):
         if receipt.decision == "wait":
             return False
         self._log_admission(req, receipt)
-        bank_key = session
         info = self.sessions.get(session)
-        self.bank.begin_request(bank_key)
-        self.bank.reserve_active(bank_key, need)
+        self.bank.begin_request(session)
+        self.bank.reserve_active(session, need)
         try:
             cache, cached, source = self._restore(tokens, tenant, session, req.no_cache)
             self._count_restore(req, session, len(tokens), cached, source)
             sampling = req.sampling
             seed = sampling.seed if sampling.HasField("seed") else None
-            r = Running(job=job, tokens=tokens, bank_key=bank_key, session=session,
+            r = Running(job=job, tokens=tokens, bank_key=session, session=session,
                         cached=cached, source=source,
                         known=common_prefix_len(info.tokens, tokens) if info is not None else 0,
                         started=time.monotonic(), stops=list(req.stop),
@@ -326,7 +325,7 @@ class Engine(Upkeep):
             self.batch.add(r, cache, req.max_tokens,
                            make_request_sampler(sampling.temperature, sampling.top_p, seed))
         except Exception:
-            self.bank.end_request(bank_key)
+            self.bank.end_request(session)
             raise
         return True
 
@@ -338,9 +337,9 @@ class Engine(Upkeep):
         found = self.lineages.find(tokens, tenant, self.sessions, self.bank.is_busy)
         if found is not None:
             return found
-        return (tenant, self.lineages.new_id(
-            tokens, tenant, lambda k: (k in self.sessions or self.bank.is_busy(k)
-                                       or bool(self.bank.session_entries(k)))))
+        taken = lambda k: k in self.sessions or bool(self.bank.session_entries(k))  # noqa: E731
+        return (tenant, self.lineages.new_id(tokens, tenant,
+                                             lambda k: taken(k) or self.bank.is_busy(k)))
 
     def _count_restore(self, req, session: SessionKey, n_tokens: int, cached: int,
                        source: int) -> None:
@@ -408,7 +407,7 @@ class Engine(Upkeep):
 
     def _finish(self, r: Running, cache: list) -> None:
         full = np.concatenate([r.tokens, np.asarray(r.completion, dtype=np.uint32)])
-        durable = self._commit(r.bank_key, r.session, full, cache, r.started)
+        durable = self._commit(r.session, full, cache, r.started)
         usage = api_pb2.Usage(
             prompt_tokens=len(r.tokens),
             completion_tokens=len(r.completion),
@@ -491,8 +490,8 @@ class Engine(Upkeep):
 
     # -- commit -----------------------------------------------------------------------------
 
-    def _commit(self, bank_key: SessionKey, session: SessionKey, full: np.ndarray,
-                cache: list, started: float = 0.0) -> bool:
+    def _commit(self, session: SessionKey, full: np.ndarray, cache: list,
+                started: float = 0.0) -> bool:
         """Session record (durable), then bank entry, then the write-behind job.
 
         A session deleted while its turn ran stays deleted: the turn is answered, not kept."""
@@ -516,10 +515,10 @@ class Engine(Upkeep):
                                                recorded=durable))
         if is_anonymous(session[1]):
             self.lineages.set(session, full)
-        entry = self.bank.insert(bank_key, full, layers, durable_tokens=durable_tokens,
+        entry = self.bank.insert(session, full, layers, durable_tokens=durable_tokens,
                                  supersede_slack=(self.lineages.slack
                                                   if is_anonymous(session[1]) else 0))
-        events.emit("kv_resident", tenant=bank_key[0], session_id=bank_key[1],
+        events.emit("kv_resident", tenant=session[0], session_id=session[1],
                     tokens=len(full), bytes=entry.nbytes, durable_tokens=durable_tokens)
         if durable:
             self.writer.write_behind(entry)

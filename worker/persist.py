@@ -194,7 +194,6 @@ class ColdstoreClient:
 
 
 RELEASE_WRITE_OUT_MAX_S = 30.0
-STAGING_WAIT_MAX_S = 120.0
 
 
 def default_staging_max_bytes() -> int:
@@ -214,15 +213,18 @@ class KVWriter:
     Waits end on the coldstore's acknowledgements (`on_event`, I/O thread).
 
     Staging is bounded: bytes handed over but not yet committed stay under
-    `staging_max_bytes`; at the cap `write_behind` waits for the coldstore (back-pressure).
+    `staging_max_bytes`. At the cap `write_behind` hands nothing over and marks the entry as
+    waiting to be sent (`write_pending`): it stays protected, and the engine sends it again
+    (`Engine.retry_writes`) once the coldstore has drained. The engine thread never waits for
+    staging room, so requests keep running. A write-out goes whatever the cap: its bytes leave
+    RAM right after.
     """
 
     def __init__(self, client: ColdstoreClient, *, block_tokens: int, root_for,
                  staging_max_bytes: int | None = None):
         self.client = client
         self.staging_max_bytes = staging_max_bytes or default_staging_max_bytes()
-        self.staging_waits = 0  # times a commit waited at the cap
-        self.staging_wait_s = 0.0
+        self.staging_deferred = 0  # hand-overs put off because staging was at its cap
         self.block_tokens = block_tokens
         self.root_for = root_for
         self._cond = threading.Condition()
@@ -234,9 +236,17 @@ class KVWriter:
     @property
     def staged_bytes(self) -> int:
         """KV bytes the coldstore holds for us in memory until it commits them."""
-        return sum(self._staged.values())
+        with self._cond:
+            return sum(self._staged.values())
+
+    def has_room(self, nbytes: int) -> bool:
+        """`nbytes` more fit under the staging cap (one job larger than the cap goes alone)."""
+        with self._cond:
+            return not self._staged or sum(self._staged.values()) + nbytes <= self.staging_max_bytes
 
     def write_behind(self, entry, *, give_up_at: float | None = None) -> int | None:
+        """Queue the entry's unwritten blocks; the job id, or None when there was nothing to
+        write or (at the staging cap) it waits to be sent again, marked `write_pending`."""
         from kvbank.blocks import tail_block_id
         from worker.kv import encode_range
 
@@ -244,6 +254,12 @@ class KVWriter:
         start = (entry.durable_tokens // B) * B
         n = entry.n_tokens
         if start >= n:
+            return None
+        if give_up_at is None and not self.has_room((n - start) * entry.nbytes // n):
+            self.staging_deferred += 1
+            entry.write_pending = True
+            logger.info("session %s: staging at its cap (%d bytes): its KV waits in RAM, "
+                        "protected, to be sent again", entry.session[1], self.staging_max_bytes)
             return None
         root = self.root_for(entry.session[0])
         blocks, frames = [], []
@@ -257,11 +273,6 @@ class KVWriter:
                                "tail": True})
             frames.append(encode_range(entry.layers, s, e))
         nbytes = sum(len(f) for f in frames)
-        if not self._wait_for_room(nbytes):
-            logger.warning("session %s: %d KV bytes not handed to the coldstore: staging stayed "
-                           "full for %.0f s; they stay in RAM, unwritten and protected",
-                           entry.session[1], nbytes, STAGING_WAIT_MAX_S)
-            return None
         job = self.client.next_id()
         entry.write_job = job
         entry.write_pending = False
@@ -275,36 +286,8 @@ class KVWriter:
         self.client.send_write(head, frames)
         return job
 
-    def _wait_for_room(self, nbytes: int) -> bool:
-        """Back-pressure: wait until `nbytes` more fit under the staging cap.
-
-        One job larger than the cap goes alone. While waiting the engine does no foreground
-        work, so it says quiet and the idle lane drains. Jobs the coldstore no longer holds
-        (it restarted) stop counting."""
-        with self._cond:
-            if not self._staged or self.staged_bytes + nbytes <= self.staging_max_bytes:
-                return True
-        t0 = time.monotonic()
-        self.staging_waits += 1
-        logger.info("staging at its cap (%d + %d > %d bytes): waiting for the coldstore",
-                    self.staged_bytes, nbytes, self.staging_max_bytes)
-        self.client.set_busy(False)
-        try:
-            while time.monotonic() - t0 < STAGING_WAIT_MAX_S:
-                with self._cond:
-                    self._cond.wait(1.0)
-                    if not self._staged or self.staged_bytes + nbytes <= self.staging_max_bytes:
-                        return True
-                self._forget_lost_jobs()
-            return False
-        finally:
-            self.staging_wait_s += time.monotonic() - t0
-
-    def _forget_lost_jobs(self) -> None:
-        try:
-            live = set(self.client.request({"op": "ping"}, timeout_s=2.0)["jobs"])
-        except ColdstoreUnavailable:
-            return
+    def forget_lost_jobs(self, live: set[int]) -> None:
+        """Jobs the coldstore no longer holds (it restarted) stop counting as staged."""
         with self._cond:
             for job in [j for j in self._staged if j not in live]:
                 self._staged.pop(job)
@@ -332,18 +315,17 @@ class KVWriter:
                     job = self._superseded_by[job]  # a newer job took over our blocks
                     continue
                 if outcome == "unknown_job":  # the coldstore restarted and lost it: send again
-                    self._cond.release()
-                    try:
-                        job = self.write_behind(entry, give_up_at=give_up_at)
-                    finally:
-                        self._cond.acquire()
-                    continue
+                    break
                 if outcome in _FAILED:
                     return outcome if outcome in ("deadline", "refused") else "error"
-                left = give_up_at + 1.0 - time.time()  # the coldstore reports its own deadline
+                left = give_up_at - time.time()  # one hard bound for the whole release
                 if left <= 0:
                     return "deadline"
                 self._cond.wait(left)
+        if time.time() >= give_up_at:
+            return "deadline"
+        entry.write_job = None
+        return self.write_out(entry, give_up_at)
 
     def cancel(self, entry) -> None:
         if entry.write_job is not None:

@@ -7,7 +7,6 @@ back through `call_soon_threadsafe`. A client that goes away cancels its generat
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import signal
@@ -135,10 +134,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         e = self.engine
         tenant = _tenant(context)
         st = await asyncio.wrap_future(e.call(e.status))
-        receipts = [json.dumps({"at": at, "kind": "admission", "session_id": sid,
-                                **dataclasses.asdict(r)})
-                    for at, t, sid, r in list(e.admission_log)[-50:] if t == tenant][-20:]
-        receipts += [json.dumps(dataclasses.asdict(r)) for r in e.guard.receipts[-20:]]
+        receipts, evictions = await asyncio.wrap_future(e.call(lambda: e.recent_receipts(tenant)))
         try:
             cs = await asyncio.to_thread(e.coldstore.request, {"op": "ping"}, (), 2.0)
             tier = {"store_bytes": cs["stats"]["block_bytes"],
@@ -147,7 +143,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                           "write_budget_left_bytes", "free_disk_bytes")}}
         except Exception:  # the coldstore is away: say nothing rather than fail the status
             tier = {}
-        return api_pb2.StatusResponse(**st, recent_receipts_json=receipts,
+        return api_pb2.StatusResponse(**st, recent_receipts_json=map(json.dumps, receipts),
+                                      recent_evictions_json=map(json.dumps, evictions),
                                       coldstore_json=json.dumps(tier) if tier else "")
 
 

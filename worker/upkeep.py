@@ -6,6 +6,7 @@ so that file reads as one request's path; every method here runs on the engine t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import replace
@@ -88,16 +89,16 @@ class Upkeep:
             self._refresh_ram_bytes()
 
     def pressure_trim(self, level: str, source: str, deferred_s: float) -> PressureTrim:
-        """warning: half of the bank, keeping active and unwritten conversations;
-        critical: every idle entry, unwritten ones counted."""
+        """warning: half of the bank, keeping unwritten entries; critical: every idle entry,
+        unwritten ones counted, because there memory comes first. Only a conversation with a
+        request in flight is spared either way: the active pin (`--active-pin-s`) orders the
+        LRU but does not veto a pressure trim."""
         out: dict = {}
         if level == "warning":
             self.bank.shrink_to_bytes(self.bank.total_nbytes // 2, reason="pressure_warning",
-                                      protect_active=True, protect_unwritten=True,
-                                      receipt_out=out)
+                                      protect_unwritten=True, receipt_out=out)
         else:
-            self.bank.shrink_to_bytes(0, reason="pressure_critical", protect_active=True,
-                                      receipt_out=out)
+            self.bank.shrink_to_bytes(0, reason="pressure_critical", receipt_out=out)
         self._refresh_ram_bytes()
         return PressureTrim(level=level, source=source,
                             bank_entries_evicted=out.get("evicted_entries", 0),
@@ -118,7 +119,8 @@ class Upkeep:
         from worker.persist import RELEASE_WRITE_OUT_MAX_S
 
         t0 = time.monotonic()
-        give_up_at = time.time() + (self.bank.write_out_deadline_s or RELEASE_WRITE_OUT_MAX_S)
+        deadline_s = self.bank.write_out_deadline_s
+        give_up_at = time.time() + (RELEASE_WRITE_OUT_MAX_S if deadline_s is None else deadline_s)
         written = failed = 0
         for e in [e for e in self.bank.entries.values() if e.awaits_queued_write]:
             if self.writer.write_out(e, give_up_at) == "written":
@@ -148,6 +150,25 @@ class Upkeep:
             "transient_per_context_token": self.pricing.transient_per_context_token,
         }
 
+    def recent_receipts(self, tenant: str, n: int = 20) -> tuple[list[dict], list[dict]]:
+        """The last receipts of every policy and the eviction log, as `tenant` may see them:
+        admission receipts and eviction rows of its own conversations, release rows of its
+        own, the bank's and the guard's counts."""
+        out = [{"at": at, "kind": "admission", "session_id": sid, **dataclasses.asdict(r)}
+               for at, t, sid, r in list(self.admission_log)[-4 * n:] if t == tenant][-n:]
+        for r in list(self.bank.receipts)[-4 * n:]:
+            d = dataclasses.asdict(r)
+            if "rows" in d:
+                d["rows"] = [row for row in d["rows"] if row["tenant"] == tenant]
+                if not d["rows"] and not d["skipped_busy_sessions"]:
+                    continue
+            out.append(d)
+        out += [dataclasses.asdict(r) for r in self.guard.receipts[-n:]]
+        out = sorted(out, key=lambda d: d["at"])[-3 * n:]
+        evictions = [dataclasses.asdict(e) for e in self.bank.eviction_log
+                     if e.tenant == tenant][-5 * n:]
+        return out, evictions
+
     def retry_writes(self) -> int:
         """Send again what the coldstore refused, lost (it restarted) or never got (it was
         down): the record first if it missed turns, then the KV. Returns entries sent."""
@@ -163,6 +184,7 @@ class Upkeep:
             live = set(self.coldstore.request({"op": "ping"}, timeout_s=2.0)["jobs"])
         except ColdstoreUnavailable:
             return 0
+        self.writer.forget_lost_jobs(live)
         sent = 0
         for e in pending:
             if e.write_job is not None and e.write_job in live:
@@ -170,7 +192,6 @@ class Upkeep:
             info = self.sessions.get(e.session)
             if info is None or not self._ensure_record(e.session, info):
                 continue
-            e.write_pending = False
             if self.writer.write_behind(e) is not None:
                 sent += 1
         if sent:

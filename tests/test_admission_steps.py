@@ -1,0 +1,58 @@
+"""The admission's steps 3-5 (`make_room`) on a real SessionBank with real MLX arrays; entry
+sizes are chosen by the test (pure policy: who leaves, who stays, what the receipt says)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.test_bank import TENANT, layers_of, make_bank, own_tokens, toks
+from worker.admission import Pricing, Refused, make_room
+
+KV_PER_TOKEN = 8  # bytes: a request of n tokens is priced 2 * 8 * n (worker/admission.py)
+
+
+def _fill(bank, sessions, nbytes=800):
+    for i, session in enumerate(sessions):
+        bank.insert(session, own_tokens(i), layers_of(nbytes))
+
+
+def _room(bank, *, free: int, need: int, tokens, tenant=TENANT, session_id="incoming",
+          chain_shed=False):
+    pricing = Pricing(KV_PER_TOKEN, 0, 16)
+    return make_room(bank=bank, pricing=pricing, budget=bank.total_nbytes + free, need=need,
+                     solo_need=need, tokens=np.asarray(tokens, np.uint32), tenant=tenant,
+                     session_id=session_id, running=0, chain_shed=chain_shed)
+
+
+@pytest.mark.parametrize("chain_shed, shed", [(False, 1), (True, 3)])
+def test_admission_chain_shed_uses_the_larger_target_and_says_so(chain_shed, shed):
+    """--admission-chain-shed: step 4 also sheds room for the prompt's whole cache (100 tokens:
+    1,600 bytes here), so two more 800-byte entries leave than the bytes missing need."""
+    bank = make_bank(active_pin_s=600)  # recently used: the LRU step leaves them to the shed
+    _fill(bank, [(TENANT, f"s{i}") for i in range(6)])
+    r = _room(bank, free=1000, need=1800, tokens=range(100), chain_shed=chain_shed)
+    assert r.decision == "admitted" and r.lru_evicted == 0
+    assert r.shed_non_terminal + r.shed_terminal == shed
+    assert r.shed_target_bytes == 4800 - 800 - (1600 if chain_shed else 0)
+    assert len(bank.entries) == 6 - shed
+
+
+def test_the_release_step_never_takes_the_prompts_restore_source_from_another_session():
+    bank = make_bank()
+    source = bank.insert((TENANT, "other"), own_tokens(1, 40), layers_of(4000))
+    with pytest.raises(Refused):  # nothing else to free: the request does not fit
+        _room(bank, free=0, need=10_000, tokens=toks(own_tokens(1, 40), [7, 7]))
+    assert source.key in bank.entries
+
+
+def test_the_keep_list_is_the_requests_own_conversation_in_its_own_tenant():
+    """Two tenants each have a conversation named "agent": tenant-a's request keeps its own,
+    not tenant-b's."""
+    bank = make_bank(active_pin_s=600)
+    _fill(bank, [("tenant-a", "agent"), ("tenant-b", "agent")])
+    with pytest.raises(Refused):
+        _room(bank, free=0, need=10_000, tokens=[5, 6, 7], tenant="tenant-a",
+              session_id="agent")
+    left = {entry.session for entry in bank.entries.values()}
+    assert left == {("tenant-a", "agent")}
