@@ -112,8 +112,11 @@ def _itemsize(dtype: str) -> int:
     return {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}[dtype]
 
 
-def encode_block(header: BlockHeader, layers: Sequence[tuple[np.ndarray, np.ndarray]]) -> bytes:
-    """One value holding every layer's K and V: magic, header length, JSON header, data."""
+def encode_block(header: BlockHeader,
+                 layers: Sequence[tuple[np.ndarray, np.ndarray]]) -> bytearray:
+    """One value holding every layer's K and V: magic, header length, JSON header, data.
+
+    Each array is copied once, straight into the value (strided views welcome)."""
     meta = json.dumps(
         {
             "dtype": header.dtype,
@@ -124,11 +127,16 @@ def encode_block(header: BlockHeader, layers: Sequence[tuple[np.ndarray, np.ndar
         }
     ).encode()
     pad = (-(len(_MAGIC) + 4 + len(meta))) % _ALIGN
-    parts = [_MAGIC, struct.pack("<I", len(meta) + pad), meta, b" " * pad]
+    head = _MAGIC + struct.pack("<I", len(meta) + pad) + meta + b" " * pad
+    out = bytearray(len(head) + header.n_layers * (header.k_nbytes + header.v_nbytes))
+    out[: len(head)] = head
+    at = len(head)
     for k, v in layers:
-        parts.append(np.ascontiguousarray(k).data)
-        parts.append(np.ascontiguousarray(v).data)
-    return b"".join(parts)
+        for a in (k, v):
+            a = np.asarray(a)
+            np.frombuffer(out, dtype=a.dtype, count=a.size, offset=at).reshape(a.shape)[...] = a
+            at += a.nbytes
+    return out
 
 
 def decode_header(buf: bytes | memoryview) -> tuple[BlockHeader, int]:

@@ -240,6 +240,7 @@ class Link:
         e = self.bank.insert((TENANT, session_id), toks, layers)
         if write:
             assert self.writer.write_behind(e) is not None
+            self.writer.drain()  # encoded and sent (the kv-encode thread)
         return e
 
     def wait_done(self, job: int, timeout_s: float = 10) -> dict:
@@ -514,6 +515,7 @@ def test_kill_9_during_a_write_leaves_only_correct_blocks(start):
     proc2, link2 = start()
     e2 = link2.bank.insert((TENANT, "crash"), t, layers, durable_tokens=d)
     job2 = link2.writer.write_behind(e2)
+    link2.writer.drain()
     (head,) = [h for h in link2.sent if h.get("op") == "write"]
     assert head["blocks"][0]["start"] == d, "the re-sent job rewrites what is already durable"
     link2.set_busy(False)

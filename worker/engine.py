@@ -38,8 +38,7 @@ from coldstore.store import ColdStore
 from worker import kv
 from worker.admission import (Pricing, Refused, SchedulerConfig, calibrate,
                               give_back_freed_memory, keep_large_buffers_off_the_heap,
-                              make_room, memory_budget_bytes,
-                              resident_bytes)
+                              make_room, memory_budget_bytes, mlx_cache_limit, resident_bytes)
 from worker.bank import SessionBank, SessionKey
 from worker.guard import Guard
 from worker.lineage import Lineages, is_anonymous
@@ -51,7 +50,6 @@ logger = logging.getLogger(__name__)
 
 RECORD_TIMEOUT_S = 3.0
 RSS_SLACK = 0.05
-MLX_CACHE_BYTES = 8 << 20
 SESSION_STATES = ("active", "resident-dirty", "resident-clean", "cold", "gone")
 
 
@@ -124,7 +122,7 @@ class Engine(Upkeep):
                                 max_bytes=bank_bytes, writer=self.writer,
                                 active_pin_s=active_pin_s)
         self.bank.write_out_deadline_s = write_out_deadline_s
-        mx.set_cache_limit(MLX_CACHE_BYTES)  # freed buffers MLX keeps count in RSS
+        mx.set_cache_limit(0)  # until the budget is known (below)
         self.pricing = calibrate(self.model, Pricing(self.kv_bytes_per_token, 0,
                                                      prefill_chunk_tokens))
         self.admission_chain_shed = admission_chain_shed
@@ -135,6 +133,9 @@ class Engine(Upkeep):
         self._warm_up(prefill_chunk_tokens)
         self.pricing.fixed_bytes = resident_bytes()
         self.memory_budget = memory_budget_bytes(memory_budget, self.pricing)
+        cache_limit = mlx_cache_limit(self.memory_budget, self.pricing.fixed_bytes)
+        mx.set_cache_limit(cache_limit)
+        self.pricing.fixed_bytes += cache_limit  # MLX may keep that much: held, always
         self._pending: deque[GenerateJob] = deque()
         self._deleted_at: dict[SessionKey, float] = {}  # deleted while a turn ran on it
         self._queue: queue.Queue = queue.Queue()
@@ -255,6 +256,7 @@ class Engine(Upkeep):
         self.guard.close()
         self._queue.put(None)
         self._thread.join(timeout=5)
+        self.writer.drain(timeout_s=5)  # what was handed over leaves before the link closes
         self.coldstore.close()
 
     # -- one generation ---------------------------------------------------------------------

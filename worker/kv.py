@@ -55,29 +55,40 @@ def layers_nbytes(layers: Layers) -> int:
     return sum(int(k.nbytes) + int(v.nbytes) for k, v in layers)
 
 
-def _to_numpy(a: mx.array) -> np.ndarray:
-    a = mx.contiguous(a)
-    if a.dtype == mx.bfloat16:  # numpy has no bfloat16: carry its bits
-        a = a.view(mx.uint16)
-    return np.array(a)
+def layer_views(layers: Layers) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Zero-copy NumPy views of an entry's K and V (bf16 as its uint16 bits). Take them on the
+    engine thread; reading them is then plain NumPy, safe on any thread, and the views keep
+    the arrays alive."""
+    def view(a: mx.array) -> np.ndarray:
+        if a.dtype == mx.bfloat16:  # numpy has no bfloat16: carry its bits
+            a = a.view(mx.uint16)
+        mx.eval(a)
+        return np.array(a, copy=False)
+
+    return [(view(k), view(v)) for k, v in layers]
 
 
-def encode_range(layers: Layers, start: int, end: int) -> bytes:
-    """The stored form of tokens [start, end) of an entry: one block.
+def encode_views(views: list[tuple[np.ndarray, np.ndarray]], dtype: str, start: int,
+                 end: int) -> bytearray:
+    """The stored form of tokens [start, end) of an entry: one block, one copy.
 
     Each layer's K and V are stored token-major, (n, kv_heads, head_dim), so the blocks of a
     conversation concatenate by appending bytes: a restore makes one contiguous copy."""
-    parts = [(_to_numpy(k[0, :, start:end, :].transpose(1, 0, 2)),
-              _to_numpy(v[0, :, start:end, :].transpose(1, 0, 2))) for k, v in layers]
+    parts = [(k[0, :, start:end, :].transpose(1, 0, 2), v[0, :, start:end, :].transpose(1, 0, 2))
+             for k, v in views]
     k0, v0 = parts[0]
-    header = BlockHeader(
-        dtype=str(layers[0][0].dtype).split(".")[-1],
-        n_layers=len(layers),
-        n_tokens=end - start,
-        k_shape=tuple(k0.shape),
-        v_shape=tuple(v0.shape),
-    )
+    header = BlockHeader(dtype=dtype, n_layers=len(parts), n_tokens=end - start,
+                         k_shape=tuple(k0.shape), v_shape=tuple(v0.shape))
     return encode_block(header, parts)
+
+
+def dtype_name(layers: Layers) -> str:
+    return str(layers[0][0].dtype).split(".")[-1]
+
+
+def encode_range(layers: Layers, start: int, end: int) -> bytearray:
+    """`encode_views` of an entry's arrays (engine thread)."""
+    return encode_views(layer_views(layers), dtype_name(layers), start, end)
 
 
 def _restore_lanes() -> tuple[ThreadPoolExecutor, list]:

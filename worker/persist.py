@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -212,6 +213,10 @@ class KVWriter:
     to a deadline job, which jumps the lane and ignores the busy signal, and waits for it.
     Waits end on the coldstore's acknowledgements (`on_event`, I/O thread).
 
+    The engine thread only takes zero-copy views of the entry's arrays; one `kv-encode`
+    thread turns them into blocks (one copy, NumPy, off the engine thread) and sends them, and
+    every message about a job (write, promote, cancel) leaves through it, in order.
+
     Staging is bounded: bytes handed over but not yet committed stay under
     `staging_max_bytes`. At the cap `write_behind` hands nothing over and marks the entry as
     waiting to be sent (`write_pending`): it stays protected, and the engine sends it again
@@ -232,6 +237,28 @@ class KVWriter:
         self._staged: dict[int, int] = {}  # job -> bytes handed over, not yet committed
         self._job_durable: dict[int, int] = {}  # job -> the record's durable extent it reached
         self._superseded_by: dict[int, int] = {}
+        self._unsent: set[int] = set()  # jobs still being encoded
+        self._outbox: queue.Queue = queue.Queue()
+        threading.Thread(target=self._send_loop, name="kv-encode", daemon=True).start()
+
+    def _send_loop(self) -> None:
+        while True:
+            send = self._outbox.get()
+            try:
+                send()
+            except Exception:  # the job is not lost: retry_writes sends it again
+                logger.exception("kv-encode: a write could not be sent")
+
+    def drain(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every write and message handed over so far has left for the coldstore."""
+        sent = threading.Event()
+        self._outbox.put(sent.set)
+        return sent.wait(timeout_s)
+
+    def unsent(self, job: int | None) -> bool:
+        """The job is still being encoded (the coldstore cannot know it yet)."""
+        with self._cond:
+            return job in self._unsent
 
     @property
     def staged_bytes(self) -> int:
@@ -248,7 +275,7 @@ class KVWriter:
         """Queue the entry's unwritten blocks; the job id, or None when there was nothing to
         write or (at the staging cap) it waits to be sent again, marked `write_pending`."""
         from kvbank.blocks import tail_block_id
-        from worker.kv import encode_range
+        from worker.kv import dtype_name, encode_views, layer_views
 
         B = self.block_tokens
         start = (entry.durable_tokens // B) * B
@@ -262,7 +289,7 @@ class KVWriter:
                         "protected, to be sent again", entry.session[1], self.staging_max_bytes)
             return None
         root = self.root_for(entry.session[0])
-        blocks, frames = [], []
+        blocks, ranges = [], []
         for s in range(start, n, B):
             e = min(s + B, n)
             if e - s == B:
@@ -271,8 +298,8 @@ class KVWriter:
                 parent = entry.block_ids[s // B - 1] if s else root
                 blocks.append({"id": tail_block_id(parent, entry.tokens[s:e]).hex(), "start": s,
                                "tail": True})
-            frames.append(encode_range(entry.layers, s, e))
-        nbytes = sum(len(f) for f in frames)
+            ranges.append((s, e))
+        views, dtype = layer_views(entry.layers), dtype_name(entry.layers)
         job = self.client.next_id()
         entry.write_job = job
         entry.write_pending = False
@@ -282,14 +309,24 @@ class KVWriter:
         if give_up_at is not None:
             head["give_up_at"] = give_up_at
         with self._cond:
-            self._staged[job] = nbytes
-        self.client.send_write(head, frames)
+            self._staged[job] = (n - start) * entry.nbytes // n  # until encoded
+            self._unsent.add(job)
+
+        def send() -> None:
+            frames = [encode_views(views, dtype, s, e) for s, e in ranges]
+            with self._cond:
+                self._unsent.discard(job)
+                if job in self._staged:  # not cancelled meanwhile
+                    self._staged[job] = sum(len(f) for f in frames)
+            self.client.send_write(head, frames)
+
+        self._outbox.put(send)
         return job
 
     def forget_lost_jobs(self, live: set[int]) -> None:
         """Jobs the coldstore no longer holds (it restarted) stop counting as staged."""
         with self._cond:
-            for job in [j for j in self._staged if j not in live]:
+            for job in [j for j in self._staged if j not in live and j not in self._unsent]:
                 self._staged.pop(job)
 
     def write_out(self, entry, give_up_at: float) -> str:
@@ -300,7 +337,7 @@ class KVWriter:
                 return "written" if entry.durable else "error"
         else:
             job = entry.write_job
-            self.client.send({"op": "promote", "job": job, "give_up_at": give_up_at})
+            self._send({"op": "promote", "job": job, "give_up_at": give_up_at})
         with self._cond:
             while True:
                 outcome = self._outcome.get(job)
@@ -327,9 +364,13 @@ class KVWriter:
         entry.write_job = None
         return self.write_out(entry, give_up_at)
 
+    def _send(self, head: dict) -> None:
+        """A message about a job, behind the job itself."""
+        self._outbox.put(lambda: self.client.send(head))
+
     def cancel(self, entry) -> None:
         if entry.write_job is not None:
-            self.client.send({"op": "cancel", "job": entry.write_job})
+            self._send({"op": "cancel", "job": entry.write_job})
             with self._cond:
                 self._staged.pop(entry.write_job, None)
             entry.write_job = None

@@ -13,6 +13,8 @@ from dataclasses import replace
 
 from typing import TYPE_CHECKING
 
+import mlx.core as mx
+
 from worker.admission import held_bytes, resident_bytes
 from worker.bank import SessionKey
 from worker.guard import PressureTrim
@@ -93,6 +95,7 @@ class Upkeep:
         unwritten ones counted, because there memory comes first. Only a conversation with a
         request in flight is spared either way: the active pin (`--active-pin-s`) orders the
         LRU but does not veto a pressure trim."""
+        mx.clear_cache()  # MLX's kept buffers first: nothing needs them back
         out: dict = {}
         if level == "warning":
             self.bank.shrink_to_bytes(self.bank.total_nbytes // 2, reason="pressure_warning",
@@ -137,7 +140,7 @@ class Upkeep:
             "memory_budget_bytes": self.memory_budget,
             "held_bytes": held_bytes(self.pricing, self.bank),
             "unaccounted_bytes": self.pricing.unaccounted_bytes,
-            "rss_bytes": resident_bytes(),
+            "rss_bytes": resident_bytes(), "mlx_cache_bytes": mx.get_cache_memory(),
             "fixed_bytes": self.pricing.fixed_bytes, "bank_bytes": ledger["entries_bytes"],
             "running_bytes": ledger["active_bytes"], "staged_bytes": ledger["staged_bytes"],
             "bank_max_bytes": self.bank.max_bytes,
@@ -187,7 +190,7 @@ class Upkeep:
         self.writer.forget_lost_jobs(live)
         sent = 0
         for e in pending:
-            if e.write_job is not None and e.write_job in live:
+            if e.write_job in live or self.writer.unsent(e.write_job):
                 continue
             info = self.sessions.get(e.session)
             if info is None or not self._ensure_record(e.session, info):
