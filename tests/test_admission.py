@@ -50,6 +50,23 @@ def _sessions(c):
     return {s.session_id: s for s in c.list_sessions()}
 
 
+def _long_request(stack, session, n_tokens, seed) -> tuple[threading.Thread, dict]:
+    """A 1,500-token answer running in a thread, returned once it streams; the dict gets its
+    turn and the time it ended."""
+    first_text, done = threading.Event(), {}
+
+    def run():
+        with stack.client() as c2:
+            done["turn"] = _turn(c2, session, n_tokens, seed=seed, max_tokens=1500,
+                                 on_text=lambda _: first_text.set())
+            done["at"] = time.time()
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert first_text.wait(60), "the long request never streamed"
+    return t, done
+
+
 @pytest.fixture
 def idle_stack(tiny_model, tmp_path, cache_dir):
     """The default active pin (600 s): every conversation here was used a moment ago, and
@@ -87,18 +104,7 @@ def test_warning_waits_for_a_busy_engine_then_acts(idle_stack):
     with idle_stack.client() as c:
         _turn(c, "idle-one", 40, seed=4)
         c.flush()
-        first_text = threading.Event()
-        done = {}
-
-        def long_request():
-            with idle_stack.client() as c2:
-                done["turn"] = _turn(c2, "busy-one", 20, seed=5, max_tokens=1500,
-                                     on_text=lambda _: first_text.set())
-                done["at"] = time.time()
-
-        t = threading.Thread(target=long_request)
-        t.start()
-        assert first_text.wait(60), "the long request never streamed"
+        t, done = _long_request(idle_stack, "busy-one", 20, seed=5)
         c.set_pressure("warning")
         t.join(120)
         r = _wait_receipt(c, "pressure_trim")
@@ -134,17 +140,7 @@ def test_critical_spares_only_a_conversation_with_a_request_in_flight(idle_stack
         _turn(c, "recent", 60, seed=10)
         _turn(c, "running", 100, seed=11)
         held = _sessions(c)["running"].ram_bytes
-        first_text = threading.Event()
-        done = {}
-
-        def long_request():
-            with idle_stack.client() as c2:
-                done["turn"] = _turn(c2, "running", 8, seed=12, max_tokens=1500,
-                                     on_text=lambda _: first_text.set())
-
-        t = threading.Thread(target=long_request)
-        t.start()
-        assert first_text.wait(60), "the long request never streamed"
+        t, done = _long_request(idle_stack, "running", 8, seed=12)
         c.set_pressure("critical")
         r = _wait_receipt(c, "pressure_trim")
         t.join(120)
@@ -223,17 +219,7 @@ def test_a_full_queue_refuses_with_retry_after(tiny_model, tmp_path, cache_dir):
     s = _stack(tiny_model, tmp_path, cache_dir, "--max-active-requests", "1",
                "--max-queue", "0")
     try:
-        started = threading.Event()
-        result = {}
-
-        def long_request():
-            with s.client() as c2:
-                result["t"] = _turn(c2, "long", 20, seed=14, max_tokens=1500,
-                                    on_text=lambda _: started.set())
-
-        t = threading.Thread(target=long_request)
-        t.start()
-        assert started.wait(60)
+        t, result = _long_request(s, "long", 20, seed=14)
         with s.client() as c:
             err = rpc_error(lambda: c.generate(token_ids=[1000, 1001], max_tokens=2))
         t.join(120)
@@ -241,7 +227,7 @@ def test_a_full_queue_refuses_with_retry_after(tiny_model, tmp_path, cache_dir):
         md = dict(err.trailing_metadata())
         assert int(md["retry-after"]) >= 1 and md["x-kvbank-reason"] == "queue_full"
         assert "--max-queue" in err.details()
-        assert result["t"].usage["completion_tokens"] > 0  # the running one was not affected
+        assert result["turn"].usage["completion_tokens"] > 0  # the running one was not affected
     finally:
         s.stop()
 

@@ -38,15 +38,20 @@ def model(tiny_model):
     return load(str(tiny_model))[0]
 
 
-@pytest.fixture
-def coldstore(tmp_path):
-    layout = Layout(tmp_path / "data").ensure()
+def _start_coldstore(layout: Layout, *flags: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "kvbank.cli", "coldstore", "--data-dir",
-                             str(layout.data_dir), "--quiet-grace-s", "0.05",
-                             "--max-dirty-s", "3600", "--tail-delay-s", "0"])
+                             str(layout.data_dir), "--max-dirty-s", "3600", "--tail-delay-s",
+                             "0", *flags])
     deadline = time.monotonic() + 30
     while not _zmq_ping(layout.coldstore_address):
         assert proc.poll() is None and time.monotonic() < deadline, "coldstore did not start"
+    return proc
+
+
+@pytest.fixture
+def coldstore(tmp_path):
+    layout = Layout(tmp_path / "data").ensure()
+    proc = _start_coldstore(layout, "--quiet-grace-s", "0.05")
     yield layout
     proc.terminate()
     proc.wait(timeout=30)
@@ -282,12 +287,7 @@ def test_staging_at_its_cap_puts_the_hand_over_off_and_keeps_the_entry_protected
 def slow_rig(tmp_path, model):
     """The rig over a coldstore whose every block commit takes 0.8 s (a stand-in disk)."""
     layout = Layout(tmp_path / "slow").ensure()
-    proc = subprocess.Popen([sys.executable, "-m", "kvbank.cli", "coldstore", "--data-dir",
-                             str(layout.data_dir), "--max-dirty-s", "3600",
-                             "--tail-delay-s", "0", "--fake-slow-disk-s", "0.8"])
-    deadline = time.monotonic() + 30
-    while not _zmq_ping(layout.coldstore_address):
-        assert proc.poll() is None and time.monotonic() < deadline, "coldstore did not start"
+    proc = _start_coldstore(layout, "--fake-slow-disk-s", "0.8")
     r = Rig(layout, model)
     yield r
     r.close()

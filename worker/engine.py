@@ -49,7 +49,6 @@ from worker.upkeep import Upkeep
 logger = logging.getLogger(__name__)
 
 RECORD_TIMEOUT_S = 3.0
-RSS_SLACK = 0.05
 SESSION_STATES = ("active", "resident-dirty", "resident-clean", "cold", "gone")
 
 
@@ -559,18 +558,6 @@ class Engine(Upkeep):
         if ram:
             return "resident-clean"
         return "cold" if info.durable_tokens > 0 else "gone"
-
-    def update_gauges(self) -> None:
-        """Any thread (the guard's tick): the gauges that are cheap to read from snapshots."""
-        rss = resident_bytes()
-        ledger = self.held_bytes() - self.pricing.unaccounted_bytes
-        # Reconcile with what the OS sees: RSS may drift past the ledger by a little (threads,
-        # interpreter, allocator); beyond RSS_SLACK of the budget the excess counts as held.
-        slack = int(self.memory_budget * RSS_SLACK)
-        self.pricing.unaccounted_bytes = max(0, rss - ledger - slack)
-        metrics.MEMORY_HELD.set(self.held_bytes())
-        metrics.MEMORY_BUDGET.set(self.memory_budget)
-        metrics.WORKER_RSS.set(rss)
 
     def _on_coldstore_event(self, msg: dict) -> None:
         """Progress and completion of write jobs (I/O thread): update snapshots, then the bank."""

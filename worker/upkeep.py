@@ -10,11 +10,11 @@ import dataclasses
 import logging
 import time
 from dataclasses import replace
-
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from kvbank import metrics
 from worker.admission import held_bytes, resident_bytes
 from worker.bank import SessionKey
 from worker.guard import PressureTrim
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RETRY_WRITES_EVERY_S = 5.0
+RSS_SLACK = 0.05  # of the budget: resident memory beyond the ledger that is not yet "held"
 
 
 class Upkeep:
@@ -74,6 +75,18 @@ class Upkeep:
                 return held_bytes(self.pricing, self.bank)
             except RuntimeError:  # a dict changed under us: read again
                 continue
+
+    def update_gauges(self) -> None:
+        """Any thread (the guard's tick): the gauges that are cheap to read from snapshots."""
+        rss = resident_bytes()
+        ledger = self.held_bytes() - self.pricing.unaccounted_bytes
+        # Reconcile with what the OS sees: RSS may drift past the ledger by a little (threads,
+        # interpreter, allocator); beyond RSS_SLACK of the budget the excess counts as held.
+        slack = int(self.memory_budget * RSS_SLACK)
+        self.pricing.unaccounted_bytes = max(0, rss - ledger - slack)
+        metrics.MEMORY_HELD.set(self.held_bytes())
+        metrics.MEMORY_BUDGET.set(self.memory_budget)
+        metrics.WORKER_RSS.set(rss)
 
     def idle(self) -> bool:
         """Any thread: no request running or waiting."""
