@@ -165,6 +165,31 @@ def test_an_anonymous_conversation_that_never_returns_is_retired_with_an_event(
         s.stop()
 
 
+def test_under_the_store_cap_an_anonymous_conversation_is_retired_whole_with_an_event(
+        tiny_model, tmp_path, cache_dir):
+    """--store-max-bytes: the least recently used conversation's KV leaves the store; an
+    unnamed one leaves whole (nothing could name it again), and says so."""
+    one = 300 * (KV_BYTES_PER_TOKEN + 64)  # ~300 tokens of KV with block headers
+    s = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir,
+                    extra=["--store-max-bytes", str(int(one * 1.5))])
+    try:
+        c = _client(s)
+        old, new = Agent(c, "old", system="x"), Agent(c, "new", system="y")
+        old.turn(f"[{uuid.uuid4().hex}] " + "older work " * 90)
+        s.wait_durable(old.session_id)
+        new.turn(f"[{uuid.uuid4().hex}] " + "newer work " * 180)  # both do not fit
+        s.wait_durable(new.session_id)
+        (ev,) = _wait(lambda: [e for e in _events(s) if e["kind"] == "conversation_retired"],
+                      what="the retirement event")
+        assert ev["session_id"] == old.session_id and ev["reason"] == "store_cap"
+        assert ev["removed"] == "record"
+        with s.client() as g:
+            _wait(lambda: old.session_id not in {x.session_id for x in g.list_sessions()},
+                  timeout_s=10, what="the worker forgetting it")
+    finally:
+        s.stop()
+
+
 def test_names_from_gateways_are_names_and_completions_are_found_by_tokens(
         tiny_model, tmp_path, cache_dir):
     s = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir)
