@@ -2,8 +2,11 @@
 
 Kinds: `kv_resident` (a turn's KV entered the bank), `kv_durable` (its blocks are on SSD),
 `kv_evicted` (it left RAM, with the reason and where it can come back from), `kv_restored`
-(a request reused it, from ram or ssd), and the receipts `admission`, `pressure_trim`,
-`idle_release`, `release_write_out`. Written to `<data>/log/events.jsonl`, rotated by size.
+(a request reused it, from ram or ssd), `conversation_retired` (the coldstore dropped a
+conversation's KV: `anonymous_ttl`, `store_cap`), and the receipts `admission`,
+`shrink_to_bytes`, `shrink_for_admission`, `idle_release`, `release_write_out`,
+`pressure_trim`. Written to `<data>/log/events.jsonl` by the worker and the coldstore (each
+line is one append), rotated by size.
 """
 
 from __future__ import annotations
