@@ -91,32 +91,34 @@ class Eviction:
 
 
 @dataclass
-class ShrinkReceipt:
-    """`shrink_to_bytes`: what the LRU trim took and kept."""
+class _TrimReceipt:
+    """What a policy that trims toward `target_bytes` did; `kind` names the policy."""
 
     reason: str
     target_bytes: int
-    kind: str = "shrink_to_bytes"
+    kind: str = ""
     at: float = field(default_factory=time.time)
-    evicted_entries: int = 0
     evicted_bytes: int = 0
-    unwritten_kept: int = 0
-    unwritten_dropped: int = 0
     bytes_after: int = 0
 
 
 @dataclass
-class ShedReceipt:
+class ShrinkReceipt(_TrimReceipt):
+    """`shrink_to_bytes`: what the LRU trim took and kept."""
+
+    kind: str = "shrink_to_bytes"
+    evicted_entries: int = 0
+    unwritten_kept: int = 0
+    unwritten_dropped: int = 0
+
+
+@dataclass
+class ShedReceipt(_TrimReceipt):
     """`shrink_for_admission`: abandoned branches first, then whole idle turns."""
 
-    reason: str
-    target_bytes: int
     kind: str = "shrink_for_admission"
-    at: float = field(default_factory=time.time)
     non_terminal_evicted: int = 0
     terminal_evicted: int = 0
-    evicted_bytes: int = 0
-    bytes_after: int = 0
 
 
 class SessionBank:
@@ -147,14 +149,17 @@ class SessionBank:
 
     # -- lookup -----------------------------------------------------------------------------
 
-    def lookup(self, tokens: np.ndarray, tenant: str) -> Hit | None:
-        """The entry sharing the longest token-verified prefix with `tokens`.
+    def lookup(self, tokens: np.ndarray, tenant: str,
+               ids: list[BlockId] | None = None) -> Hit | None:
+        """The entry sharing the longest token-verified prefix with `tokens` (`ids`: their
+        chained block ids, when the caller has them already).
 
         A full hit is returned as such; the caller leaves the last token to compute (the
         model needs one input to produce the next token's logits).
         """
         root = self.root_for(tenant)
-        ids = chain_block_ids(tokens, root, self.block_tokens)
+        if ids is None:
+            ids = chain_block_ids(tokens, root, self.block_tokens)
         level = self._index.get(root, set())  # every entry of the tenant
         depth = 0
         for i, bid in enumerate(ids):

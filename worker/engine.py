@@ -294,7 +294,8 @@ class Engine(Upkeep):
                 f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                 f"model's context of {self.max_context_tokens} tokens")
         tenant = req.tenant
-        session = self._conversation(tokens, tenant, req.session_id)
+        ids = chain_block_ids(tokens, self.root_for(tenant), self.block_tokens)  # hashed once
+        session = self._conversation(tokens, ids, tenant, req.session_id)
         need = self._price(len(tokens), req.max_tokens)
         try:
             receipt = make_room(bank=self.bank, pricing=self.pricing, budget=self.memory_budget,
@@ -314,7 +315,7 @@ class Engine(Upkeep):
         self.bank.begin_request(session)
         self.bank.reserve_active(session, need)
         try:
-            cache, cached, source = self._restore(tokens, tenant, session, req.no_cache)
+            cache, cached, source = self._restore(tokens, ids, tenant, session, req.no_cache)
             self._count_restore(req, session, len(tokens), cached, source)
             sampling = req.sampling
             seed = sampling.seed if sampling.HasField("seed") else None
@@ -330,12 +331,13 @@ class Engine(Upkeep):
             raise
         return True
 
-    def _conversation(self, tokens: np.ndarray, tenant: str, name: str) -> SessionKey:
+    def _conversation(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
+                      name: str) -> SessionKey:
         """The conversation this request continues: its name, else the one its tokens extend
         (worker/lineage.py), else a new anonymous one."""
         if name:
             return (tenant, name)
-        found = self.lineages.find(tokens, tenant, self.sessions, self.bank.is_busy)
+        found = self.lineages.find(tokens, ids, tenant, self.sessions, self.bank.is_busy)
         if found is not None:
             return found
         taken = lambda k: k in self.sessions or bool(self.bank.session_entries(k))  # noqa: E731
@@ -425,8 +427,8 @@ class Engine(Upkeep):
         r.job.emit(worker_pb2.WorkerGenerateResponse(finish_reason=r.finish, usage=usage))
         r.job.emit(None)
 
-    def _restore(self, tokens: np.ndarray, tenant: str, session: SessionKey,
-                 no_cache: bool) -> tuple[list, int, int]:
+    def _restore(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
+                 session: SessionKey, no_cache: bool) -> tuple[list, int, int]:
         """The request's own cache over the longest known prefix: (cache, tokens, source)."""
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -434,10 +436,11 @@ class Engine(Upkeep):
         if no_cache:
             return none
         limit = len(tokens) - 1  # leave one token to compute: its logits give the next token
-        hit = self.bank.lookup(tokens, tenant)
+        hit = self.bank.lookup(tokens, tenant, ids)
         ram_n = min(hit.n_tokens, limit) if hit else 0
-        # SSD can only add when RAM leaves something to restore: skip its hashing and reads.
-        ssd = self._ssd_prefix(tokens, tenant, session, better_than=ram_n) if ram_n < limit else None
+        # SSD can only add when RAM leaves something to restore: skip its reads.
+        ssd = (self._ssd_prefix(tokens, ids, tenant, session, better_than=ram_n)
+               if ram_n < limit else None)
         if ssd is not None:
             layers, n = ssd
             n = min(n, limit)
@@ -447,15 +450,14 @@ class Engine(Upkeep):
             return kv.restore(hit.entry.layers, ram_n), ram_n, api_pb2.CACHE_SOURCE_RAM
         return none
 
-    def _ssd_prefix(self, tokens: np.ndarray, tenant: str, session: SessionKey,
-                    better_than: int) -> tuple[kv.Layers, int] | None:
+    def _ssd_prefix(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
+                    session: SessionKey, better_than: int) -> tuple[kv.Layers, int] | None:
         """The longest prefix whose blocks are committed in LMDB, if it beats `better_than`."""
         store = self.store()
         if store is None:
             return None
         B = self.block_tokens
         root = self.root_for(tenant)
-        ids = chain_block_ids(tokens, root, B)
         n_full = 0
         while n_full < len(ids) and store.has_block(ids[n_full]):
             n_full += 1
@@ -514,11 +516,11 @@ class Engine(Upkeep):
         self._set_session(session, SessionInfo(full, durable_tokens,
                                                old.created_at if old else now, now,
                                                recorded=durable))
-        if is_anonymous(session[1]):
-            self.lineages.set(session, full)
+        anonymous = is_anonymous(session[1])
         entry = self.bank.insert(session, full, layers, durable_tokens=durable_tokens,
-                                 supersede_slack=(self.lineages.slack
-                                                  if is_anonymous(session[1]) else 0))
+                                 supersede_slack=self.lineages.slack if anonymous else 0)
+        if anonymous:
+            self.lineages.set(session, len(full), entry.block_ids)
         events.emit("kv_resident", tenant=session[0], session_id=session[1],
                     tokens=len(full), bytes=entry.nbytes, durable_tokens=durable_tokens)
         if durable:

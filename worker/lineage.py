@@ -45,17 +45,13 @@ class Lineages:
     def __len__(self) -> int:
         return len(self._anchor_of)
 
-    def anchor(self, tenant: str, history: np.ndarray) -> BlockId:
-        full = max(0, len(history) - self.slack) // self.block_tokens
-        if full == 0:
-            return self.root_for(tenant)
-        return chain_block_ids(history[: full * self.block_tokens], self.root_for(tenant),
-                               self.block_tokens)[-1]
-
-    def set(self, key: SessionKey, history: np.ndarray) -> None:
-        """The conversation's committed history is now `history`."""
+    def set(self, key: SessionKey, n_tokens: int, block_ids: list[BlockId]) -> None:
+        """The conversation's committed history is now `n_tokens` long, with these chained
+        ids of its full blocks; it is filed under the last one at least `slack` tokens before
+        its end (the tenant's root when there is none)."""
         self.drop(key)
-        a = self.anchor(key[0], history)
+        full = max(0, n_tokens - self.slack) // self.block_tokens
+        a = block_ids[full - 1] if full else self.root_for(key[0])
         self._anchor_of[key] = a
         self._by_anchor.setdefault(a, set()).add(key)
 
@@ -67,13 +63,13 @@ class Lineages:
             if not keys:
                 del self._by_anchor[a]
 
-    def find(self, tokens: np.ndarray, tenant: str, histories: Mapping[SessionKey, object],
+    def find(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
+             histories: Mapping[SessionKey, object],
              busy: Callable[[SessionKey], bool]) -> SessionKey | None:
-        """The idle conversation whose history `tokens` extends (all but `slack` of its last
-        tokens), the longest first. A conversation with a request running is not continued
-        by a second request at once: that one starts its own."""
+        """The idle conversation whose history `tokens` (chained block ids `ids`) extends, all
+        but `slack` of its last tokens, the longest first. A conversation with a request
+        running is not continued by a second request at once: that one starts its own."""
         root = self.root_for(tenant)
-        ids = chain_block_ids(tokens, root, self.block_tokens)
         for k in range(len(ids), -1, -1):
             keys = self._by_anchor.get(ids[k - 1] if k else root)
             if not keys:
@@ -107,4 +103,5 @@ class Lineages:
         self._anchor_of.clear()
         for key, history in histories:
             if is_anonymous(key[1]):
-                self.set(key, history)
+                root = self.root_for(key[0])
+                self.set(key, len(history), chain_block_ids(history, root, self.block_tokens))

@@ -269,7 +269,7 @@ class KVWriter:
     def has_room(self, nbytes: int) -> bool:
         """`nbytes` more fit under the staging cap (one job larger than the cap goes alone)."""
         with self._cond:
-            return not self._staged or sum(self._staged.values()) + nbytes <= self.staging_max_bytes
+            return not self._staged or self.staged_bytes + nbytes <= self.staging_max_bytes
 
     def write_behind(self, entry, *, give_up_at: float | None = None) -> int | None:
         """Queue the entry's unwritten blocks; the job id, or None when there was nothing to
@@ -282,7 +282,8 @@ class KVWriter:
         n = entry.n_tokens
         if start >= n:
             return None
-        if give_up_at is None and not self.has_room((n - start) * entry.nbytes // n):
+        estimate = (n - start) * entry.nbytes // n  # staged until its blocks are encoded
+        if give_up_at is None and not self.has_room(estimate):
             self.staging_deferred += 1
             entry.write_pending = True
             logger.info("session %s: staging at its cap (%d bytes): its KV waits in RAM, "
@@ -309,7 +310,7 @@ class KVWriter:
         if give_up_at is not None:
             head["give_up_at"] = give_up_at
         with self._cond:
-            self._staged[job] = (n - start) * entry.nbytes // n  # until encoded
+            self._staged[job] = estimate
             self._unsent.add(job)
 
         def send() -> None:
