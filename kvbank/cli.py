@@ -126,8 +126,9 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
            (["--bank-bytes"], dict(type=int, default=DEFAULT_BANK_BYTES,
                                    help="RAM bank budget in bytes (default: 4 GiB)")),
            (["--staging-max-bytes"], dict(type=int, default=None,
-            help="KV bytes handed to the coldstore but not yet on SSD; at the cap a commit "
-                 "waits (default: 1 GiB or 10%% of RAM, whichever is smaller)")),
+            help="KV bytes handed to the coldstore but not yet on SSD; at the cap a "
+                 "conversation's KV stays in RAM, protected, and is sent once there is room "
+                 "(default: 1 GiB or 10%% of RAM, whichever is smaller)")),
            (["--restore-via"], dict(choices=("direct", "coldstore"), default="direct",
             help="read SSD KV straight from the LMDB map (read-only, zero-copy) or through the "
                  "coldstore process (default: %(default)s, the faster here)")),
@@ -139,11 +140,13 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
            (["--max-active-requests"], dict(type=int, default=None,
             help="requests the worker runs at once (default: 4 in batch, 1 otherwise)")),
            (["--write-out-deadline-s"], dict(type=float, default=30.0,
-            help="a release waits this long for a conversation's KV to reach SSD; past it "
-                 "the write is abandoned and reported `deadline` (default: %(default)s)")),
+            help="one release waits at most this long for all its conversations' KV to reach "
+                 "SSD; what misses it is abandoned and reported `deadline` (default: "
+                 "%(default)s)")),
            (["--active-pin-s"], dict(type=float, default=600.0,
-            help="a conversation counts as active this long after its last turn: trims "
-                 "(pressure, admission LRU) leave it alone (default: %(default)s)")),
+            help="a conversation counts as recently used this long after its last turn: "
+                 "eviction takes it last and the admission's LRU step leaves it; a pressure "
+                 "trim spares only a request in flight (default: %(default)s)")),
            (["--admission-chain-shed"], dict(action="store_true",
             help="admission sheds the larger, chain-derived target (room for the prompt's "
                  "whole cache) instead of just the bytes missing")),
