@@ -36,7 +36,7 @@ resilience: install
 # Regenerate the protobuf/gRPC modules (committed; never edit them by hand).
 proto: install
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. \
-		proto/kvbank/v1/api.proto proto/kvbank/v1/worker.proto
+		proto/kvbank/v1/api.proto proto/kvbank/v1/worker.proto proto/kvbank/v1/coldstore.proto
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -41,7 +41,7 @@ class LocalStack:
         layout = Layout(data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         log = data_dir.parent / f"{data_dir.name}-stack.log"
-        argv = [sys.executable, "-m", "kvbank.cli", "up", "--model", str(model),
+        argv = [sys.executable, "-m", "apps.cli", "up", "--model", str(model),
                 "--data-dir", str(data_dir), "--port", str(port),
                 "--shim-port", str(shim_port), "--metrics-port", "0", *extra]
         with open(log, "wb") as f:
@@ -75,11 +75,11 @@ class LocalStack:
         return pid
 
     def wait_ready(self, timeout_s: float = 60) -> None:
-        from deploy.supervisor import _grpc_healthy
+        from kvbank.contracts.health import grpc_healthy
 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if _grpc_healthy(self.layout.worker_address) and _grpc_healthy(self.address):
+            if grpc_healthy(self.layout.worker_address) and grpc_healthy(self.address):
                 return
             time.sleep(0.1)
         raise TimeoutError(f"stack not ready; log:\n{self.log_tail()}")

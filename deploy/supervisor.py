@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbank.config import OPENBLAS_PATHS, Layout
+from kvbank.contracts.health import coldstore_up, grpc_healthy
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class Child:
 
 
 def _kvbank(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvbank.cli", *args]
+    return [sys.executable, "-m", "apps.cli", *args]
 
 
 def _worker_env() -> dict[str, str]:
@@ -140,11 +141,11 @@ class Supervisor:
 
     def _healthy(self, name: str) -> bool:
         if name == "coldstore":
-            return _zmq_ping(self.layout.coldstore_address)
+            return coldstore_up(self.layout.coldstore_address)
         if name == "shim":
             return _http_healthy(f"http://{self.shim_address}/health")
         address = self.layout.worker_address if name == "worker" else f"{self.host}:{self.port}"
-        return _grpc_healthy(address)
+        return grpc_healthy(address)
 
     def _stop_all(self) -> None:
         for c in reversed(self.children):
@@ -174,38 +175,3 @@ def _http_healthy(url: str) -> bool:
         return httpx.get(url, timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def _grpc_healthy(address: str) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    try:
-        with grpc.insecure_channel(address) as ch:
-            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
-            return r.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-
-
-def _zmq_ping(address: str) -> bool:
-    return _zmq_ping_reply(address) is not None
-
-
-def _zmq_ping_reply(address: str, timeout_ms: int = 1000) -> dict | None:
-    """The coldstore's answer to a ping (stats, worker state, queued jobs), or None."""
-    import json
-
-    import zmq
-
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    try:
-        s.connect(address)
-        s.send(json.dumps({"op": "ping", "req": 0}).encode())
-        if not s.poll(timeout_ms):
-            return None
-        return json.loads(s.recv_multipart()[0])
-    finally:
-        s.close()

@@ -402,3 +402,27 @@ def make_tiny_model(out_dir: Path, seed: int = 0, *, cache_dir: Path | None = No
             if (tok_dir / name).is_file():
                 shutil.copy2(tok_dir / name, tmp / name)
     return out_dir
+
+
+def prepare_model(spec: str | None) -> Path:
+    """Resolve (and import, the first time) the model in a child process, so the caller (the
+    supervisor, a benchmark) never holds MLX or the weights itself."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "kvbank.models", *([spec] if spec else [])],
+                         check=False, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.stderr.write(out.stderr)
+        raise SystemExit(f"kvbank: could not prepare the model {spec or '(default)'}")
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":  # prepare_model's child: print the model's folder
+    import sys
+
+    from kvbank.config import preload_openblas
+
+    preload_openblas()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(resolve_model(sys.argv[1] if len(sys.argv) > 1 else None))

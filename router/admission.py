@@ -64,7 +64,7 @@ def check_ceilings(c: Ceilings, *, prompt_tokens: int, max_tokens: int, info) ->
                       f"(--max-request-tokens): lower max_tokens or shorten the prompt")
     if not info.memory_budget_bytes:
         return
-    from worker.admission import Pricing  # the worker's own price list, from its Info
+    from kvbank.contracts.pricing import Pricing  # the worker's own price list, from its Info
 
     pricing = Pricing(info.kv_bytes_per_token, info.fixed_bytes, info.prefill_chunk_tokens,
                       info.transient_base_bytes, info.transient_per_context_token)

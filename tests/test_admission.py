@@ -252,7 +252,7 @@ def test_router_ceilings_refuse_at_once_naming_the_flag(tiny_model, tmp_path, ca
 
 
 def test_hyper_refuses_a_flag_that_would_allow_more_at_start(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "kvbank.cli", "up", "--data-dir",
+    out = subprocess.run([sys.executable, "-m", "apps.cli", "up", "--data-dir",
                           str(tmp_path / "d"), "--scheduler-mode", "hyper",
                           "--max-active-requests", "2"], capture_output=True, text=True,
                          timeout=60)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvbank.bench.bank import run
+from apps.bench.bank import run
 
 
 def test_bench_bank_small():

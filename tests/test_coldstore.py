@@ -21,12 +21,13 @@ import pytest
 
 
 from coldstore.store import ColdStore
-from deploy.supervisor import _zmq_ping
+from kvbank.contracts.health import coldstore_up
 from kvbank.blocks import chain_block_ids, chain_root, tail_block_id
 from kvbank.config import Layout
 from worker import kv
 from worker.bank import SessionBank
-from worker.persist import ColdstoreClient, KVWriter
+from worker.link import ColdstoreClient
+from worker.writer import KVWriter
 
 B = 16
 FP = b"test-coldstore-fingerprint"
@@ -161,11 +162,11 @@ class ColdstoreProc:
                  payload_stall_s: float = 30.0):
         self.layout = Layout(data_dir).ensure()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbank.cli", "coldstore", "--data-dir", str(data_dir),
+            [sys.executable, "-m", "apps.cli", "coldstore", "--data-dir", str(data_dir),
              "--quiet-grace-s", str(quiet_grace_s), "--max-dirty-s", str(max_dirty_s),
              "--tail-delay-s", str(tail_delay_s), "--payload-stall-s", str(payload_stall_s)])
         deadline = time.monotonic() + 30
-        while not _zmq_ping(self.layout.coldstore_address):
+        while not coldstore_up(self.layout.coldstore_address):
             assert self.proc.poll() is None, f"coldstore exited with {self.proc.returncode}"
             assert time.monotonic() < deadline, "coldstore did not answer a ping in 30 s"
 

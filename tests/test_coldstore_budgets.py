@@ -12,7 +12,7 @@ import time
 import pytest
 
 from coldstore.store import ColdStore
-from deploy.supervisor import _zmq_ping
+from kvbank.contracts.health import coldstore_up
 from kvbank.config import Layout
 from tests.test_release_write_out import Rig
 
@@ -20,11 +20,11 @@ from tests.test_release_write_out import Rig
 class Coldstore:
     def __init__(self, data_dir, *args: str):
         self.layout = Layout(data_dir).ensure()
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvbank.cli", "coldstore",
+        self.proc = subprocess.Popen([sys.executable, "-m", "apps.cli", "coldstore",
                                       "--data-dir", str(data_dir), "--quiet-grace-s", "0.05",
                                       "--max-dirty-s", "3600", "--tail-delay-s", "0", *args])
         deadline = time.monotonic() + 30
-        while not _zmq_ping(self.layout.coldstore_address):
+        while not coldstore_up(self.layout.coldstore_address):
             assert self.proc.poll() is None and time.monotonic() < deadline, "no coldstore"
 
     def stop(self):

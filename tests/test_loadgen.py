@@ -10,11 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvbank.cli import main
-from kvbank.loadgen.run import Row, RunResult
-from kvbank.loadgen.report import summarize
-from kvbank.loadgen.scenarios import SCENARIOS, Conversation, build, params
-from kvbank.loadgen.targets import _http_failure
+from apps.cli import main
+from apps.loadgen.run import Row, RunResult
+from apps.loadgen.report import summarize
+from apps.loadgen.scenarios import SCENARIOS, Conversation, build, params
+from apps.loadgen.targets import _http_failure
 
 SMALL = ["--turns", "3", "--turn-tokens", "20", "--system-tokens", "40", "--max-tokens", "4",
          "--no-progress"]
@@ -154,7 +154,7 @@ def test_max_wall_s_zero_starts_no_turn(stack, tmp_path):
 
 @pytest.mark.parametrize("target", ["grpc://127.0.0.1:1", "openai://127.0.0.1:1"])
 def test_unreachable_target_is_one_line_and_nonzero(target):
-    out = subprocess.run([sys.executable, "-m", "kvbank.cli", "loadgen", target,
+    out = subprocess.run([sys.executable, "-m", "apps.cli", "loadgen", target,
                           "--connect-timeout-s", "1", "--no-progress"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0

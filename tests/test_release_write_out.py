@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 
 from coldstore.store import ColdStore
-from deploy.supervisor import _zmq_ping
+from kvbank.contracts.health import coldstore_up
 from kvbank.blocks import chain_root
 from kvbank.config import Layout
 from worker import kv
 from worker.bank import SessionBank
-from worker.persist import ColdstoreClient, KVWriter
+from worker.link import ColdstoreClient
+from worker.writer import KVWriter
 
 B = 16
 FP = b"test-release-fingerprint"
@@ -39,11 +40,11 @@ def model(tiny_model):
 
 
 def _start_coldstore(layout: Layout, *flags: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "kvbank.cli", "coldstore", "--data-dir",
+    proc = subprocess.Popen([sys.executable, "-m", "apps.cli", "coldstore", "--data-dir",
                              str(layout.data_dir), "--max-dirty-s", "3600", "--tail-delay-s",
                              "0", *flags])
     deadline = time.monotonic() + 30
-    while not _zmq_ping(layout.coldstore_address):
+    while not coldstore_up(layout.coldstore_address):
         assert proc.poll() is None and time.monotonic() < deadline, "coldstore did not start"
     return proc
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from deploy.local import LocalStack
-from kvbank.resilience import Run
+from apps.resilience import Run
 from tests.conftest import start_stack
 
 

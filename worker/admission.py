@@ -12,7 +12,12 @@ re-measures and stops as soon as the request fits:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from kvbank.contracts.failures import Refused
+from kvbank.contracts.pricing import Pricing
+from kvbank.contracts.receipts import AdmissionReceipt
+from kvbank.contracts.vocabulary import Decision, RefusalReason, TrimReason, Verdict
 
 logger = logging.getLogger(__name__)
 
@@ -45,53 +50,7 @@ class SchedulerConfig:
         return cls(mode, max_active)
 
 
-# -- pricing ------------------------------------------------------------------------------------
-
-
-@dataclass
-class Pricing:
-    """What a request will cost in bytes, before it allocates anything.
-
-    MLX on CPU does not enforce a memory limit and a failed allocation kills the process, so
-    every byte is priced up front. A running request's cache grows by concatenation, which
-    briefly holds the old and the new buffer: it is priced at twice its final size. A prefill
-    chunk's transients (attention scores, activations, logits) are measured once at start and
-    grow with the context the chunk attends to.
-    """
-
-    kv_bytes_per_token: int
-    fixed_bytes: int  # weights, runtime, interpreter: measured at start
-    chunk_tokens: int
-    transient_base: int = 0  # one chunk at an empty context
-    transient_per_context_token: float = 0.0
-    # Resident memory the ledger does not explain (allocator caches, fragmentation), measured
-    # against RSS every guard tick and counted as held, so the budget is the real one.
-    unaccounted_bytes: int = 0
-
-    def cache_bytes(self, tokens: int) -> int:
-        return 2 * self.kv_bytes_per_token * tokens
-
-    def prefill_transient(self, context_tokens: int) -> int:
-        return int(self.transient_base + self.transient_per_context_token * context_tokens)
-
-    def max_fit_tokens(self, budget: int, prompt_tokens: int | None = None) -> int:
-        """The longest prompt + max_tokens that fits the budget with nothing else held
-        (for a prompt of `prompt_tokens`; None: a prompt as long as the whole request)."""
-        room = budget - self.fixed_bytes - self.transient_base
-        if prompt_tokens is None:
-            per_token = 2 * self.kv_bytes_per_token + self.transient_per_context_token
-            return max(0, int(room / per_token))
-        room -= self.transient_per_context_token * prompt_tokens
-        return max(0, int(room / (2 * self.kv_bytes_per_token)))
-
-    def request_bytes(self, prompt_tokens: int, max_tokens: int, *, batch_len: int = 0,
-                      batch_size: int = 0) -> int:
-        """The request's cache, its prefill transient, and the padding it adds to a batch
-        (mlx-lm pads every batched cache to the longest one)."""
-        total = prompt_tokens + max_tokens
-        padding = batch_size * max(0, total - batch_len) + max(0, batch_len - total)
-        return (self.cache_bytes(total + padding)
-                + self.prefill_transient(min(prompt_tokens, max(batch_len, prompt_tokens))))
+# -- pricing (the list itself: kvbank/contracts/pricing.py) ---------------------------------------
 
 
 def calibrate(model, pricing: Pricing) -> Pricing:
@@ -218,34 +177,6 @@ def held_bytes(pricing: Pricing, bank) -> int:
     return pricing.fixed_bytes + pricing.unaccounted_bytes + bank.ledger()["held_bytes"]
 
 
-@dataclass
-class AdmissionReceipt:
-    """One per admitted or refused request: what it needed and what each step did."""
-
-    need_bytes: int
-    free_before: int
-    free_after: int = 0
-    lru_evicted: int = 0
-    shed_non_terminal: int = 0
-    shed_terminal: int = 0
-    released_sessions: int = 0
-    shed_target_bytes: int | None = None  # the bank size step 4 shed to (chain shed: lower)
-    written_out: int = 0
-    write_out_s: float = 0.0  # its release step's writes
-    decision: str = "admitted"  # admitted | wait | refused
-    reason: str = ""
-    verdict: str = ""
-    holders: dict = field(default_factory=dict)
-
-
-class Refused(Exception):
-    """The request cannot run now; says why, who holds the memory, and when to retry."""
-
-    def __init__(self, receipt: AdmissionReceipt, message: str):
-        super().__init__(message)
-        self.receipt = receipt
-
-
 def make_room(*, bank, pricing: Pricing, budget: int, need: int, solo_need: int, tokens,
               tenant: str, session_id: str, running: int,
               chain_shed: bool = False) -> AdmissionReceipt:
@@ -264,7 +195,7 @@ def make_room(*, bank, pricing: Pricing, budget: int, need: int, solo_need: int,
     hit = bank.lookup(tokens, tenant)
     source = (hit.entry.key,) if hit else ()
     # 3. idle LRU entries; active sessions and the prompt's own restore source stay
-    r.lru_evicted = bank.shrink_to_bytes(target(), reason="admission_lru", protect_active=True,
+    r.lru_evicted = bank.shrink_to_bytes(target(), reason=TrimReason.ADMISSION_LRU, protect_active=True,
                                          protect_unwritten=True, protect_keys=source)
     # 4. admission shed: non-terminal entries first, then any idle session's (not unwritten
     #    ones: step 5 writes those out before they go)
@@ -274,13 +205,13 @@ def make_room(*, bank, pricing: Pricing, budget: int, need: int, solo_need: int,
             shed_target = max(0, shed_target - pricing.cache_bytes(len(tokens)))
         r.shed_target_bytes = shed_target
         shed = bank.shrink_for_admission(
-            shed_target, protect_tokens=tokens, reason="admission_shed", tenant=tenant,
+            shed_target, protect_tokens=tokens, reason=TrimReason.ADMISSION_SHED, tenant=tenant,
             protect_sessions=[(tenant, session_id)], protect_unwritten=True)
         r.shed_non_terminal, r.shed_terminal = shed.non_terminal_evicted, shed.terminal_evicted
     # 5. release idle conversations, writing their KV to SSD first; never the request's own
     #    conversation, nor the entry its prompt restores from (whoever's it is)
     if free() < need:
-        rel = bank.release_sessions(target(), reason="admission_release",
+        rel = bank.release_sessions(target(), reason=TrimReason.ADMISSION_RELEASE,
                                     keep_sessions=[(tenant, session_id)], protect_keys=source,
                                     write_out_before_release=True)
         r.released_sessions, r.written_out = len(rel.rows), rel.written_out_entries
@@ -294,21 +225,26 @@ def make_room(*, bank, pricing: Pricing, budget: int, need: int, solo_need: int,
                  "running_bytes": ledger["active_bytes"], "staged_bytes": ledger["staged_bytes"],
                  "unaccounted_bytes": pricing.unaccounted_bytes}
     if solo_need > budget - pricing.fixed_bytes:
-        r.decision, r.reason, r.verdict = "refused", "over_memory_budget", "never_at_this_limit"
-        raise Refused(r, f"this request needs {_size(solo_need)} but the memory budget leaves "
+        r.decision, r.reason, r.verdict = (Decision.REFUSED, RefusalReason.OVER_MEMORY_BUDGET,
+                                           Verdict.NEVER)
+        raise _refused(r, f"this request needs {_size(solo_need)} but the memory budget leaves "
                          f"{_size(budget - pricing.fixed_bytes)} beyond the model: "
                          f"shorten the prompt, lower max_tokens or raise --memory-budget")
     if running:
-        r.decision, r.reason, r.verdict = "wait", "in_flight", "after_in_flight_requests_finish"
+        r.decision, r.reason, r.verdict = Decision.WAIT, RefusalReason.IN_FLIGHT, Verdict.AFTER_IN_FLIGHT
         return r
     unwritten = sum(e.nbytes for e in bank.entries.values() if e.awaits_queued_write)
-    r.decision, r.reason = "refused", "memory_held"
-    r.verdict = ("after_the_conversation_cache_reaches_ssd" if unwritten
-                 else "not_without_a_shorter_prompt")
-    raise Refused(r, f"this request needs {_size(need)} and {_size(r.free_after)} are free "
+    r.decision, r.reason = Decision.REFUSED, RefusalReason.MEMORY_HELD
+    r.verdict = Verdict.AFTER_SSD if unwritten else Verdict.NOT_WITHOUT_SHORTER
+    raise _refused(r, f"this request needs {_size(need)} and {_size(r.free_after)} are free "
                      f"after trimming the bank; held: "
                      + ", ".join(f"{k.removesuffix('_bytes')} {_size(v)}"
                                  for k, v in r.holders.items()))
+
+
+def _refused(r: AdmissionReceipt, message: str) -> Refused:
+    retry = None if r.verdict == Verdict.NEVER else 5
+    return Refused(r.reason, r.verdict, message, retry_after_s=retry, receipt=r)
 
 
 def _size(n: int) -> str:

@@ -24,17 +24,20 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 
 from kvbank import events, metrics
 from kvbank.blocks import BlockId, chain_block_ids, common_prefix_len
+from kvbank.contracts.receipts import (Eviction, ReleaseReceipt, ReleaseRow, ShedReceipt,
+                                       ShrinkReceipt)
+from kvbank.contracts.vocabulary import Outcome
 from worker.kv import Layers, layers_nbytes
 
 if TYPE_CHECKING:
-    from worker.persist import KVWriter
+    from worker.writer import KVWriter
 
 logger = logging.getLogger(__name__)
 
@@ -77,54 +80,12 @@ class Hit:
     n_tokens: int
 
 
-@dataclass
-class Eviction:
-    at: float
-    reason: str
-    session_id: str
-    prefix_tokens: int
-    nbytes: int
-    durable: bool
-    release_write_out: str | None = None  # written | deadline | refused | error
-    write_out_s: float | None = None
-    tenant: str = ""
-
-
-@dataclass
-class _TrimReceipt:
-    """What a policy that trims toward `target_bytes` did; `kind` names the policy."""
-
-    reason: str
-    target_bytes: int
-    kind: str = ""
-    at: float = field(default_factory=time.time)
-    evicted_bytes: int = 0
-    bytes_after: int = 0
-
-
-@dataclass
-class ShrinkReceipt(_TrimReceipt):
-    """`shrink_to_bytes`: what the LRU trim took and kept."""
-
-    kind: str = "shrink_to_bytes"
-    evicted_entries: int = 0
-    unwritten_kept: int = 0
-    unwritten_dropped: int = 0
-
-
-@dataclass
-class ShedReceipt(_TrimReceipt):
-    """`shrink_for_admission`: abandoned branches first, then whole idle turns."""
-
-    kind: str = "shrink_for_admission"
-    non_terminal_evicted: int = 0
-    terminal_evicted: int = 0
-
-
 class SessionBank:
     def __init__(self, *, block_tokens: int, root_for: Callable[[str], BlockId],
                  max_bytes: int, active_pin_s: float = 600.0, log_size: int = 1024,
-                 writer: "KVWriter | None" = None):
+                 writer: "KVWriter | None" = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.clock = clock  # monotonic seconds: recency and the active pin (tests inject one)
         self.block_tokens = block_tokens
         self.writer = writer  # None: no coldstore (nothing is ever written)
         self.root_for = root_for
@@ -223,7 +184,7 @@ class SessionBank:
         to its last `supersede_slack` tokens is superseded too (a client that re-rendered the
         end of the previous answer differently continues, not branches)."""
         tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
-        now = time.monotonic()
+        now = self.clock()
         for old in list(self.session_entries(session)):
             shared = common_prefix_len(old.tokens, tokens)
             if shared == old.n_tokens or (supersede_slack and old.n_tokens <= len(tokens)
@@ -258,7 +219,7 @@ class SessionBank:
 
     def begin_request(self, session: SessionKey) -> None:
         self._in_flight[session] = self._in_flight.get(session, 0) + 1
-        self._last_use[session] = time.monotonic()
+        self._last_use[session] = self.clock()
 
     def end_request(self, session: SessionKey) -> None:
         n = self._in_flight.get(session, 0) - 1
@@ -267,7 +228,7 @@ class SessionBank:
         else:
             self._in_flight.pop(session, None)
             self._active_nbytes.pop(session, None)
-        self._last_use[session] = time.monotonic()
+        self._last_use[session] = self.clock()
 
     def reserve_active(self, session: SessionKey, nbytes: int) -> None:
         """Bytes a running request's own cache will reach (prompt + max_tokens)."""
@@ -287,11 +248,11 @@ class SessionBank:
     def is_active(self, session: SessionKey, now: float | None = None) -> bool:
         if session in self._in_flight:
             return True
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         return now - self._last_use.get(session, -1e18) < self.active_pin_s
 
     def touch(self, e: BankEntry) -> None:
-        e.last_used = time.monotonic()
+        e.last_used = self.clock()
         self._last_use[e.session] = e.last_used
 
     # -- durability (fed by the coldstore's acknowledgements) -------------------------------
@@ -349,9 +310,8 @@ class SessionBank:
 
     def shrink_to_bytes(self, target_bytes: int, *, reason: str, protect_active: bool = False,
                         protect_unwritten: bool = False, protect_keys: Iterable[int] = (),
-                        protect_sessions: Iterable[SessionKey] = (),
-                        receipt_out: dict | None = None) -> int:
-        """Evict in eviction order until the bank holds <= target_bytes. Returns entries evicted.
+                        protect_sessions: Iterable[SessionKey] = ()) -> ShrinkReceipt:
+        """Evict in eviction order until the bank holds <= target_bytes.
 
         With protect_active the bank may stay above target (dynamic ceiling: an active session
         never re-prefills because of a trim). With protect_unwritten an entry whose own SSD
@@ -360,7 +320,7 @@ class SessionBank:
         """
         r = ShrinkReceipt(reason=reason, target_bytes=target_bytes)
         protect_keys, protect_sessions = set(protect_keys), set(protect_sessions)
-        now = time.monotonic()
+        now = self.clock()
         for e in self._eviction_order(now):
             if self.total_nbytes <= target_bytes:
                 break
@@ -379,9 +339,7 @@ class SessionBank:
         r.bytes_after = self.total_nbytes
         if r.evicted_entries or r.unwritten_kept:
             self._record(r)
-        if receipt_out is not None:
-            receipt_out.update(vars(r))
-        return r.evicted_entries
+        return r
 
     def drop_session(self, session: SessionKey, reason: str) -> int:
         """Evict every entry of one session, whatever its state (the session is gone)."""
@@ -405,7 +363,7 @@ class SessionBank:
                 protected.add(hit.entry.key)
         keep = set(protect_sessions)
         terminals = {t.key for t in (self.terminal(s) for s in list(self._by_session)) if t}
-        order = self._eviction_order(time.monotonic())
+        order = self._eviction_order(self.clock())
         r = ShedReceipt(reason=reason, target_bytes=target_bytes)
         for terminal_phase in (False, True):
             for e in order:
@@ -440,7 +398,7 @@ class SessionBank:
         fails leaves the entry dropped, as without write-out; without it the queued write is
         cancelled. A session with a request running is skipped whole.
         """
-        from worker.persist import RELEASE_WRITE_OUT_MAX_S
+        from worker.writer import RELEASE_WRITE_OUT_MAX_S
 
         budget_s = next(s for s in (max_write_out_s, self.write_out_deadline_s,
                                     RELEASE_WRITE_OUT_MAX_S) if s is not None)
@@ -472,7 +430,7 @@ class SessionBank:
                     outcome = self.writer.write_out(e, give_up_at)
                     took = time.monotonic() - t0
                     r.write_out_s += took
-                    if outcome == "written":
+                    if outcome == Outcome.WRITTEN:
                         row.written_out_entries += 1
                 row.entries += 1
                 row.held_bytes += e.nbytes
@@ -486,38 +444,3 @@ class SessionBank:
         if r.rows or r.skipped_busy_sessions:
             self._record(r)
         return r
-
-
-@dataclass
-class ReleaseRow:
-    session_id: str
-    tenant: str = ""
-    entries: int = 0
-    held_bytes: int = 0
-    on_ssd_entries: int = 0
-    dropped_entries: int = 0
-    written_out_entries: int = 0
-
-
-@dataclass
-class ReleaseReceipt:
-    """`release_sessions`: one row per conversation released; `write_out_s` is the time spent
-    writing, summed over the writes."""
-
-    reason: str
-    kind: str = "idle_release"  # release_write_out with write_out_before_release
-    at: float = field(default_factory=time.time)
-    rows: list[ReleaseRow] = field(default_factory=list)
-    released_entries: int = 0
-    released_bytes: int = 0
-    written_out_entries: int = 0
-    unwritten_dropped: int = 0
-    write_out_s: float = 0.0
-    skipped_busy_sessions: int = 0
-
-    def add(self, row: ReleaseRow) -> None:
-        self.rows.append(row)
-        self.released_entries += row.entries
-        self.released_bytes += row.held_bytes
-        self.written_out_entries += row.written_out_entries
-        self.unwritten_dropped += row.dropped_entries

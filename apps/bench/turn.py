@@ -28,9 +28,9 @@ def _tokens(rng: np.random.Generator, n: int) -> list[int]:
 
 
 def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0) -> dict:
-    from kvbank.cli import _prepare_model
+    from kvbank.models import prepare_model
 
-    model_dir = _prepare_model(model)
+    model_dir = prepare_model(model)
     rng = np.random.default_rng(seed)
     with tempfile.TemporaryDirectory(prefix="kvbank-bench-") as tmp:
         stack = LocalStack.start(model_dir, Path(tmp) / "data",

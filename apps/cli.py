@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--report", type=Path, default=Path("resilience-report.json"))
 
     lg = sub.add_parser("loadgen", help="drive agents' conversations against a server")
-    from kvbank.loadgen.cli import add_arguments as loadgen_arguments
+    from apps.loadgen.cli import add_arguments as loadgen_arguments
 
     loadgen_arguments(lg)
 
@@ -331,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--max-tokens", type=int, default=64)
     bo.add_argument("--json", action="store_true")
     bc = bsub.add_parser("compare", help="kvbank vs mlx_lm.server on one loadgen scenario")
-    from kvbank.loadgen.cli import add_compare_arguments
+    from apps.loadgen.cli import add_compare_arguments
 
     add_compare_arguments(bc)
     return ap
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cmd = args.cmd
     if cmd == "bench":
-        from kvbank.bench.report import print_result
+        from apps.bench.report import print_result
     if cmd in ("up", "router", "worker", "coldstore", "shim", "prepare-model", "bench"):
         _setup_logging(cmd)
     if cmd == "up":
@@ -350,7 +350,9 @@ def main(argv: list[str] | None = None) -> int:
         from worker.admission import SchedulerConfig
 
         SchedulerConfig.from_flags(args.scheduler_mode, args.max_active_requests)  # refuse at start
-        model = _prepare_model(args.model)
+        from kvbank.models import prepare_model
+
+        model = prepare_model(args.model)
         return Supervisor(model=model, layout=Layout(args.data_dir), host=args.host,
                           port=args.port, shim_port=args.shim_port,
                           metrics_port=args.metrics_port,
@@ -402,24 +404,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if cmd == "shim":
         from router.auth import load_keys
-        from kvbank.shim.server import main as shim_main
+        from apps.shim.server import main as shim_main
 
         shim_main(router_address=args.router, host=args.shim_host, port=args.shim_port,
                   keys=load_keys(args.api_key, args.api_keys_file), model_name=args.model_name)
         return 0
     if cmd == "status":
-        from kvbank.status import run_status
+        from apps.status import run_status
 
         return run_status(args.address, watch=args.watch, every_s=args.every, as_json=args.json,
                           show_evictions=args.evictions)
     if cmd == "admin":
-        from kvbank.admin import run_admin
+        from apps.admin import run_admin
 
         return run_admin(args)
     if cmd == "resilience":
         import json
 
-        from kvbank.resilience import run as resilience_run
+        from apps.resilience import run as resilience_run
 
         _setup_logging("resilience")
         summary = resilience_run(model=args.model, agents=args.agents, turns=args.turns,
@@ -427,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary, indent=2))
         return 0 if summary["ok"] else 1
     if cmd == "loadgen":
-        from kvbank.loadgen.cli import run_cli
+        from apps.loadgen.cli import run_cli
 
         return run_cli(args)
     if cmd == "prepare-model":
@@ -439,23 +441,23 @@ def main(argv: list[str] | None = None) -> int:
         print(resolve_model(args.model))
         return 0
     if cmd == "chat":
-        from kvbank.chat import chat
+        from apps.chat import chat
 
         return chat(args.address, args.session, max_tokens=args.max_tokens,
                     temperature=args.temperature)
     if cmd == "ask":
-        from kvbank.chat import ask
+        from apps.chat import ask
 
         return ask(args.address, args.session, args.text, max_tokens=args.max_tokens,
                    temperature=args.temperature, as_json=args.json)
     if cmd == "bench" and args.bench == "turn":
-        from kvbank.bench.turn import run
+        from apps.bench.turn import run
 
         result = run(model=args.model, tokens=args.tokens, block_tokens=args.block_tokens)
         print_result(args.bench, result, args.json)
         return 0
     if cmd == "bench" and args.bench == "bank":
-        from kvbank.bench.bank import run
+        from apps.bench.bank import run
 
         result = run(entries=args.entries, prompt_tokens=args.prompt_tokens,
                      block_tokens=args.block_tokens, group_size=args.group_size,
@@ -463,45 +465,31 @@ def main(argv: list[str] | None = None) -> int:
         print_result(args.bench, result, args.json)
         return 0
     if cmd == "bench" and args.bench == "coldstore":
-        from kvbank.bench.coldstore import run
+        from apps.bench.coldstore import run
 
         result = run(model=args.model, tokens=args.tokens, block_tokens=args.block_tokens,
                      turns=args.turns, repeats=args.repeats)
         print_result(args.bench, result, args.json)
         return 0
     if cmd == "bench" and args.bench == "admission":
-        from kvbank.bench.admission import run
+        from apps.bench.admission import run
 
         result = run(model=args.model, entries=args.entries, agents=args.agents,
                      turns=args.turns, budget_kv_bytes=args.budget_kv_bytes)
         print_result(args.bench, result, args.json)
         return 0
     if cmd == "bench" and args.bench == "overhead":
-        from kvbank.bench.overhead import run
+        from apps.bench.overhead import run
 
         result = run(model=args.model, prompt_tokens=args.prompt_tokens,
                      max_tokens=args.max_tokens)
         print_result(args.bench, result, args.json)
         return 0
     if cmd == "bench" and args.bench == "compare":
-        from kvbank.loadgen.cli import run_compare
+        from apps.loadgen.cli import run_compare
 
         return run_compare(args)
     return 2
-
-
-def _prepare_model(spec: str | None) -> Path:
-    """Resolve (and import, the first time) the model in a child process, so the supervisor
-    itself never holds MLX or the weights."""
-    import subprocess
-
-    out = subprocess.run([sys.executable, "-m", "kvbank.cli", "prepare-model",
-                          *(["--model", spec] if spec else [])],
-                         check=False, capture_output=True, text=True)
-    if out.returncode != 0:
-        sys.stderr.write(out.stderr)
-        raise SystemExit(f"kvbank: could not prepare the model {spec or '(default)'}")
-    return Path(out.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

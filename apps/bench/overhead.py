@@ -65,10 +65,10 @@ def _in_process(model, tokenizer, prompt: list[int], max_tokens: int) -> tuple[f
 
 def run(*, model: str | None, prompt_tokens: int, max_tokens: int, rounds: int = 5,
         seed: int = 0) -> dict:
-    from kvbank.cli import _prepare_model
+    from kvbank.models import prepare_model
     from kvbank.config import preload_openblas
 
-    model_dir = _prepare_model(model)
+    model_dir = prepare_model(model)
     prompt = _prompt(prompt_tokens, seed)
     preload_openblas()  # before the first `import mlx` in this process
     from mlx_lm import load

@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvbank.shim.openai_format import Answer, ApiError, invalid, parse
+from apps.shim.openai_format import Answer, ApiError, invalid, parse
 from kvbank.v1 import api_pb2_grpc
 from router.admission import NEVER, NOT_WITHOUT_SHORTER
 from router.auth import AUTH_KEY, Unauthenticated, tenant_for

@@ -132,8 +132,8 @@ def _mlx_lm(model_dir: Path, tmp: Path, cache_bytes: int, name: str) -> Iterator
 
 def _run_side(name: str, label: str, url: str, scenario, counter, model_name: str | None,
               max_wall_s: float, progress: bool, names: bool):
-    from kvbank.loadgen.cli import execute
-    from kvbank.loadgen.targets import parse_target
+    from apps.loadgen.cli import execute
+    from apps.loadgen.targets import parse_target
 
     _warm_up(url, model_name)
     target = parse_target("openai://" + url, model_name=model_name, names=names)
@@ -153,11 +153,11 @@ def _ratio(a: float | None, b: float | None, nd: int = 3) -> float | None:
 def run(*, model: str | None, scenario, budget_bytes: int, max_wall_s: float,
         progress: bool = True, names: bool = False) -> tuple[dict, dict]:
     """Returns (the result document, {side: RunResult})."""
-    from kvbank.cli import _prepare_model
-    from kvbank.loadgen.report import summarize
-    from kvbank.loadgen.run import TokenCounter
+    from kvbank.models import prepare_model
+    from apps.loadgen.report import summarize
+    from apps.loadgen.run import TokenCounter
 
-    model_dir = _prepare_model(model)
+    model_dir = prepare_model(model)
     counter = TokenCounter(model_dir)
     results = {}
     kvbank_after: dict = {}
@@ -233,8 +233,8 @@ def print_table(doc: dict, *, stderr: bool = False) -> None:
 
 
 def run_cli(args) -> int:
-    from kvbank.loadgen import report
-    from kvbank.loadgen.scenarios import build, params
+    from apps.loadgen import report
+    from apps.loadgen.scenarios import build, params
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
 

@@ -74,15 +74,15 @@ class _Coldstore:
     """A real coldstore process and the worker's client of it."""
 
     def __init__(self, data_dir: Path, *extra: str):
-        from deploy.supervisor import _zmq_ping
+        from kvbank.contracts.health import coldstore_up
         from kvbank.config import Layout
-        from worker.persist import ColdstoreClient
+        from worker.link import ColdstoreClient
 
         self.layout = Layout(data_dir).ensure()
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvbank.cli", "coldstore",
+        self.proc = subprocess.Popen([sys.executable, "-m", "apps.cli", "coldstore",
                                       "--data-dir", str(data_dir), "--quiet-grace-s", "0",
                                       "--tail-delay-s", "0", *extra])
-        while not _zmq_ping(self.layout.coldstore_address):
+        while not coldstore_up(self.layout.coldstore_address):
             if self.proc.poll() is not None:
                 raise RuntimeError("the coldstore did not start")
         self.done = threading.Event()
@@ -169,9 +169,9 @@ def _write_amplification(tmp: Path, turns: int, seed: int) -> dict:
                 time.sleep(0.5)  # the agent runs its tool: a quiet window
             tokens = c.get_session(SESSION).token_count
             stack.wait_durable(SESSION, timeout_s=300)
-        from deploy.supervisor import _zmq_ping_reply
+        from kvbank.contracts.health import coldstore_ping
 
-        reply = _zmq_ping_reply(stack.layout.coldstore_address)
+        reply = coldstore_ping(stack.layout.coldstore_address)
     finally:
         stack.stop()
     distinct = reply["stats"]["block_bytes"]
@@ -253,13 +253,13 @@ def run(*, model: str | None, tokens: int = 8192, block_tokens: int = 256, turns
     import mlx.core as mx
 
     from kvbank.blocks import chain_root
-    from kvbank.cli import _prepare_model
+    from kvbank.models import prepare_model
     from worker import kv
     from worker.admission import keep_large_buffers_off_the_heap
     from worker.engine import MLX_CACHE_BYTES
 
     keep_large_buffers_off_the_heap()  # the worker's allocator settings, for both sides
-    model_dir = _prepare_model(model)
+    model_dir = prepare_model(model)
     conv, layers, recompute_s = _conversation_kv(model_dir, tokens, seed)
     payloads = [kv.encode_range(layers, s, min(s + block_tokens, tokens))
                 for s in range(0, tokens, block_tokens)]

@@ -12,7 +12,7 @@ import secrets
 import sys
 from pathlib import Path
 
-from kvbank.loadgen.scenarios import SCENARIOS
+from apps.loadgen.scenarios import SCENARIOS
 
 
 def _scenario_arguments(p: argparse.ArgumentParser, *, default: str | None) -> None:
@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_compare_arguments(p: argparse.ArgumentParser) -> None:
-    from kvbank.bench.compare import DEFAULT_BUDGET_BYTES
+    from apps.bench.compare import DEFAULT_BUDGET_BYTES
 
     p.add_argument("--model", default=None,
                    help="an mlx-lm model folder or a .gguf file (default: SmolLM2-135M-Instruct)")
@@ -91,7 +91,7 @@ def execute(scenario, target, *, run_id: str, max_wall_s: float, request_timeout
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn)
 
-    from kvbank.loadgen.run import Runner
+    from apps.loadgen.run import Runner
 
     total = scenario.params.agents * scenario.params.turns
     if not progress:
@@ -118,9 +118,9 @@ def _fail(msg: str) -> int:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from kvbank.loadgen import report
-    from kvbank.loadgen.scenarios import build, params
-    from kvbank.loadgen.targets import TargetUnreachable, parse_target
+    from apps.loadgen import report
+    from apps.loadgen.scenarios import build, params
+    from apps.loadgen.targets import TargetUnreachable, parse_target
 
     try:
         p = params(args.scenario, seed=args.seed, agents=args.agents, turns=args.turns,
@@ -137,7 +137,7 @@ def run_cli(args: argparse.Namespace) -> int:
         return _fail(f"cannot reach {args.target}: {e}")
     counter = None
     if args.tokenizer is not None:
-        from kvbank.loadgen.run import TokenCounter
+        from apps.loadgen.run import TokenCounter
 
         try:
             counter = TokenCounter(args.tokenizer)
@@ -161,6 +161,6 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from kvbank.bench.compare import run_cli as compare_cli
+    from apps.bench.compare import run_cli as compare_cli
 
     return compare_cli(args)

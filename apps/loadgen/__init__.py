@@ -3,5 +3,5 @@
 Data flows scenarios.py (seeded scripts, the conversation history) -> targets.py (one turn to
 a gRPC or OpenAI server, timed) -> run.py (the schedule, one row per turn, token accounting)
 -> report.py (summary, tables, JSON, plot); cli.py wires the commands, and
-kvbank/bench/compare.py runs one scenario against kvbank and mlx_lm.server.
+apps/bench/compare.py runs one scenario against kvbank and mlx_lm.server.
 """

@@ -122,10 +122,10 @@ def run(*, model: str | None, entries: int = 1000, decisions: int = 2000, agents
         turns: int = 6, budget_kv_bytes: int = 150_000_000, seed: int = 0) -> dict:
     """Default: SmolLM2 (46 KB of KV per token); 6 agents growing to ~1,400 tokens each hold
     ~390 MB of KV against a budget with 150 MB for KV."""
-    from kvbank.cli import _prepare_model
+    from kvbank.models import prepare_model
 
     out = _decision_latency(entries, decisions, seed)
-    out.update(_adversarial(_prepare_model(model), agents=agents, turns=turns,
+    out.update(_adversarial(prepare_model(model), agents=agents, turns=turns,
                             budget_kv_bytes=budget_kv_bytes, seed=seed))
     out["goal_decision_p99_ms"] = GOAL_P99_MS
     return out

@@ -252,13 +252,13 @@ class Run:
 def run(*, model: str | None, agents: int, turns: int, kills: int, seed: int,
         report_path: Path | None) -> dict:
     from deploy.local import LocalStack
-    from kvbank.cli import _prepare_model
+    from kvbank.models import prepare_model
     from kvbank.models import default_cache_dir, make_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="kvbank-resilience-") as tmp:
         tmp = Path(tmp)
         model_dir = (make_tiny_model(tmp / "tiny", seed=0, cache_dir=default_cache_dir())
-                     if model is None else _prepare_model(model))
+                     if model is None else prepare_model(model))
         stack = LocalStack.start(model_dir, tmp / "data", shim=False, extra=[
             "--block-tokens", "16", "--quiet-grace-s", "0.1", "--tail-delay-s", "1",
             "--max-dirty-s", "2"])

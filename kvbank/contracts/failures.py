@@ -1,0 +1,103 @@
+"""One hierarchy for everything kvbank refuses or cannot do, and how each reaches a client:
+`GRPC_STATUS` (the router's and the worker's answer) and `HTTP_STATUS` (the shim's), one table
+each. A failure's message says what to change; `reason` and `verdict` travel as trailing
+metadata (`x-kvbank-reason`, `x-kvbank-verdict`, `retry-after`)."""
+
+from __future__ import annotations
+
+import grpc
+
+from kvbank.contracts.receipts import AdmissionReceipt
+
+
+class KvbankError(Exception):
+    """Base: a failure a client may see. The message is for the person who sent it."""
+
+    reason: str = ""
+    verdict: str = ""
+    retry_after_s: int | None = None
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        md = []
+        if self.reason:
+            md.append(("x-kvbank-reason", str(self.reason)))
+        if self.verdict:
+            md.append(("x-kvbank-verdict", str(self.verdict)))
+        if self.retry_after_s is not None:
+            md.append(("retry-after", str(self.retry_after_s)))
+        return tuple(md)
+
+
+class InvalidRequest(KvbankError, ValueError):
+    """Bad input: nothing ran; the message names the field and what to change."""
+
+
+class Unauthenticated(KvbankError):
+    """No key, or one the server does not know."""
+
+
+class PermissionDenied(KvbankError):
+    """A known caller asking for what it may not do (admin from afar without the key)."""
+
+
+class NotFound(KvbankError):
+    """A session the caller's tenant does not have."""
+
+
+class Refused(KvbankError):
+    """kvbank will not run this request now: `reason` says why, `verdict` whether and when a
+    retry can work. From admission (with its receipt) or the router's ceilings and queue."""
+
+    def __init__(self, reason: str, verdict: str, message: str, *,
+                 retry_after_s: int | None = None, receipt: AdmissionReceipt | None = None):
+        super().__init__(message)
+        self.reason, self.verdict, self.message = reason, verdict, message
+        self.retry_after_s, self.receipt = retry_after_s, receipt
+
+    def __str__(self) -> str:
+        return f"{self.message} [reason={self.reason} verdict={self.verdict}]"
+
+
+class Unavailable(KvbankError):
+    """A process kvbank needs is not answering (restarting, or down): retry shortly."""
+
+
+class WorkerUnavailable(Unavailable):
+    """The router cannot reach the worker."""
+
+
+class ColdstoreUnavailable(Unavailable):
+    """The worker cannot reach the coldstore in time, or it refused the request."""
+
+
+GRPC_STATUS: dict[type[KvbankError], grpc.StatusCode] = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    Refused: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+# HTTP status, OpenAI error type, and the error code when the failure carries no reason.
+HTTP_STATUS: dict[type[KvbankError], tuple[int, str, str | None]] = {
+    InvalidRequest: (400, "invalid_request_error", None),
+    Unauthenticated: (401, "invalid_request_error", "invalid_api_key"),
+    PermissionDenied: (403, "invalid_request_error", "permission_denied"),
+    NotFound: (404, "invalid_request_error", "not_found"),
+    Refused: (429, "requests", "rate_limit_exceeded"),
+    Unavailable: (503, "server_error", "unavailable"),
+}
+
+
+def grpc_status(exc: BaseException) -> grpc.StatusCode:
+    """The status a failure is answered with; anything not ours is INTERNAL."""
+    for cls in type(exc).__mro__:
+        if cls in GRPC_STATUS:
+            return GRPC_STATUS[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+def failure_for(code: grpc.StatusCode) -> type[KvbankError] | None:
+    """The failure a gRPC status stands for (the shim sees only the router's status)."""
+    return next((cls for cls, c in GRPC_STATUS.items() if c == code), None)

@@ -1,0 +1,42 @@
+"""Is a process up? The checks the supervisor, the benchmarks and the tests share: gRPC's
+standard health service for the router and the worker, a ping over ZeroMQ for the coldstore."""
+
+from __future__ import annotations
+
+
+def grpc_healthy(address: str, timeout_s: float = 1.0) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                     timeout=timeout_s)
+            return r.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def coldstore_ping(address: str, timeout_ms: int = 1000):
+    """The coldstore's answer to a ping (a coldstore_pb2.PingReply: store stats, worker state,
+    queued jobs), or None when it does not answer in time."""
+    import zmq
+
+    from kvbank.contracts import coldstore_wire as wire
+
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    try:
+        s.connect(address)
+        s.send_multipart(wire.encode(wire.request(0, ping=wire.pb.Ping())))
+        if not s.poll(timeout_ms):
+            return None
+        msg, _ = wire.decode(s.recv_multipart())
+        return msg.reply.ping
+    finally:
+        s.close()
+
+
+def coldstore_up(address: str) -> bool:
+    return coldstore_ping(address) is not None

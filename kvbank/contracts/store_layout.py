@@ -1,0 +1,152 @@
+"""The LMDB layout both sides agree on, and its read side.
+
+Named databases:
+    blocks    block id (16 B)          -> encoded block (kvbank.blocks.encode_block)
+    refs      block id                 -> u32 number of session records naming it
+    sessions  tenant \\0 session id     -> JSON meta (block list, durable extent, timestamps)
+    tokens    tenant \\0 session id     -> committed token ids, uint32 little-endian
+    meta      b"block_bytes"           -> u64 total bytes of stored blocks (the size cap's measure)
+
+Only the coldstore process writes (coldstore/store.py: `ColdStore`, which adds the writes and
+the durability rule). The worker reads with a `StoreReader` (`readonly=True`): LMDB serves
+many reader processes beside one writer, and a restore decodes blocks straight from the map.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import lmdb
+import numpy as np
+
+from kvbank.blocks import BlockId
+
+INITIAL_MAP_BYTES = 1 << 30
+DBS = (b"blocks", b"refs", b"sessions", b"tokens", b"meta")
+BLOCK_BYTES_KEY = b"block_bytes"  # meta: total size of stored blocks, kept in the same txns
+
+def session_key(tenant: str, session_id: str) -> bytes:
+    return tenant.encode() + b"\0" + session_id.encode()
+
+
+@dataclass
+class SessionMeta:
+    """A session record without its tokens. `blocks`/`tail` name only committed blocks."""
+
+    session_id: str
+    tenant: str = ""
+    token_count: int = 0
+    blocks: list[str] = field(default_factory=list)  # hex ids of full blocks, in order
+    tail: str | None = None  # hex id of the partial block after them
+    tail_tokens: int = 0
+    block_tokens: int = 0
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+    @property
+    def durable_tokens(self) -> int:
+        return len(self.blocks) * self.block_tokens + (self.tail_tokens if self.tail else 0)
+
+    def block_ids(self) -> list[BlockId]:
+        ids = [BlockId(bytes.fromhex(h)) for h in self.blocks]
+        if self.tail:
+            ids.append(BlockId(bytes.fromhex(self.tail)))
+        return ids
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "SessionMeta":
+        return cls(**json.loads(raw))
+
+
+class StoreReader:
+    """Reads (any process). `readonly=False` only for the coldstore's `ColdStore`."""
+
+    def __init__(self, path: Path, *, readonly: bool = False):
+        self.path = Path(path)
+        self.readonly = readonly
+        self.last_written_bytes = 0  # by the last commit_block
+        if not readonly:
+            self.path.mkdir(parents=True, exist_ok=True)
+        self.env = lmdb.open(
+            str(self.path),
+            map_size=INITIAL_MAP_BYTES,
+            max_dbs=len(DBS),
+            readonly=readonly,
+            readahead=True,
+            sync=True,
+            metasync=True,
+            create=not readonly,
+        )
+        self._db = {name: self.env.open_db(name, create=not readonly) for name in DBS}
+
+    def close(self) -> None:
+        self.env.close()
+
+    def _read_txn(self) -> lmdb.Transaction:
+        try:
+            return self.env.begin(buffers=True)
+        except lmdb.MapResizedError:
+            self.env.set_mapsize(0)  # adopt the writer's larger map
+            return self.env.begin(buffers=True)
+
+    def get_session(self, tenant: str, session_id: str) -> tuple[SessionMeta, np.ndarray] | None:
+        key = session_key(tenant, session_id)
+        with self._read_txn() as txn:
+            raw = txn.get(key, db=self._db[b"sessions"])
+            if raw is None:
+                return None
+            meta = SessionMeta.from_json(bytes(raw))
+            toks = np.frombuffer(bytes(txn.get(key, db=self._db[b"tokens"]) or b""), dtype=np.uint32)
+        return meta, toks
+
+    def list_sessions(self) -> list[SessionMeta]:
+        with self._read_txn() as txn:
+            return [SessionMeta.from_json(bytes(v)) for _, v in txn.cursor(db=self._db[b"sessions"])]
+
+    def get_blocks(self, ids: list[BlockId], decode=None):
+        """The blocks' bytes (None where missing), read in one snapshot.
+
+        With `decode`, it gets views straight into the map (zero-copy) and its result is
+        returned instead, or None when a block is missing; without it, copies."""
+        with self._read_txn() as txn:
+            views = [txn.get(bid, db=self._db[b"blocks"]) for bid in ids]
+            if decode is not None:
+                return None if any(v is None for v in views) else decode(views)
+            return [None if v is None else bytes(v) for v in views]
+
+    def block_bytes(self) -> int:
+        with self._read_txn() as txn:
+            raw = txn.get(BLOCK_BYTES_KEY, db=self._db[b"meta"])
+            return struct.unpack("<Q", raw)[0] if raw else 0
+
+    def session_block_bytes(self, tenant: str, session_id: str) -> int:
+        got = self.get_session(tenant, session_id)
+        if got is None:
+            return 0
+        with self._read_txn() as txn:
+            return sum(len(txn.get(bid, db=self._db[b"blocks"]) or b"")
+                       for bid in got[0].block_ids())
+
+    def has_block(self, block_id: BlockId) -> bool:
+        with self._read_txn() as txn:
+            return txn.get(block_id, db=self._db[b"blocks"]) is not None
+
+    def stats(self) -> dict:
+        with self._read_txn() as txn:
+            blocks = txn.stat(self._db[b"blocks"])
+            sessions = txn.stat(self._db[b"sessions"])
+        info = self.env.info()
+        st = self.env.stat()
+        return {
+            "blocks": blocks["entries"],
+            "sessions": sessions["entries"],
+            "block_bytes": self.block_bytes(),
+            "map_bytes": info["map_size"],
+            "used_bytes": (info["last_pgno"] + 1) * st["psize"],
+        }
