@@ -99,9 +99,6 @@ def _coldstore_flags(p: argparse.ArgumentParser) -> None:
             help="end a write job whose streamed payloads stopped arriving this long ago (its "
                  "sender died); what it committed stays, except a write-out's, which is all or "
                  "nothing (default: %(default)s)")),
-           (["--fake-slow-disk-s"], dict(type=float, default=0.0,
-            help="TESTING ONLY: sleep this long before each block commit, a stand-in for a "
-                 "throttled disk (default: off)")),
            (["--quiet-grace-s"], dict(type=float, default=0.25,
                                       help="the worker must be idle this long before idle-lane "
                                            "writes (default: %(default)s)")),
@@ -211,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     _coldstore_flags(up)
     _router_flags(up)
     _shim_flags(up)
+    up.set_defaults(func=_run_up)
 
     r = sub.add_parser("router", help="run the router alone")
     _data_dir(r)
@@ -219,17 +217,20 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT)
     _metrics(r, -1, "the router's")
     _router_flags(r)
+    r.set_defaults(func=_run_router)
 
     w = sub.add_parser("worker", help="run the worker alone")
     _data_dir(w)
     w.add_argument("--model", type=Path, required=True)
     _metrics(w, -1, "the worker's")
     _worker_flags(w)
+    w.set_defaults(func=_run_worker)
 
     c = sub.add_parser("coldstore", help="run the coldstore alone")
     _data_dir(c)
     _metrics(c, -1, "the coldstore's")
     _coldstore_flags(c)
+    c.set_defaults(func=_run_coldstore)
 
     sh = sub.add_parser("shim", help="run the OpenAI-compatible HTTP API alone")
     sh.add_argument("--router", default=f"127.0.0.1:{DEFAULT_ROUTER_PORT}",
@@ -237,15 +238,18 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--model-name", default=None,
                     help="the model id /v1/models reports (default: the router's)")
     _shim_flags(sh)
+    sh.set_defaults(func=_run_shim)
 
     pm = sub.add_parser("prepare-model", help="import the model if needed; print its folder")
     _model(pm)
+    pm.set_defaults(func=_run_prepare_model)
 
     chat = sub.add_parser("chat", help="interactive chat with a running kvbank")
     _address(chat)
     chat.add_argument("--session", default="chat", help="session name (default: %(default)s)")
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.0)
+    chat.set_defaults(func=_run_chat)
 
     ask = sub.add_parser("ask", help="one turn of a session (append mode)")
     _address(ask)
@@ -254,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--temperature", type=float, default=0.0)
     ask.add_argument("--json", action="store_true", help="print the usage as one JSON object")
     ask.add_argument("text")
+    ask.set_defaults(func=_run_ask)
 
     stp = sub.add_parser("status", help="sessions, tiers, budgets and pressure of a running kvbank")
     _address(stp)
@@ -263,9 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
     stp.add_argument("--evictions", action="store_true",
                      help="the bank's eviction log: each entry that left RAM, its reason, and "
                           "a release's write outcome and seconds")
+    stp.set_defaults(func=_run_status)
 
     adm = sub.add_parser("admin", help="operator tools (over the router's Admin service)")
     _address(adm)
+    adm.set_defaults(func=_run_admin)  # apps/admin.py dispatches on args.admin
     asub = adm.add_subparsers(dest="admin", required=True)
     ap_ = asub.add_parser("pressure", help="inject a memory-pressure level, or `auto`")
     ap_.add_argument("level", choices=("normal", "warning", "critical", "auto"))
@@ -284,11 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--kills", type=int, default=8)
     rs.add_argument("--seed", type=int, default=0)
     rs.add_argument("--report", type=Path, default=Path("resilience-report.json"))
+    rs.set_defaults(func=_run_resilience)
 
     lg = sub.add_parser("loadgen", help="drive agents' conversations against a server")
     from apps.loadgen.cli import add_arguments as loadgen_arguments
 
     loadgen_arguments(lg)
+    lg.set_defaults(func=_run_loadgen)
 
     bench = sub.add_parser("bench", help="benchmarks (a short table; JSON with --json)")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -297,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--tokens", type=int, default=2048, help="conversation length")
     bt.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
     bt.add_argument("--json", action="store_true")
+    bt.set_defaults(func=_run_bench_turn)
     bb = bsub.add_parser("bank", help="SessionBank.lookup latency on a full bank")
     bb.add_argument("--entries", type=int, default=10000, help="sessions in the bank")
     bb.add_argument("--prompt-tokens", type=int, default=8192)
@@ -305,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sessions sharing one system prompt (default: %(default)s)")
     bb.add_argument("--lookups", type=int, default=2000)
     bb.add_argument("--json", action="store_true")
+    bb.set_defaults(func=_run_bench_bank)
     bcs = bsub.add_parser("coldstore", help="SSD tier vs raw LMDB; write amplification; "
                                             "restore vs recompute")
     _model(bcs)
@@ -316,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="back-to-back raw/coldstore pairs for writes and reads; medians "
                           "are reported (default: %(default)s)")
     bcs.add_argument("--json", action="store_true")
+    bcs.set_defaults(func=_run_bench_coldstore)
     bad = bsub.add_parser("admission", help="admission decision latency; peak RSS / budget "
                                             "under an adversarial load")
     _model(bad)
@@ -325,172 +337,220 @@ def build_parser() -> argparse.ArgumentParser:
     bad.add_argument("--budget-kv-bytes", type=int, default=150_000_000,
                      help="the worker's budget beyond the model (--memory-budget +N)")
     bad.add_argument("--json", action="store_true")
+    bad.set_defaults(func=_run_bench_admission)
     bo = bsub.add_parser("overhead", help="streamed decode through shim+router vs in-process")
     _model(bo)
     bo.add_argument("--prompt-tokens", type=int, default=256)
     bo.add_argument("--max-tokens", type=int, default=64)
     bo.add_argument("--json", action="store_true")
+    bo.set_defaults(func=_run_bench_overhead)
     bc = bsub.add_parser("compare", help="kvbank vs mlx_lm.server on one loadgen scenario")
-    from apps.loadgen.cli import add_compare_arguments
+    from apps.bench.compare import add_arguments as compare_arguments
 
-    add_compare_arguments(bc)
+    compare_arguments(bc)
+    bc.set_defaults(func=_run_bench_compare)
     return ap
+
+
+# -- one handler per command, registered with set_defaults(func=...) in build_parser. Each
+# imports what it runs when it runs (mlx_lm alone takes seconds), so `kvbank --help` stays fast.
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    _setup_logging("up")
+    from deploy.supervisor import Supervisor
+
+    from worker.admission import SchedulerConfig
+
+    SchedulerConfig.from_flags(args.scheduler_mode, args.max_active_requests)  # refuse at start
+    from kvbank.models import prepare_model
+
+    model = prepare_model(args.model)
+    return Supervisor(model=model, layout=Layout(args.data_dir), host=args.host,
+                      port=args.port, shim_port=args.shim_port,
+                      metrics_port=args.metrics_port,
+                      args={g: forward(args, g) for g in FLAG_GROUPS}).run()
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    _setup_logging("router")
+    from router.admission import Ceilings
+    from router.auth import load_keys
+    from router.server import main as router_main
+
+    layout = Layout(args.data_dir).ensure()
+    router_main(args.model, layout.worker_address, args.host, args.port,
+                keys=load_keys(args.api_key, args.api_keys_file),
+                ceilings=Ceilings(args.max_prompt_tokens, args.max_request_tokens),
+                max_queue=args.max_queue, max_queue_wait_s=args.max_queue_wait_s,
+                metrics_port=args.metrics_port, admin_key=args.admin_key)
+    return 0
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    _setup_logging("worker")
+    from kvbank.config import preload_openblas
+
+    preload_openblas()  # before the first `import mlx`
+    from worker.server import main as worker_main
+
+    from worker.admission import SchedulerConfig
+
+    sched = SchedulerConfig.from_flags(args.scheduler_mode, args.max_active_requests)
+    worker_main(args.model, Layout(args.data_dir), block_tokens=args.block_tokens,
+                bank_bytes=args.bank_bytes, staging_max_bytes=args.staging_max_bytes,
+                restore_via=args.restore_via, scheduler=sched,
+                memory_budget=args.memory_budget, active_pin_s=args.active_pin_s,
+                admission_chain_shed=args.admission_chain_shed,
+                prefill_chunk_tokens=args.prefill_chunk_tokens,
+                write_out_deadline_s=args.write_out_deadline_s,
+                metrics_port=args.metrics_port)
+    return 0
+
+
+def _run_coldstore(args: argparse.Namespace) -> int:
+    _setup_logging("coldstore")
+    from coldstore.budgets import Limits
+    from coldstore.server import main as coldstore_main
+
+    limits = Limits(write_bytes_per_hour=args.write_budget_bytes_per_hour,
+                    free_disk_floor_bytes=args.free_disk_floor_bytes,
+                    store_max_bytes=args.store_max_bytes,
+                    entry_max_bytes=args.entry_max_bytes)
+    coldstore_main(Layout(args.data_dir), quiet_grace_s=args.quiet_grace_s,
+                   max_dirty_s=args.max_dirty_s, tail_delay_s=args.tail_delay_s,
+                   payload_stall_s=args.payload_stall_s,
+                   limits=limits, metrics_port=args.metrics_port,
+                   anonymous_ttl_s=args.anonymous_ttl_s)
+    return 0
+
+
+def _run_shim(args: argparse.Namespace) -> int:
+    _setup_logging("shim")
+    from router.auth import load_keys
+    from apps.shim.server import main as shim_main
+
+    shim_main(router_address=args.router, host=args.shim_host, port=args.shim_port,
+              keys=load_keys(args.api_key, args.api_keys_file), model_name=args.model_name)
+    return 0
+
+
+def _run_prepare_model(args: argparse.Namespace) -> int:
+    _setup_logging("prepare-model")
+    from kvbank.config import preload_openblas
+
+    preload_openblas()
+    from kvbank.models import resolve_model
+
+    print(resolve_model(args.model))
+    return 0
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from apps.status import run_status
+
+    return run_status(args.address, watch=args.watch, every_s=args.every, as_json=args.json,
+                      show_evictions=args.evictions)
+
+
+def _run_admin(args: argparse.Namespace) -> int:
+    from apps.admin import run_admin
+
+    return run_admin(args)
+
+
+def _run_resilience(args: argparse.Namespace) -> int:
+    import json
+
+    from apps.resilience import run as resilience_run
+
+    _setup_logging("resilience")
+    summary = resilience_run(model=args.model, agents=args.agents, turns=args.turns,
+                             kills=args.kills, seed=args.seed, report_path=args.report)
+    print(json.dumps(summary, indent=2))
+    return 0 if summary["ok"] else 1
+
+
+def _run_loadgen(args: argparse.Namespace) -> int:
+    from apps.loadgen.cli import run_cli
+
+    return run_cli(args)
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from apps.chat import chat
+
+    return chat(args.address, args.session, max_tokens=args.max_tokens,
+                temperature=args.temperature)
+
+
+def _run_ask(args: argparse.Namespace) -> int:
+    from apps.chat import ask
+
+    return ask(args.address, args.session, args.text, max_tokens=args.max_tokens,
+               temperature=args.temperature, as_json=args.json)
+
+
+def _bench_result(args: argparse.Namespace, result: dict) -> int:
+    """A benchmark's result: a short table, or JSON with --json."""
+    from apps.bench.report import print_result
+
+    print_result(args.bench, result, args.json)
+    return 0
+
+
+def _run_bench_turn(args: argparse.Namespace) -> int:
+    _setup_logging("bench")
+    from apps.bench.turn import run
+
+    return _bench_result(args, run(model=args.model, tokens=args.tokens,
+                                   block_tokens=args.block_tokens))
+
+
+def _run_bench_bank(args: argparse.Namespace) -> int:
+    _setup_logging("bench")
+    from apps.bench.bank import run
+
+    return _bench_result(args, run(entries=args.entries, prompt_tokens=args.prompt_tokens,
+                                   block_tokens=args.block_tokens, group_size=args.group_size,
+                                   lookups=args.lookups))
+
+
+def _run_bench_coldstore(args: argparse.Namespace) -> int:
+    _setup_logging("bench")
+    from apps.bench.coldstore import run
+
+    return _bench_result(args, run(model=args.model, tokens=args.tokens,
+                                   block_tokens=args.block_tokens, turns=args.turns,
+                                   repeats=args.repeats))
+
+
+def _run_bench_admission(args: argparse.Namespace) -> int:
+    _setup_logging("bench")
+    from apps.bench.admission import run
+
+    return _bench_result(args, run(model=args.model, entries=args.entries, agents=args.agents,
+                                   turns=args.turns, budget_kv_bytes=args.budget_kv_bytes))
+
+
+def _run_bench_overhead(args: argparse.Namespace) -> int:
+    _setup_logging("bench")
+    from apps.bench.overhead import run
+
+    return _bench_result(args, run(model=args.model, prompt_tokens=args.prompt_tokens,
+                                   max_tokens=args.max_tokens))
+
+
+def _run_bench_compare(args: argparse.Namespace) -> int:
+    _setup_logging("bench")
+    from apps.bench.compare import run_cli
+
+    return run_cli(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cmd = args.cmd
-    if cmd == "bench":
-        from apps.bench.report import print_result
-    if cmd in ("up", "router", "worker", "coldstore", "shim", "prepare-model", "bench"):
-        _setup_logging(cmd)
-    if cmd == "up":
-        from deploy.supervisor import Supervisor
-
-        from worker.admission import SchedulerConfig
-
-        SchedulerConfig.from_flags(args.scheduler_mode, args.max_active_requests)  # refuse at start
-        from kvbank.models import prepare_model
-
-        model = prepare_model(args.model)
-        return Supervisor(model=model, layout=Layout(args.data_dir), host=args.host,
-                          port=args.port, shim_port=args.shim_port,
-                          metrics_port=args.metrics_port,
-                          args={g: forward(args, g) for g in FLAG_GROUPS}).run()
-    if cmd == "router":
-        from router.admission import Ceilings
-        from router.auth import load_keys
-        from router.server import main as router_main
-
-        layout = Layout(args.data_dir).ensure()
-        router_main(args.model, layout.worker_address, args.host, args.port,
-                    keys=load_keys(args.api_key, args.api_keys_file),
-                    ceilings=Ceilings(args.max_prompt_tokens, args.max_request_tokens),
-                    max_queue=args.max_queue, max_queue_wait_s=args.max_queue_wait_s,
-                    metrics_port=args.metrics_port, admin_key=args.admin_key)
-        return 0
-    if cmd == "worker":
-        from kvbank.config import preload_openblas
-
-        preload_openblas()  # before the first `import mlx`
-        from worker.server import main as worker_main
-
-        from worker.admission import SchedulerConfig
-
-        sched = SchedulerConfig.from_flags(args.scheduler_mode, args.max_active_requests)
-        worker_main(args.model, Layout(args.data_dir), block_tokens=args.block_tokens,
-                    bank_bytes=args.bank_bytes, staging_max_bytes=args.staging_max_bytes,
-                    restore_via=args.restore_via, scheduler=sched,
-                    memory_budget=args.memory_budget, active_pin_s=args.active_pin_s,
-                    admission_chain_shed=args.admission_chain_shed,
-                    prefill_chunk_tokens=args.prefill_chunk_tokens,
-                    write_out_deadline_s=args.write_out_deadline_s,
-                    metrics_port=args.metrics_port)
-        return 0
-    if cmd == "coldstore":
-        from coldstore.budgets import Limits
-        from coldstore.server import main as coldstore_main
-
-        limits = Limits(write_bytes_per_hour=args.write_budget_bytes_per_hour,
-                        free_disk_floor_bytes=args.free_disk_floor_bytes,
-                        store_max_bytes=args.store_max_bytes,
-                        entry_max_bytes=args.entry_max_bytes)
-        coldstore_main(Layout(args.data_dir), quiet_grace_s=args.quiet_grace_s,
-                       max_dirty_s=args.max_dirty_s, tail_delay_s=args.tail_delay_s,
-                       payload_stall_s=args.payload_stall_s,
-                       limits=limits, metrics_port=args.metrics_port,
-                       fake_slow_disk_s=args.fake_slow_disk_s,
-                       anonymous_ttl_s=args.anonymous_ttl_s)
-        return 0
-    if cmd == "shim":
-        from router.auth import load_keys
-        from apps.shim.server import main as shim_main
-
-        shim_main(router_address=args.router, host=args.shim_host, port=args.shim_port,
-                  keys=load_keys(args.api_key, args.api_keys_file), model_name=args.model_name)
-        return 0
-    if cmd == "status":
-        from apps.status import run_status
-
-        return run_status(args.address, watch=args.watch, every_s=args.every, as_json=args.json,
-                          show_evictions=args.evictions)
-    if cmd == "admin":
-        from apps.admin import run_admin
-
-        return run_admin(args)
-    if cmd == "resilience":
-        import json
-
-        from apps.resilience import run as resilience_run
-
-        _setup_logging("resilience")
-        summary = resilience_run(model=args.model, agents=args.agents, turns=args.turns,
-                                 kills=args.kills, seed=args.seed, report_path=args.report)
-        print(json.dumps(summary, indent=2))
-        return 0 if summary["ok"] else 1
-    if cmd == "loadgen":
-        from apps.loadgen.cli import run_cli
-
-        return run_cli(args)
-    if cmd == "prepare-model":
-        from kvbank.config import preload_openblas
-
-        preload_openblas()
-        from kvbank.models import resolve_model
-
-        print(resolve_model(args.model))
-        return 0
-    if cmd == "chat":
-        from apps.chat import chat
-
-        return chat(args.address, args.session, max_tokens=args.max_tokens,
-                    temperature=args.temperature)
-    if cmd == "ask":
-        from apps.chat import ask
-
-        return ask(args.address, args.session, args.text, max_tokens=args.max_tokens,
-                   temperature=args.temperature, as_json=args.json)
-    if cmd == "bench" and args.bench == "turn":
-        from apps.bench.turn import run
-
-        result = run(model=args.model, tokens=args.tokens, block_tokens=args.block_tokens)
-        print_result(args.bench, result, args.json)
-        return 0
-    if cmd == "bench" and args.bench == "bank":
-        from apps.bench.bank import run
-
-        result = run(entries=args.entries, prompt_tokens=args.prompt_tokens,
-                     block_tokens=args.block_tokens, group_size=args.group_size,
-                     lookups=args.lookups)
-        print_result(args.bench, result, args.json)
-        return 0
-    if cmd == "bench" and args.bench == "coldstore":
-        from apps.bench.coldstore import run
-
-        result = run(model=args.model, tokens=args.tokens, block_tokens=args.block_tokens,
-                     turns=args.turns, repeats=args.repeats)
-        print_result(args.bench, result, args.json)
-        return 0
-    if cmd == "bench" and args.bench == "admission":
-        from apps.bench.admission import run
-
-        result = run(model=args.model, entries=args.entries, agents=args.agents,
-                     turns=args.turns, budget_kv_bytes=args.budget_kv_bytes)
-        print_result(args.bench, result, args.json)
-        return 0
-    if cmd == "bench" and args.bench == "overhead":
-        from apps.bench.overhead import run
-
-        result = run(model=args.model, prompt_tokens=args.prompt_tokens,
-                     max_tokens=args.max_tokens)
-        print_result(args.bench, result, args.json)
-        return 0
-    if cmd == "bench" and args.bench == "compare":
-        from apps.loadgen.cli import run_compare
-
-        return run_compare(args)
-    return 2
-
+    return args.func(args)
 
 if __name__ == "__main__":
     sys.exit(main())

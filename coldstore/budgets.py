@@ -1,8 +1,9 @@
 """What the coldstore may write: the hourly write budget, the free-disk floor, the per-entry cap.
 
-Each check returns a `Refusal` (a stable reason code and a sentence with the numbers) or None.
-A refused job leaves nothing new restorable; the worker keeps serving the entry from RAM and
-its release drops it as if there were no SSD tier. The store size cap is not a refusal: the
+Each check returns a `WriteRefusal` (a stable reason code and a sentence with the numbers) or
+None: a value, not an exception (kvbank.contracts.failures holds those). A refused job leaves
+nothing new restorable; the worker keeps serving the entry from RAM and its release drops it
+as if there were no SSD tier. The store size cap is not a refusal: the
 store makes room by retiring the least recently used sessions' KV (`ColdStore.retire_lru`).
 """
 
@@ -27,7 +28,9 @@ class Limits:
 
 
 @dataclass(frozen=True)
-class Refusal:
+class WriteRefusal:
+    """Why a block may not be written now (the job ends `refused`)."""
+
     reason: str  # write_budget | disk_floor | entry_too_large | store_cap
     message: str
 
@@ -53,28 +56,28 @@ class Budgets:
         self._written.append((time.time() if now is None else now, nbytes))
         self._written_bytes += nbytes
 
-    def check_entry(self, entry_bytes: int) -> Refusal | None:
+    def check_entry(self, entry_bytes: int) -> WriteRefusal | None:
         cap = self.limits.entry_max_bytes
         if cap is not None and entry_bytes > cap:
-            return Refusal("entry_too_large",
-                           f"this conversation's KV is {entry_bytes} bytes, over the per-entry "
-                           f"cap of {cap} bytes (--entry-max-bytes)")
+            return WriteRefusal("entry_too_large",
+                                f"this conversation's KV is {entry_bytes} bytes, over the "
+                                f"per-entry cap of {cap} bytes (--entry-max-bytes)")
         return None
 
-    def check_write(self, nbytes: int, now: float | None = None) -> Refusal | None:
+    def check_write(self, nbytes: int, now: float | None = None) -> WriteRefusal | None:
         budget = self.limits.write_bytes_per_hour
         used = self.written_last_hour(now)
         if used + nbytes > budget:
             wait = (self._written[0][0] + HOUR_S - (time.time() if now is None else now)
                     if self._written else 0.0)
-            return Refusal("write_budget",
-                           f"the hourly write budget of {budget} bytes is spent ({used} written "
-                           f"in the last hour); room returns in {max(0.0, wait):.0f} s "
-                           f"(--write-budget-bytes-per-hour)")
+            return WriteRefusal("write_budget",
+                                f"the hourly write budget of {budget} bytes is spent ({used} "
+                                f"written in the last hour); room returns in "
+                                f"{max(0.0, wait):.0f} s (--write-budget-bytes-per-hour)")
         free = shutil.disk_usage(self.store_dir).free
         if free - nbytes < self.free_disk_floor_bytes:
-            return Refusal("disk_floor",
-                           f"the disk has {free} bytes free; writing {nbytes} more would go below "
-                           f"the floor of {self.free_disk_floor_bytes} bytes "
-                           f"(--free-disk-floor-bytes)")
+            return WriteRefusal("disk_floor",
+                                f"the disk has {free} bytes free; writing {nbytes} more would go "
+                                f"below the floor of {self.free_disk_floor_bytes} bytes "
+                                f"(--free-disk-floor-bytes)")
         return None

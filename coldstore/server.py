@@ -4,25 +4,36 @@ One thread owns everything (the sockets, the lanes, the write transactions), so 
 exactly one writer and no locks. Each loop turn handles what arrived, then writes at most one
 block, so a message never waits behind more than one block's commit.
 
-Messages are multipart: a JSON header, then raw frames (token ids, block payloads).
-    put_session    {req, tenant, session_id, block_tokens} + tokens -> reply after commit
-    delete_session {req, tenant, session_id}                          -> reply after commit
-    write          {job, tenant, session_id, root, blocks:[{id,start,bytes}], give_up_at?}
-                   + the first blocks' payloads -> "progress" after each committed block,
-                   "done" with an outcome at the end
-    payload        {job} + the next blocks' payloads (a job's payloads stream in behind it)
-    promote        {job, give_up_at}   a queued job becomes a write-out with a deadline
-    cancel         {job}
-    get_blocks     {req, ids:[hex]}   -> reply + one frame per id (empty: not stored)
-    ping           {req}              -> store stats, worker state, the queued jobs
-To the worker, unasked:
-    retired        {tenant, session_id, reason, removed, at}   a record was retired
+Messages are multipart: a serialized protobuf header (proto/kvbank/v1/coldstore.proto), then
+raw frames (token ids, block payloads), framed by kvbank/contracts/coldstore_wire.py. The
+worker sends a `Request` whose `op` is one of:
+    put_session    PutSession{tenant, session_id, block_tokens} + the token ids (uint32 LE)
+                   -> Reply{put_session: SessionPut{durable_tokens}} after the commit
+    delete_session DeleteSession{tenant, session_id}
+                   -> Reply{delete_session: SessionDeleted{deleted}} after the commit
+    write          Write{job, tenant, session_id, root, blocks: [Block{id, start, nbytes?,
+                   tail}], dirty_since, give_up_at?} + the first blocks' payloads
+                   -> `Progress` after each committed block, `Done` with an outcome at the end
+    payload        Payload{job} + the next blocks' payloads (a job's payloads stream in behind)
+    promote        Promote{job, give_up_at}   a queued job becomes a write-out with a deadline
+    cancel         Cancel{job}
+    get_blocks     GetBlocks{ids}   -> Reply{get_blocks: BlocksFollow} + one frame per id
+                   (empty: not stored)
+    ping           Ping             -> Reply{ping: PingReply}: store stats, worker state, the
+                   queued jobs, staged and written bytes, budgets
+A request with `req` > 0 is answered with a `Reply` carrying that number; one that fails (a
+header that does not parse included) is answered `Reply{ok: false, error}` and the loop goes
+on. Block ids and roots travel as bytes.
+To the worker, unasked (each a `Message`):
+    progress       Progress{job, tenant, session_id, durable_tokens}
+    done           Done{job, outcome, tenant, session_id, durable_tokens, error, reason,
+                   taken_back, by?}   (outcome: kvbank.contracts.vocabulary.Outcome)
+    retired        Retired{tenant, session_id, reason, removed, at}   a record was retired
                    (`anonymous_ttl`, `store_cap`); also an event in the event log
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import signal
@@ -35,7 +46,10 @@ import zmq
 from kvbank import events, metrics
 from kvbank.blocks import BlockId, is_anonymous
 from kvbank.config import Layout
-from coldstore.budgets import Budgets, Limits, Refusal
+from kvbank.contracts import coldstore_wire as wire
+from kvbank.contracts.coldstore_wire import pb
+from kvbank.contracts.vocabulary import Outcome
+from coldstore.budgets import Budgets, Limits, WriteRefusal
 from coldstore.lanes import Lanes, PendingBlock, WriteJob
 from coldstore.store import ColdStore, SessionMeta
 
@@ -93,9 +107,9 @@ class ColdstoreServer:
                         reason=reason, removed=gone, tokens=m.token_count,
                         durable_tokens=m.durable_tokens, updated_at=m.updated_at)
             metrics.CS_RETIRED.labels(reason).inc()
-            self._send(WORKER_PEER, {"op": "retired", "tenant": m.tenant,
-                                     "session_id": m.session_id, "reason": reason,
-                                     "removed": gone, "at": time.time()})
+            self._send(WORKER_PEER, pb.Message(retired=pb.Retired(
+                tenant=m.tenant, session_id=m.session_id, reason=reason, removed=gone,
+                at=time.time())))
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -174,84 +188,99 @@ class ColdstoreServer:
     # -- messages ---------------------------------------------------------------------------
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
-        peer = frames[0].bytes
+        peer, req = frames[0].bytes, 0
         try:
-            head = json.loads(frames[1].bytes)
-            op = head.get("op")
-            handler = getattr(self, f"_op_{op}", None)
-            if handler is None:
-                raise ValueError(f"unknown op {op!r}")
-            reply = handler(peer, head, frames[2:])
+            request, parts = wire.decode_request(frames[1:])
+            req = request.req
+            op = request.WhichOneof("op")
+            if op is None:
+                raise ValueError("a request without an op")
+            reply = getattr(self, f"_op_{op}")(peer, req, getattr(request, op), parts)
         except Exception as e:  # a bad message must not take the store down
             logger.exception("coldstore: message failed")
-            reply = {"ok": False, "error": f"{type(e).__name__}: {e}", "req": _req(frames)}
+            reply = pb.Reply(req=req, ok=False, error=f"{type(e).__name__}: {e}")
         if reply is not None:
-            self._send(peer, reply)
+            self._send(peer, pb.Message(reply=reply))
 
-    def _send(self, peer: bytes, msg: dict, frames=()) -> None:
-        self.sock.send_multipart([peer, json.dumps(msg).encode(), *frames], copy=False)
+    def _send(self, peer: bytes, msg: pb.Message, frames=()) -> None:
+        self.sock.send_multipart([peer, *wire.encode(msg, frames)], copy=False)
 
-    def _op_ping(self, peer, head, frames):
+    def _done(self, peer: bytes, job: int, outcome: Outcome, **fields) -> None:
+        self._send(peer, pb.Message(done=pb.Done(job=job, outcome=wire.outcome_pb(outcome),
+                                                 **fields)))
+
+    # One handler per op: (peer, the request's number, the op's message, the frames after the
+    # header) -> the Reply to send, or None (answered already, or nothing to answer).
+
+    def _op_ping(self, peer, req, ping: pb.Ping, frames):
         now = time.time()
         heard = now - self.lanes.state_heard_at <= self.lanes.silent_worker_s
         state = ("busy" if self.lanes.worker_busy else "quiet") if heard else "silent"
-        return {"req": head["req"], "ok": True, "stats": self.store.stats(), "worker_state": state,
-                "queued_jobs": len(self.lanes.jobs), "jobs": sorted(self.lanes.jobs),
-                "staged_bytes": self.lanes.staged_bytes(), "written_bytes": self.written_bytes,
-                "write_budget_left_bytes": max(0, self.limits.write_bytes_per_hour
-                                               - self.budgets.written_last_hour()),
-                "free_disk_bytes": shutil.disk_usage(self.layout.store_dir).free}
+        return pb.Reply(req=req, ok=True, ping=pb.PingReply(
+            stats=pb.StoreStats(**self.store.stats()), worker_state=state,
+            queued_jobs=len(self.lanes.jobs), jobs=sorted(self.lanes.jobs),
+            staged_bytes=self.lanes.staged_bytes(), written_bytes=self.written_bytes,
+            write_budget_left_bytes=max(0, self.limits.write_bytes_per_hour
+                                        - self.budgets.written_last_hour()),
+            free_disk_bytes=shutil.disk_usage(self.layout.store_dir).free))
 
-    def _op_get_blocks(self, peer, head, frames):
+    def _op_get_blocks(self, peer, req, get: pb.GetBlocks, frames):
         """Restore through the coldstore (the worker can also read LMDB itself, read-only)."""
-        payloads = self.store.get_blocks([BlockId(bytes.fromhex(h)) for h in head["ids"]])
+        payloads = self.store.get_blocks([BlockId(i) for i in get.ids])
         metrics.CS_READ.inc(sum(len(p) for p in payloads if p is not None))
-        self._send(peer, {"req": head["req"], "ok": True},
+        self._send(peer, pb.Message(reply=pb.Reply(req=req, ok=True,
+                                                   get_blocks=pb.BlocksFollow())),
                    [p if p is not None else b"" for p in payloads])
         return None
 
-    def _op_put_session(self, peer, head, frames):
+    def _op_put_session(self, peer, req, put: pb.PutSession, frames):
+        if len(frames) != 1:
+            raise ValueError(f"put_session takes one frame of token ids, not {len(frames)}")
+        if not put.block_tokens:
+            raise ValueError("put_session without block_tokens")
         tokens = np.frombuffer(frames[0].buffer, dtype=np.uint32)
-        meta = self.store.put_session_tokens(head["tenant"], head["session_id"], tokens,
-                                             head["block_tokens"])
-        return {"req": head["req"], "ok": True, "durable_tokens": meta.durable_tokens}
+        meta = self.store.put_session_tokens(put.tenant, put.session_id, tokens,
+                                             put.block_tokens)
+        return pb.Reply(req=req, ok=True,
+                        put_session=pb.SessionPut(durable_tokens=meta.durable_tokens))
 
-    def _op_delete_session(self, peer, head, frames):
+    def _op_delete_session(self, peer, req, delete: pb.DeleteSession, frames):
         for job in [j for j in self.lanes.jobs.values()
-                    if j.session_id == head["session_id"] and j.tenant == head["tenant"]]:
+                    if j.session_id == delete.session_id and j.tenant == delete.tenant]:
             self.lanes.cancel(job.job_id)
-        deleted = self.store.delete_session(head["tenant"], head["session_id"])
-        return {"req": head["req"], "ok": True, "deleted": deleted}
+        deleted = self.store.delete_session(delete.tenant, delete.session_id)
+        return pb.Reply(req=req, ok=True, delete_session=pb.SessionDeleted(deleted=deleted))
 
-    def _op_write(self, peer, head, frames):
+    def _op_write(self, peer, req, write: pb.Write, frames):
         now = time.time()
-        if len(frames) > len(head["blocks"]):
-            raise ValueError(f"{len(frames)} payloads for {len(head['blocks'])} blocks")
+        if len(frames) > len(write.blocks):
+            raise ValueError(f"{len(frames)} payloads for {len(write.blocks)} blocks")
         blocks = deque(
-            PendingBlock(bytes.fromhex(b["id"]), b["start"],
+            PendingBlock(b.id, b.start,
                          _block_bytes(b, frames[i].buffer if i < len(frames) else None),
-                         tail=b.get("tail", False))
-            for i, b in enumerate(head["blocks"])
+                         tail=b.tail)
+            for i, b in enumerate(write.blocks)
         )
         job = WriteJob(
-            job_id=head["job"], peer=peer, tenant=head["tenant"], session_id=head["session_id"],
-            root=bytes.fromhex(head["root"]), blocks=blocks,
-            dirty_since=head.get("dirty_since", now), give_up_at=head.get("give_up_at"),
+            job_id=write.job, peer=peer, tenant=write.tenant, session_id=write.session_id,
+            root=write.root, blocks=blocks, dirty_since=write.dirty_since or now,
+            give_up_at=write.give_up_at if write.HasField("give_up_at") else None,
             first_start=blocks[0].start if blocks else 0, in_transit=len(blocks),
         )
         try:
             job.receive([f.buffer for f in frames], now)
         except ValueError as e:
-            self._finish(job, "error", error=str(e))
+            self._finish(job, Outcome.ERROR, error=str(e))
             return None
         old = self.lanes.submit(job)
         if old is not None:
-            self._send(old.peer, {"op": "done", "job": old.job_id, "outcome": "superseded",
-                                  "by": job.job_id, "durable_tokens": old.durable_tokens})
+            self._done(old.peer, old.job_id, Outcome.SUPERSEDED, by=job.job_id,
+                       tenant=old.tenant, session_id=old.session_id,
+                       durable_tokens=old.durable_tokens)
         return None
 
-    def _op_payload(self, peer, head, frames):
-        job = self.lanes.jobs.get(head["job"])
+    def _op_payload(self, peer, req, payload: pb.Payload, frames):
+        job = self.lanes.jobs.get(payload.job)
         if job is None or job.peer != peer:  # it ended (superseded, cancelled): drop these
             return None
         try:
@@ -260,27 +289,25 @@ class ColdstoreServer:
             self._fail(job, str(e))
         return None
 
-    def _op_promote(self, peer, head, frames):
+    def _op_promote(self, peer, req, promote: pb.Promote, frames):
         """A release waits on this job: give it a deadline, so it jumps the idle lane."""
-        job = self.lanes.jobs.get(head["job"])
+        job = self.lanes.jobs.get(promote.job)
         if job is None:
-            self._send(peer, {"op": "done", "job": head["job"], "outcome": "unknown_job"})
+            self._done(peer, promote.job, Outcome.UNKNOWN_JOB)
         else:
-            job.give_up_at = head["give_up_at"]
+            job.give_up_at = promote.give_up_at
         return None
 
-    def _op_cancel(self, peer, head, frames):
+    def _op_cancel(self, peer, req, cancel: pb.Cancel, frames):
         """A write-behind that is cancelled keeps what it committed; a write-out (a release
         that gave up on it) is all or nothing, so its blocks are taken back."""
-        job = self.lanes.cancel(head["job"])
+        job = self.lanes.cancel(cancel.job)
         if job is not None:
             if job.give_up_at is not None:
                 self._take_back(job)
-            msg = {"op": "done", "job": job.job_id, "outcome": "cancelled", "tenant": job.tenant,
-                   "session_id": job.session_id, "durable_tokens": job.durable_tokens}
-            if job.taken_back:
-                msg["taken_back"] = True
-            self._send(job.peer, msg)
+            self._done(job.peer, job.job_id, Outcome.CANCELLED, tenant=job.tenant,
+                       session_id=job.session_id, durable_tokens=job.durable_tokens,
+                       taken_back=job.taken_back)
         return None
 
     # -- writing ----------------------------------------------------------------------------
@@ -293,10 +320,10 @@ class ColdstoreServer:
     def _write_block(self, job: WriteJob, now: float) -> None:
         if job.give_up_at is not None and now >= job.give_up_at:
             self._take_back(job)
-            self._finish(job, "deadline")
+            self._finish(job, Outcome.DEADLINE)
             return
         if not job.blocks:
-            self._finish(job, "written")
+            self._finish(job, Outcome.WRITTEN)
             return
         if job.blocks[0].payload is None:  # stalled (or a stop): the rest is not coming
             self._fail(job, f"{job.in_transit} block payloads never arrived")
@@ -306,7 +333,7 @@ class ColdstoreServer:
             logger.warning("write of %s refused (%s): %s", job.session_id, refusal.reason,
                            refusal.message)
             metrics.CS_REFUSALS.labels(refusal.reason).inc()
-            self._finish(job, "refused", error=refusal.message, reason=refusal.reason)
+            self._finish(job, Outcome.REFUSED, error=refusal.message, reason=refusal.reason)
             return
         block = job.blocks.popleft()
         if not self.lanes.quiet(now):
@@ -316,27 +343,28 @@ class ColdstoreServer:
                                            BlockId(block.block_id), block.start, block.payload)
         except Exception as e:
             logger.exception("coldstore: block write failed")
-            self._finish(job, "error", error=str(e))
+            self._finish(job, Outcome.ERROR, error=str(e))
             return
         if meta is None:
             # The record moved on (deleted, edited, or this block is already there).
-            self._finish(job, "stale")
+            self._finish(job, Outcome.STALE)
             return
         self.budgets.record(self.store.last_written_bytes)
         self.written_bytes += self.store.last_written_bytes
         metrics.CS_WRITTEN.inc(self.store.last_written_bytes)
         job.written_blocks += 1
         job.durable_tokens = meta.durable_tokens
-        self._send(job.peer, {"op": "progress", "job": job.job_id, "tenant": job.tenant,
-                              "session_id": job.session_id, "durable_tokens": meta.durable_tokens})
+        self._send(job.peer, pb.Message(progress=pb.Progress(
+            job=job.job_id, tenant=job.tenant, session_id=job.session_id,
+            durable_tokens=meta.durable_tokens)))
         if not job.blocks:
-            self._finish(job, "written")
+            self._finish(job, Outcome.WRITTEN)
 
     def _fail(self, job: WriteJob, error: str) -> None:
         """End a job that cannot go on; a write-out's committed blocks are taken back."""
         if job.give_up_at is not None:
             self._take_back(job)
-        self._finish(job, "error", error=error)
+        self._finish(job, Outcome.ERROR, error=error)
 
     def _take_back(self, job: WriteJob) -> None:
         """A write-out is all or nothing: undo the blocks this job committed."""
@@ -345,7 +373,7 @@ class ColdstoreServer:
             job.durable_tokens = meta.durable_tokens if meta else 0
             job.taken_back = True
 
-    def _refusal(self, job: WriteJob, nbytes: int) -> Refusal | None:
+    def _refusal(self, job: WriteJob, nbytes: int) -> WriteRefusal | None:
         """The budgets, checked before each block; the size cap first makes room if it can."""
         if job.written_blocks == 0:
             entry = job.entry_bytes + self.store.session_block_bytes(job.tenant, job.session_id)
@@ -363,69 +391,44 @@ class ColdstoreServer:
                 logger.info("store cap: retired the KV of %s",
                             ", ".join(m.session_id for m in retired))
             if self.store.block_bytes() + nbytes > cap:
-                return Refusal("store_cap", f"the store holds {self.store.block_bytes()} bytes "
-                               f"of KV and its cap is {cap} bytes (--store-max-bytes); nothing "
-                               f"older is left to retire")
+                return WriteRefusal("store_cap", f"the store holds {self.store.block_bytes()} "
+                                    f"bytes of KV and its cap is {cap} bytes (--store-max-bytes); "
+                                    f"nothing older is left to retire")
         return None
 
-    def _finish(self, job: WriteJob, outcome: str, error: str | None = None,
-                reason: str | None = None) -> None:
+    def _finish(self, job: WriteJob, outcome: Outcome, error: str = "",
+                reason: str = "") -> None:
         self.lanes.cancel(job.job_id)
-        msg = {"op": "done", "job": job.job_id, "outcome": outcome, "tenant": job.tenant,
-               "session_id": job.session_id, "durable_tokens": job.durable_tokens}
-        if error:
-            msg["error"] = error
-        if reason:
-            msg["reason"] = reason
-        if job.taken_back:
-            msg["taken_back"] = True
-        self._send(job.peer, msg)
+        self._done(job.peer, job.job_id, outcome, tenant=job.tenant, session_id=job.session_id,
+                   durable_tokens=job.durable_tokens, error=error, reason=reason,
+                   taken_back=job.taken_back)
 
 
-def _block_bytes(block: dict, payload) -> int:
+def _block_bytes(block: pb.Block, payload) -> int:
     """A block's size: announced (its payload streams in later), or its payload's."""
-    if "bytes" not in block:
-        if payload is None:
-            raise ValueError(f"block at {block.get('start')} has neither a payload nor 'bytes'")
-        return len(payload)
-    n = block["bytes"]
-    if type(n) is not int or n < 0:
-        raise ValueError(f"block at {block.get('start')}: 'bytes' must be a byte count, "
-                         f"not {n!r}")
-    return n
+    if block.HasField("nbytes"):
+        return block.nbytes
+    if payload is None:
+        raise ValueError(f"block at {block.start} has neither a payload nor 'nbytes'")
+    return len(payload)
 
 
-def _req(frames) -> int | None:
-    try:
-        return json.loads(frames[1].bytes).get("req")
-    except Exception:
-        return None
+def start(layout: Layout, *, quiet_grace_s: float, max_dirty_s: float, tail_delay_s: float,
+          limits: Limits, payload_stall_s: float = 30.0, metrics_port: int = -1,
+          anonymous_ttl_s: float = DEFAULT_ANONYMOUS_TTL_S) -> ColdstoreServer:
+    """The event log, the metrics endpoint and the server, bound and ready to `serve()`."""
+    events.open_log(layout.events_path)
+    metrics.serve("coldstore", layout.ensure().run_dir, metrics_port)
+    return ColdstoreServer(layout, quiet_grace_s=quiet_grace_s, max_dirty_s=max_dirty_s,
+                           tail_delay_s=tail_delay_s, payload_stall_s=payload_stall_s,
+                           limits=limits, anonymous_ttl_s=anonymous_ttl_s)
 
 
 def main(layout: Layout, *, quiet_grace_s: float, max_dirty_s: float, tail_delay_s: float,
          limits: Limits, payload_stall_s: float = 30.0, metrics_port: int = -1,
-         fake_slow_disk_s: float = 0.0,
          anonymous_ttl_s: float = DEFAULT_ANONYMOUS_TTL_S) -> None:
-    events.open_log(layout.events_path)
-    metrics.serve("coldstore", layout.ensure().run_dir, metrics_port)
-    server = ColdstoreServer(layout, quiet_grace_s=quiet_grace_s, max_dirty_s=max_dirty_s,
-                             tail_delay_s=tail_delay_s, payload_stall_s=payload_stall_s,
-                             limits=limits, anonymous_ttl_s=anonymous_ttl_s)
-    if fake_slow_disk_s > 0:
-        server.store = FakeSlowDiskStore(server.store, fake_slow_disk_s)
-    server.serve()
-
-
-class FakeSlowDiskStore:
-    """TESTING ONLY (--fake-slow-disk-s): the real store, each block commit delayed, a
-    stand-in for a throttled disk (something outside the project)."""
-
-    def __init__(self, store: ColdStore, delay_s: float):
-        self._store, self._delay_s = store, delay_s
-
-    def commit_block(self, *args, **kw):
-        time.sleep(self._delay_s)
-        return self._store.commit_block(*args, **kw)
-
-    def __getattr__(self, name):
-        return getattr(self._store, name)
+    """`kvbank coldstore`: serve until SIGTERM/SIGINT. (A slow test disk stands in through
+    `start`: tests/slow_coldstore.py.)"""
+    start(layout, quiet_grace_s=quiet_grace_s, max_dirty_s=max_dirty_s,
+          tail_delay_s=tail_delay_s, limits=limits, payload_stall_s=payload_stall_s,
+          metrics_port=metrics_port, anonymous_ttl_s=anonymous_ttl_s).serve()

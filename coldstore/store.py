@@ -24,15 +24,7 @@ from kvbank.contracts.store_layout import (BLOCK_BYTES_KEY, SessionMeta, StoreRe
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ColdStore", "SessionMeta", "StoreRefused", "session_key"]
-
-
-class StoreRefused(Exception):
-    """The store will not take this write; `reason` is a stable code for metrics."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
+__all__ = ["ColdStore", "SessionMeta", "session_key"]
 
 
 class ColdStore(StoreReader):

@@ -34,14 +34,15 @@ class LocalStack:
 
     @classmethod
     def start(cls, model: Path, data_dir: Path, *, extra: list[str] = (),
-              env: dict | None = None, timeout_s: float = 300,
-              shim: bool = True) -> "LocalStack":
+              env: dict | None = None, timeout_s: float = 300, shim: bool = True,
+              launcher: tuple[str, ...] = ("-m", "apps.cli")) -> "LocalStack":
+        """`launcher`: the module that runs `up` (a test may stand a slow disk in)."""
         port = free_port()
         shim_port = free_port() if shim else 0
         layout = Layout(data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         log = data_dir.parent / f"{data_dir.name}-stack.log"
-        argv = [sys.executable, "-m", "apps.cli", "up", "--model", str(model),
+        argv = [sys.executable, *launcher, "up", "--model", str(model),
                 "--data-dir", str(data_dir), "--port", str(port),
                 "--shim-port", str(shim_port), "--metrics-port", "0", *extra]
         with open(log, "wb") as f:

@@ -1,8 +1,8 @@
 """The router's two admission steps: per-request ceilings, then a bounded queue.
 
 They run before the worker is asked for anything, so a request that can never fit, or one
-that would wait forever, is answered at once. Every refusal is a `Refusal`: a gRPC code, a
-reason code, a retry verdict and, when waiting can help, a retry-after in seconds. The
+that would wait forever, is answered at once. Every refusal is a `Refused` (kvbank/contracts/failures.py):
+a reason code, a retry verdict and, when waiting can help, a retry-after in seconds. The
 worker's own steps (bank shrink, admission shed, release) follow in worker/admission.py.
 """
 
@@ -14,34 +14,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import grpc
-
-# Verdicts: when a retry of the same request can succeed.
-AFTER_IN_FLIGHT = "after_in_flight_requests_finish"
-AFTER_SSD = "after_the_conversation_cache_reaches_ssd"
-NOT_WITHOUT_SHORTER = "not_without_a_shorter_prompt"
-NEVER = "never_at_this_limit"
-
-
-@dataclass
-class Refusal(Exception):
-    """A request kvbank will not run now; says why and whether/when a retry can work."""
-
-    code: grpc.StatusCode
-    reason: str
-    verdict: str
-    message: str
-    retry_after_s: int | None = None
-
-    def __str__(self) -> str:
-        return f"{self.message} [reason={self.reason} verdict={self.verdict}]"
-
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        md = [("x-kvbank-reason", self.reason), ("x-kvbank-verdict", self.verdict)]
-        if self.retry_after_s is not None:
-            md.append(("retry-after", str(self.retry_after_s)))
-        return tuple(md)
-
+from kvbank.contracts.failures import Refused
+from kvbank.contracts.vocabulary import RefusalReason, Verdict
 
 @dataclass(frozen=True)
 class Ceilings:
@@ -52,13 +26,13 @@ class Ceilings:
 def check_ceilings(c: Ceilings, *, prompt_tokens: int, max_tokens: int, info) -> None:
     """Step 1: refuse at once what can never run at this configuration."""
     if c.max_prompt_tokens is not None and prompt_tokens > c.max_prompt_tokens:
-        raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "max_prompt_tokens", NOT_WITHOUT_SHORTER,
+        raise Refused(RefusalReason.MAX_PROMPT_TOKENS, Verdict.NOT_WITHOUT_SHORTER,
                       f"the prompt is {prompt_tokens} tokens; this server takes at most "
                       f"{c.max_prompt_tokens} (--max-prompt-tokens): shorten it or compact the "
                       f"conversation")
     total = prompt_tokens + max_tokens
     if c.max_request_tokens is not None and total > c.max_request_tokens:
-        raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "max_request_tokens", NOT_WITHOUT_SHORTER,
+        raise Refused(RefusalReason.MAX_REQUEST_TOKENS, Verdict.NOT_WITHOUT_SHORTER,
                       f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) = {total} tokens; "
                       f"this server takes at most {c.max_request_tokens} "
                       f"(--max-request-tokens): lower max_tokens or shorten the prompt")
@@ -70,7 +44,7 @@ def check_ceilings(c: Ceilings, *, prompt_tokens: int, max_tokens: int, info) ->
                       info.transient_base_bytes, info.transient_per_context_token)
     if pricing.request_bytes(prompt_tokens, max_tokens) > info.memory_budget_bytes - info.fixed_bytes:
         fits = pricing.max_fit_tokens(info.memory_budget_bytes, prompt_tokens)
-        raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "over_memory_budget", NEVER,
+        raise Refused(RefusalReason.OVER_MEMORY_BUDGET, Verdict.NEVER,
                       f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) = {total} tokens, "
                       f"but the worker's memory budget ({info.memory_budget_bytes / 1e6:.0f} MB, "
                       f"--memory-budget) fits at most {fits} tokens with this prompt, even "
@@ -101,15 +75,15 @@ class AdmissionQueue:
         return max(1, math.ceil(turn * (self.depth + 1) / self.max_active))
 
     async def acquire(self) -> float:
-        """Wait for a slot; returns the seconds waited. Raises Refusal."""
+        """Wait for a slot; returns the seconds waited. Raises Refused."""
         if self.active < self.max_active and not self._waiters:
             self.active += 1
             return 0.0
         if len(self._waiters) >= self.max_queue:
-            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_full", AFTER_IN_FLIGHT,
+            raise Refused(RefusalReason.QUEUE_FULL, Verdict.AFTER_IN_FLIGHT,
                           f"{self.active} requests are running and {self.depth} waiting "
                           f"(--max-queue {self.max_queue}): retry in {self.retry_after_s()} s",
-                          self.retry_after_s())
+                          retry_after_s=self.retry_after_s())
         t0 = time.monotonic()
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
@@ -118,9 +92,10 @@ class AdmissionQueue:
             await asyncio.wait_for(asyncio.shield(fut), self.max_wait_s)
             granted = True
         except asyncio.TimeoutError:
-            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_timeout", AFTER_IN_FLIGHT,
+            raise Refused(RefusalReason.QUEUE_TIMEOUT, Verdict.AFTER_IN_FLIGHT,
                           f"waited {self.max_wait_s:.0f} s (--max-queue-wait-s) without a free "
-                          f"slot: retry in {self.retry_after_s()} s", self.retry_after_s())
+                          f"slot: retry in {self.retry_after_s()} s",
+                          retry_after_s=self.retry_after_s())
         finally:
             if not granted:  # timed out or the client went away
                 if fut in self._waiters:

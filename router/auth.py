@@ -11,11 +11,9 @@ import hashlib
 import hmac
 from pathlib import Path
 
+from kvbank.contracts.failures import Unauthenticated
+
 AUTH_KEY = "authorization"
-
-
-class Unauthenticated(Exception):
-    pass
 
 
 def load_keys(keys: list[str] | None, keys_file: Path | None) -> dict[str, str]:

@@ -4,7 +4,7 @@ It validates, tokenizes (tokenizer only, no weights), builds the full prompt (ap
 session's committed history in append mode), and relays the worker's stream. It holds no KV.
 Requests on one session run one at a time, so an append always sees the previous turn.
 
-Errors map to gRPC codes in one place, `_status_for`.
+Errors map to gRPC codes in one place, `_status_for`, by kvbank/contracts/failures.py's table.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from grpc_reflection.v1alpha import reflection
 
 from kvbank import metrics
 from kvbank.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
-from router.admission import AdmissionQueue, Ceilings, Refusal, check_ceilings
-from router.auth import Unauthenticated, tenant_for
+from kvbank.contracts.failures import KvbankError, WorkerUnavailable, grpc_status
+from router.admission import AdmissionQueue, Ceilings, check_ceilings
+from router.auth import tenant_for
 from router.tokenizer import AnswerTokens, PromptTokenizer
 from router.validation import InvalidRequest, ValidRequest, validate
 
@@ -34,14 +35,10 @@ logger = logging.getLogger(__name__)
 TENANT_KEY = "x-kvbank-tenant"
 
 
-class WorkerUnavailable(Exception):
-    pass
-
-
 def _status_for(exc: Exception) -> tuple[grpc.StatusCode, str, tuple]:
     """The one table from an exception to the status (and trailing metadata) a client sees."""
-    if isinstance(exc, Refusal):
-        return exc.code, str(exc), exc.trailing_metadata()
+    if isinstance(exc, KvbankError):
+        return grpc_status(exc), str(exc), exc.trailing_metadata()
     if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
         md = tuple((k, v) for k, v in (exc.trailing_metadata() or ())
                    if k in ("retry-after", "x-kvbank-reason", "x-kvbank-verdict"))
@@ -50,12 +47,6 @@ def _status_for(exc: Exception) -> tuple[grpc.StatusCode, str, tuple]:
 
 
 def _code_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, InvalidRequest):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, Unauthenticated):
-        return grpc.StatusCode.UNAUTHENTICATED, str(exc)
-    if isinstance(exc, WorkerUnavailable):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, grpc.aio.AioRpcError):
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
             return exc.code(), "the worker is not reachable (restarting?); retry in a few seconds"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvbank.contracts.failures import InvalidRequest
 from kvbank.v1 import api_pb2
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -15,10 +16,6 @@ ROLES = ("system", "user", "assistant", "tool")
 # refuses keys over 511 bytes (256 characters of emoji are 1 KiB).
 MAX_SESSION_ID_BYTES = 256
 MAX_STOP_STRINGS = 8
-
-
-class InvalidRequest(ValueError):
-    pass
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import rpc_error, start_stack
+from tests.waiting import wait_until
 from worker.admission import Pricing
 
 NO_IDLE_WRITES = ["--quiet-grace-s", "3600", "--max-dirty-s", "3600"]
@@ -39,11 +40,11 @@ def _receipts(c, kind):
 
 
 def _wait_receipt(c, kind, n=1, timeout_s=60):
-    deadline = time.monotonic() + timeout_s
-    while len(got := _receipts(c, kind)) < n:
-        assert time.monotonic() < deadline, f"no {kind} receipt in {timeout_s}s"
-        time.sleep(0.1)
-    return got[-1]
+    def enough():
+        got = _receipts(c, kind)
+        return got if len(got) >= n else None
+
+    return wait_until(enough, f"{n} {kind} receipt(s)", timeout_s=timeout_s, every_s=0.1)[-1]
 
 
 def _sessions(c):
@@ -300,10 +301,8 @@ def test_batch_short_request_during_a_long_prefill_finishes_first(tiny_model, tm
         long = threading.Thread(target=run, args=("long", 1900, 30))
         long.start()
         with s.client() as c:
-            deadline = time.monotonic() + 60
-            while c.status().running_requests == 0:
-                assert time.monotonic() < deadline
-                time.sleep(0.005)
+            wait_until(lambda: c.status().running_requests, "the long request to start running",
+                       every_s=0.005)
         run("short", 10, 31)
         long.join(120)
         assert done["short"] < done["long"], "the short request waited for the whole prefill"

@@ -8,13 +8,13 @@ the tests check token counts and cache sources, never text).
 from __future__ import annotations
 
 import json
-import time
 import uuid
 
 import openai
 
 from coldstore.store import ColdStore
 from tests.conftest import start_stack
+from tests.waiting import wait_until
 
 BLOCK_TOKENS = 16  # start_stack's --block-tokens
 KV_BYTES_PER_TOKEN = 512  # the tiny model: 2 layers x 2 KV heads x 16 dims x float32 x (K, V)
@@ -48,16 +48,6 @@ class Agent:
 
 def _tool_result(agent: str, turn: int) -> str:
     return f"[{agent} turn {turn}] tool output: " + " ".join(f"line {i} ok" for i in range(8))
-
-
-def _wait(predicate, timeout_s: float = 60, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise TimeoutError(f"{what} never happened")
 
 
 def _events(stack) -> list[dict]:
@@ -152,12 +142,13 @@ def test_an_anonymous_conversation_that_never_returns_is_retired_with_an_event(
         a.turn(f"[{uuid.uuid4().hex}] A one-off question.")
         with s.client() as g:
             g.generate(session_id="named", prompt="A named conversation stays.", max_tokens=4)
-            retired = _wait(lambda: [e for e in _events(s) if e["kind"] == "conversation_retired"
-                                     and e["session_id"] == a.session_id],
-                            what="the retirement event")
+            retired = wait_until(lambda: [e for e in _events(s)
+                                          if e["kind"] == "conversation_retired"
+                                          and e["session_id"] == a.session_id],
+                                 "the retirement event", every_s=0.1)
             assert retired[0]["reason"] == "anonymous_ttl" and retired[0]["removed"] == "record"
-            _wait(lambda: a.session_id not in {x.session_id for x in g.list_sessions()},
-                  timeout_s=10, what="the worker forgetting it")
+            wait_until(lambda: a.session_id not in {x.session_id for x in g.list_sessions()},
+                       "the worker forgetting it", timeout_s=10, every_s=0.1)
             assert g.get_session("named").token_count > 0
         assert not [e for e in _events(s) if e["kind"] == "conversation_retired"
                     and e["session_id"] == "named"]
@@ -179,13 +170,13 @@ def test_under_the_store_cap_an_anonymous_conversation_is_retired_whole_with_an_
         s.wait_durable(old.session_id)
         new.turn(f"[{uuid.uuid4().hex}] " + "newer work " * 180)  # both do not fit
         s.wait_durable(new.session_id)
-        (ev,) = _wait(lambda: [e for e in _events(s) if e["kind"] == "conversation_retired"],
-                      what="the retirement event")
+        (ev,) = wait_until(lambda: [e for e in _events(s) if e["kind"] == "conversation_retired"],
+                           "the retirement event", every_s=0.1)
         assert ev["session_id"] == old.session_id and ev["reason"] == "store_cap"
         assert ev["removed"] == "record"
         with s.client() as g:
-            _wait(lambda: old.session_id not in {x.session_id for x in g.list_sessions()},
-                  timeout_s=10, what="the worker forgetting it")
+            wait_until(lambda: old.session_id not in {x.session_id for x in g.list_sessions()},
+                       "the worker forgetting it", timeout_s=10, every_s=0.1)
     finally:
         s.stop()
 

@@ -2,19 +2,20 @@
 
 Real SessionBank, real MLX arrays, no coldstore (writer=None: nothing is ever written; a
 "queued write" is modelled by setting `entry.write_job` by hand). Eviction-order tests size
-entries by hand; the restore test runs the real tiny model.
+entries by hand; the restore test runs the real tiny model. Time is the test's own `Clock`:
+no test sleeps to let a pin or a recency pass.
 """
 
 from __future__ import annotations
 
 import random
-import time
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from kvbank.blocks import chain_root, common_prefix_len
+from kvbank.contracts.receipts import ShrinkReceipt
 from worker import kv
 from worker.bank import SessionBank
 
@@ -27,10 +28,25 @@ def root_for(tenant: str):
     return chain_root(FINGERPRINT, tenant)
 
 
+class Clock:
+    """The bank's monotonic clock, moved by the test. Every reading is one `tick` later than
+    the one before, so uses are strictly ordered (as on a real clock); `advance` jumps."""
+
+    def __init__(self, start: float = 1000.0, tick: float = 1e-6):
+        self.now, self.tick = start, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def make_bank(*, block_tokens: int = 4, active_pin_s: float = 0.0,
-              max_bytes: int = 1 << 30) -> SessionBank:
+              max_bytes: int = 1 << 30, clock: Clock | None = None) -> SessionBank:
     return SessionBank(block_tokens=block_tokens, root_for=root_for, max_bytes=max_bytes,
-                       active_pin_s=active_pin_s, writer=None)
+                       active_pin_s=active_pin_s, writer=None, clock=clock or Clock())
 
 
 def layers_of(nbytes: int) -> kv.Layers:
@@ -65,7 +81,7 @@ def log_ids(bank: SessionBank) -> list[str]:
 
 def pause_past_pin(bank: SessionBank) -> None:
     """Everything used before this call is idle after it; what is used next is active."""
-    time.sleep(bank.active_pin_s + 0.05)
+    bank.clock.advance(bank.active_pin_s + 0.05)
 
 
 def check_invariants(bank: SessionBank) -> None:
@@ -97,15 +113,14 @@ def test_shrink_to_zero_evicts_idle_lru_then_active_lru_in_exact_order():
     bank.touch(a1)  # active-1 used after active-2
     assert not bank.is_active((TENANT, "idle-3")) and bank.is_active((TENANT, "active-2"))
 
-    receipt: dict = {}
-    n = bank.shrink_to_bytes(0, reason="critical", receipt_out=receipt)
+    receipt = bank.shrink_to_bytes(0, reason="critical")
 
     assert log_ids(bank) == ["idle-2", "idle-3", "idle-1", "active-2", "active-1"]
     assert [ev.prefix_tokens for ev in bank.eviction_log] == [6, 6, 8, 6, 6]
     assert {ev.reason for ev in bank.eviction_log} == {"critical"}
-    assert n == 5 and receipt["evicted_entries"] == 5 and receipt["evicted_bytes"] == 5 * 800
+    assert receipt.evicted_entries == 5 and receipt.evicted_bytes == 5 * 800
     assert [e.session[1] for e in bank.entries.values()] == ["busy"]
-    assert bank.total_nbytes == receipt["bytes_after"] == 800
+    assert bank.total_nbytes == receipt.bytes_after == 800
     check_invariants(bank)
 
 
@@ -120,18 +135,18 @@ def test_protect_active_keeps_active_session_above_target():
     bank.ceiling_bytes = 1000
     assert bank.effective_max_bytes == 1000
 
-    receipt: dict = {}
-    n = bank.shrink_to_bytes(bank.effective_max_bytes, reason="dynamic_ceiling",
-                             protect_active=True, receipt_out=receipt)
+    receipt = bank.shrink_to_bytes(bank.effective_max_bytes, reason="dynamic_ceiling",
+                                   protect_active=True)
 
     assert log_ids(bank) == ["idle-old", "idle-new"]
-    assert n == 2
+    assert receipt.evicted_entries == 2
     assert list(bank.entries.values()) == [active]
     assert bank.total_nbytes == 2400 > bank.effective_max_bytes
-    assert receipt.pop("at") > 0
-    assert receipt == {"reason": "dynamic_ceiling", "target_bytes": 1000, "evicted_entries": 2,
-                       "evicted_bytes": 2400, "unwritten_kept": 0, "unwritten_dropped": 0,
-                       "bytes_after": 2400, "kind": "shrink_to_bytes"}
+    assert receipt.at > 0
+    assert receipt == ShrinkReceipt(reason="dynamic_ceiling", target_bytes=1000,
+                                    evicted_entries=2, evicted_bytes=2400, unwritten_kept=0,
+                                    unwritten_dropped=0, bytes_after=2400,
+                                    kind="shrink_to_bytes", at=receipt.at)
     assert bank.receipts[-1].evicted_entries == 2  # it left the bank as a receipt too
     check_invariants(bank)
 
@@ -173,30 +188,27 @@ def test_protect_unwritten_keeps_queued_writes_and_takes_durable_ones():
     bank, e = _unwritten_bank()
     assert [x.awaits_queued_write for x in e.values()] == [True, False, False, True, False]
 
-    warn: dict = {}
-    bank.shrink_to_bytes(0, reason="warning", protect_unwritten=True, receipt_out=warn)
+    warn = bank.shrink_to_bytes(0, reason="warning", protect_unwritten=True)
     assert log_ids(bank) == ["durable", "written", "never-queued"]
     assert [ev.durable for ev in bank.eviction_log] == [True, True, False]
-    assert warn["unwritten_kept"] == 2 and warn["unwritten_dropped"] == 0
-    assert warn["evicted_entries"] == 3
-    assert bank.total_nbytes == warn["bytes_after"] == 1600 > 0
+    assert warn.unwritten_kept == 2 and warn.unwritten_dropped == 0
+    assert warn.evicted_entries == 3
+    assert bank.total_nbytes == warn.bytes_after == 1600 > 0
     assert set(bank.entries) == {e["unwritten-1"].key, e["unwritten-2"].key}
     check_invariants(bank)
 
-    crit: dict = {}
-    bank.shrink_to_bytes(0, reason="critical", receipt_out=crit)
+    crit = bank.shrink_to_bytes(0, reason="critical")
     assert log_ids(bank)[3:] == ["unwritten-1", "unwritten-2"]
-    assert crit["unwritten_dropped"] == 2 and crit["unwritten_kept"] == 0
+    assert crit.unwritten_dropped == 2 and crit.unwritten_kept == 0
     assert bank.total_nbytes == 0 and not bank.entries
     check_invariants(bank)
 
 
 def test_critical_trim_takes_everything_idle_in_lru_order_and_counts_unwritten():
     bank, _ = _unwritten_bank()
-    crit: dict = {}
-    bank.shrink_to_bytes(0, reason="critical", receipt_out=crit)
+    crit = bank.shrink_to_bytes(0, reason="critical")
     assert log_ids(bank) == ["unwritten-1", "durable", "written", "unwritten-2", "never-queued"]
-    assert crit["unwritten_dropped"] == 2 and crit["evicted_entries"] == 5
+    assert crit.unwritten_dropped == 2 and crit.evicted_entries == 5
     assert bank.total_nbytes == 0
 
 

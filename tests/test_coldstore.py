@@ -21,9 +21,11 @@ import pytest
 
 
 from coldstore.store import ColdStore
+from kvbank.contracts.coldstore_wire import outcome_of, pb
 from kvbank.contracts.health import coldstore_up
 from kvbank.blocks import chain_block_ids, chain_root, tail_block_id
 from kvbank.config import Layout
+from tests.waiting import wait_until
 from worker import kv
 from worker.bank import SessionBank
 from worker.link import ColdstoreClient
@@ -165,10 +167,7 @@ class ColdstoreProc:
             [sys.executable, "-m", "apps.cli", "coldstore", "--data-dir", str(data_dir),
              "--quiet-grace-s", str(quiet_grace_s), "--max-dirty-s", str(max_dirty_s),
              "--tail-delay-s", str(tail_delay_s), "--payload-stall-s", str(payload_stall_s)])
-        deadline = time.monotonic() + 30
-        while not coldstore_up(self.layout.coldstore_address):
-            assert self.proc.poll() is None, f"coldstore exited with {self.proc.returncode}"
-            assert time.monotonic() < deadline, "coldstore did not answer a ping in 30 s"
+        wait_up(self.proc, self.layout)
 
     def kill9(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -184,15 +183,25 @@ class ColdstoreProc:
                 self.proc.wait(timeout=10)
 
 
+def wait_up(proc: subprocess.Popen, layout: Layout, timeout_s: float = 30) -> None:
+    """Until the coldstore process answers a ping (it must not exit meanwhile)."""
+    def up() -> bool:
+        assert proc.poll() is None, f"coldstore exited with {proc.returncode}"
+        return coldstore_up(layout.coldstore_address)
+
+    wait_until(up, "the coldstore to answer a ping", timeout_s)
+
+
 class Link:
-    """The worker's side: client, writer, bank, and a log of the coldstore's acknowledgements."""
+    """The worker's side: client, writer, bank, and a log of the coldstore's acknowledgements
+    (`progress`, `done`, `retired` messages) and of the ops the worker sent unasked."""
 
     def __init__(self, layout: Layout):
         self.layout = layout
         self.disk = Disk(layout.store_dir)
-        self.events: list[dict] = []
-        self.sent: list[dict] = []
-        self._cond = threading.Condition()
+        self.events: list[pb.Message] = []
+        self.sent: list[dict] = []  # each send's op, e.g. {"write": pb.Write(...)}
+        self._lock = threading.Lock()
         self.client = ColdstoreClient(layout, on_event=self._on_event)
         self.client.start()
         self.writer = KVWriter(self.client, block_tokens=B, root_for=root_for)
@@ -200,40 +209,44 @@ class Link:
                                 active_pin_s=0, writer=self.writer)
         send = self.client.send
 
-        def recording_send(head, frames=()):
-            self.sent.append(head)
-            send(head, frames)
+        def recording_send(frames=(), **op):
+            self.sent.append(op)
+            send(frames=frames, **op)
 
         self.client.send = recording_send
         self.set_busy(True)
 
-    def _on_event(self, msg: dict) -> None:
-        self.writer.on_event(msg)
-        with self._cond:
+    def _on_event(self, msg: pb.Message) -> None:
+        self.writer.deliver(msg)  # the test thread (its owner) applies it
+        with self._lock:
             self.events.append(msg)
-            self._cond.notify_all()
+
+    def sent_writes(self) -> list[pb.Write]:
+        return [op["write"] for op in self.sent if "write" in op]
 
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
             self.client = None
 
-    def ping(self) -> dict:
-        return self.client.request({"op": "ping"}, timeout_s=5)
+    def ping(self) -> pb.PingReply:
+        return self.client.ping(timeout_s=5)
 
     def set_busy(self, busy: bool, timeout_s: float = 10) -> None:
         """Say busy/quiet and wait until the coldstore has heard it (PUB/SUB joins late)."""
         self.client.set_busy(busy)
         want = "busy" if busy else "quiet"
-        deadline = time.monotonic() + timeout_s
-        while (state := self.ping()["worker_state"]) != want:
-            assert time.monotonic() < deadline, f"coldstore never saw the worker {want} ({state})"
-            time.sleep(0.02)
+        wait_until(lambda: self.ping().worker_state == want,
+                   f"the coldstore to see the worker {want}", timeout_s, every_s=0.02)
 
-    def put_session(self, session_id: str, toks: np.ndarray) -> dict:
-        return self.client.request({"op": "put_session", "tenant": TENANT,
-                                    "session_id": session_id, "block_tokens": B},
-                                   [toks.tobytes()])
+    def put_session(self, session_id: str, toks: np.ndarray) -> int:
+        return self.client.put_session(TENANT, session_id, B, toks.tobytes())
+
+    def wait_queued(self, job: int, timeout_s: float = 10) -> None:
+        """Until the coldstore holds the job, its first block's payload with it (that block
+        could be written from then on)."""
+        wait_until(lambda: job in self.ping().jobs, f"the coldstore to hold job {job}",
+                   timeout_s, every_s=0.01)
 
     def turn(self, session_id: str, toks: np.ndarray, layers: kv.Layers, *, write: bool = True):
         """Commit a turn as the engine does: record, bank entry, queued write-behind."""
@@ -244,27 +257,23 @@ class Link:
             self.writer.drain()  # encoded and sent (the kv-encode thread)
         return e
 
-    def wait_done(self, job: int, timeout_s: float = 10) -> dict:
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while True:
-                for m in self.events:
-                    if m.get("op") == "done" and m.get("job") == job:
-                        return m
-                left = deadline - time.monotonic()
-                assert left > 0, f"no 'done' for job {job} in {timeout_s}s; events: {self.events}"
-                self._cond.wait(left)
+    def done(self, job: int) -> pb.Done | None:
+        with self._lock:
+            return next((m.done for m in self.events
+                         if m.WhichOneof("kind") == "done" and m.done.job == job), None)
 
-    def progress(self, job: int) -> list[dict]:
-        with self._cond:
-            return [m for m in self.events if m.get("op") == "progress" and m.get("job") == job]
+    def wait_done(self, job: int, timeout_s: float = 10) -> pb.Done:
+        return wait_until(lambda: self.done(job), f"the coldstore's 'done' for job {job}",
+                          timeout_s, every_s=0.01)
+
+    def progress(self, job: int) -> list[pb.Progress]:
+        with self._lock:
+            return [m.progress for m in self.events
+                    if m.WhichOneof("kind") == "progress" and m.progress.job == job]
 
     def wait_durable(self, session_id: str, n: int, timeout_s: float = 10, what: str = "") -> None:
-        deadline = time.monotonic() + timeout_s
-        while (d := self.disk.durable(session_id)) < n:
-            assert time.monotonic() < deadline, (
-                f"{what or session_id}: {d} of {n} tokens durable after {timeout_s}s")
-            time.sleep(0.02)
+        wait_until(lambda: self.disk.durable(session_id) >= n,
+                   f"{what or session_id}: {n} tokens durable", timeout_s, every_s=0.02)
 
 
 @pytest.fixture
@@ -313,15 +322,13 @@ def test_blocks_shared_by_two_sessions_are_stored_once(start):
     assert ma.tail and mb.tail and ma.tail != mb.tail
 
     # Deleting one session keeps what the other still names.
-    assert link.client.request({"op": "delete_session", "tenant": TENANT,
-                                "session_id": "a"})["deleted"]
+    assert link.client.delete_session(TENANT, "a")
     assert link.disk.record("a") is None
     st = link.disk.stats()
     assert st["blocks"] == 3 + 1, f"after deleting a: {st}"
     check_record_against_kv(link.disk, "b", b_kv, b_t, "session b after a was deleted")
 
-    assert link.client.request({"op": "delete_session", "tenant": TENANT,
-                                "session_id": "b"})["deleted"]
+    assert link.client.delete_session(TENANT, "b")
     st = link.disk.stats()
     assert st["blocks"] == 0 and st["sessions"] == 0, f"after deleting both: {st}"
 
@@ -346,11 +353,11 @@ def test_second_turn_writes_only_its_new_blocks(start):
     link.sent.clear()
     e2 = link.turn("s", t2, kv2)
     assert e2.durable_tokens == 40, "the bank forgot turn 1 is durable"
-    (head,) = [h for h in link.sent if h.get("op") == "write"]
-    assert [b["start"] for b in head["blocks"]] == [32, 48, 64], (
+    (write,) = link.sent_writes()
+    assert [b.start for b in write.blocks] == [32, 48, 64], (
         "turn 2's write must start at the old tail, not re-send turn 1's full blocks")
     link.set_busy(False)
-    assert link.wait_done(e2.write_job)["outcome"] == "written"
+    assert outcome_of(link.wait_done(e2.write_job)) == "written"
     assert len(link.progress(e2.write_job)) == 3, "one commit per new block"
 
     meta2 = check_record_against_kv(link.disk, "s", kv2, t2, "turn 2")
@@ -369,17 +376,17 @@ def test_partial_tail_waits_so_quick_turns_write_each_token_once(start):
     link.turn("q", t1, kv1)
     link.wait_durable("q", 32, what="turn 1's full blocks")
     block = len(kv.encode_range(kv1, 0, B))
-    assert link.ping()["written_bytes"] == 2 * block
+    assert link.ping().written_bytes == 2 * block
     assert link.disk.durable("q") == 32, "the young tail was written at once"
 
     t2 = np.concatenate([t1, tokens(32, seed=13)])  # 4 full blocks + tail of 8
     kv2 = concat_kv(kv1, make_kv(32, seed=13))
     e2 = link.turn("q", t2, kv2)
     link.wait_durable("q", 64, what="turn 2's full blocks")
-    assert link.wait_done(e2.write_job, timeout_s=20)["outcome"] == "written"
+    assert outcome_of(link.wait_done(e2.write_job, timeout_s=20)) == "written"
     check_record_against_kv(link.disk, "q", kv2, t2, "after the tail delay")
     tail = len(kv.encode_range(kv2, 64, 72))
-    assert link.ping()["written_bytes"] == 4 * block + tail, "some KV was written twice"
+    assert link.ping().written_bytes == 4 * block + tail, "some KV was written twice"
 
 
 # -- 3. busy means no writes (until staleness) ---------------------------------------------------
@@ -388,15 +395,17 @@ def test_no_writes_while_busy_then_quiet_writes(start):
     _, link = start(max_dirty_s=3600)
     t, layers = tokens(40, seed=20), make_kv(40, seed=20)
     e = link.turn("busy", t, layers)
-    time.sleep(1.0)
-    assert link.ping()["worker_state"] == "busy"
+    # The job is at the coldstore; the next answer comes after a loop turn that could have
+    # written its first block (whose `progress` would have come first).
+    link.wait_queued(e.write_job)
+    assert link.ping().worker_state == "busy"
     assert link.disk.durable("busy") == 0, "the idle lane wrote while the worker was busy"
     assert link.disk.stats()["blocks"] == 0
-    assert link.ping()["queued_jobs"] == 1
+    assert link.ping().queued_jobs == 1
     assert not link.progress(e.write_job)
 
     link.set_busy(False)
-    assert link.wait_done(e.write_job)["outcome"] == "written"
+    assert outcome_of(link.wait_done(e.write_job)) == "written"
     check_record_against_kv(link.disk, "busy", layers, t, "after the quiet window")
     assert link.disk.durable("busy") == 40
 
@@ -408,12 +417,12 @@ def test_dirty_conversation_past_max_dirty_is_written_while_busy(start):
     t, layers = tokens(40, seed=30), make_kv(40, seed=30)
     t0 = time.monotonic()
     e = link.turn("stale", t, layers)
-    time.sleep(0.3)
+    link.wait_queued(e.write_job)
     assert link.disk.durable("stale") == 0, "written before max_dirty_s while busy"
     link.wait_durable("stale", 40, timeout_s=6, what="stale conversation while busy")
     assert time.monotonic() - t0 >= 0.9, "written before max_dirty_s while busy"
-    assert link.ping()["worker_state"] == "busy", "the worker was not busy throughout"
-    assert link.wait_done(e.write_job)["outcome"] == "written"
+    assert link.ping().worker_state == "busy", "the worker was not busy throughout"
+    assert outcome_of(link.wait_done(e.write_job)) == "written"
     check_record_against_kv(link.disk, "stale", layers, t, "stale write")
 
 
@@ -423,13 +432,13 @@ def test_write_out_beats_a_generous_deadline_while_busy(start):
     _, link = start()
     t, layers = tokens(72, seed=40), make_kv(72, seed=40)
     e = link.turn("w", t, layers)
-    time.sleep(0.2)
+    link.wait_queued(e.write_job)
     assert link.disk.durable("w") == 0
     t0 = time.time()
     assert link.writer.write_out(e, give_up_at=t0 + 10) == "written"
     assert time.time() - t0 < 5
-    assert link.wait_done(e.write_job)["outcome"] == "written"
-    assert link.ping()["worker_state"] == "busy"
+    assert outcome_of(link.wait_done(e.write_job)) == "written"
+    assert link.ping().worker_state == "busy"
     check_record_against_kv(link.disk, "w", layers, t, "written out")
     assert link.disk.durable("w") == 72
 
@@ -449,9 +458,9 @@ def test_write_out_gives_up_at_a_past_deadline(start):
     e2 = link.turn("d", t2, kv2)
     assert link.writer.write_out(e2, give_up_at=time.time() - 0.5) == "deadline"
     done = link.wait_done(e2.write_job)
-    assert done["outcome"] == "deadline", f"the coldstore did not report the deadline: {done}"
+    assert outcome_of(done) == "deadline", f"the coldstore did not report the deadline: {done}"
     assert not link.progress(e2.write_job), "a block was committed past the deadline"
-    assert link.ping()["queued_jobs"] == 0
+    assert link.ping().queued_jobs == 0
     after = check_record_against_kv(link.disk, "d", kv2, t2, "after the deadline")
     assert after.durable_tokens == 40 and after.blocks == before.blocks
     assert after.tail == before.tail
@@ -496,12 +505,8 @@ def test_kill_9_during_a_write_leaves_only_correct_blocks(start):
     job = e.write_job
     link.set_busy(False)
     # Kill on the first acknowledgement past a few blocks: the coldstore is mid-stream.
-    deadline = time.monotonic() + 20
-    with link._cond:
-        while not any(m.get("durable_tokens", 0) >= 4 * B for m in link.progress(job)):
-            left = deadline - time.monotonic()
-            assert left > 0, "the coldstore never started writing"
-            link._cond.wait(left)
+    wait_until(lambda: any(p.durable_tokens >= 4 * B for p in link.progress(job)),
+               "the coldstore to start writing (4 blocks acknowledged)", 20, every_s=0.001)
     proc.kill9()
     link.close()
 
@@ -517,10 +522,10 @@ def test_kill_9_during_a_write_leaves_only_correct_blocks(start):
     e2 = link2.bank.insert((TENANT, "crash"), t, layers, durable_tokens=d)
     job2 = link2.writer.write_behind(e2)
     link2.writer.drain()
-    (head,) = [h for h in link2.sent if h.get("op") == "write"]
-    assert head["blocks"][0]["start"] == d, "the re-sent job rewrites what is already durable"
+    (write,) = link2.sent_writes()
+    assert write.blocks[0].start == d, "the re-sent job rewrites what is already durable"
     link2.set_busy(False)
-    assert link2.wait_done(job2, timeout_s=20)["outcome"] == "written"
+    assert outcome_of(link2.wait_done(job2, timeout_s=20)) == "written"
     meta2 = check_record_against_kv(link2.disk, "crash", layers, t, "after the restart")
     assert meta2.durable_tokens == n and meta2.blocks[: len(meta.blocks)] == meta.blocks
     assert link2.disk.stats()["blocks"] == n // B + 1
@@ -539,7 +544,7 @@ def test_stale_job_writes_nothing_for_an_edited_history(start, edit_at):
     link.put_session("edit", t2)
     link.set_busy(False)
     done = link.wait_done(e.write_job)
-    assert done["outcome"] == "stale", done
+    assert outcome_of(done) == "stale", done
 
     meta, toks = link.disk.record("edit")
     assert np.array_equal(toks, t2)

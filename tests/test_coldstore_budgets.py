@@ -5,27 +5,19 @@ Real coldstore process with small limits, real LMDB and ZeroMQ; entries from the
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
-
 import pytest
 
 from coldstore.store import ColdStore
-from kvbank.contracts.health import coldstore_up
 from kvbank.config import Layout
-from tests.test_release_write_out import Rig
+from kvbank.contracts.coldstore_wire import outcome_of, pb
+from tests.test_release_write_out import Rig, start_coldstore
+from tests.waiting import wait_until
 
 
 class Coldstore:
     def __init__(self, data_dir, *args: str):
         self.layout = Layout(data_dir).ensure()
-        self.proc = subprocess.Popen([sys.executable, "-m", "apps.cli", "coldstore",
-                                      "--data-dir", str(data_dir), "--quiet-grace-s", "0.05",
-                                      "--max-dirty-s", "3600", "--tail-delay-s", "0", *args])
-        deadline = time.monotonic() + 30
-        while not coldstore_up(self.layout.coldstore_address):
-            assert self.proc.poll() is None and time.monotonic() < deadline, "no coldstore"
+        self.proc = start_coldstore(self.layout, "--quiet-grace-s", "0.05", *args)
 
     def stop(self):
         self.proc.terminate()
@@ -47,12 +39,10 @@ def recording_rig(layout, model):
     return rig
 
 
-def done_event(rig, timeout_s=10):
-    deadline = time.monotonic() + timeout_s
-    while not any(m.get("op") == "done" for m in rig.events):
-        assert time.monotonic() < deadline, "no done event"
-        time.sleep(0.02)
-    return next(m for m in rig.events if m.get("op") == "done")
+def done_event(rig, timeout_s=10) -> pb.Done:
+    return wait_until(lambda: next((m.done for m in list(rig.events)
+                                    if m.WhichOneof("kind") == "done"), None),
+                      "the coldstore's 'done'", timeout_s, every_s=0.02)
 
 
 @pytest.mark.parametrize("flag,value,reason", [
@@ -69,8 +59,8 @@ def test_each_budget_refuses_with_its_reason(tmp_path, model, flag, value, reaso
         assert r.written_out_entries == 0 and r.unwritten_dropped == 1
         assert rig.bank.eviction_log[-1].release_write_out == "refused"
         done = done_event(rig)
-        assert done["outcome"] == "refused" and done["reason"] == reason
-        assert flag in done["error"]  # the sentence names the flag to change
+        assert outcome_of(done) == "refused" and done.reason == reason
+        assert flag in done.error  # the sentence names the flag to change
         assert rig.durable_on_disk("a") == 0
     finally:
         rig.close()

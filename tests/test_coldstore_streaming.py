@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import time
 
-from tests.test_coldstore import (B, TENANT, Link, check_record_against_kv, make_kv,  # noqa: F401
-                                  start, tokens)
+import zmq
+
+from kvbank.contracts.coldstore_wire import outcome_of, pb
+from tests import test_coldstore
+from tests.test_coldstore import B, TENANT, Link, check_record_against_kv, make_kv, tokens
+
+start = test_coldstore.start  # the fixture: a coldstore process and the worker's link to it
 
 
 class HeldPayloads:
@@ -20,16 +25,16 @@ class HeldPayloads:
         self.link, self.send, self.held = link, link.client.send, []
         link.client.send = self._send
 
-    def _send(self, head, frames=()):
-        if head.get("op") == "payload":
-            self.held.append((head, frames))
+    def _send(self, frames=(), **op):
+        if "payload" in op:
+            self.held.append((op, frames))
         else:
-            self.send(head, frames)
+            self.send(frames=frames, **op)
 
     def release(self) -> None:
         self.link.client.send = self.send
-        for head, frames in self.held:
-            self.send(head, frames)
+        for op, frames in self.held:
+            self.send(frames=frames, **op)
 
 
 def test_the_first_block_is_committed_while_the_rest_are_in_transit(start):
@@ -41,9 +46,9 @@ def test_the_first_block_is_committed_while_the_rest_are_in_transit(start):
     assert held.held, "the job's later blocks did not travel behind it"
     link.set_busy(False)
     link.wait_durable("stream", B, what="the first block, the rest still held back")
-    assert job in link.ping()["jobs"], "the job ended before the rest of its payloads came"
+    assert job in link.ping().jobs, "the job ended before the rest of its payloads came"
     held.release()
-    assert link.wait_done(job)["outcome"] == "written"
+    assert outcome_of(link.wait_done(job)) == "written"
     assert check_record_against_kv(link.disk, "stream", layers, t, "streamed").durable_tokens == n
 
 
@@ -55,13 +60,13 @@ def test_a_job_whose_payloads_stop_arriving_ends_and_keeps_what_it_committed(sta
     e = link.turn("stall", t, layers)
     link.set_busy(False)
     done = link.wait_done(e.write_job)
-    assert done["outcome"] == "error" and "never arrived" in done["error"], done
-    assert link.ping()["staged_bytes"] == 0, "the stalled job's payloads are still held"
+    assert outcome_of(done) == "error" and "never arrived" in done.error, done
+    assert link.ping().staged_bytes == 0, "the stalled job's payloads are still held"
     assert check_record_against_kv(link.disk, "stall", layers, t, "stalled").durable_tokens == B
     held.held.clear()
     held.release()  # the sender is back, and sends the job again
     job = link.writer.write_behind(e)
-    assert link.wait_done(job)["outcome"] == "written"
+    assert outcome_of(link.wait_done(job)) == "written"
     assert link.disk.durable("stall") == n
 
 
@@ -75,17 +80,26 @@ def test_a_write_out_whose_payloads_stop_is_taken_back_whole(start):
     job = link.writer.write_behind(e, give_up_at=time.time() + 60)  # a release's write-out
     link.wait_durable("out", B, what="the write-out's first block, before its stall")
     done = link.wait_done(job)
-    assert done["outcome"] == "error" and done.get("taken_back"), done
-    assert done["durable_tokens"] == 0 and link.disk.durable("out") == 0, (
+    assert outcome_of(done) == "error" and done.taken_back, done
+    assert done.durable_tokens == 0 and link.disk.durable("out") == 0, (
         "a write-out that failed left part of the entry restorable")
 
 
 def test_a_malformed_write_job_ends_with_an_error_and_the_coldstore_carries_on(start):
     _, link = start()
-    head = {"op": "write", "job": 999, "tenant": TENANT, "session_id": "bad", "root": "00" * 32,
-            "blocks": [{"id": "11" * 32, "start": 0, "bytes": "many"}]}
-    link.client.send(head, [])
-    head = dict(head, job=1000, blocks=[{"id": "11" * 32, "start": 0, "bytes": 64}])
-    link.client.send(head, [b"x" * 65])  # not the size it announced
-    assert "announced as 64" in link.wait_done(1000)["error"]
-    assert link.ping()["ok"] and link.ping()["queued_jobs"] == 0
+    # A header that is no request at all: answered ok=False with what failed.
+    with zmq.Context.instance().socket(zmq.DEALER) as other:
+        other.setsockopt(zmq.LINGER, 0)
+        other.connect(link.layout.coldstore_address)
+        other.send_multipart([b"\xff not a protobuf header", b"x"])
+        assert other.poll(10_000), "the coldstore did not answer a malformed header"
+        reply = pb.Message.FromString(other.recv_multipart()[0]).reply
+        assert not reply.ok and "not a coldstore request" in reply.error, reply
+    write = pb.Write(job=999, tenant=TENANT, session_id="bad", root=b"\0" * 32,
+                     blocks=[pb.Block(id=b"\x11" * 32, start=0)])  # no size, no payload
+    link.client.send(write=write)
+    write = pb.Write(job=1000, tenant=TENANT, session_id="bad", root=b"\0" * 32,
+                     blocks=[pb.Block(id=b"\x11" * 32, start=0, nbytes=64)])
+    link.client.send(write=write, frames=[b"x" * 65])  # not the size it announced
+    assert "announced as 64" in link.wait_done(1000).error
+    assert link.ping().queued_jobs == 0  # answered: the coldstore carries on

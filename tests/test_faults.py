@@ -2,7 +2,7 @@
 
 Real processes throughout. The full disk is real (a ballast file fills the store's disk
 below the coldstore's free-disk floor); the stopped coldstore is SIGSTOP; the slow disk is
-the coldstore's --fake-slow-disk-s (a stand-in for a throttled disk).
+a coldstore on a slow disk (tests/slow_coldstore.py, a stand-in for a throttled disk).
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import json
 import os
 import shutil
 import signal
-import time
 
 import numpy as np
 
 from tests.conftest import start_stack
+from tests.waiting import wait_until
 
 
 def _turn(c, session, n, seed, **kw):
@@ -25,13 +25,6 @@ def _turn(c, session, n, seed, **kw):
 
 def _state(c, session):
     return c.get_session(session)
-
-
-def _wait(pred, what, timeout_s=60):
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
 
 
 def test_full_disk_refuses_writes_keeps_serving_and_recovers(tiny_model, tmp_path, cache_dir):
@@ -50,7 +43,8 @@ def test_full_disk_refuses_writes_keeps_serving_and_recovers(tiny_model, tmp_pat
             os.close(fd)
             t = _turn(c, "during", 60, seed=2)
             assert t.usage["durable"]  # the record (tokens) is small and still committed
-            _wait(lambda: "disk_floor" in s.log_tail(20000), "the coldstore never refused")
+            wait_until(lambda: "disk_floor" in s.log_tail(20000),
+                       "the coldstore to refuse a write (disk_floor in its log)", every_s=0.1)
             assert _state(c, "during").state == "resident-dirty"
             assert _turn(c, "during", 8, seed=3).usage["cache_source"] == "ram"
 
@@ -84,8 +78,9 @@ def test_a_stopped_coldstore_does_not_stop_serving_and_writes_resume(tiny_model,
             history = list(c.get_session("away").token_ids)
 
             c.set_pressure("warning")  # the only copy of "away" is in RAM: it stays
-            _wait(lambda: any(json.loads(r).get("kind") == "pressure_trim"
-                              for r in c.status().recent_receipts_json), "no pressure trim")
+            wait_until(lambda: any(json.loads(r).get("kind") == "pressure_trim"
+                                   for r in c.status().recent_receipts_json),
+                       "a pressure_trim receipt", every_s=0.1)
             assert _state(c, "away").ram_bytes > 0
             c.set_pressure("auto")
 
@@ -103,8 +98,8 @@ def test_a_stopped_coldstore_does_not_stop_serving_and_writes_resume(tiny_model,
 
 def test_a_slow_disk_makes_a_release_give_up_at_its_deadline(tiny_model, tmp_path, cache_dir):
     s = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir, shim=False,
-                    extra=["--quiet-grace-s", "3600", "--max-dirty-s", "3600",
-                           "--fake-slow-disk-s", "0.5", "--write-out-deadline-s", "1"])
+                    slow_disk_s=0.5, extra=["--quiet-grace-s", "3600", "--max-dirty-s", "3600",
+                                            "--write-out-deadline-s", "1"])
     try:
         with s.client() as c:
             _turn(c, "big", 300, seed=8)  # ~19 blocks of 16 tokens: ~10 s on this disk
@@ -115,10 +110,9 @@ def test_a_slow_disk_makes_a_release_give_up_at_its_deadline(tiny_model, tmp_pat
             assert ev["write_out"] == "deadline" and ev["now"] == "gone"
             # All or nothing: the blocks committed before the deadline were taken back (the
             # release returned at its deadline; the coldstore's word follows within a block).
-            deadline = time.monotonic() + 10
-            while c.get_session("big").durable_tokens:
-                assert time.monotonic() < deadline, "the committed blocks were never taken back"
-                time.sleep(0.1)
+            wait_until(lambda: not c.get_session("big").durable_tokens,
+                       "the committed blocks to be taken back (durable_tokens 0)", timeout_s=10,
+                       every_s=0.1)
             # The history is kept; the next turn recomputes what never reached SSD.
             t = _turn(c, "big", 8, seed=9)
             assert t.usage["completion_tokens"] > 0

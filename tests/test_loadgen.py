@@ -14,7 +14,7 @@ from apps.cli import main
 from apps.loadgen.run import Row, RunResult
 from apps.loadgen.report import summarize
 from apps.loadgen.scenarios import SCENARIOS, Conversation, build, params
-from apps.loadgen.targets import _http_failure
+from apps.loadgen.targets import http_failure
 
 SMALL = ["--turns", "3", "--turn-tokens", "20", "--system-tokens", "40", "--max-tokens", "4",
          "--no-progress"]
@@ -76,17 +76,23 @@ def test_grpc_n_agents_run_at_once_and_finish(stack, tmp_path):
     assert doc["summary"]["stopped_by"] == "turns"
 
 
-def _shim_up(stack) -> bool:
+def _shim_not_answering(stack) -> str:
+    """Why kvbank's OpenAI shim does not answer GET /health on this stack ("" when it does)."""
+    if not stack.shim_url:
+        return "the stack has no OpenAI shim (no shim_url)"
     try:
-        return bool(stack.shim_url) and httpx.get(stack.shim_url + "/health",
-                                                  timeout=10).status_code == 200
-    except httpx.HTTPError:
-        return False
+        r = httpx.get(stack.shim_url + "/health", timeout=10)
+    except httpx.HTTPError as e:
+        return f"kvbank's OpenAI shim at {stack.shim_url} did not answer GET /health: {e!r}"
+    if r.status_code != 200:
+        return (f"kvbank's OpenAI shim at {stack.shim_url} answered GET /health with "
+                f"HTTP {r.status_code}: {r.text[:200]}")
+    return ""
 
 
 def test_openai_target_sends_session_header_and_reads_usage(stack, tmp_path):
-    if not _shim_up(stack):
-        pytest.skip("kvbank's OpenAI shim does not answer /health on this stack")
+    why = _shim_not_answering(stack)
+    assert not why, why
     target = stack.shim_url.replace("http://", "openai://")
     doc = _loadgen(target, tmp_path / "out.json", "--run-id", "lgtest")
     _check_sums(doc)
@@ -129,11 +135,11 @@ def test_compaction_turn_starts_a_new_shorter_prefix():
 
 
 def test_refusals_are_counted_by_reason_with_the_message():
-    refused = _http_failure(httpx.Response(429, json={"error": {"message": "queue full"}}), 0.1)
+    refused = http_failure(httpx.Response(429, json={"error": {"message": "queue full"}}), 0.1)
     assert (refused.status, refused.reason, refused.message) == ("refused", "HTTP 429",
                                                                  "queue full")
-    assert _http_failure(httpx.Response(400, json={"error": {"message": "bad"}}),
-                         0.1).status == "error"
+    assert http_failure(httpx.Response(400, json={"error": {"message": "bad"}}),
+                        0.1).status == "error"
     rows = [Row("a", "s-a", 1, "ok", 0.0, 1.0, ttft_s=0.5, prompt_tokens=10, cached_tokens=0,
                 new_tokens=10, recomputed_tokens=0),
             Row("a", "s-a", 2, "refused", 1.0, 0.1, reason="HTTP 429", message="queue full"),

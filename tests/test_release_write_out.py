@@ -19,6 +19,7 @@ from coldstore.store import ColdStore
 from kvbank.contracts.health import coldstore_up
 from kvbank.blocks import chain_root
 from kvbank.config import Layout
+from tests.waiting import wait_until
 from worker import kv
 from worker.bank import SessionBank
 from worker.link import ColdstoreClient
@@ -39,20 +40,27 @@ def model(tiny_model):
     return load(str(tiny_model))[0]
 
 
-def _start_coldstore(layout: Layout, *flags: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "apps.cli", "coldstore", "--data-dir",
-                             str(layout.data_dir), "--max-dirty-s", "3600", "--tail-delay-s",
-                             "0", *flags])
-    deadline = time.monotonic() + 30
-    while not coldstore_up(layout.coldstore_address):
-        assert proc.poll() is None and time.monotonic() < deadline, "coldstore did not start"
+def start_coldstore(layout: Layout, *flags: str,
+                     slow_disk_s: float | None = None) -> subprocess.Popen:
+    """`kvbank coldstore`, or with `slow_disk_s` the same on a slow test disk (each block
+    commit takes that long: tests/slow_coldstore.py)."""
+    cmd = (["-m", "tests.slow_coldstore", "--delay-s", str(slow_disk_s)] if slow_disk_s
+           else ["-m", "apps.cli", "coldstore"])
+    proc = subprocess.Popen([sys.executable, *cmd, "--data-dir", str(layout.data_dir),
+                             "--max-dirty-s", "3600", "--tail-delay-s", "0", *flags])
+
+    def up() -> bool:
+        assert proc.poll() is None, f"coldstore exited with {proc.returncode}"
+        return coldstore_up(layout.coldstore_address)
+
+    wait_until(up, "the coldstore to answer a ping", 30)
     return proc
 
 
 @pytest.fixture
 def coldstore(tmp_path):
     layout = Layout(tmp_path / "data").ensure()
-    proc = _start_coldstore(layout, "--quiet-grace-s", "0.05")
+    proc = start_coldstore(layout, "--quiet-grace-s", "0.05")
     yield layout
     proc.terminate()
     proc.wait(timeout=30)
@@ -66,7 +74,7 @@ class Rig:
         self.layout = layout
         self.client = self.writer = None
         if layout is not None:
-            self.client = ColdstoreClient(layout, on_event=lambda m: self.writer.on_event(m))
+            self.client = ColdstoreClient(layout, on_event=lambda m: self.writer.deliver(m))
             self.client.start()
             self.client.set_busy(True)
             self.wait_worker_state("busy")
@@ -84,8 +92,7 @@ class Rig:
         self.model(mx.array(tokens)[None], cache=cache)
         session = ("", session_id)
         if self.client is not None:
-            self.client.request({"op": "put_session", "tenant": "", "session_id": session_id,
-                                 "block_tokens": B}, [tokens.tobytes()])
+            self.client.put_session("", session_id, B, tokens.tobytes())
         e = self.bank.insert(session, tokens, kv.freeze(cache, n_tokens))
         if write and self.writer is not None:
             self.writer.write_behind(e)
@@ -93,10 +100,8 @@ class Rig:
 
     def wait_worker_state(self, state: str, timeout_s: float = 10) -> None:
         """Until the coldstore has heard our busy/quiet signal (PUB/SUB joins late)."""
-        deadline = time.monotonic() + timeout_s
-        while self.client.request({"op": "ping"})["worker_state"] != state:
-            assert time.monotonic() < deadline, f"coldstore never saw the worker {state}"
-            time.sleep(0.02)
+        wait_until(lambda: self.client.ping().worker_state == state,
+                   f"the coldstore to see the worker {state}", timeout_s, every_s=0.02)
 
     def durable_on_disk(self, session_id: str) -> int:
         store = ColdStore(self.layout.store_dir, readonly=True)
@@ -108,10 +113,8 @@ class Rig:
 
     def let_idle_lane_write(self, e, timeout_s: float = 20) -> None:
         self.client.set_busy(False)
-        deadline = time.monotonic() + timeout_s
-        while self.durable_on_disk(e.session[1]) < e.n_tokens:
-            assert time.monotonic() < deadline, "idle lane never wrote"
-            time.sleep(0.05)
+        wait_until(lambda: self.durable_on_disk(e.session[1]) >= e.n_tokens,
+                   f"the idle lane to write {e.session[1]}", timeout_s)
         self.bank.mark_durable(e.session, e.n_tokens)
         self.client.set_busy(True)
         self.wait_worker_state("busy")
@@ -159,10 +162,15 @@ def test_out_of_time_the_entry_is_dropped_as_before(rig):
 
 def test_without_write_out_the_release_cancels_the_write(rig):
     e = rig.turn("d", 40, seed=5)
+    job = e.write_job
+    wait_until(lambda: job in rig.client.ping().jobs, f"the coldstore to hold job {job}")
     r = rig.bank.release_sessions(None, reason="admission")
     assert r.unwritten_dropped == 1 and r.written_out_entries == 0
     rig.client.set_busy(False)  # a quiet window: a write still queued would run now
-    time.sleep(1.0)
+    rig.wait_worker_state("quiet")
+    # The cancel follows the job: once the coldstore no longer holds it (cancelled, or
+    # written if the cancel were lost), nothing more of it can be written.
+    wait_until(lambda: job not in rig.client.ping().jobs, f"the coldstore to drop job {job}")
     assert rig.durable_on_disk("d") == 0
     assert e.write_job is None
 
@@ -196,41 +204,35 @@ def test_warning_trim_keeps_the_unwritten_and_takes_one_on_ssd(rig):
     unwritten = rig.turn("old-unwritten", 40, seed=9)
     on_ssd = rig.turn("newer-on-ssd", 40, seed=10)
     rig.let_idle_lane_write(on_ssd)
-    receipt: dict = {}
-    rig.bank.shrink_to_bytes(unwritten.nbytes, reason="pressure_trim:warning",
-                             protect_unwritten=True, receipt_out=receipt)
+    receipt = rig.bank.shrink_to_bytes(unwritten.nbytes, reason="pressure_trim:warning",
+                                       protect_unwritten=True)
     assert list(rig.bank.entries) == [unwritten.key]
-    assert receipt["unwritten_kept"] == 1 and receipt["evicted_entries"] == 1
+    assert receipt.unwritten_kept == 1 and receipt.evicted_entries == 1
     # Now only the unwritten one is left: a deeper trim keeps it and says so.
-    rig.bank.shrink_to_bytes(0, reason="pressure_trim:warning", protect_unwritten=True,
-                             receipt_out=receipt)
-    assert receipt["unwritten_kept"] == 1 and receipt["evicted_entries"] == 0
+    receipt = rig.bank.shrink_to_bytes(0, reason="pressure_trim:warning", protect_unwritten=True)
+    assert receipt.unwritten_kept == 1 and receipt.evicted_entries == 0
     assert unwritten.awaits_queued_write and unwritten.key in rig.bank.entries
 
     # Once its write has run, a later trim takes it.
     rig.let_idle_lane_write(unwritten)
-    rig.bank.shrink_to_bytes(0, reason="pressure_trim:warning", protect_unwritten=True,
-                             receipt_out=receipt)
-    assert receipt["evicted_entries"] == 1 and receipt["unwritten_dropped"] == 0
+    receipt = rig.bank.shrink_to_bytes(0, reason="pressure_trim:warning", protect_unwritten=True)
+    assert receipt.evicted_entries == 1 and receipt.unwritten_dropped == 0
     assert not rig.bank.entries
 
 
 def test_without_coldstore_the_trim_takes_the_entry_as_before(model):
     rig = Rig(None, model)
     rig.turn("h", 40, seed=11)
-    receipt: dict = {}
-    rig.bank.shrink_to_bytes(0, reason="pressure_trim:warning", protect_unwritten=True,
-                             receipt_out=receipt)
-    assert receipt["evicted_entries"] == 1 and receipt["unwritten_kept"] == 0
+    receipt = rig.bank.shrink_to_bytes(0, reason="pressure_trim:warning", protect_unwritten=True)
+    assert receipt.evicted_entries == 1 and receipt.unwritten_kept == 0
 
 
 def test_critical_trim_takes_everything_idle_and_counts_the_unwritten(rig):
     rig.turn("i", 40, seed=12)
     durable = rig.turn("j", 40, seed=13)
     rig.let_idle_lane_write(durable)
-    receipt: dict = {}
-    rig.bank.shrink_to_bytes(0, reason="pressure_trim:critical", receipt_out=receipt)
-    assert receipt["evicted_entries"] == 2 and receipt["unwritten_dropped"] == 1
+    receipt = rig.bank.shrink_to_bytes(0, reason="pressure_trim:critical")
+    assert receipt.evicted_entries == 2 and receipt.unwritten_dropped == 1
     assert rig.bank.total_nbytes == 0
 
 
@@ -245,10 +247,8 @@ def test_ledger_counts_entries_running_requests_and_staged_bytes(rig):
     assert rig.bank.ledger()["active_bytes"] == 1000
     rig.bank.end_request(("", "busy"))
     rig.let_idle_lane_write(e)
-    deadline = time.monotonic() + 10
-    while rig.bank.ledger()["staged_bytes"]:
-        assert time.monotonic() < deadline, "staged bytes never released after the commit"
-        time.sleep(0.05)
+    wait_until(lambda: not rig.bank.ledger()["staged_bytes"],
+               "the staged bytes to be released after the commit", 10)
     assert rig.bank.ledger() == {"entries_bytes": e.nbytes, "active_bytes": 0,
                                  "staged_bytes": 0, "held_bytes": e.nbytes}
 
@@ -269,16 +269,12 @@ def test_staging_at_its_cap_puts_the_hand_over_off_and_keeps_the_entry_protected
     assert rig.writer.staging_deferred == 1
     assert second.write_pending and second.awaits_queued_write
 
-    receipt: dict = {}
-    rig.bank.shrink_to_bytes(0, reason="bank_budget", protect_unwritten=True,
-                             receipt_out=receipt)
-    assert second.key in rig.bank.entries and receipt["unwritten_kept"] == 2
+    receipt = rig.bank.shrink_to_bytes(0, reason="bank_budget", protect_unwritten=True)
+    assert second.key in rig.bank.entries and receipt.unwritten_kept == 2
 
     rig.let_idle_lane_write(first)  # the coldstore drains: room again
-    deadline = time.monotonic() + 10
-    while not rig.writer.has_room(second.nbytes):
-        assert time.monotonic() < deadline, "staged bytes never released after the commit"
-        time.sleep(0.05)
+    wait_until(lambda: rig.writer.has_room(second.nbytes),
+               "the staged bytes to be released after the commit", 10)
     assert rig.writer.write_behind(second) is not None  # what Engine.retry_writes does
     rig.let_idle_lane_write(second)
     assert rig.durable_on_disk("s2") == 40 and not second.write_pending
@@ -288,7 +284,7 @@ def test_staging_at_its_cap_puts_the_hand_over_off_and_keeps_the_entry_protected
 def slow_rig(tmp_path, model):
     """The rig over a coldstore whose every block commit takes 0.8 s (a stand-in disk)."""
     layout = Layout(tmp_path / "slow").ensure()
-    proc = _start_coldstore(layout, "--fake-slow-disk-s", "0.8")
+    proc = start_coldstore(layout, slow_disk_s=0.8)
     r = Rig(layout, model)
     yield r
     r.close()

@@ -16,7 +16,6 @@ tests below pin the visible half of that: another tenant's identical prompt rest
 from __future__ import annotations
 
 import ipaddress
-import time
 import uuid
 
 import grpc
@@ -27,6 +26,7 @@ import pytest
 
 from kvbank.v1 import api_pb2, api_pb2_grpc
 from tests.conftest import rpc_error, start_stack
+from tests.waiting import wait_until
 
 KEYS = {"alice": "KEY_A-" + "a" * 20, "bob": "KEY_B-" + "b" * 20}
 BLOCK_TOKENS = 16  # start_stack's --block-tokens
@@ -72,13 +72,12 @@ class Tenant:
                                   metadata=self.metadata, timeout=120)
 
     def wait_durable(self, session_id: str, timeout_s: float = 60) -> api_pb2.Session:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def durable():
             s = self.get(session_id)
-            if s.durable_tokens == s.token_count:
-                return s
-            time.sleep(0.1)
-        raise TimeoutError(f"session {session_id} never became durable")
+            return s if s.durable_tokens == s.token_count else None
+
+        return wait_until(durable, f"session {session_id} to become durable",
+                          timeout_s=timeout_s, every_s=0.1)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from deploy.local import free_port
 from apps.shim.server import create_app, error_for
 from kvbank.v1 import api_pb2, api_pb2_grpc
 from tests.conftest import start_stack
+from tests.waiting import wait_until
 
 KEY = "k1"
 MAX_TOKENS = 8
@@ -317,8 +318,8 @@ def fake():
                                          loop="asyncio", log_config=None))
     thread = threading.Thread(target=http.run, daemon=True)
     thread.start()
-    while not http.started:
-        thread.join(0.05)
+    wait_until(lambda: http.started or not thread.is_alive(), "the shim (uvicorn) to start")
+    assert http.started, "the shim's uvicorn thread ended before it started serving"
     router.port, router.url = shim_port, f"http://127.0.0.1:{shim_port}/v1"
     yield router
     http.should_exit = True

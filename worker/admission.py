@@ -195,8 +195,9 @@ def make_room(*, bank, pricing: Pricing, budget: int, need: int, solo_need: int,
     hit = bank.lookup(tokens, tenant)
     source = (hit.entry.key,) if hit else ()
     # 3. idle LRU entries; active sessions and the prompt's own restore source stay
-    r.lru_evicted = bank.shrink_to_bytes(target(), reason=TrimReason.ADMISSION_LRU, protect_active=True,
-                                         protect_unwritten=True, protect_keys=source)
+    r.lru_evicted = bank.shrink_to_bytes(target(), reason=TrimReason.ADMISSION_LRU,
+                                         protect_active=True, protect_unwritten=True,
+                                         protect_keys=source).evicted_entries
     # 4. admission shed: non-terminal entries first, then any idle session's (not unwritten
     #    ones: step 5 writes those out before they go)
     if free() < need:
@@ -231,7 +232,8 @@ def make_room(*, bank, pricing: Pricing, budget: int, need: int, solo_need: int,
                          f"{_size(budget - pricing.fixed_bytes)} beyond the model: "
                          f"shorten the prompt, lower max_tokens or raise --memory-budget")
     if running:
-        r.decision, r.reason, r.verdict = Decision.WAIT, RefusalReason.IN_FLIGHT, Verdict.AFTER_IN_FLIGHT
+        r.decision, r.reason = Decision.WAIT, RefusalReason.IN_FLIGHT
+        r.verdict = Verdict.AFTER_IN_FLIGHT
         return r
     unwritten = sum(e.nbytes for e in bank.entries.values() if e.awaits_queued_write)
     r.decision, r.reason = Decision.REFUSED, RefusalReason.MEMORY_HELD

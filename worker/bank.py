@@ -245,6 +245,10 @@ class SessionBank:
     def is_busy(self, session: SessionKey) -> bool:
         return session in self._in_flight
 
+    def busy_sessions(self) -> frozenset[SessionKey]:
+        """Conversations with a request in flight (for the engine's snapshot)."""
+        return frozenset(self._in_flight)
+
     def is_active(self, session: SessionKey, now: float | None = None) -> bool:
         if session in self._in_flight:
             return True
@@ -274,7 +278,7 @@ class SessionBank:
 
     # -- policies ---------------------------------------------------------------------------
 
-    def _record(self, receipt) -> None:
+    def record(self, receipt) -> None:
         """A policy's receipt leaves the process: the Status RPC reads `receipts`, and the
         event log gets it as one line."""
         self.receipts.append(receipt)
@@ -338,7 +342,7 @@ class SessionBank:
             self.evict(e, reason)
         r.bytes_after = self.total_nbytes
         if r.evicted_entries or r.unwritten_kept:
-            self._record(r)
+            self.record(r)
         return r
 
     def drop_session(self, session: SessionKey, reason: str) -> int:
@@ -381,7 +385,7 @@ class SessionBank:
                     r.non_terminal_evicted += 1
         r.bytes_after = self.total_nbytes
         if r.evicted_bytes:
-            self._record(r)
+            self.record(r)
         return r
 
     def release_sessions(self, target_bytes: int | None, *,
@@ -442,5 +446,5 @@ class SessionBank:
             r.add(row)
         r.write_out_s = round(r.write_out_s, 4)
         if r.rows or r.skipped_busy_sessions:
-            self._record(r)
+            self.record(r)
         return r

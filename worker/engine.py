@@ -1,15 +1,17 @@
-"""The engine: the one thread that owns the model and the SessionBank.
+"""The engine: the one thread that owns the model, the SessionBank, the KV writer and the
+conversation records.
 
-Everything that touches MLX or the bank runs here, fed by a queue (as mlx-lm's server does),
-so no state needs a lock. A generation job goes: its conversation (the name, else the one its
-tokens continue), admission (price it, make room by the bank's policies, or refuse), restore
-the longest cached prefix (RAM bank, else SSD), then the scheduler prefills the rest and
-decodes, step by step with the other admitted requests, and finally the turn is committed:
-the session record first (durable before the final message), then the bank entry, then the
-write-behind job for its new KV blocks.
+It is an actor. Other threads never touch what it owns: they post commands
+(worker/commands.py) to its queue and read the `Snapshot` it publishes whole after every turn
+of its loop. The coldstore link's acknowledgements arrive through the writer's inbox, which
+the loop empties at every turn (and a write-out, while it waits).
 
-Other threads read two snapshots the engine replaces whole (`sessions`, `ram_bytes`), never
-structures it mutates.
+A generation goes: its conversation (the name, else the one its tokens continue), admission
+(price it, make room by the bank's policies, or refuse), restore the longest cached prefix
+(RAM bank, else SSD), then the scheduler prefills the rest and decodes, step by step with the
+other admitted requests, and finally the turn is committed: the conversation's record first
+(durable before the final message), then the bank entry, then the write-behind job for its
+new KV blocks.
 """
 
 from __future__ import annotations
@@ -21,69 +23,41 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
 from collections import deque
-from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from kvbank import events, metrics
-from kvbank.blocks import BlockId, chain_block_ids, chain_root, common_prefix_len, tail_block_id
+from kvbank.blocks import BlockId, chain_block_ids, chain_root, common_prefix_len
 from kvbank.config import Layout
+from kvbank.contracts import coldstore_wire as wire
+from kvbank.contracts.failures import ColdstoreUnavailable, InvalidRequest, Refused
+from kvbank.contracts.pricing import Pricing
+from kvbank.contracts.vocabulary import Decision, Outcome, RETRY_OUTCOMES, TrimReason
 from kvbank.v1 import api_pb2, worker_pb2
-from coldstore.store import ColdStore
-from worker import kv
-from worker.admission import (Pricing, Refused, SchedulerConfig, calibrate,
-                              give_back_freed_memory, keep_large_buffers_off_the_heap,
-                              make_room, memory_budget_bytes, mlx_cache_limit, resident_bytes)
+from worker import commands as cmd
+from worker import kv, upkeep
+from worker.admission import (SchedulerConfig, calibrate, give_back_freed_memory, held_bytes,
+                              keep_large_buffers_off_the_heap, make_room, memory_budget_bytes,
+                              mlx_cache_limit, resident_bytes)
 from worker.bank import SessionBank, SessionKey
+from worker.conversations import Conversations
 from worker.guard import Guard
-from worker.lineage import Lineages, is_anonymous
-from worker.persist import ColdstoreClient, ColdstoreUnavailable, KVWriter
+from worker.lineage import is_anonymous
+from worker.link import ColdstoreClient
+from worker.restore import Restorer
 from worker.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running, make_request_sampler
-from worker.upkeep import Upkeep
+from worker.writer import KVWriter
 
 logger = logging.getLogger(__name__)
 
-RECORD_TIMEOUT_S = 3.0
-SESSION_STATES = ("active", "resident-dirty", "resident-clean", "cold", "gone")
+RETRY_WRITES_EVERY_S = upkeep.RETRY_WRITES_EVERY_S
 
 
-@dataclass(frozen=True)
-class SessionInfo:
-    """What the worker knows of a session record (a snapshot; replaced, never mutated)."""
-
-    tokens: np.ndarray
-    durable_tokens: int
-    created_at: float
-    updated_at: float
-    recorded: bool = True  # the record on disk holds these tokens
-
-
-@dataclass
-class GenerateJob:
-    request: worker_pb2.WorkerGenerateRequest
-    emit: Callable[[Any], None]  # thread-safe; gets responses, then None, or an Exception
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    queued_at: float = field(default_factory=time.monotonic)
-
-
-class RequestError(ValueError):
-    """Bad input that got past the router; the message says what to change."""
-
-
-class NotAdmitted(Exception):
-    """Admission refused the request (worker/admission.py); carries the receipt."""
-
-    def __init__(self, refused: Refused):
-        super().__init__(str(refused))
-        self.receipt = refused.receipt
-
-
-class Engine(Upkeep):
+class Engine:
     def __init__(self, model_path: Path, layout: Layout, *, block_tokens: int, bank_bytes: int,
                  staging_max_bytes: int | None = None, restore_via: str = "direct",
                  scheduler: SchedulerConfig = SchedulerConfig(),
@@ -91,13 +65,13 @@ class Engine(Upkeep):
                  admission_chain_shed: bool = False,
                  prefill_chunk_tokens: int = PREFILL_STEP_TOKENS,
                  write_out_deadline_s: float | None = None):
+        """Built on the caller's thread; from `start()` on, the engine thread owns it all."""
         from mlx_lm import load
 
         keep_large_buffers_off_the_heap()
         self.model_path = Path(model_path)
         self.layout = layout.ensure()
         self.block_tokens = block_tokens
-        self.restore_via = restore_via
         self.scheduler = scheduler
         t0 = time.monotonic()
         self.model, self.tokenizer = load(str(self.model_path))
@@ -109,23 +83,25 @@ class Engine(Upkeep):
         logger.info("model %s loaded in %.1fs: %d KV bytes/token (%s), fingerprint %s",
                     self.model_path, time.monotonic() - t0, self.kv_bytes_per_token,
                     self.kv_dtype, self.fingerprint.hex()[:12])
-        self.sessions: dict[SessionKey, SessionInfo] = {}
-        self.ram_bytes: dict[SessionKey, int] = {}
-        self._store: ColdStore | None = None
-        self.lineages = Lineages(root_for=self.root_for, block_tokens=block_tokens)
-        self._load_sessions()
-        self.coldstore = ColdstoreClient(layout, on_event=self._on_coldstore_event).start()
+        self._queue: queue.Queue = queue.Queue()
+        self.coldstore = ColdstoreClient(layout, on_event=lambda msg: self.writer.deliver(msg))
         self.writer = KVWriter(self.coldstore, block_tokens=block_tokens, root_for=self.root_for,
-                               staging_max_bytes=staging_max_bytes)
+                               staging_max_bytes=staging_max_bytes,
+                               on_message=self._on_coldstore_message, wake=self._wake)
+        self.coldstore.start()
         self.bank = SessionBank(block_tokens=block_tokens, root_for=self.root_for,
                                 max_bytes=bank_bytes, writer=self.writer,
                                 active_pin_s=active_pin_s)
         self.bank.write_out_deadline_s = write_out_deadline_s
+        self.conversations = Conversations(root_for=self.root_for, block_tokens=block_tokens)
+        self.restorer = Restorer(model=self.model, bank=self.bank, client=self.coldstore,
+                                 store_dir=self.layout.store_dir, root_for=self.root_for,
+                                 block_tokens=block_tokens, restore_via=restore_via)
+        self.conversations.load(self.restorer.store())
         mx.set_cache_limit(0)  # until the budget is known (below)
         self.pricing = calibrate(self.model, Pricing(self.kv_bytes_per_token, 0,
                                                      prefill_chunk_tokens))
         self.admission_chain_shed = admission_chain_shed
-        self.admission_log: deque = deque(maxlen=1024)
         self.batch = BatchScheduler(self.model, max_active=scheduler.max_active,
                                     eos_token_ids=self.eos_token_ids,
                                     prefill_step_tokens=prefill_chunk_tokens)
@@ -135,22 +111,38 @@ class Engine(Upkeep):
         cache_limit = mlx_cache_limit(self.memory_budget, self.pricing.fixed_bytes)
         mx.set_cache_limit(cache_limit)
         self.pricing.fixed_bytes += cache_limit  # MLX may keep that much: held, always
-        self._pending: deque[GenerateJob] = deque()
-        self._deleted_at: dict[SessionKey, float] = {}  # deleted while a turn ran on it
-        self._queue: queue.Queue = queue.Queue()
+        self._pending: deque[cmd.Generate] = deque()
+        self._ram_bytes: dict[SessionKey, int] = {}
+        self._admissions: deque = deque(maxlen=1024)  # admission receipts, newest last
+        self._retried_at = 0.0
+        self._handlers = {
+            cmd.DeleteSession: lambda c: self._delete_session(c.session),
+            cmd.Release: lambda c: self.bank.release_sessions(
+                None, only_sessions=[c.session], reason=TrimReason.ADMIN_RELEASE,
+                write_out_before_release=c.write_out),
+            cmd.Trim: lambda c: upkeep.trim(self.bank),
+            cmd.Flush: lambda c: upkeep.flush(self.bank, self.writer),
+            cmd.Status: lambda c: (self._status(), *self._recent_receipts(c.tenant)),
+            cmd.Tick: self._tick,
+            cmd.PressureTrim: lambda c: upkeep.pressure_trim(self.bank, c.level, c.source,
+                                                             c.deferred_s),
+        }
+        self.snapshot = cmd.Snapshot()
+        self._publish()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
-        for state in SESSION_STATES:  # counted when scraped
+        for state in cmd.SESSION_STATES:  # counted when scraped, from the snapshot
             metrics.SESSIONS.labels(state).set_function(
-                lambda state=state: sum(self.session_state(k, i) == state
-                                        for k, i in list(self.sessions.items())))
+                lambda state=state: sum(self.snapshot.state(k) == state
+                                        for k in self.snapshot.sessions))
+        metrics.MEMORY_BUDGET.set(self.memory_budget)
         self.guard = Guard(self).start()
 
     def _warm_up(self, chunk_tokens: int) -> None:
         """One short request through the scheduler, so the memory a first request leaves
         behind (kernels, allocator, buffers) is in the fixed part of the budget."""
         tokens = np.arange(1000, 1000 + 2 * chunk_tokens + 1, dtype=np.uint32)
-        job = GenerateJob(worker_pb2.WorkerGenerateRequest(max_tokens=2), emit=lambda ev: None)
+        job = cmd.Generate(worker_pb2.WorkerGenerateRequest(max_tokens=2), emit=lambda ev: None)
         r = Running(job=job, tokens=tokens, bank_key=("", "warm-up"), session=None, cached=0,
                     source=api_pb2.CACHE_SOURCE_NONE, known=0, started=time.monotonic(),
                     stops=[], detok=self.tokenizer.detokenizer)
@@ -187,42 +179,20 @@ class Engine(Upkeep):
     def root_for(self, tenant: str) -> BlockId:
         return chain_root(self.fingerprint, tenant)
 
-    # -- the store (read-only here: the coldstore is the only writer) -----------------------
-
-    def store(self) -> ColdStore | None:
-        if self._store is None and (self.layout.store_dir / "data.mdb").exists():
-            try:
-                self._store = ColdStore(self.layout.store_dir, readonly=True)
-            except Exception as e:
-                logger.warning("cannot open the store read-only yet: %s", e)
-        return self._store
-
-    def _load_sessions(self) -> None:
-        store = self.store()
-        if store is None:
-            return
-        sessions = {}
-        for meta in store.list_sessions():
-            got = store.get_session(meta.tenant, meta.session_id)
-            if got is not None:
-                meta, toks = got
-                sessions[(meta.tenant, meta.session_id)] = SessionInfo(
-                    toks.copy(), meta.durable_tokens, meta.created_at, meta.updated_at)
-        self.sessions = sessions
-        self.lineages.rebuild((k, i.tokens) for k, i in sessions.items())
-        logger.info("loaded %d session records from the store (%d anonymous)", len(sessions),
-                    len(self.lineages))
-
     # -- the queue --------------------------------------------------------------------------
 
-    def submit(self, job: GenerateJob) -> None:
-        self._queue.put(job)
+    def post(self, command) -> Any:
+        """Any thread: hand a command to the engine; returns it (its `reply` resolves)."""
+        self._queue.put(command)
+        return command
 
-    def call(self, fn: Callable[[], Any]) -> Future:
-        """Run fn on the engine thread (after the jobs queued before it)."""
-        fut: Future = Future()
-        self._queue.put((fn, fut))
-        return fut
+    def ask(self, command: cmd.Command, timeout_s: float | None = None) -> Any:
+        """Any thread but the engine's: post and wait for the answer."""
+        return self.post(command).reply.result(timeout=timeout_s)
+
+    def _wake(self) -> None:
+        """The writer's inbox has mail: a blocked loop turns once."""
+        self._queue.put(_WAKE)
 
     def _run(self) -> None:
         while True:
@@ -233,28 +203,47 @@ class Engine(Upkeep):
                     items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
+            self.writer.pump()  # acknowledgements first: they free staging and mark durable
             for item in items:
-                if item is None:
+                if isinstance(item, cmd.Stop):
+                    item.reply.set_result(None)
                     return
-                if isinstance(item, GenerateJob):
+                if isinstance(item, cmd.Generate):
                     self._pending.append(item)
-                else:
-                    fn, fut = item
-                    try:
-                        fut.set_result(fn())
-                    except Exception as e:
-                        fut.set_exception(e)
+                elif item is not _WAKE:
+                    self._handle(item)
             self.coldstore.set_busy(bool(self.batch or self._pending))
             self._admit_pending()
             if self.batch:
                 self._step()
-            elif self._pending:  # first in line waits for memory that nothing will free
+            self._publish()
+            if self._pending and not self.batch:  # first in line waits for memory
                 time.sleep(0.01)
+
+    def _handle(self, command: cmd.Command) -> None:
+        try:
+            result = self._handlers[type(command)](command)
+        except Exception as e:
+            logger.exception("%s failed", type(command).__name__)
+            command.reply.set_exception(e)
+        else:
+            command.reply.set_result(result)
+        self._refresh_ram_bytes()
+
+    def _publish(self) -> None:
+        """The snapshot other threads read, replaced whole."""
+        self.snapshot = cmd.Snapshot(
+            sessions=self.conversations.records, ram_bytes=self._ram_bytes,
+            busy=self.bank.busy_sessions(), held_bytes=held_bytes(self.pricing, self.bank),
+            bank_bytes=self.bank.total_nbytes, bank_entries=len(self.bank.entries),
+            running=len(self.batch), waiting=len(self._pending))
 
     def close(self) -> None:
         self.guard.close()
-        self._queue.put(None)
-        self._thread.join(timeout=5)
+        try:
+            self.ask(cmd.Stop(), timeout_s=5)
+        except Exception:  # a step still running: the thread is a daemon, the process ends
+            logger.warning("the engine did not stop within 5 s")
         self.writer.drain(timeout_s=5)  # what was handed over leaves before the link closes
         self.coldstore.close()
 
@@ -270,7 +259,7 @@ class Engine(Upkeep):
                 continue
             try:
                 started = self._start(job)
-            except (RequestError, NotAdmitted) as e:
+            except (InvalidRequest, Refused) as e:
                 self._pending.popleft()
                 job.emit(e)
                 continue
@@ -283,19 +272,21 @@ class Engine(Upkeep):
                 return  # waits for memory held by requests in flight
             self._pending.popleft()
 
-    def _start(self, job: GenerateJob) -> bool:
+    def _start(self, job: cmd.Generate) -> bool:
         """Admission, restore, and hand-over to the scheduler. False: wait for memory."""
         req = job.request
         tokens = np.asarray(req.token_ids, dtype=np.uint32)
         if len(tokens) == 0:
-            raise RequestError("the prompt is empty: send at least one token")
+            raise InvalidRequest("the prompt is empty: send at least one token")
         if len(tokens) + req.max_tokens > self.max_context_tokens:
-            raise RequestError(
+            raise InvalidRequest(
                 f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                 f"model's context of {self.max_context_tokens} tokens")
         tenant = req.tenant
         ids = chain_block_ids(tokens, self.root_for(tenant), self.block_tokens)  # hashed once
-        session = self._conversation(tokens, ids, tenant, req.session_id)
+        session = self.conversations.resolve(
+            tokens, ids, tenant, req.session_id, busy=self.bank.is_busy,
+            in_ram=lambda k: bool(self.bank.session_entries(k)))
         need = self._price(len(tokens), req.max_tokens)
         try:
             receipt = make_room(bank=self.bank, pricing=self.pricing, budget=self.memory_budget,
@@ -304,18 +295,19 @@ class Engine(Upkeep):
                                 session_id=session[1], running=len(self.batch),
                                 chain_shed=self.admission_chain_shed)
         except Refused as e:
-            self._log_admission(req, e.receipt)
-            raise NotAdmitted(e) from None
+            self._log_admission(req, session, e.receipt)
+            raise
         finally:
             self._refresh_ram_bytes()
-        if receipt.decision == "wait":
+        if receipt.decision == Decision.WAIT:
             return False
-        self._log_admission(req, receipt)
-        info = self.sessions.get(session)
+        self._log_admission(req, session, receipt)
+        info = self.conversations.get(session)
         self.bank.begin_request(session)
         self.bank.reserve_active(session, need)
         try:
-            cache, cached, source = self._restore(tokens, ids, tenant, session, req.no_cache)
+            cache, cached, source = self.restorer.restore(tokens, ids, tenant, session,
+                                                          req.no_cache)
             self._count_restore(req, session, len(tokens), cached, source)
             sampling = req.sampling
             seed = sampling.seed if sampling.HasField("seed") else None
@@ -330,19 +322,6 @@ class Engine(Upkeep):
             self.bank.end_request(session)
             raise
         return True
-
-    def _conversation(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
-                      name: str) -> SessionKey:
-        """The conversation this request continues: its name, else the one its tokens extend
-        (worker/lineage.py), else a new anonymous one."""
-        if name:
-            return (tenant, name)
-        found = self.lineages.find(tokens, ids, tenant, self.sessions, self.bank.is_busy)
-        if found is not None:
-            return found
-        taken = lambda k: k in self.sessions or bool(self.bank.session_entries(k))  # noqa: E731
-        return (tenant, self.lineages.new_id(tokens, tenant,
-                                             lambda k: taken(k) or self.bank.is_busy(k)))
 
     def _count_restore(self, req, session: SessionKey, n_tokens: int, cached: int,
                        source: int) -> None:
@@ -364,17 +343,18 @@ class Engine(Upkeep):
         return self.pricing.request_bytes(prompt_tokens, max_tokens,
                                           batch_len=max(lens, default=0), batch_size=len(lens))
 
-    def _log_admission(self, req, receipt) -> None:
-        self.admission_log.append((time.time(), req.tenant, req.session_id, receipt))
+    def _log_admission(self, req, session: SessionKey, receipt) -> None:
+        """Every decision but a wait is a receipt (the Status RPC, the event log)."""
+        receipt.tenant, receipt.session_id = session
         metrics.ADMISSIONS.labels(receipt.decision).inc()
-        if receipt.decision != "wait":
-            events.emit("admission", tenant=req.tenant, session_id=req.session_id,
-                        prompt_tokens=len(req.token_ids), max_tokens=req.max_tokens,
+        if receipt.decision != Decision.WAIT:
+            self._admissions.append(receipt)
+            events.emit(prompt_tokens=len(req.token_ids), max_tokens=req.max_tokens,
                         **dataclasses.asdict(receipt))
-        if receipt.decision != "admitted" or receipt.lru_evicted or receipt.released_sessions:
+        if receipt.decision != Decision.ADMITTED or receipt.lru_evicted or receipt.released_sessions:
             logger.info("admission %s for %s: need %.0f MB, free %.0f -> %.0f MB, lru %d, "
                         "shed %d+%d, released %d (%d written out) %s %s", receipt.decision,
-                        req.session_id or "(anonymous)", receipt.need_bytes / 1e6,
+                        session[1], receipt.need_bytes / 1e6,
                         receipt.free_before / 1e6, receipt.free_after / 1e6,
                         receipt.lru_evicted, receipt.shed_non_terminal, receipt.shed_terminal,
                         receipt.released_sessions, receipt.written_out, receipt.reason,
@@ -427,100 +407,28 @@ class Engine(Upkeep):
         r.job.emit(worker_pb2.WorkerGenerateResponse(finish_reason=r.finish, usage=usage))
         r.job.emit(None)
 
-    def _restore(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
-                 session: SessionKey, no_cache: bool) -> tuple[list, int, int]:
-        """The request's own cache over the longest known prefix: (cache, tokens, source)."""
-        from mlx_lm.models.cache import make_prompt_cache
-
-        none = (make_prompt_cache(self.model), 0, api_pb2.CACHE_SOURCE_NONE)
-        if no_cache:
-            return none
-        limit = len(tokens) - 1  # leave one token to compute: its logits give the next token
-        hit = self.bank.lookup(tokens, tenant, ids)
-        ram_n = min(hit.n_tokens, limit) if hit else 0
-        # SSD can only add when RAM leaves something to restore: skip its reads.
-        ssd = (self._ssd_prefix(tokens, ids, tenant, session, better_than=ram_n)
-               if ram_n < limit else None)
-        if ssd is not None:
-            layers, n = ssd
-            n = min(n, limit)
-            return kv.restore(layers, n), n, api_pb2.CACHE_SOURCE_SSD
-        if ram_n > 0:
-            self.bank.touch(hit.entry)
-            return kv.restore(hit.entry.layers, ram_n), ram_n, api_pb2.CACHE_SOURCE_RAM
-        return none
-
-    def _ssd_prefix(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
-                    session: SessionKey, better_than: int) -> tuple[kv.Layers, int] | None:
-        """The longest prefix whose blocks are committed in LMDB, if it beats `better_than`."""
-        store = self.store()
-        if store is None:
-            return None
-        B = self.block_tokens
-        root = self.root_for(tenant)
-        n_full = 0
-        while n_full < len(ids) and store.has_block(ids[n_full]):
-            n_full += 1
-        want = list(ids[:n_full])
-        n = n_full * B
-        got = store.get_session(*session)
-        if got is not None:
-            meta = got[0]
-            if meta.tail and len(meta.blocks) == n_full and len(tokens) >= n + meta.tail_tokens:
-                parent = ids[n_full - 1] if n_full else root
-                if tail_block_id(parent, tokens[n : n + meta.tail_tokens]).hex() == meta.tail:
-                    want.append(BlockId(bytes.fromhex(meta.tail)))
-                    n += meta.tail_tokens
-        if min(n, len(tokens) - 1) <= better_than:
-            return None
-        layers = self._read_blocks(store, want)
-        if layers is None:  # collected since we looked: fall back
-            return None
-        return layers, n
-
-    def _read_blocks(self, store: ColdStore, ids: list[BlockId]) -> kv.Layers | None:
-        """The blocks' KV: decoded straight from the read-only LMDB map (zero-copy; the
-        default, `kvbank bench coldstore` measured it faster), or fetched through the coldstore
-        process. None when a block is missing."""
-        if self.restore_via == "direct":
-            return store.get_blocks(ids, decode=kv.decode_blocks)
-        reply = self.coldstore.request({"op": "get_blocks", "ids": [b.hex() for b in ids]},
-                                       timeout_s=RECORD_TIMEOUT_S)
-        frames = reply.get("frames", [])
-        if len(frames) != len(ids) or not all(len(f) for f in frames):
-            return None
-        return kv.decode_blocks(frames)
-
     # -- commit -----------------------------------------------------------------------------
 
     def _commit(self, session: SessionKey, full: np.ndarray, cache: list,
                 started: float = 0.0) -> bool:
-        """Session record (durable), then bank entry, then the write-behind job.
+        """The conversation's record (durable), then the bank entry, then the write-behind job.
 
-        A session deleted while its turn ran stays deleted: the turn is answered, not kept."""
-        if self._deleted_at.get(session, -1.0) >= started:
-            self._deleted_at.pop(session, None)
+        A conversation deleted while its turn ran stays deleted: the turn is answered, not
+        kept."""
+        if self.conversations.deleted_since(session, started):
             return False
         layers = kv.freeze(cache, len(full))
         durable, durable_tokens = False, 0
         try:
-            reply = self.coldstore.request(
-                {"op": "put_session", "tenant": session[0], "session_id": session[1],
-                 "block_tokens": self.block_tokens},
-                [full.tobytes()], timeout_s=RECORD_TIMEOUT_S)
-            durable, durable_tokens = True, reply["durable_tokens"]
+            durable_tokens = upkeep.put_record(self.coldstore, session, full, self.block_tokens)
+            durable = True
         except ColdstoreUnavailable as e:
             logger.warning("session %s: turn not durable: %s", session[1], e)
-        now = time.time()
-        old = self.sessions.get(session)
-        self._set_session(session, SessionInfo(full, durable_tokens,
-                                               old.created_at if old else now, now,
-                                               recorded=durable))
         anonymous = is_anonymous(session[1])
-        entry = self.bank.insert(session, full, layers, durable_tokens=durable_tokens,
-                                 supersede_slack=self.lineages.slack if anonymous else 0)
-        if anonymous:
-            self.lineages.set(session, len(full), entry.block_ids)
+        entry = self.bank.insert(
+            session, full, layers, durable_tokens=durable_tokens,
+            supersede_slack=self.conversations.lineages.slack if anonymous else 0)
+        self.conversations.committed(session, full, durable_tokens, durable, entry.block_ids)
         events.emit("kv_resident", tenant=session[0], session_id=session[1],
                     tokens=len(full), bytes=entry.nbytes, durable_tokens=durable_tokens)
         if durable:
@@ -529,64 +437,109 @@ class Engine(Upkeep):
             entry.write_pending = True
         # Over budget, least recently used entries leave, but never one whose SSD write is
         # still queued: it leaves once written (at most --max-dirty-s later).
-        self.bank.shrink_to_bytes(self.bank.effective_max_bytes, reason="bank_budget",
+        self.bank.shrink_to_bytes(self.bank.effective_max_bytes, reason=TrimReason.BANK_BUDGET,
                                   protect_unwritten=True, protect_keys=(entry.key,))
         self._refresh_ram_bytes()
         return durable
-
-    def _set_session(self, session: SessionKey, info: SessionInfo | None) -> None:
-        sessions = dict(self.sessions)
-        if info is None:
-            sessions.pop(session, None)
-        else:
-            sessions[session] = info
-        self.sessions = sessions
 
     def _refresh_ram_bytes(self) -> None:
         out: dict[SessionKey, int] = {}
         for e in self.bank.entries.values():
             out[e.session] = out.get(e.session, 0) + e.nbytes
-        self.ram_bytes = out
+        self._ram_bytes = out
         metrics.BANK_BYTES.set(self.bank.total_nbytes)
         metrics.BANK_ENTRIES.set(len(self.bank.entries))
 
-    def session_state(self, key: SessionKey, info: SessionInfo) -> str:
-        """Any thread: where a session's KV is."""
-        ram = self.ram_bytes.get(key, 0)
-        if self.bank.is_busy(key):
-            return "active"
-        if ram and info.durable_tokens < len(info.tokens):
-            return "resident-dirty"
-        if ram:
-            return "resident-clean"
-        return "cold" if info.durable_tokens > 0 else "gone"
+    # -- the coldstore's word (applied by the writer's pump, on this thread) -----------------
 
-    def _on_coldstore_event(self, msg: dict) -> None:
-        """Progress and completion of write jobs (I/O thread): update snapshots, then the bank."""
-        if msg.get("op") == "retired":
-            self.call(lambda: self.forget_retired(msg))
+    def _on_coldstore_message(self, msg) -> None:
+        """A write job's progress or end, or a conversation the coldstore retired."""
+        kind = msg.WhichOneof("kind")
+        if kind == "retired":
+            r = msg.retired
+            key = (r.tenant, r.session_id)
+            if self.conversations.retired(key, r.removed, r.at):
+                self.bank.mark_durable(key, 0, lowered=True)
+                logger.info("the coldstore retired %s (%s)", r.session_id, r.reason)
             return
-        self.writer.on_event(msg)
-        if "session_id" not in msg:
+        if kind == "progress":
+            p = msg.progress
+            key = (p.tenant, p.session_id)
+            self.conversations.durable(key, p.durable_tokens)
+            self.bank.mark_durable(key, p.durable_tokens)
             return
-        session = (msg["tenant"], msg["session_id"])
-        durable = msg.get("durable_tokens", 0)
+        d = msg.done
+        if not d.session_id:  # an unknown job's answer names no conversation
+            return
+        key, outcome = (d.tenant, d.session_id), wire.outcome_of(d)
         # A write-out is all or nothing: a failed one's blocks were taken back.
-        lowered = msg.get("outcome") == "deadline" or bool(msg.get("taken_back"))
-        info = self.sessions.get(session)
-        if info is not None and (durable > info.durable_tokens or lowered):
-            self._set_session(session, replace(info, durable_tokens=durable))
+        lowered = outcome == Outcome.DEADLINE or d.taken_back
+        self.conversations.durable(key, d.durable_tokens, lowered=lowered)
+        self.bank.mark_durable(key, d.durable_tokens, lowered=lowered)
+        self.bank.mark_write_done(key, d.job, retry=outcome in RETRY_OUTCOMES)
+        if outcome == Outcome.WRITTEN:
+            events.emit("kv_durable", tenant=key[0], session_id=key[1],
+                        durable_tokens=d.durable_tokens)
+        elif outcome not in (Outcome.SUPERSEDED, Outcome.CANCELLED):
+            logger.warning("write of %s ended %s (%s): %s", key[1], outcome, d.reason, d.error)
 
-        def apply():
-            self.bank.mark_durable(session, durable, lowered=lowered)
-            if msg["op"] == "done":
-                self.bank.mark_write_done(session, msg["job"],
-                                          retry=msg["outcome"] in ("refused", "error"))
-                if msg["outcome"] == "written":
-                    events.emit("kv_durable", tenant=session[0], session_id=session[1],
-                                durable_tokens=durable)
-                if msg["outcome"] not in ("written", "superseded", "cancelled"):
-                    logger.warning("write of %s ended %s (%s): %s", session[1], msg["outcome"],
-                                   msg.get("reason", ""), msg.get("error", ""))
+    # -- commands (engine thread) --------------------------------------------------------------
 
-        self.call(apply)
+    def _delete_session(self, session: SessionKey) -> bool:
+        existed = session in self.conversations or bool(self.bank.session_entries(session))
+        self.bank.drop_session(session, reason=TrimReason.SESSION_DELETED)
+        self.conversations.deleted(session, while_running=self.bank.is_busy(session))
+        self.coldstore.delete_session(*session)
+        return existed
+
+    def _tick(self, tick: cmd.Tick) -> None:
+        """The guard's tick: the ledger meets RSS, the dynamic ceiling, writes sent again."""
+        upkeep.reconcile_rss(self.pricing, self.bank, self.memory_budget, tick.rss_bytes)
+        upkeep.apply_dynamic_ceiling(self.bank, self.pricing, self.memory_budget)
+        now = time.monotonic()
+        if now - self._retried_at >= RETRY_WRITES_EVERY_S:
+            self._retried_at = now
+            upkeep.retry_writes(self.bank, self.writer, self.coldstore, self.conversations,
+                                self.block_tokens)
+        metrics.MEMORY_HELD.set(held_bytes(self.pricing, self.bank))
+
+    def _status(self) -> dict:
+        ledger = self.bank.ledger()
+        return {
+            "pressure_level": self.guard.level, "pressure_source": self.guard.source,
+            "memory_budget_bytes": self.memory_budget,
+            "held_bytes": held_bytes(self.pricing, self.bank),
+            "unaccounted_bytes": self.pricing.unaccounted_bytes,
+            "rss_bytes": resident_bytes(), "mlx_cache_bytes": mx.get_cache_memory(),
+            "fixed_bytes": self.pricing.fixed_bytes, "bank_bytes": ledger["entries_bytes"],
+            "running_bytes": ledger["active_bytes"], "staged_bytes": ledger["staged_bytes"],
+            "bank_max_bytes": self.bank.max_bytes,
+            "bank_ceiling_bytes": self.bank.ceiling_bytes or 0,
+            "bank_entries": len(self.bank.entries), "scheduler": self.scheduler.mode,
+            "running_requests": len(self.batch), "waiting_requests": len(self._pending),
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "prefill_chunk_tokens": self.pricing.chunk_tokens,
+            "transient_base_bytes": self.pricing.transient_base,
+            "transient_per_context_token": self.pricing.transient_per_context_token,
+        }
+
+    def _recent_receipts(self, tenant: str, n: int = 20) -> tuple[list[dict], list[dict]]:
+        """The last receipts of every policy and the eviction log, as `tenant` may see them:
+        admission receipts and eviction rows of its own conversations, release rows of its
+        own, the other policies' counts."""
+        out = [dataclasses.asdict(r) for r in list(self._admissions)[-4 * n:]
+               if r.tenant == tenant][-n:]
+        for r in list(self.bank.receipts)[-4 * n:]:
+            d = dataclasses.asdict(r)
+            if "rows" in d:
+                d["rows"] = [row for row in d["rows"] if row["tenant"] == tenant]
+                if not d["rows"] and not d["skipped_busy_sessions"]:
+                    continue
+            out.append(d)
+        out = sorted(out, key=lambda d: d["at"])[-3 * n:]
+        evictions = [dataclasses.asdict(e) for e in self.bank.eviction_log
+                     if e.tenant == tenant][-5 * n:]
+        return out, evictions
+
+
+_WAKE = object()  # a turn of the loop, nothing else (the writer's inbox has mail)

@@ -7,8 +7,8 @@ Level = the worst of four sources:
            (some avg10 >= 10 % warning, full avg10 >= 10 % critical);
   injected a level an operator or a test set with `kvbank admin pressure` (until `auto`).
 
-Actions (each a function with its receipt, `pressure_trim`), on a rising edge and then at most
-every `act_every_s` while the level stays up:
+Actions (`pressure_trim` in worker/upkeep.py, with its receipt), posted to the engine on a
+rising edge and then at most every `act_every_s` while the level stays up:
   warning  wait up to `warning_wait_s` for an idle engine, then shrink the bank to half of what
            it holds, never an active conversation nor one whose KV is not on SSD yet;
   critical no wait: every idle entry goes, unwritten ones too (and counted).
@@ -21,32 +21,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import psutil
 
-from kvbank import events, metrics
+from kvbank import metrics
+from kvbank.contracts.vocabulary import PressureLevel
+from worker.admission import resident_bytes
+from worker.commands import PressureTrim, Tick
 
 logger = logging.getLogger(__name__)
 
-LEVELS = ("normal", "warning", "critical")
+LEVELS = tuple(PressureLevel)
 PSI_PATH = Path("/proc/pressure/memory")
-
-
-@dataclass
-class PressureTrim:
-    """Receipt of one guard action."""
-
-    level: str
-    source: str
-    bank_entries_evicted: int = 0
-    bank_unwritten_kept: int = 0
-    bank_unwritten_dropped: int = 0
-    bytes_after: int = 0
-    deferred_s: float = 0.0
-    at: float = field(default_factory=time.time)
-    kind: str = "pressure_trim"
 
 
 def _rank(level: str) -> int:
@@ -79,7 +67,9 @@ def psi_level(path: Path = PSI_PATH) -> str:
 
 
 class Guard:
-    """Runs on its own thread; every bank action goes through `engine.call`."""
+    """Runs on its own thread. It reads the engine's published snapshot and posts commands
+    (worker/commands.py): a `Tick` every tick, a `PressureTrim` when it acts. It owns only
+    its level and its timing."""
 
     def __init__(self, engine, *, tick_s: float = 1.0, act_every_s: float = 120.0,
                  warning_wait_s: float = 60.0):
@@ -89,7 +79,6 @@ class Guard:
         self.warning_wait_s = warning_wait_s
         self.injected: str | None = None
         self.level, self.source = "normal", "none"
-        self.receipts: list[PressureTrim] = []
         self._acted_level = "normal"
         self._acted_at = 0.0
         self._wake = threading.Event()
@@ -109,15 +98,14 @@ class Guard:
         if level not in (*LEVELS, "auto"):
             raise ValueError(f"pressure level {level!r}: use one of {', '.join(LEVELS)} or auto")
         self.injected = None if level == "auto" else level
-        self.level, self.source = self.measure()
         self._wake.set()
-        return self.level, self.source
+        return self.measure()
 
     def measure(self) -> tuple[str, str]:
         if self.injected is not None:
             return self.injected, "injected"
-        e = self.engine
-        found = [(ledger_level(e.held_bytes(), e.memory_budget), "ledger"),
+        snap = self.engine.snapshot
+        found = [(ledger_level(snap.held_bytes, self.engine.memory_budget), "ledger"),
                  (system_level(), "system"), (psi_level(), "psi")]
         level, source = max(found, key=lambda f: _rank(f[0]))
         return level, source if level != "normal" else "none"
@@ -125,11 +113,11 @@ class Guard:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
+                rss = resident_bytes()
+                self.engine.post(Tick(rss_bytes=rss))
                 self.level, self.source = self.measure()
                 metrics.PRESSURE_LEVEL.set(_rank(self.level))
-                self.engine.update_gauges()
-                self.engine.call(self.engine.apply_dynamic_ceiling)
-                self.engine.call(self.engine.retry_writes)
+                metrics.WORKER_RSS.set(rss)
                 self._maybe_act(time.monotonic())
             except Exception:
                 logger.exception("pressure guard tick failed")
@@ -148,14 +136,10 @@ class Guard:
         deferred = 0.0
         if level == "warning":
             t0 = time.monotonic()
-            while not self.engine.idle() and time.monotonic() - t0 < self.warning_wait_s:
+            while not self.engine.snapshot.idle and time.monotonic() - t0 < self.warning_wait_s:
                 if self._stop.wait(0.1):
                     return
             deferred = time.monotonic() - t0
-        receipt = self.engine.call(
-            lambda: self.engine.pressure_trim(level, source, deferred)).result()
-        self.receipts.append(receipt)
-        del self.receipts[:-256]
+        receipt = self.engine.ask(PressureTrim(level=level, source=source, deferred_s=deferred))
         metrics.PRESSURE_TRIMS.labels(level).inc()
-        events.emit(**asdict(receipt))
         logger.warning("pressure %s (%s): %s", level, source, asdict(receipt))

@@ -1,9 +1,14 @@
-"""The worker's side of the ZeroMQ link to the coldstore.
+"""The worker's side of the ZeroMQ link to the coldstore (proto/kvbank/v1/coldstore.proto).
 
 One I/O thread owns the sockets (ZeroMQ sockets are not thread-safe): a DEALER to the
 coldstore's ROUTER for requests, write jobs and their acknowledgements, and a PUB that says
 busy/quiet every `STATE_EVERY_S` and on each change. Other threads hand messages to it through
 an inproc PUSH/PULL pair, one PUSH per thread.
+
+The API is typed: `call(ping=pb.Ping())` sends a `Request` and returns its `Reply` and frames,
+`send(cancel=pb.Cancel(job=3))` fires and forgets, `send_write(pb.Write(...), payloads)`
+streams a write job. The coldstore's unasked messages (`progress`, `done`, `retired`) reach
+`on_event` as `pb.Message`s, on the I/O thread.
 
 The link never blocks generation for long: a request waits at most its timeout, and a coldstore
 that is down only means writes wait (ZeroMQ reconnects by itself when it is back).
@@ -12,9 +17,7 @@ that is down only means writes wait (ZeroMQ reconnects by itself when it is back
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -23,22 +26,24 @@ from typing import Callable, Sequence
 import zmq
 
 from kvbank.config import Layout
+from kvbank.contracts import coldstore_wire as wire
+from kvbank.contracts.coldstore_wire import pb
+from kvbank.contracts.failures import ColdstoreUnavailable
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["ColdstoreClient", "ColdstoreUnavailable", "STREAM_CHUNK_BYTES", "pb"]
 
 STATE_EVERY_S = 0.1
 STREAM_CHUNK_BYTES = 8 << 20
 _OUT = "inproc://kvbank-coldstore-out"
 
 
-class ColdstoreUnavailable(Exception):
-    pass
-
-
 class ColdstoreClient:
-    def __init__(self, layout: Layout, on_event: Callable[[dict], None]):
+    def __init__(self, layout: Layout, on_event: Callable[[pb.Message], None]):
         self.layout = layout
-        self.on_event = on_event  # called on the I/O thread with "progress"/"done" messages
+        # Called on the I/O thread with each `progress`, `done` and `retired` (never a reply).
+        self.on_event = on_event
         self.ctx = zmq.Context()
         self._pull = self.ctx.socket(zmq.PULL)
         self._pull.bind(_OUT)
@@ -71,51 +76,91 @@ class ColdstoreClient:
     # -- any thread -------------------------------------------------------------------------
 
     def next_id(self) -> int:
+        """A number no other request or write job of this client carries."""
         return next(self._ids)
 
-    def request(self, head: dict, frames: Sequence = (), timeout_s: float = 10.0) -> dict:
-        """Send and wait for the reply (raises ColdstoreUnavailable on timeout or refusal)."""
+    def call(self, *, timeout_s: float = 10.0, frames: Sequence = (),
+             **op) -> tuple[pb.Reply, list]:
+        """Send one op (`call(ping=pb.Ping())`) and wait for its Reply: (reply, the frames
+        after it, as memoryviews). Raises ColdstoreUnavailable on timeout or `ok=False`."""
+        name = _op_name(op)
         req = self.next_id()
         fut: Future = Future()
         with self._lock:
             self._pending[req] = fut
-        self.send({**head, "req": req}, frames)
         try:
-            reply = fut.result(timeout=timeout_s)
+            self._post(pb.Request(req=req, **op), frames)
+            reply, got = fut.result(timeout=timeout_s)
         except TimeoutError:
-            raise ColdstoreUnavailable(f"coldstore did not answer {head.get('op')} in {timeout_s}s")
+            raise ColdstoreUnavailable(f"coldstore did not answer {name} in {timeout_s}s") from None
         finally:
             with self._lock:
                 self._pending.pop(req, None)
-        if not reply.get("ok"):
-            raise ColdstoreUnavailable(f"coldstore refused {head.get('op')}: {reply.get('error')}")
-        return reply
+        if not reply.ok:
+            raise ColdstoreUnavailable(f"coldstore refused {name}: {reply.error}")
+        return reply, got
 
-    def send(self, head: dict, frames: Sequence = ()) -> None:
-        """Fire and forget (write jobs, cancels); queued by ZeroMQ while the coldstore is down."""
-        self._send_raw([b"msg", json.dumps(head).encode(), *frames])
+    def put_session(self, tenant: str, session_id: str, block_tokens: int, tokens: bytes,
+                    timeout_s: float = 10.0) -> int:
+        """Commit a conversation's token ids (uint32 little-endian); its durable extent."""
+        reply, _ = self.call(put_session=pb.PutSession(tenant=tenant, session_id=session_id,
+                                                       block_tokens=block_tokens),
+                             frames=[tokens], timeout_s=timeout_s)
+        return reply.put_session.durable_tokens
 
-    def send_write(self, head: dict, payloads: Sequence) -> None:
-        """A write job, its payloads streamed: the first block's rides with the header and the
-        rest follow in `payload` messages of about STREAM_CHUNK_BYTES, so the coldstore commits
-        the first block while the others are still in transit."""
-        for block, payload in zip(head["blocks"], payloads):
-            block["bytes"] = len(payload)
-        self.send(head, payloads[:1])
+    def delete_session(self, tenant: str, session_id: str, timeout_s: float = 10.0) -> bool:
+        """Delete a conversation's record (its queued jobs are cancelled); whether it had one."""
+        reply, _ = self.call(delete_session=pb.DeleteSession(tenant=tenant,
+                                                             session_id=session_id),
+                             timeout_s=timeout_s)
+        return reply.delete_session.deleted
+
+    def ping(self, timeout_s: float = 2.0) -> pb.PingReply:
+        reply, _ = self.call(ping=pb.Ping(), timeout_s=timeout_s)
+        return reply.ping
+
+    def get_blocks(self, ids: list[bytes], timeout_s: float = 10.0) -> list:
+        """The blocks' payloads through the coldstore, one frame (a memoryview) per id;
+        an empty one where the store lacks the block."""
+        _, frames = self.call(get_blocks=pb.GetBlocks(ids=ids), timeout_s=timeout_s)
+        if len(frames) != len(ids):
+            raise ColdstoreUnavailable(f"coldstore answered get_blocks with {len(frames)} "
+                                       f"frames for {len(ids)} ids")
+        return frames
+
+    def send(self, frames: Sequence = (), **op) -> None:
+        """Fire and forget one op (`send(cancel=pb.Cancel(job=3))`); queued by ZeroMQ while
+        the coldstore is down."""
+        _op_name(op)
+        self._post(pb.Request(**op), frames)
+
+    def send_write(self, write: pb.Write, payloads: Sequence) -> None:
+        """A write job, its payloads streamed: each block's `nbytes` is set from its payload,
+        the first block's payload rides with the header and the rest follow in `payload`
+        messages of about STREAM_CHUNK_BYTES, so the coldstore commits the first block while
+        the others are still in transit."""
+        if len(payloads) != len(write.blocks):
+            raise ValueError(f"{len(payloads)} payloads for {len(write.blocks)} blocks")
+        for block, payload in zip(write.blocks, payloads):
+            block.nbytes = len(payload)
+        self.send(write=write, frames=payloads[:1])
         chunk, size = [], 0
         for payload in payloads[1:]:
             chunk.append(payload)
             size += len(payload)
             if size >= STREAM_CHUNK_BYTES:
-                self.send({"op": "payload", "job": head["job"]}, chunk)
+                self.send(payload=pb.Payload(job=write.job), frames=chunk)
                 chunk, size = [], 0
         if chunk:
-            self.send({"op": "payload", "job": head["job"]}, chunk)
+            self.send(payload=pb.Payload(job=write.job), frames=chunk)
 
     def set_busy(self, busy: bool) -> None:
         if busy != self._busy:
             self._busy = busy
             self._send_raw([b"wake"])
+
+    def _post(self, request: pb.Request, frames: Sequence) -> None:
+        self._send_raw([b"msg", *wire.encode(request, frames)])
 
     def _send_raw(self, parts: list, flags: int = 0) -> None:
         push = getattr(self._local, "push", None)
@@ -173,22 +218,33 @@ class ColdstoreClient:
     def _receive(self, dealer: zmq.Socket) -> None:
         while True:
             try:
-                parts = dealer.recv_multipart(zmq.NOBLOCK)
+                parts = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._dispatch(json.loads(parts[0]), parts[1:])
+            msg, frames = wire.decode(parts)
+            self._dispatch(msg, [f.buffer for f in frames])
 
-    def _dispatch(self, msg: dict, frames: list[bytes]) -> None:
-        req = msg.get("req")
-        if req is not None and "op" not in msg:
-            if frames:
-                msg["frames"] = frames
+    def _dispatch(self, msg: pb.Message, frames: list) -> None:
+        kind = msg.WhichOneof("kind")
+        if kind == "reply":
             with self._lock:
-                fut = self._pending.get(req)
+                fut = self._pending.get(msg.reply.req)
             if fut is not None and not fut.done():
-                fut.set_result(msg)
+                fut.set_result((msg.reply, frames))
+            elif not msg.reply.ok:  # a fire-and-forget message the coldstore could not take
+                logger.warning("coldstore refused a message (req %d): %s", msg.reply.req,
+                               msg.reply.error)
+            return
+        if kind is None:
+            logger.warning("coldstore sent a message of no kind known here")
             return
         try:
             self.on_event(msg)
         except Exception:
             logger.exception("coldstore event handler failed")
+
+
+def _op_name(op: dict) -> str:
+    if len(op) != 1:
+        raise TypeError(f"one op per request, not {sorted(op) or 'none'}")
+    return next(iter(op))

@@ -46,7 +46,7 @@ def make_request_sampler(temperature: float, top_p: float, seed: int | None) -> 
 class Running:
     """One admitted request, from restore to commit."""
 
-    job: Any  # engine.GenerateJob
+    job: Any  # commands.Generate
     tokens: Any  # np.ndarray, the whole prompt
     bank_key: tuple[str, str]
     session: tuple[str, str] | None

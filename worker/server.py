@@ -1,7 +1,10 @@
 """The worker process: the internal gRPC service the router calls, in front of the engine.
 
-The asyncio side only relays: requests go to the engine's queue, the engine's events come
-back through `call_soon_threadsafe`. A client that goes away cancels its generation.
+The asyncio side only relays: each call becomes a command on the engine's queue
+(worker/commands.py) and awaits its answer; a generation's events come back through
+`call_soon_threadsafe`. Reads of sessions come from the engine's published snapshot. A client
+that goes away cancels its generation. Failures reach the caller through
+kvbank/contracts/failures.py's table.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvbank import events, metrics
 from kvbank.config import Layout
+from kvbank.contracts.failures import ColdstoreUnavailable, KvbankError, grpc_status
 from kvbank.v1 import api_pb2, worker_pb2, worker_pb2_grpc
-from worker.engine import Engine, GenerateJob, NotAdmitted, RequestError
+from worker import commands as cmd
+from worker.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -34,29 +39,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         events: asyncio.Queue = asyncio.Queue()
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
-        job = GenerateJob(request, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
-        self.engine.submit(job)
+        job = self.engine.post(cmd.Generate(
+            request, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)))
         try:
             while True:
                 ev = await events.get()
                 if ev is None:
                     return
-                if isinstance(ev, RequestError):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(ev))
-                if isinstance(ev, NotAdmitted):
-                    r = ev.receipt
-                    md = [("x-kvbank-reason", r.reason), ("x-kvbank-verdict", r.verdict)]
-                    if r.verdict != "never_at_this_limit":
-                        md.append(("retry-after", "5"))
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                        f"{ev} [reason={r.reason} verdict={r.verdict}]",
-                                        trailing_metadata=tuple(md))
+                if isinstance(ev, KvbankError):
+                    await context.abort(grpc_status(ev), str(ev),
+                                        trailing_metadata=ev.trailing_metadata())
                 if isinstance(ev, Exception):
                     await context.abort(grpc.StatusCode.INTERNAL,
                                         f"generation failed: {type(ev).__name__}: {ev}")
                 yield ev
         finally:
             job.cancelled.set()
+
+    async def _ask(self, command: cmd.Command):
+        """A command's answer, awaited without holding the event loop."""
+        return await asyncio.wrap_future(self.engine.post(command).reply)
 
     async def Info(self, request, context):
         e = self.engine
@@ -71,40 +73,40 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             transient_base_bytes=e.pricing.transient_base,
             transient_per_context_token=e.pricing.transient_per_context_token)
 
-    def _session_pb(self, key, info, with_tokens: bool) -> api_pb2.Session:
-        ram = self.engine.ram_bytes.get(key, 0)
-        n = len(info.tokens)
-        state = self.engine.session_state(key, info)
-        s = api_pb2.Session(session_id=key[1], token_count=n, durable_tokens=info.durable_tokens,
-                            ram_bytes=ram, created_at=info.created_at, updated_at=info.updated_at,
-                            state=state, tenant=key[0])
+    @staticmethod
+    def _session_pb(snap: cmd.Snapshot, key, info, with_tokens: bool) -> api_pb2.Session:
+        s = api_pb2.Session(session_id=key[1], token_count=len(info.tokens),
+                            durable_tokens=info.durable_tokens,
+                            ram_bytes=snap.ram_bytes.get(key, 0), created_at=info.created_at,
+                            updated_at=info.updated_at, state=snap.state(key), tenant=key[0])
         if with_tokens:
             s.token_ids.extend(info.tokens.tolist())
         return s
 
     async def ListSessions(self, request, context):
         tenant = _tenant(context)
-        sessions = self.engine.sessions
+        snap = self.engine.snapshot
         return api_pb2.ListSessionsResponse(sessions=[
-            self._session_pb(k, v, False) for k, v in sorted(sessions.items()) if k[0] == tenant])
+            self._session_pb(snap, k, v, False) for k, v in sorted(snap.sessions.items())
+            if k[0] == tenant])
 
     async def GetSession(self, request, context):
         key = (_tenant(context), request.session_id)
-        info = self.engine.sessions.get(key)
+        snap = self.engine.snapshot
+        info = snap.sessions.get(key)
         if info is None:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"no session {request.session_id!r}: list them with Sessions.List")
-        return self._session_pb(key, info, True)
+        return self._session_pb(snap, key, info, True)
 
     async def DeleteSession(self, request, context):
         key = (_tenant(context), request.session_id)
-        fut = self.engine.call(lambda: self.engine.delete_session(key))
-        return api_pb2.DeleteSessionResponse(deleted=await asyncio.wrap_future(fut))
+        deleted = await self._ask(cmd.DeleteSession(key))
+        return api_pb2.DeleteSessionResponse(deleted=deleted)
 
     async def Release(self, request, context):
         key = (_tenant(context), request.session_id)
-        fut = self.engine.call(lambda: self.engine.release(key, request.write_out))
-        r = await asyncio.wrap_future(fut)
+        r = await self._ask(cmd.Release(key, request.write_out))
         return api_pb2.ReleaseResponse(released_entries=r.released_entries,
                                        released_bytes=r.released_bytes,
                                        written_out_entries=r.written_out_entries,
@@ -119,29 +121,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return api_pb2.PressureResponse(level=level, source=source)
 
     async def Trim(self, request, context):
-        out = await asyncio.wrap_future(self.engine.call(self.engine.trim))
-        return api_pb2.TrimResponse(evicted_entries=out.get("evicted_entries", 0),
-                                    unwritten_kept=out.get("unwritten_kept", 0),
-                                    bank_bytes_after=out.get("bytes_after", 0))
+        r = await self._ask(cmd.Trim())
+        return api_pb2.TrimResponse(evicted_entries=r.evicted_entries,
+                                    unwritten_kept=r.unwritten_kept,
+                                    bank_bytes_after=r.bytes_after)
 
     async def Flush(self, request, context):
-        written, failed, took = await asyncio.wrap_future(self.engine.call(self.engine.flush))
-        return api_pb2.FlushResponse(written_entries=written, failed_entries=failed,
-                                     seconds=took)
+        r = await self._ask(cmd.Flush())
+        return api_pb2.FlushResponse(written_entries=r.written_entries,
+                                     failed_entries=r.failed_entries, seconds=r.seconds)
 
     async def Status(self, request, context):
         """The caller's tenant sees its own admission receipts only."""
-        e = self.engine
-        tenant = _tenant(context)
-        st = await asyncio.wrap_future(e.call(e.status))
-        receipts, evictions = await asyncio.wrap_future(e.call(lambda: e.recent_receipts(tenant)))
+        st, receipts, evictions = await self._ask(cmd.Status(_tenant(context)))
         try:
-            cs = await asyncio.to_thread(e.coldstore.request, {"op": "ping"}, (), 2.0)
-            tier = {"store_bytes": cs["stats"]["block_bytes"],
-                    "sessions": cs["stats"]["sessions"], "blocks": cs["stats"]["blocks"],
-                    **{k: cs[k] for k in ("queued_jobs", "staged_bytes", "written_bytes",
-                                          "write_budget_left_bytes", "free_disk_bytes")}}
-        except Exception:  # the coldstore is away: say nothing rather than fail the status
+            cs = await asyncio.to_thread(self.engine.coldstore.ping, 2.0)
+            tier = {"store_bytes": cs.stats.block_bytes, "sessions": cs.stats.sessions,
+                    "blocks": cs.stats.blocks, "queued_jobs": cs.queued_jobs,
+                    "staged_bytes": cs.staged_bytes, "written_bytes": cs.written_bytes,
+                    "write_budget_left_bytes": cs.write_budget_left_bytes,
+                    "free_disk_bytes": cs.free_disk_bytes}
+        except ColdstoreUnavailable:  # away: say nothing rather than fail the status
             tier = {}
         return api_pb2.StatusResponse(**st, recent_receipts_json=map(json.dumps, receipts),
                                       recent_evictions_json=map(json.dumps, evictions),

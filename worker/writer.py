@@ -1,5 +1,12 @@
 """Hands bank entries' KV to the coldstore: write-behind after each turn, write-out before a
-release. The worker's side of a write job; the coldstore's is coldstore/lanes.py."""
+release. The worker's side of a write job; the coldstore's is coldstore/lanes.py.
+
+The writer's state belongs to one thread, its owner (the engine thread in the worker; a
+test's own thread in a rig). Two other threads only post to its `inbox`: the coldstore link's
+I/O thread (acknowledgements: progress, done, retired) and the `kv-encode` thread (a job's
+blocks are encoded and on their way). The owner applies them in order (`pump`), at every turn
+of its loop and while a write-out waits, so nothing here needs a lock.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +14,19 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
+from typing import Callable
 
+from kvbank.blocks import tail_block_id
+from kvbank.contracts import coldstore_wire as wire
+from kvbank.contracts.vocabulary import FAILED_OUTCOMES, Outcome
+from worker.kv import dtype_name, encode_views, layer_views
 from worker.link import ColdstoreClient
 
 logger = logging.getLogger(__name__)
 
 RELEASE_WRITE_OUT_MAX_S = 30.0
+_KEEP_OUTCOMES = 4096  # finished jobs remembered (a write-out may ask after its job ended)
 
 
 def default_staging_max_bytes() -> int:
@@ -20,7 +34,14 @@ def default_staging_max_bytes() -> int:
     import psutil
 
     return min(1 << 30, psutil.virtual_memory().total // 10)
-_FAILED = {"deadline", "error", "refused", "stale", "unknown_job", "cancelled"}
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """Posted by the kv-encode thread: the job's blocks are encoded (`nbytes`) and sent."""
+
+    job: int
+    nbytes: int
 
 
 class KVWriter:
@@ -28,36 +49,54 @@ class KVWriter:
 
     `write_behind` queues an entry's blocks past its durable extent on the idle lane (the
     default after every turn). `write_out` is the release's path: it promotes the queued job
-    to a deadline job, which jumps the lane and ignores the busy signal, and waits for it.
-    Waits end on the coldstore's acknowledgements (`on_event`, I/O thread).
+    to a deadline job, which jumps the lane and ignores the busy signal, and waits for it,
+    applying the acknowledgements as they come.
 
-    The engine thread only takes zero-copy views of the entry's arrays; one `kv-encode`
-    thread turns them into blocks (one copy, NumPy, off the engine thread) and sends them, and
-    every message about a job (write, promote, cancel) leaves through it, in order.
+    The owner thread only takes zero-copy views of the entry's arrays; the `kv-encode` thread
+    turns them into blocks (one copy, NumPy) and sends them, and every message about a job
+    (write, promote, cancel) leaves through it, in order.
 
     Staging is bounded: bytes handed over but not yet committed stay under
     `staging_max_bytes`. At the cap `write_behind` hands nothing over and marks the entry as
     waiting to be sent (`write_pending`): it stays protected, and the engine sends it again
-    (`Engine.retry_writes`) once the coldstore has drained. The engine thread never waits for
-    staging room, so requests keep running. A write-out goes whatever the cap: its bytes leave
-    RAM right after.
+    (`retry_writes`) once the coldstore has drained. The owner never waits for staging room,
+    so requests keep running. A write-out goes whatever the cap: its bytes leave RAM right
+    after.
     """
 
     def __init__(self, client: ColdstoreClient, *, block_tokens: int, root_for,
-                 staging_max_bytes: int | None = None):
+                 staging_max_bytes: int | None = None,
+                 on_message: Callable[[object], None] = lambda msg: None,
+                 wake: Callable[[], None] = lambda: None):
         self.client = client
         self.staging_max_bytes = staging_max_bytes or default_staging_max_bytes()
         self.staging_deferred = 0  # hand-overs put off because staging was at its cap
         self.block_tokens = block_tokens
         self.root_for = root_for
-        self._cond = threading.Condition()
-        self._outcome: dict[int, str] = {}
+        self.on_message = on_message  # the owner's handler for each coldstore message, after ours
+        self.inbox: queue.Queue = queue.Queue()
+        self._pumping = False
+        self._wake = wake  # tells the owner that the inbox has mail
+        self._outcome: dict[int, Outcome] = {}
         self._staged: dict[int, int] = {}  # job -> bytes handed over, not yet committed
         self._job_durable: dict[int, int] = {}  # job -> the record's durable extent it reached
         self._superseded_by: dict[int, int] = {}
         self._unsent: set[int] = set()  # jobs still being encoded
         self._outbox: queue.Queue = queue.Queue()
         threading.Thread(target=self._send_loop, name="kv-encode", daemon=True).start()
+
+    # -- any thread ---------------------------------------------------------------------------
+
+    def deliver(self, msg) -> None:
+        """A coldstore message (I/O thread) or an `Encoded` (kv-encode thread), for the owner."""
+        self.inbox.put(msg)
+        self._wake()
+
+    def drain(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every write and message handed over so far has left for the coldstore."""
+        sent = threading.Event()
+        self._outbox.put(sent.set)
+        return sent.wait(timeout_s)
 
     def _send_loop(self) -> None:
         while True:
@@ -67,34 +106,64 @@ class KVWriter:
             except Exception:  # the job is not lost: retry_writes sends it again
                 logger.exception("kv-encode: a write could not be sent")
 
-    def drain(self, timeout_s: float = 10.0) -> bool:
-        """Wait until every write and message handed over so far has left for the coldstore."""
-        sent = threading.Event()
-        self._outbox.put(sent.set)
-        return sent.wait(timeout_s)
+    # -- the owner thread ---------------------------------------------------------------------
+
+    def pump(self, timeout_s: float = 0.0) -> int:
+        """Apply what the inbox holds (waiting up to `timeout_s` for the first); returns how
+        many messages were applied."""
+        if self._pumping:  # a handler asked for a reading mid-apply: the order stands
+            return 0
+        self._pumping, n = True, 0
+        try:
+            while True:
+                try:
+                    msg = (self.inbox.get(timeout=timeout_s) if timeout_s > 0 and not n
+                           else self.inbox.get_nowait())
+                except queue.Empty:
+                    return n
+                self._apply(msg)
+                n += 1
+        finally:
+            self._pumping = False
+
+    def _apply(self, msg) -> None:
+        if isinstance(msg, Encoded):
+            self._unsent.discard(msg.job)
+            if msg.job in self._staged:  # not cancelled meanwhile
+                self._staged[msg.job] = msg.nbytes
+            return
+        kind = msg.WhichOneof("kind")
+        if kind == "progress":
+            p = msg.progress
+            self._job_durable[p.job] = max(self._job_durable.get(p.job, 0), p.durable_tokens)
+        elif kind == "done":
+            d = msg.done
+            self._staged.pop(d.job, None)
+            self._outcome[d.job] = wire.outcome_of(d)
+            if d.HasField("by"):
+                self._superseded_by[d.job] = d.by
+            for book in (self._outcome, self._job_durable, self._superseded_by):
+                while len(book) > _KEEP_OUTCOMES:
+                    book.pop(next(iter(book)))
+        self.on_message(msg)
 
     def unsent(self, job: int | None) -> bool:
         """The job is still being encoded (the coldstore cannot know it yet)."""
-        with self._cond:
-            return job in self._unsent
+        return job in self._unsent
 
     @property
     def staged_bytes(self) -> int:
         """KV bytes the coldstore holds for us in memory until it commits them."""
-        with self._cond:
-            return sum(self._staged.values())
+        self.pump()
+        return sum(self._staged.values())
 
     def has_room(self, nbytes: int) -> bool:
         """`nbytes` more fit under the staging cap (one job larger than the cap goes alone)."""
-        with self._cond:
-            return not self._staged or self.staged_bytes + nbytes <= self.staging_max_bytes
+        return not self._staged or self.staged_bytes + nbytes <= self.staging_max_bytes
 
     def write_behind(self, entry, *, give_up_at: float | None = None) -> int | None:
         """Queue the entry's unwritten blocks; the job id, or None when there was nothing to
         write or (at the staging cap) it waits to be sent again, marked `write_pending`."""
-        from kvbank.blocks import tail_block_id
-        from worker.kv import dtype_name, encode_views, layer_views
-
         B = self.block_tokens
         start = (entry.durable_tokens // B) * B
         n = entry.n_tokens
@@ -108,104 +177,82 @@ class KVWriter:
                         "protected, to be sent again", entry.session[1], self.staging_max_bytes)
             return None
         root = self.root_for(entry.session[0])
-        blocks, ranges = [], []
+        write = wire.pb.Write(tenant=entry.session[0], session_id=entry.session[1],
+                              root=bytes(root), dirty_since=time.time())
+        ranges = []
         for s in range(start, n, B):
             e = min(s + B, n)
             if e - s == B:
-                blocks.append({"id": entry.block_ids[s // B].hex(), "start": s})
+                write.blocks.add(id=bytes(entry.block_ids[s // B]), start=s)
             else:
                 parent = entry.block_ids[s // B - 1] if s else root
-                blocks.append({"id": tail_block_id(parent, entry.tokens[s:e]).hex(), "start": s,
-                               "tail": True})
+                write.blocks.add(id=bytes(tail_block_id(parent, entry.tokens[s:e])), start=s,
+                                 tail=True)
             ranges.append((s, e))
+        if give_up_at is not None:
+            write.give_up_at = give_up_at
         views, dtype = layer_views(entry.layers), dtype_name(entry.layers)
-        job = self.client.next_id()
+        job = write.job = self.client.next_id()
         entry.write_job = job
         entry.write_pending = False
-        head = {"op": "write", "job": job, "tenant": entry.session[0],
-                "session_id": entry.session[1], "root": root.hex(), "blocks": blocks,
-                "dirty_since": time.time()}
-        if give_up_at is not None:
-            head["give_up_at"] = give_up_at
-        with self._cond:
-            self._staged[job] = estimate
-            self._unsent.add(job)
+        self._staged[job] = estimate
+        self._unsent.add(job)
 
         def send() -> None:
             frames = [encode_views(views, dtype, s, e) for s, e in ranges]
-            with self._cond:
-                self._unsent.discard(job)
-                if job in self._staged:  # not cancelled meanwhile
-                    self._staged[job] = sum(len(f) for f in frames)
-            self.client.send_write(head, frames)
+            self.deliver(Encoded(job, sum(len(f) for f in frames)))
+            self.client.send_write(write, frames)
 
         self._outbox.put(send)
         return job
 
     def forget_lost_jobs(self, live: set[int]) -> None:
         """Jobs the coldstore no longer holds (it restarted) stop counting as staged."""
-        with self._cond:
-            for job in [j for j in self._staged if j not in live and j not in self._unsent]:
-                self._staged.pop(job)
+        for job in [j for j in self._staged if j not in live and j not in self._unsent]:
+            self._staged.pop(job)
 
-    def write_out(self, entry, give_up_at: float) -> str:
+    def write_out(self, entry, give_up_at: float) -> Outcome:
         """Write the entry now, by `give_up_at` (unix s): written | deadline | refused | error."""
         if entry.write_job is None:
             job = self.write_behind(entry, give_up_at=give_up_at)
             if job is None:
-                return "written" if entry.durable else "error"
+                return Outcome.WRITTEN if entry.durable else Outcome.ERROR
         else:
             job = entry.write_job
-            self._send({"op": "promote", "job": job, "give_up_at": give_up_at})
-        with self._cond:
-            while True:
-                outcome = self._outcome.get(job)
-                # Progress of this job, not of the session: an edited history or a branch of
-                # the same session must not count as this entry's write.
-                if outcome == "written" or (outcome is None and
-                                            self._job_durable.get(job, 0) >= entry.n_tokens):
-                    entry.durable_tokens = entry.n_tokens
-                    self._staged.pop(job, None)  # committed: the coldstore holds it no more
-                    return "written"
-                if outcome == "superseded" and self._superseded_by.get(job) is not None:
-                    job = self._superseded_by[job]  # a newer job took over our blocks
-                    continue
-                if outcome == "unknown_job":  # the coldstore restarted and lost it: send again
-                    break
-                if outcome in _FAILED:
-                    return outcome if outcome in ("deadline", "refused") else "error"
-                left = give_up_at - time.time()  # one hard bound for the whole release
-                if left <= 0:
-                    return "deadline"
-                self._cond.wait(left)
+            self._send(promote=wire.pb.Promote(job=job, give_up_at=give_up_at))
+        while True:
+            self.pump()
+            outcome = self._outcome.get(job)
+            # Progress of this job, not of the session: an edited history or a branch of the
+            # same session must not count as this entry's write.
+            if outcome == Outcome.WRITTEN or (outcome is None and
+                                              self._job_durable.get(job, 0) >= entry.n_tokens):
+                entry.durable_tokens = entry.n_tokens
+                self._staged.pop(job, None)  # committed: the coldstore holds it no more
+                return Outcome.WRITTEN
+            if outcome == Outcome.SUPERSEDED and self._superseded_by.get(job) is not None:
+                job = self._superseded_by[job]  # a newer job took over our blocks
+                continue
+            if outcome == Outcome.UNKNOWN_JOB:  # the coldstore restarted and lost it: again
+                break
+            if outcome in FAILED_OUTCOMES:
+                return outcome if outcome in (Outcome.DEADLINE, Outcome.REFUSED) \
+                    else Outcome.ERROR
+            left = give_up_at - time.time()  # one hard bound for the whole release
+            if left <= 0:
+                return Outcome.DEADLINE
+            self.pump(timeout_s=left)
         if time.time() >= give_up_at:
-            return "deadline"
+            return Outcome.DEADLINE
         entry.write_job = None
         return self.write_out(entry, give_up_at)
 
-    def _send(self, head: dict) -> None:
+    def _send(self, **op) -> None:
         """A message about a job, behind the job itself."""
-        self._outbox.put(lambda: self.client.send(head))
+        self._outbox.put(lambda: self.client.send(**op))
 
     def cancel(self, entry) -> None:
         if entry.write_job is not None:
-            self._send({"op": "cancel", "job": entry.write_job})
-            with self._cond:
-                self._staged.pop(entry.write_job, None)
+            self._send(cancel=wire.pb.Cancel(job=entry.write_job))
+            self._staged.pop(entry.write_job, None)
             entry.write_job = None
-
-    def on_event(self, msg: dict) -> None:
-        with self._cond:
-            job = msg.get("job")
-            if msg.get("op") == "progress":
-                self._job_durable[job] = max(self._job_durable.get(job, 0),
-                                             msg.get("durable_tokens", 0))
-            if msg.get("op") == "done":
-                self._staged.pop(job, None)
-                self._outcome[job] = msg["outcome"]
-                if msg.get("by") is not None:
-                    self._superseded_by[job] = msg["by"]
-                for d in (self._outcome, self._job_durable, self._superseded_by):
-                    while len(d) > 4096:
-                        d.pop(next(iter(d)))
-            self._cond.notify_all()

@@ -86,33 +86,38 @@ class _Coldstore:
             if self.proc.poll() is not None:
                 raise RuntimeError("the coldstore did not start")
         self.done = threading.Event()
+        self.outcome = None
         self.client = ColdstoreClient(self.layout, on_event=self._on_event).start()
 
-    def _on_event(self, msg: dict) -> None:
-        if msg.get("op") == "done":
-            self.outcome = msg["outcome"]
+    def _on_event(self, msg) -> None:
+        from kvbank.contracts.coldstore_wire import outcome_of
+
+        if msg.WhichOneof("kind") == "done":
+            self.outcome = outcome_of(msg.done)
             self.done.set()
 
     def write(self, tokens: np.ndarray, root, ids: list, payloads: list[bytes],
               block_tokens: int, session: str = SESSION) -> float:
-        self.client.request({"op": "put_session", "tenant": TENANT, "session_id": session,
-                             "block_tokens": block_tokens}, [tokens.tobytes()])
-        blocks = [{"id": b.hex(), "start": i * block_tokens} for i, b in enumerate(ids)]
+        from kvbank.contracts.coldstore_wire import pb
+        from kvbank.contracts.vocabulary import Outcome
+
+        self.client.put_session(TENANT, session, block_tokens, tokens.tobytes())
+        write = pb.Write(job=self.client.next_id(), tenant=TENANT, session_id=session,
+                         root=bytes(root), dirty_since=time.time(),
+                         blocks=[pb.Block(id=bytes(b), start=i * block_tokens)
+                                 for i, b in enumerate(ids)])
         self.done.clear()
+        self.outcome = None
         t0 = time.perf_counter()
-        self.client.send_write({"op": "write", "job": self.client.next_id(), "tenant": TENANT,
-                                "session_id": session, "root": root.hex(), "blocks": blocks,
-                                "dirty_since": time.time()}, payloads)
+        self.client.send_write(write, payloads)
         self.done.wait(600)
         dt = time.perf_counter() - t0
-        if getattr(self, "outcome", None) != "written":
-            raise RuntimeError(f"the coldstore's write ended {getattr(self, 'outcome', None)}")
+        if self.outcome != Outcome.WRITTEN:
+            raise RuntimeError(f"the coldstore's write ended {self.outcome}")
         return dt
 
-    def read(self, ids: list) -> list[bytes]:
-        reply = self.client.request({"op": "get_blocks", "ids": [b.hex() for b in ids]},
-                                    timeout_s=600)
-        return reply["frames"]
+    def read(self, ids: list) -> list:
+        return self.client.get_blocks([bytes(b) for b in ids], timeout_s=600)
 
     def stop(self) -> None:
         self.client.close()
@@ -171,14 +176,16 @@ def _write_amplification(tmp: Path, turns: int, seed: int) -> dict:
             stack.wait_durable(SESSION, timeout_s=300)
         from kvbank.contracts.health import coldstore_ping
 
-        reply = coldstore_ping(stack.layout.coldstore_address)
+        reply = coldstore_ping(stack.layout.coldstore_address, timeout_ms=10_000)
     finally:
         stack.stop()
-    distinct = reply["stats"]["block_bytes"]
+    if reply is None:
+        raise RuntimeError("the stack's coldstore did not answer a ping")
+    distinct = reply.stats.block_bytes
     return {"amplification_turns": turns, "amplification_tokens": tokens,
-            "written_bytes": reply["written_bytes"],
+            "written_bytes": reply.written_bytes,
             "distinct_kv_bytes": distinct,
-            "write_amplification": round(reply["written_bytes"] / distinct, 3)}
+            "write_amplification": round(reply.written_bytes / distinct, 3)}
 
 
 def _ids(conv: np.ndarray, root, block_tokens: int) -> list:

@@ -25,6 +25,7 @@ most agents do; `--session-ids` sends `user` and `x-session-id` to every server.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -232,7 +233,30 @@ def print_table(doc: dict, *, stderr: bool = False) -> None:
                       f"{doc['budget_bytes'] / 1e6:.0f} MB)")
 
 
-def run_cli(args) -> int:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`kvbank bench compare`'s flags."""
+    from apps.loadgen.cli import add_scenario_arguments
+
+    p.add_argument("--model", default=None,
+                   help="an mlx-lm model folder or a .gguf file (default: SmolLM2-135M-Instruct)")
+    add_scenario_arguments(p, default="two-agents")
+    p.add_argument("--budget-bytes", type=int, default=DEFAULT_BUDGET_BYTES,
+                   help="KV memory budget for kvbank's bank and mlx-lm's prompt cache "
+                        "(default: %(default)s)")
+    p.add_argument("--max-wall-s", type=float, default=600.0,
+                   help="per server: start no turn after this many seconds "
+                        "(default: %(default)s)")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                   help="print the result as JSON (to FILE if given)")
+    p.add_argument("--plot-dir", type=Path, default=None,
+                   help="write TTFT plots (PNG) here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--session-ids", action="store_true",
+                   help="name each conversation (`user` and `x-session-id`); by default none "
+                        "is sent, as most OpenAI clients send none")
+
+
+def run_cli(args: argparse.Namespace) -> int:
     from apps.loadgen import report
     from apps.loadgen.scenarios import build, params
 

@@ -1,4 +1,5 @@
-"""`kvbank loadgen` and `kvbank bench compare`: argument parsing and entry points.
+"""`kvbank loadgen`: argument parsing and the entry point (`kvbank bench compare` wires its
+own in apps/bench/compare.py, which uses this module's scenario flags and `execute`).
 
 Exit codes of `kvbank loadgen`: 0 the run happened (refusals and errors are in the report),
 1 it happened but no turn succeeded, 2 bad arguments or a target that cannot be reached (one
@@ -15,7 +16,8 @@ from pathlib import Path
 from apps.loadgen.scenarios import SCENARIOS
 
 
-def _scenario_arguments(p: argparse.ArgumentParser, *, default: str | None) -> None:
+def add_scenario_arguments(p: argparse.ArgumentParser, *, default: str | None) -> None:
+    """The flags that pick and size a scenario (`kvbank loadgen` and `kvbank bench compare`)."""
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default=default,
                    help="what the agents do (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0,
@@ -32,7 +34,7 @@ def _scenario_arguments(p: argparse.ArgumentParser, *, default: str | None) -> N
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="grpc://HOST:PORT (kvbank's router) or openai://HOST:PORT "
                                   "(any OpenAI-compatible server; also openai://http(s)://...)")
-    _scenario_arguments(p, default="two-agents")
+    add_scenario_arguments(p, default="two-agents")
     p.add_argument("--agents", type=int, default=None,
                    help="agents (n-agents) or sessions (shared-prefix)")
     p.add_argument("--think-s", type=float, default=None,
@@ -60,28 +62,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
                    help="draw TTFT per turn, coloured by cache source")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def add_compare_arguments(p: argparse.ArgumentParser) -> None:
-    from apps.bench.compare import DEFAULT_BUDGET_BYTES
-
-    p.add_argument("--model", default=None,
-                   help="an mlx-lm model folder or a .gguf file (default: SmolLM2-135M-Instruct)")
-    _scenario_arguments(p, default="two-agents")
-    p.add_argument("--budget-bytes", type=int, default=DEFAULT_BUDGET_BYTES,
-                   help="KV memory budget for kvbank's bank and mlx-lm's prompt cache "
-                        "(default: %(default)s)")
-    p.add_argument("--max-wall-s", type=float, default=600.0,
-                   help="per server: start no turn after this many seconds "
-                        "(default: %(default)s)")
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
-                   help="print the result as JSON (to FILE if given)")
-    p.add_argument("--plot-dir", type=Path, default=None,
-                   help="write TTFT plots (PNG) here")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--session-ids", action="store_true",
-                   help="name each conversation (`user` and `x-session-id`); by default none "
-                        "is sent, as most OpenAI clients send none")
 
 
 def execute(scenario, target, *, run_id: str, max_wall_s: float, request_timeout_s: float,
@@ -158,9 +138,3 @@ def run_cli(args: argparse.Namespace) -> int:
         report.plot_ttft(args.plot, {result.target: result.rows},
                          f"TTFT per turn: {p.scenario}, seed {p.seed}")
     return 0 if summary["turns_ok"] > 0 else 1
-
-
-def run_compare(args: argparse.Namespace) -> int:
-    from apps.bench.compare import run_cli as compare_cli
-
-    return compare_cli(args)

@@ -169,7 +169,7 @@ class OpenAITarget:
                                   timeout=httpx.Timeout(timeout_s, connect=10.0)) as r:
                 if r.status_code != 200:
                     r.read()
-                    return _http_failure(r, time.monotonic() - t0)
+                    return http_failure(r, time.monotonic() - t0)
                 for line in r.iter_lines():
                     if not line.startswith("data:"):
                         continue
@@ -218,7 +218,7 @@ def _error_message(body: object) -> str:
     return str(body)
 
 
-def _http_failure(r: httpx.Response, total_s: float) -> Reply:
+def http_failure(r: httpx.Response, total_s: float) -> Reply:
     try:
         message = _error_message(r.json())
     except ValueError:

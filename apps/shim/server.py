@@ -29,31 +29,27 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from apps.shim.openai_format import Answer, ApiError, invalid, parse
+from kvbank.contracts.failures import HTTP_STATUS, Unauthenticated, failure_for
+from kvbank.contracts.vocabulary import NO_RETRY_VERDICTS
 from kvbank.v1 import api_pb2_grpc
-from router.admission import NEVER, NOT_WITHOUT_SHORTER
-from router.auth import AUTH_KEY, Unauthenticated, tenant_for
+from router.auth import AUTH_KEY, tenant_for
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "kvbank"
 DEFAULT_RETRY_AFTER_S = 1.0  # when the router's refusal carries no `retry-after`
 HEALTH_TIMEOUT_S = 1.0
-# The router's refusals carry `x-kvbank-reason` (our error code) and `x-kvbank-verdict`.
-NO_RETRY_VERDICTS = (NEVER, NOT_WITHOUT_SHORTER)
-
-# The one table from the router's gRPC status to HTTP status, OpenAI error type and code.
-# Anything else is a 500 with a plain message; the details go to the log, not the client.
-_HTTP_FOR = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "requests", "rate_limit_exceeded"),
-    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "unavailable"),
-}
+# The router's refusals carry `x-kvbank-reason` (our error code) and `x-kvbank-verdict`; a
+# verdict in NO_RETRY_VERDICTS (kvbank/contracts/vocabulary.py) says a retry cannot help.
+# A gRPC status that stands for a failure of kvbank/contracts/failures.py gets that failure's
+# HTTP status, OpenAI error type and code (HTTP_STATUS, the one table). Any other status is a
+# 500 with a plain message; the details go to the log, not the client.
+INTERNAL = (500, "server_error", "internal_error")
 
 
 def error_for(e: grpc.aio.AioRpcError) -> ApiError:
-    status, kind, code = _HTTP_FOR.get(e.code(), (500, "server_error", "internal_error"))
+    failure = failure_for(e.code())
+    status, kind, code = HTTP_STATUS[failure] if failure is not None else INTERNAL
     if status == 500:
         logger.error("router call failed: %s: %s", e.code().name, e.details())
         return ApiError(500, "kvbank failed to answer (internal error); the server log says why",

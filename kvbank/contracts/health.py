@@ -17,23 +17,32 @@ def grpc_healthy(address: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
+PING_REQ = 1  # a ping's socket sends this one request
+
+
 def coldstore_ping(address: str, timeout_ms: int = 1000):
     """The coldstore's answer to a ping (a coldstore_pb2.PingReply: store stats, worker state,
-    queued jobs), or None when it does not answer in time."""
+    queued jobs), or None when it does not answer in time, or answers something else."""
     import zmq
 
     from kvbank.contracts import coldstore_wire as wire
 
     ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
+    s = ctx.socket(zmq.DEALER)  # its own identity: the worker's link is not disturbed
     s.setsockopt(zmq.LINGER, 0)
     try:
         s.connect(address)
-        s.send_multipart(wire.encode(wire.request(0, ping=wire.pb.Ping())))
+        s.send_multipart(wire.encode(wire.request(PING_REQ, ping=wire.pb.Ping())))
         if not s.poll(timeout_ms):
             return None
-        msg, _ = wire.decode(s.recv_multipart())
-        return msg.reply.ping
+        try:
+            msg, _ = wire.decode(s.recv_multipart())
+        except Exception:  # not a coldstore of this protocol
+            return None
+        reply = msg.reply
+        if msg.WhichOneof("kind") != "reply" or not reply.ok or reply.req != PING_REQ:
+            return None
+        return reply.ping
     finally:
         s.close()
 

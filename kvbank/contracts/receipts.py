@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from kvbank.contracts.vocabulary import Decision
+
 
 @dataclass(kw_only=True)
 class Receipt:
@@ -95,6 +97,16 @@ class PressureReceipt(Receipt):
 
 
 @dataclass(kw_only=True)
+class FlushReceipt(Receipt):
+    """`flush`: every conversation not on SSD yet, written now (they stay in RAM)."""
+
+    kind: str = "flush"
+    written_entries: int = 0
+    failed_entries: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(kw_only=True)
 class AdmissionReceipt(Receipt):
     """`make_room`: one per admitted or refused request, what it needed and what each step
     did. `reason` and `verdict` are set when it waits or is refused."""
@@ -110,7 +122,7 @@ class AdmissionReceipt(Receipt):
     shed_target_bytes: int | None = None  # the bank size step 4 shed to (chain shed: lower)
     written_out: int = 0
     write_out_s: float = 0.0  # its release step's writes
-    decision: str = "admitted"  # vocabulary.Decision
+    decision: str = Decision.ADMITTED
     verdict: str = ""
     holders: dict = field(default_factory=dict)
     tenant: str = ""

@@ -1,0 +1,324 @@
+"""The layers, read from the source: every import of every module (module level, inside
+functions, under TYPE_CHECKING alike), found with `ast`, never by importing anything.
+
+  floor         kvbank (kvbank.contracts, kvbank.v1 ...)    kvbank.* and third-party only
+  processes     router, worker, coldstore, deploy           kvbank.*, their own package and
+                                                            third-party; never another
+                                                            process, never apps
+  applications  apps                                        anything of ours
+  tests         tests                                       anything; nothing imports tests
+
+and, across all of them:
+  * no module imports a private name (`_x`, dunders excepted) from another package;
+  * every import of one of our packages names a module (or a name in a module) that exists;
+  * no cycle between top-level packages, none between the applications of apps/ (apps.cli,
+    apps.loadgen, apps.bench, ... each one package), none in the module graph of apps/;
+  * no module of apps imports apps.cli (the command line is the top; nothing builds on it).
+
+"Package", for the private-name rule: a top-level package, except that each application in
+apps/ (apps.loadgen, apps.bench, apps.cli, ...) is its own.
+
+Every failure lists every violation as path:line.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOOR = "kvbank"
+PROCESSES = ("router", "worker", "coldstore", "deploy")
+APPS = "apps"
+TESTS = "tests"
+OURS = (FLOOR, *PROCESSES, APPS, TESTS)
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str  # dotted module name
+    target: str  # the module it reaches (ours) or the dotted name as written (third-party)
+    names: tuple[str, ...]  # `from target import names`; () for `import target`
+    written: str  # the module as written in the statement
+    path: str  # relative to the repository root
+    line: int
+
+    @property
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+@cache
+def _sources() -> dict[str, Path]:
+    out = {}
+    for top in OURS:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if "__pycache__" not in path.parts:
+                out[_module_name(path)] = path
+    return out
+
+
+def _top(module: str) -> str:
+    return module.split(".", 1)[0]
+
+
+def _package(module: str) -> str:
+    """A top-level package; in apps/, the application (apps.loadgen, apps.cli, ...)."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == APPS and len(parts) > 1 else parts[0]
+
+
+def _ours(module: str) -> bool:
+    return _top(module) in OURS
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _resolve_relative(importer: str, is_package: bool, level: int, module: str | None) -> str:
+    base = importer.split(".") if is_package else importer.split(".")[:-1]
+    base = base[: len(base) - (level - 1)] if level > 1 else base
+    return ".".join([*base, *([module] if module else [])])
+
+
+@cache
+def _imports() -> tuple[Import, ...]:
+    modules = _sources()
+    out: list[Import] = []
+    for name, path in modules.items():
+        rel = str(path.relative_to(ROOT))
+        tree = ast.parse(path.read_text(), filename=rel)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    out.append(Import(name, alias.name, (), alias.name, rel, node.lineno))
+            elif isinstance(node, ast.ImportFrom):
+                written = node.module or ""
+                if node.level:
+                    written = _resolve_relative(name, path.name == "__init__.py", node.level,
+                                                node.module)
+                if written == "__future__":
+                    continue
+                for alias in node.names:
+                    # `from a.b import c`: c is a submodule when a/b/c.py exists, else a name.
+                    sub = f"{written}.{alias.name}"
+                    target = sub if sub in modules else written
+                    out.append(Import(name, target, (alias.name,), written, rel, node.lineno))
+    return tuple(out)
+
+
+def _fail(title: str, violations: list[str]) -> None:
+    violations = sorted(set(violations))
+    if violations:
+        pytest.fail(f"{title} ({len(violations)}):\n  " + "\n  ".join(violations),
+                    pytrace=False)
+
+
+# -- layers --------------------------------------------------------------------------------------
+
+
+def _layer_violation(imp: Import) -> str | None:
+    src, dst = _top(imp.importer), _top(imp.target)
+    if not _ours(imp.target) or src == dst:
+        return None
+    if src == FLOOR:
+        return f"the floor ({FLOOR}) imports {imp.target} ({dst})"
+    if src in PROCESSES:
+        if dst == FLOOR:
+            return None
+        kind = ("another process package" if dst in PROCESSES else
+                "an application" if dst == APPS else "the tests")
+        return f"process {src} imports {imp.target}: {kind}"
+    if src == APPS and dst == TESTS:
+        return f"application {_package(imp.importer)} imports {imp.target}: the tests"
+    return None
+
+
+def test_each_layer_imports_only_what_is_below_it():
+    _fail("imports across layers", [
+        f"{imp.where}: {why}" for imp in _imports() if (why := _layer_violation(imp))])
+
+
+def test_no_private_name_is_imported_from_another_package():
+    bad = []
+    for imp in _imports():
+        if not _ours(imp.written) or _package(imp.written) == _package(imp.importer):
+            continue
+        private = [p for p in imp.written.split(".") if _private(p)]
+        private += [n for n in imp.names if _private(n)]
+        for name in private:
+            bad.append(f"{imp.where}: {imp.importer} imports private {name} from "
+                       f"{imp.written} (package {_package(imp.written)})")
+    _fail("private names imported from another package", bad)
+
+
+def test_every_import_of_ours_exists():
+    """A module that moved or was split leaves no import behind that names its old place."""
+    modules = _sources()
+    bad = []
+    for imp in _imports():
+        if not _ours(imp.written):
+            continue
+        if imp.target not in modules:
+            bad.append(f"{imp.where}: {imp.importer} imports {imp.target}: no such module")
+    _fail("imports of modules that do not exist", bad)
+
+
+# -- cycles --------------------------------------------------------------------------------------
+
+
+def _strongly_connected(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm (iterative): the components of more than one node, sorted."""
+    index, low, on_stack, stack, out = {}, {}, set(), [], []
+    counter = 0
+    nodes = sorted(set(edges) | {d for ds in edges.values() for d in ds})
+    for root in nodes:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges.get(root, ()))))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    n = stack.pop()
+                    on_stack.discard(n)
+                    comp.append(n)
+                    if n == node:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return sorted(out)
+
+
+def _one_cycle(comp: list[str], edges: dict[str, set[str]]) -> list[str]:
+    """A shortest cycle through the component's first node."""
+    start, members = comp[0], set(comp)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            for child in sorted(edges.get(node, ())):
+                if child == start:
+                    return [*paths[node], start]
+                if child in members and child not in paths:
+                    paths[child] = [*paths[node], child]
+                    nxt.append(child)
+        frontier = nxt
+    return comp
+
+
+def _cycles(node_of, keep=lambda imp: True) -> list[str]:
+    """Cycles in the graph whose nodes are `node_of(module)` (None: not in the graph); each
+    reported with one cycle and every import that makes an edge of its component."""
+    edges: dict[str, set[str]] = defaultdict(set)
+    where: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for imp in _imports():
+        if not (_ours(imp.target) and keep(imp)):
+            continue
+        a, b = node_of(imp.importer), node_of(imp.target)
+        if a is None or b is None or a == b:
+            continue
+        edges[a].add(b)
+        where[(a, b)].append(f"{imp.where} ({imp.importer} -> {imp.target})")
+    out = []
+    for comp in _strongly_connected(edges):
+        members = set(comp)
+        lines = [f"cycle {' -> '.join(_one_cycle(comp, edges))}; the imports that close it:"]
+        for (a, b), places in sorted(where.items()):
+            if a in members and b in members:
+                lines += [f"    {p}" for p in sorted(places)]
+        out.append("\n  ".join(lines))
+    return out
+
+
+def test_no_cycle_between_top_level_packages():
+    _fail("import cycles between top-level packages", _cycles(_top))
+
+
+def test_no_cycle_between_the_applications_of_apps():
+    """apps.loadgen must not import apps.bench while apps.bench imports apps.loadgen, and so
+    on for every pair and every longer loop."""
+    _fail("import cycles between applications in apps/",
+          _cycles(lambda m: _package(m) if _top(m) == APPS else None))
+
+
+def test_no_cycle_in_the_module_graph_of_apps():
+    _fail("import cycles between modules of apps/",
+          _cycles(lambda m: m if _top(m) == APPS else None))
+
+
+def test_no_module_of_apps_imports_the_command_line():
+    _fail("modules of apps/ importing apps.cli", [
+        f"{imp.where}: {imp.importer} imports {imp.target}" for imp in _imports()
+        if _top(imp.importer) == APPS and _package(imp.importer) != "apps.cli"
+        and _package(imp.target) == "apps.cli"])
+
+
+# -- the checker itself, on a graph it knows -------------------------------------------------
+
+
+def test_the_cycle_finder_finds_cycles_and_only_cycles():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": {"e"}, "e": set(), "x": {"y"},
+             "y": {"x"}}
+    comps = _strongly_connected(edges)
+    assert comps == [["a", "b", "c"], ["x", "y"]]
+    assert _one_cycle(["a", "b", "c"], edges) == ["a", "b", "c", "a"]
+    assert _strongly_connected({"a": {"b"}, "b": {"c"}}) == []
+
+
+def test_the_walk_sees_imports_inside_functions_and_every_package():
+    found = {(imp.importer, imp.target) for imp in _imports()}
+    assert {_top(m) for m in _sources()} == set(OURS)
+    # tests/conftest.py imports kvbank.models inside its fixtures only.
+    assert ("tests.conftest", "kvbank.models") in found
+    assert _resolve_relative("apps.loadgen.run", False, 1, "targets") == "apps.loadgen.targets"
+    assert _resolve_relative("apps.loadgen", True, 2, "bench") == "apps.bench"
+
+
+def test_the_layer_rule_on_imports_it_knows():
+    def imp(importer, target):
+        return Import(importer, target, (), target, "x.py", 1)
+
+    refused = [("kvbank.events", "worker.bank"), ("kvbank.contracts.receipts", "apps.cli"),
+               ("router.server", "worker.bank"), ("worker.engine", "coldstore.store"),
+               ("coldstore.server", "apps.bench.bank"), ("deploy.local", "apps.cli"),
+               ("worker.engine", "tests.waiting"), ("apps.loadgen.run", "tests.waiting")]
+    allowed = [("kvbank.client", "kvbank.v1.api_pb2"), ("kvbank.blocks", "numpy"),
+               ("worker.engine", "kvbank.blocks"), ("worker.engine", "worker.bank"),
+               ("deploy.local", "kvbank.config"), ("apps.cli", "worker.server"),
+               ("apps.bench.compare", "apps.loadgen.run"), ("tests.test_bank", "worker.bank")]
+    assert [p for p in refused if _layer_violation(imp(*p)) is None] == []
+    assert [(p, _layer_violation(imp(*p))) for p in allowed if _layer_violation(imp(*p))] == []

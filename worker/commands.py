@@ -1,0 +1,134 @@
+"""What other threads may ask of the engine, and what they may read of it.
+
+The engine thread owns the model, the bank, the writer and the conversation records. Every
+other thread (the gRPC handlers, the memory guard, the coldstore link) posts one of these
+commands to its queue, and gets the answer through the command's future; between commands
+it reads the `Snapshot` the engine publishes whole after every turn of its loop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kvbank.v1 import worker_pb2
+
+SessionKey = tuple[str, str]  # (tenant, session_id)
+
+
+@dataclass
+class Command:
+    """Base: `reply` resolves with the handler's result, or its exception."""
+
+    reply: Future = field(default_factory=Future, init=False, repr=False, compare=False)
+
+
+@dataclass
+class Generate:
+    """One generation; its answers go through `emit` (thread-safe): responses, then None, or
+    an Exception."""
+
+    request: worker_pb2.WorkerGenerateRequest
+    emit: Callable[[Any], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    queued_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class DeleteSession(Command):
+    session: SessionKey
+
+
+@dataclass
+class Release(Command):
+    """Admin: one conversation's KV leaves RAM (written out first with `write_out`)."""
+
+    session: SessionKey
+    write_out: bool
+
+
+@dataclass
+class Trim(Command):
+    """Admin: every idle conversation already on SSD leaves RAM."""
+
+
+@dataclass
+class Flush(Command):
+    """Admin: write every conversation not on SSD yet, now."""
+
+
+@dataclass
+class Status(Command):
+    """The status numbers and the receipts `tenant` may see."""
+
+    tenant: str
+
+
+@dataclass
+class Tick(Command):
+    """The guard's tick: reconcile the ledger with `rss_bytes`, set the bank's dynamic
+    ceiling, send again the writes that need it."""
+
+    rss_bytes: int
+
+
+@dataclass
+class PressureTrim(Command):
+    """The guard's action at a raised pressure level."""
+
+    level: str
+    source: str
+    deferred_s: float
+
+
+@dataclass
+class Stop(Command):
+    pass
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """What the worker knows of a conversation's record (replaced, never mutated)."""
+
+    tokens: Any  # np.ndarray, uint32
+    durable_tokens: int
+    created_at: float
+    updated_at: float
+    recorded: bool = True  # the record on disk holds these tokens
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The engine's state as other threads may read it, published whole."""
+
+    sessions: dict[SessionKey, SessionInfo] = field(default_factory=dict)
+    ram_bytes: dict[SessionKey, int] = field(default_factory=dict)
+    busy: frozenset[SessionKey] = frozenset()
+    held_bytes: int = 0  # everything the worker answers for (the guard's ledger level)
+    bank_bytes: int = 0
+    bank_entries: int = 0
+    running: int = 0
+    waiting: int = 0
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    def state(self, key: SessionKey) -> str:
+        """Where a conversation's KV is: active | resident-dirty | resident-clean | cold |
+        gone."""
+        info = self.sessions.get(key)
+        ram = self.ram_bytes.get(key, 0)
+        if key in self.busy:
+            return "active"
+        if ram and info is not None and info.durable_tokens < len(info.tokens):
+            return "resident-dirty"
+        if ram:
+            return "resident-clean"
+        return "cold" if info is not None and info.durable_tokens > 0 else "gone"
+
+
+SESSION_STATES = ("active", "resident-dirty", "resident-clean", "cold", "gone")
