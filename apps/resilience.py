@@ -181,10 +181,12 @@ class Run:
             if self.stop.wait(self.rng.uniform(1.0, 4.0)):
                 return
             name = self.rng.choice(PROCESSES)
-            if name == "worker":  # let something reach SSD first, so the check has a subject
+            if name == "worker":  # let something reach SSD first, so the check has a subject:
+                # agents compact often, so write-behind may trail their current conversations;
+                # a flush writes them now (kvbank admin flush)
                 deadline = time.monotonic() + 15
                 while not self._durable_sessions() and time.monotonic() < deadline:
-                    time.sleep(0.2)
+                    self._flush()
             with self.lock:
                 durable = self._durable_sessions() if name == "worker" else set()
                 old = self.stack.kill9(name)
@@ -194,6 +196,13 @@ class Run:
             self.report.recovery_s.append(time.monotonic() - t0)
             self.report.kills[name] += 1
             self.check_records()
+
+    def _flush(self) -> None:
+        with self.stack.client() as c:
+            try:
+                c.flush()
+            except grpc.RpcError:
+                time.sleep(0.2)
 
     def _durable_sessions(self) -> set[str]:
         """The conversations agents are on whose KV is (partly) on SSD."""

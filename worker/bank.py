@@ -105,6 +105,11 @@ class SessionBank:
         self._ids = itertools.count(1)
 
     @property
+    def indexed_block_ids(self) -> int:
+        """How many block ids the prefix index holds (a benchmark's measure of its size)."""
+        return len(self._index)
+
+    @property
     def effective_max_bytes(self) -> int:
         return min(self.max_bytes, self.ceiling_bytes or self.max_bytes)
 

@@ -221,14 +221,18 @@ class Engine:
                 time.sleep(0.01)
 
     def _handle(self, command: cmd.Command) -> None:
+        """Run a command; its effect is in the snapshot before its caller hears back."""
         try:
-            result = self._handlers[type(command)](command)
+            result, error = self._handlers[type(command)](command), None
         except Exception as e:
             logger.exception("%s failed", type(command).__name__)
-            command.reply.set_exception(e)
-        else:
-            command.reply.set_result(result)
+            result, error = None, e
         self._refresh_ram_bytes()
+        self._publish()
+        if error is None:
+            command.reply.set_result(result)
+        else:
+            command.reply.set_exception(error)
 
     def _publish(self) -> None:
         """The snapshot other threads read, replaced whole."""

@@ -145,7 +145,10 @@ class KVWriter:
             for book in (self._outcome, self._job_durable, self._superseded_by):
                 while len(book) > _KEEP_OUTCOMES:
                     book.pop(next(iter(book)))
-        self.on_message(msg)
+        try:
+            self.on_message(msg)
+        except Exception:  # the owner's loop outlives a bad message: writes depend on it
+            logger.exception("applying a coldstore message failed: %s", msg)
 
     def unsent(self, job: int | None) -> bool:
         """The job is still being encoded (the coldstore cannot know it yet)."""

@@ -91,7 +91,7 @@ def run(*, entries: int = 10000, prompt_tokens: int = 8192, block_tokens: int = 
         "prompt_tokens": prompt_tokens,
         "block_tokens": block_tokens,
         "groups": n_groups,
-        "index_block_ids": len(bank._index),
+        "index_block_ids": bank.indexed_block_ids,
         "insert_s": round(insert_s, 3),
         "insert_us_per_entry": round(insert_s / max(1, entries) * 1e6, 1),
         "lookups": len(all_ns),
