@@ -153,7 +153,20 @@ def _worker_flags(p: argparse.ArgumentParser) -> None:
                  "KV beyond the model and one prefill chunk (default: 60%% of RAM)")),
            (["--prefill-chunk-tokens"], dict(type=int, default=512,
             help="prompt tokens per prefill step; smaller lets other requests' tokens through "
-                 "sooner during a long prefill (default: %(default)s)")))
+                 "sooner during a long prefill (default: %(default)s)")),
+           (["--kv-events-endpoint"], dict(default=None, metavar="tcp://HOST:PORT",
+            help="publish which KV blocks this machine holds (RAM, SSD) in vLLM's KV-event "
+                 "format on this ZeroMQ endpoint, for `vllm-router --policy kv_aware "
+                 "--kv-event-source`; events carry no tenant: keep it on a private network "
+                 "(default: off)")),
+           (["--kv-events-replay-endpoint"], dict(default=None, metavar="tcp://HOST:PORT",
+            help="answer replay requests for missed event batches here (the router's "
+                 "--kv-event-replay-source) (default: off)")),
+           (["--kv-events-topic"], dict(default="",
+            help="the events' ZeroMQ topic (default: empty, what vllm-router reads)")),
+           (["--kv-events-block-size"], dict(type=int, default=16,
+            help="tokens per announced block; must equal the router's --kv-event-block-size "
+                 "(default: %(default)s)")))
 
 
 def _auth_flags(p: argparse.ArgumentParser, group: str) -> None:
@@ -404,8 +417,22 @@ def _run_worker(args: argparse.Namespace) -> int:
                 admission_chain_shed=args.admission_chain_shed,
                 prefill_chunk_tokens=args.prefill_chunk_tokens,
                 write_out_deadline_s=args.write_out_deadline_s,
-                metrics_port=args.metrics_port)
+                kv_events=_kv_events(args), metrics_port=args.metrics_port)
     return 0
+
+
+def _kv_events(args: argparse.Namespace):
+    """The worker's KV-event settings, checked at start (None: off)."""
+    from worker.kv_events import EventsConfig
+
+    if args.kv_events_endpoint is None:
+        if args.kv_events_replay_endpoint:
+            raise SystemExit("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        return None
+    if args.kv_events_block_size < 1:
+        raise SystemExit(f"--kv-events-block-size {args.kv_events_block_size}: must be >= 1")
+    return EventsConfig(args.kv_events_endpoint, args.kv_events_replay_endpoint,
+                        args.kv_events_topic, args.kv_events_block_size)
 
 
 def _run_coldstore(args: argparse.Namespace) -> int:

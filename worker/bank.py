@@ -86,6 +86,7 @@ class SessionBank:
                  writer: "KVWriter | None" = None,
                  clock: Callable[[], float] = time.monotonic):
         self.clock = clock  # monotonic seconds: recency and the active pin (tests inject one)
+        self.listener = None  # told of every entry added and removed (worker/kv_events.py)
         self.block_tokens = block_tokens
         self.writer = writer  # None: no coldstore (nothing is ever written)
         self.root_for = root_for
@@ -160,6 +161,8 @@ class SessionBank:
         self._by_session.setdefault(e.session, set()).add(e.key)
         for bid in self._index_keys(e):
             self._index.setdefault(bid, set()).add(e.key)
+        if self.listener is not None:
+            self.listener.ram_added(e)
 
     def _remove(self, e: BankEntry) -> None:
         del self.entries[e.key]
@@ -174,6 +177,8 @@ class SessionBank:
                 s.discard(e.key)
                 if not s:
                     del self._index[bid]
+        if self.listener is not None:
+            self.listener.ram_removed(e)
 
     def _index_keys(self, e: BankEntry) -> list[BlockId]:
         # Under the tenant's root too, so a shared prefix shorter than one block is found.

@@ -85,6 +85,11 @@ class PressureTrim(Command):
 
 
 @dataclass
+class Announce(Command):
+    """A KV-event subscriber joined: announce every block held, after clearing."""
+
+
+@dataclass
 class Stop(Command):
     pass
 

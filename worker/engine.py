@@ -46,6 +46,7 @@ from worker.admission import (SchedulerConfig, calibrate, give_back_freed_memory
 from worker.bank import SessionBank, SessionKey
 from worker.conversations import Conversations
 from worker.guard import Guard
+from worker.kv_events import EventsConfig, KVEvents, Publisher, held_conversations
 from worker.lineage import is_anonymous
 from worker.link import ColdstoreClient
 from worker.restore import Restorer
@@ -64,8 +65,9 @@ class Engine:
                  memory_budget: str | int | None = None, active_pin_s: float = 600.0,
                  admission_chain_shed: bool = False,
                  prefill_chunk_tokens: int = PREFILL_STEP_TOKENS,
-                 write_out_deadline_s: float | None = None):
-        """Built on the caller's thread; from `start()` on, the engine thread owns it all."""
+                 write_out_deadline_s: float | None = None,
+                 kv_events: EventsConfig | None = None):
+        """Built on the caller's thread; once its thread starts, that thread owns it all."""
         from mlx_lm import load
 
         keep_large_buffers_off_the_heap()
@@ -98,6 +100,15 @@ class Engine:
                                  store_dir=self.layout.store_dir, root_for=self.root_for,
                                  block_tokens=block_tokens, restore_via=restore_via)
         self.conversations.load(self.restorer.store())
+        self.kv_events = None
+        if kv_events is not None:  # several machines behind a router: say what we hold
+            publisher = Publisher(kv_events, on_subscribe=lambda: self.post(cmd.Announce()))
+            self.kv_events = KVEvents(publisher.start(), block_size=kv_events.block_size,
+                                      salt_for=lambda tenant: bytes(self.root_for(tenant)))
+            self.bank.listener = self.kv_events
+            for key, tokens in held_conversations(self.conversations.records.items()):
+                self.kv_events.ssd_holds(key, tokens)
+            self.kv_events.announce_all()
         mx.set_cache_limit(0)  # until the budget is known (below)
         self.pricing = calibrate(self.model, Pricing(self.kv_bytes_per_token, 0,
                                                      prefill_chunk_tokens))
@@ -126,6 +137,7 @@ class Engine:
             cmd.Tick: self._tick,
             cmd.PressureTrim: lambda c: upkeep.pressure_trim(self.bank, c.level, c.source,
                                                              c.deferred_s),
+            cmd.Announce: lambda c: self.kv_events and self.kv_events.announce_all(),
         }
         self.snapshot = cmd.Snapshot()
         self._publish()
@@ -235,7 +247,9 @@ class Engine:
             command.reply.set_exception(error)
 
     def _publish(self) -> None:
-        """The snapshot other threads read, replaced whole."""
+        """The snapshot other threads read, replaced whole (and this turn's KV events)."""
+        if self.kv_events is not None:
+            self.kv_events.flush()
         self.snapshot = cmd.Snapshot(
             sessions=self.conversations.records, ram_bytes=self._ram_bytes,
             busy=self.bank.busy_sessions(), held_bytes=held_bytes(self.pricing, self.bank),
@@ -250,6 +264,8 @@ class Engine:
             logger.warning("the engine did not stop within 5 s")
         self.writer.drain(timeout_s=5)  # what was handed over leaves before the link closes
         self.coldstore.close()
+        if self.kv_events is not None:
+            self.kv_events.publisher.close()
 
     # -- one generation ---------------------------------------------------------------------
 
@@ -433,6 +449,7 @@ class Engine:
             session, full, layers, durable_tokens=durable_tokens,
             supersede_slack=self.conversations.lineages.slack if anonymous else 0)
         self.conversations.committed(session, full, durable_tokens, durable, entry.block_ids)
+        self._ssd_changed(session)
         events.emit("kv_resident", tenant=session[0], session_id=session[1],
                     tokens=len(full), bytes=entry.nbytes, durable_tokens=durable_tokens)
         if durable:
@@ -464,6 +481,7 @@ class Engine:
             key = (r.tenant, r.session_id)
             if self.conversations.retired(key, r.removed, r.at):
                 self.bank.mark_durable(key, 0, lowered=True)
+                self._ssd_changed(key)
                 logger.info("the coldstore retired %s (%s)", r.session_id, r.reason)
             return
         if kind == "progress":
@@ -471,6 +489,7 @@ class Engine:
             key = (p.tenant, p.session_id)
             self.conversations.durable(key, p.durable_tokens)
             self.bank.mark_durable(key, p.durable_tokens)
+            self._ssd_changed(key)
             return
         d = msg.done
         if not d.session_id:  # an unknown job's answer names no conversation
@@ -480,12 +499,20 @@ class Engine:
         lowered = outcome == Outcome.DEADLINE or d.taken_back
         self.conversations.durable(key, d.durable_tokens, lowered=lowered)
         self.bank.mark_durable(key, d.durable_tokens, lowered=lowered)
+        self._ssd_changed(key)
         self.bank.mark_write_done(key, d.job, retry=outcome in RETRY_OUTCOMES)
         if outcome == Outcome.WRITTEN:
             events.emit("kv_durable", tenant=key[0], session_id=key[1],
                         durable_tokens=d.durable_tokens)
         elif outcome not in (Outcome.SUPERSEDED, Outcome.CANCELLED):
             logger.warning("write of %s ended %s (%s): %s", key[1], outcome, d.reason, d.error)
+
+    def _ssd_changed(self, key: SessionKey) -> None:
+        """What LMDB holds of a conversation changed: the KV events follow."""
+        if self.kv_events is not None:
+            info = self.conversations.get(key)
+            self.kv_events.ssd_holds(key, info.tokens[:info.durable_tokens]
+                                     if info is not None and info.durable_tokens else None)
 
     # -- commands (engine thread) --------------------------------------------------------------
 
@@ -494,6 +521,7 @@ class Engine:
         self.bank.drop_session(session, reason=TrimReason.SESSION_DELETED)
         self.conversations.deleted(session, while_running=self.bank.is_busy(session))
         self.coldstore.delete_session(*session)
+        self._ssd_changed(session)
         return existed
 
     def _tick(self, tick: cmd.Tick) -> None:
