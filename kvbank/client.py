@@ -79,18 +79,10 @@ class Client:
                  top_p: float = 0.0, seed: int | None = None, stop: Iterable[str] = (),
                  no_cache: bool = False, on_text: Callable[[str], None] | None = None,
                  timeout_s: float | None = None) -> Turn:
-        req = api_pb2.GenerateRequest(session_id=session_id, append=append,
-                                      max_tokens=max_tokens, stop=list(stop), no_cache=no_cache)
-        req.sampling.temperature = temperature
-        req.sampling.top_p = top_p
-        if seed is not None:
-            req.sampling.seed = seed
-        if messages is not None:
-            req.chat.messages.extend(api_pb2.ChatMessage(**m) for m in messages)
-        elif prompt is not None:
-            req.prompt = prompt
-        elif token_ids is not None:
-            req.tokens.ids.extend(token_ids)
+        req = _request(session_id=session_id, messages=messages, prompt=prompt,
+                       token_ids=token_ids, append=append, max_tokens=max_tokens,
+                       temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+                       no_cache=no_cache)
         text, ids, finish, usage = [], [], "", {}
         for ev in self.generation.Generate(req, timeout=timeout_s):
             if ev.text:
@@ -102,6 +94,16 @@ class Client:
                 usage = usage_dict(ev.usage)
                 finish = FINISH_REASONS.get(ev.finish_reason, "")
         return Turn("".join(text), ids, finish, usage)
+
+    def render(self, *, session_id: str = "", messages: Iterable[dict] | None = None,
+               prompt: str | None = None, token_ids: Iterable[int] | None = None,
+               append: bool = False, max_tokens: int = 64,
+               timeout_s: float | None = 30) -> list[int]:
+        """The prompt token ids `generate` with these arguments would have the worker
+        prefill; nothing runs or is stored."""
+        req = _request(session_id=session_id, messages=messages, prompt=prompt,
+                       token_ids=token_ids, append=append, max_tokens=max_tokens)
+        return list(self.generation.Render(req, timeout=timeout_s).token_ids)
 
     def get_session(self, session_id: str) -> api_pb2.Session:
         return self.sessions.Get(api_pb2.GetSessionRequest(session_id=session_id), timeout=30)
@@ -124,3 +126,22 @@ class Client:
 
     def list_sessions(self) -> list[api_pb2.Session]:
         return list(self.sessions.List(api_pb2.ListSessionsRequest(), timeout=30).sessions)
+
+
+def _request(*, session_id: str, messages: Iterable[dict] | None, prompt: str | None,
+             token_ids: Iterable[int] | None, append: bool, max_tokens: int,
+             temperature: float = 0.0, top_p: float = 0.0, seed: int | None = None,
+             stop: Iterable[str] = (), no_cache: bool = False) -> api_pb2.GenerateRequest:
+    req = api_pb2.GenerateRequest(session_id=session_id, append=append,
+                                  max_tokens=max_tokens, stop=list(stop), no_cache=no_cache)
+    req.sampling.temperature = temperature
+    req.sampling.top_p = top_p
+    if seed is not None:
+        req.sampling.seed = seed
+    if messages is not None:
+        req.chat.messages.extend(api_pb2.ChatMessage(**m) for m in messages)
+    elif prompt is not None:
+        req.prompt = prompt
+    elif token_ids is not None:
+        req.tokens.ids.extend(token_ids)
+    return req

@@ -183,6 +183,23 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             await context.abort(code, msg, trailing_metadata=md)
         metrics.REQUESTS.labels("OK").inc()
 
+    async def Render(self, request, context):
+        """The prompt Generate would send the worker for this request, built by the same
+        steps (tenant, validation, `prompt_tokens`: template, append history, answer-token
+        splice); no ceilings, no queue, no session lock, no worker Generate, not counted as a
+        request. For routers that route by prefix (vllm-router's kv_aware policy)."""
+        try:
+            tenant = self.b.tenant(context)
+            info = await self.b.info()
+            v = validate(request, vocab_size=self.b.tokenizer.vocab_size)
+            tokens = await self.b.prompt_tokens(v, tenant, info)
+        except Exception as e:
+            code, msg, md = _status_for(e)
+            if code == grpc.StatusCode.INTERNAL:
+                logger.exception("Render failed")
+            await context.abort(code, msg, trailing_metadata=md)
+        return api_pb2.RenderResponse(token_ids=tokens)
+
     async def _relay(self, v: ValidRequest, tokens: list[int], tenant: str, received_at: float,
                      t0: float, queue_s: float):
         """The worker's stream, with the router's view of TTFT and queueing added."""

@@ -33,6 +33,16 @@ MAX_REQUEST_BYTES = 4 << 20
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
 
+# What vllm-router adds to a client's body before it asks a render endpoint for the prompt's
+# tokens (it re-serializes the body with its own defaults). None of them changes the prompt:
+# the render endpoints drop a key that holds exactly this value, and validate the rest of the
+# body as the generation endpoint does.
+ROUTER_RENDER_DEFAULTS = {
+    "logprobs": False, "echo": False, "no_stop_trim": False, "ignore_eos": False,
+    "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
+    "stream_reasoning": True, "return_hidden_states": False, "include_reasoning": True,
+}
+
 
 class ApiError(Exception):
     """An answer in OpenAI's error shape: `{"error": {message, type, code, param}}`."""
@@ -110,6 +120,16 @@ def parse(kind: str, body: object, *, session_header: str | None) -> OpenAIReque
                             f"at most {MAX_REQUEST_BYTES}: shorten the prompt",
                        code="request_too_large", retry=False)
     return OpenAIRequest(kind, req, stream, bool(include_usage))
+
+
+def parse_render(kind: str, body: object, *, session_header: str | None) -> OpenAIRequest:
+    """A body of /v1/chat/completions/render or /v1/completions/render: the generation
+    endpoint's body, less the keys vllm-router adds with its defaults (ROUTER_RENDER_DEFAULTS);
+    everything else is validated by `parse`, so a body it refuses is refused here alike."""
+    if isinstance(body, dict):
+        body = {k: v for k, v in body.items()
+                if not (k in ROUTER_RENDER_DEFAULTS and v is ROUTER_RENDER_DEFAULTS[k])}
+    return parse(kind, body, session_header=session_header)
 
 
 def _refuse_unsupported(kind: str, body: dict) -> None:

@@ -1,8 +1,9 @@
 """`kvbank shim`: the OpenAI HTTP API, as an ordinary client of the router's gRPC API.
 
-It holds no model and no privileged path: each request becomes one `Generate` call, and the
-client's API key travels on as `authorization` metadata so that the router puts the request in
-the key's tenant (the shim checks the key too, to refuse early with OpenAI's 401).
+It holds no model and no privileged path: each request becomes one `Generate` call (a render,
+for vllm-router's kv_aware policy, one `Render` call), and the client's API key travels on as
+`authorization` metadata so that the router puts the request in the key's tenant (the shim
+checks the key too, to refuse early with OpenAI's 401).
 
 A stream's HTTP headers go out with the router's first message, not before: a refusal (bad
 input, queue full, worker restarting) then still gets its own HTTP status and Retry-After, as
@@ -28,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from apps.shim.openai_format import Answer, ApiError, invalid, parse
+from apps.shim.openai_format import Answer, ApiError, invalid, parse, parse_render
 from kvbank.contracts.failures import HTTP_STATUS, Unauthenticated, failure_for
 from kvbank.contracts.vocabulary import NO_RETRY_VERDICTS
 from kvbank.v1 import api_pb2_grpc
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "kvbank"
 DEFAULT_RETRY_AFTER_S = 1.0  # when the router's refusal carries no `retry-after`
 HEALTH_TIMEOUT_S = 1.0
+RENDER_TIMEOUT_S = 30.0  # a render only tokenizes (and reads a session's history in append mode)
 # The router's refusals carry `x-kvbank-reason` (our error code) and `x-kvbank-verdict`; a
 # verdict in NO_RETRY_VERDICTS (kvbank/contracts/vocabulary.py) says a retry cannot help.
 # A gRPC status that stands for a failure of kvbank/contracts/failures.py gets that failure's
@@ -147,12 +149,32 @@ class Shim:
     async def completions(self, request: Request):
         return await self._generate(request, "completion")
 
+    async def chat_render(self, request: Request) -> JSONResponse:
+        return await self._render(request, "chat")
+
+    async def completions_render(self, request: Request) -> JSONResponse:
+        return await self._render(request, "completion")
+
+    async def _render(self, request: Request, kind: str) -> JSONResponse:
+        """The prompt token ids the generation endpoint would have the worker prefill for this
+        body (vllm-router's render endpoints, which its kv_aware policy asks before routing).
+        Always JSON, even for a body with `"stream": true`; nothing is queued or generated."""
+        try:
+            metadata = self.authorize(request)
+            req = parse_render(kind, await _json(request), session_header=_session_header(request))
+            try:
+                out = await self.generation.Render(req.generate, metadata=metadata,
+                                                   timeout=RENDER_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:
+                raise error_for(e) from None
+        except ApiError as e:
+            return error_response(e)
+        return JSONResponse({"model": self.model_name, "token_ids": list(out.token_ids)})
+
     async def _generate(self, request: Request, kind: str):
         try:
             metadata = self.authorize(request)
-            req = parse(kind, await _json(request),
-                        session_header=(request.headers.get("x-session-id")
-                                        or request.headers.get("x-smg-routing-key")))
+            req = parse(kind, await _json(request), session_header=_session_header(request))
             call = self.generation.Generate(req.generate, metadata=metadata)
             first = await _unless_hung_up(request, call, _read(call))
             if first is HUNG_UP:
@@ -167,6 +189,10 @@ class Shim:
 
 
 HUNG_UP = object()
+
+
+def _session_header(request: Request) -> str | None:
+    return request.headers.get("x-session-id") or request.headers.get("x-smg-routing-key")
 
 
 async def _unless_hung_up(request: Request, call, work):
@@ -255,6 +281,8 @@ def create_app(router_address: str, keys: dict[str, str] | None = None,
             Route("/v1/models/{model:path}", shim.model),
             Route("/v1/chat/completions", shim.chat_completions, methods=["POST"]),
             Route("/v1/completions", shim.completions, methods=["POST"]),
+            Route("/v1/chat/completions/render", shim.chat_render, methods=["POST"]),
+            Route("/v1/completions/render", shim.completions_render, methods=["POST"]),
         ],
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
         lifespan=shim.lifespan,

@@ -113,6 +113,12 @@ class GenerateResponse(_message.Message):
     usage: Usage
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
+class RenderResponse(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class Session(_message.Message):
     __slots__ = ("session_id", "token_count", "durable_tokens", "ram_bytes", "created_at", "updated_at", "token_ids", "state", "tenant")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

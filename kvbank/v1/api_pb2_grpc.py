@@ -39,6 +39,11 @@ class GenerationStub:
                 request_serializer=kvbank_dot_v1_dot_api__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=kvbank_dot_v1_dot_api__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Render = channel.unary_unary(
+                '/kvbank.v1.Generation/Render',
+                request_serializer=kvbank_dot_v1_dot_api__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=kvbank_dot_v1_dot_api__pb2.RenderResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -52,6 +57,15 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Render(self, request, context):
+        """The prompt tokens Generate would build for this request, validated as Generate
+        validates it, in the caller's tenant; nothing is queued, generated or stored (for
+        routers that route by prefix, such as vllm-router's kv_aware policy).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +73,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvbank_dot_v1_dot_api__pb2.GenerateRequest.FromString,
                     response_serializer=kvbank_dot_v1_dot_api__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Render': grpc.unary_unary_rpc_method_handler(
+                    servicer.Render,
+                    request_deserializer=kvbank_dot_v1_dot_api__pb2.GenerateRequest.FromString,
+                    response_serializer=kvbank_dot_v1_dot_api__pb2.RenderResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,6 +107,33 @@ class Generation:
             '/kvbank.v1.Generation/Generate',
             kvbank_dot_v1_dot_api__pb2.GenerateRequest.SerializeToString,
             kvbank_dot_v1_dot_api__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Render(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbank.v1.Generation/Render',
+            kvbank_dot_v1_dot_api__pb2.GenerateRequest.SerializeToString,
+            kvbank_dot_v1_dot_api__pb2.RenderResponse.FromString,
             options,
             channel_credentials,
             insecure,
