@@ -26,6 +26,9 @@ TTFT = Histogram("kvbank_time_to_first_token_seconds", "Request received -> firs
 INTER_TOKEN = Histogram("kvbank_inter_token_latency_seconds", "Time between streamed tokens",
                         buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
 REFUSALS = Counter("kvbank_refusals_total", "Requests refused, by reason", ["reason"])
+QUEUED_NOT_REFUSED = Counter(
+    "kvbank_queued_not_refused_total",
+    "Requests a full queue took anyway because this machine holds their KV")
 
 # -- worker --------------------------------------------------------------------------------------
 PREFIX_QUERIES = Counter("kvbank_prefix_queries_total", "Requests that looked for cached KV")

@@ -13,6 +13,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Awaitable, Callable
 
 from kvbank.contracts.failures import Refused
 from kvbank.contracts.vocabulary import RefusalReason, Verdict
@@ -55,7 +56,10 @@ def check_ceilings(c: Ceilings, *, prompt_tokens: int, max_tokens: int, info) ->
 class AdmissionQueue:
     """Step 2: at most `max_active` requests at the worker, at most `max_queue` waiting.
 
-    FIFO; a full queue refuses at once with a retry-after estimated from recent turn times.
+    FIFO; a full queue refuses at once with a retry-after estimated from recent turn times,
+    except a request whose conversation this machine holds (`holds`): behind a gateway a
+    refusal sends it to another machine, which would recompute all of it, so it waits here
+    (bounded by `max_wait_s` as any other).
     """
 
     def __init__(self, max_active: int, max_queue: int, max_wait_s: float):
@@ -74,12 +78,12 @@ class AdmissionQueue:
         turn = sorted(self._recent_s)[len(self._recent_s) // 2] if self._recent_s else 1.0
         return max(1, math.ceil(turn * (self.depth + 1) / self.max_active))
 
-    async def acquire(self) -> float:
+    async def acquire(self, holds: Callable[[], Awaitable[bool]] | None = None) -> float:
         """Wait for a slot; returns the seconds waited. Raises Refused."""
         if self.active < self.max_active and not self._waiters:
             self.active += 1
             return 0.0
-        if len(self._waiters) >= self.max_queue:
+        if len(self._waiters) >= self.max_queue and not (holds is not None and await holds()):
             raise Refused(RefusalReason.QUEUE_FULL, Verdict.AFTER_IN_FLIGHT,
                           f"{self.active} requests are running and {self.depth} waiting "
                           f"(--max-queue {self.max_queue}): retry in {self.retry_after_s()} s",

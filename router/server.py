@@ -93,6 +93,19 @@ class Backend:
         check_ceilings(self.ceilings, prompt_tokens=len(tokens), max_tokens=max_tokens,
                        info=info)
 
+    async def holds(self, tenant: str, tokens: list[int]) -> bool:
+        """This machine holds most of the prompt's KV (RAM or SSD): refusing would have a
+        gateway recompute it elsewhere. A worker that does not answer at once holds nothing."""
+        try:
+            r = await self.stub.Probe(worker_pb2.ProbeRequest(tenant=tenant, token_ids=tokens),
+                                      timeout=1.0)
+        except grpc.aio.AioRpcError:
+            return False
+        held = max(r.ram_tokens, r.ssd_tokens) >= len(tokens) // 2 > 0
+        if held:
+            metrics.QUEUED_NOT_REFUSED.inc()
+        return held
+
     def session_lock(self, tenant: str, session_id: str):
         if not session_id:
             return contextlib.nullcontext()
@@ -162,7 +175,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 gate = await self.b.queue()
                 metrics.QUEUE_DEPTH.set(gate.depth + 1)
                 try:
-                    queue_s = await gate.acquire()
+                    queue_s = await gate.acquire(holds=lambda: self.b.holds(tenant, tokens))
                 finally:
                     metrics.QUEUE_DEPTH.set(gate.depth)
                 metrics.QUEUE_WAIT.observe(queue_s)

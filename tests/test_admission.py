@@ -14,6 +14,7 @@ import threading
 import time
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 
@@ -229,6 +230,29 @@ def test_a_full_queue_refuses_with_retry_after(tiny_model, tmp_path, cache_dir):
         assert int(md["retry-after"]) >= 1 and md["x-kvbank-reason"] == "queue_full"
         assert "--max-queue" in err.details()
         assert result["turn"].usage["completion_tokens"] > 0  # the running one was not affected
+    finally:
+        s.stop()
+
+
+def test_a_full_queue_keeps_a_conversation_this_machine_holds(tiny_model, tmp_path, cache_dir):
+    """Behind a gateway a refusal sends the request to another machine, which recomputes the
+    whole conversation: a full queue takes a request whose KV is here, and it waits its turn."""
+    s = _stack(tiny_model, tmp_path, cache_dir, "--max-active-requests", "1",
+               "--max-queue", "0")
+    try:
+        with s.client() as c:
+            _turn(c, "held", 120, seed=16)
+        t, result = _long_request(s, "long", 20, seed=17)
+        with s.client() as c:
+            err = rpc_error(lambda: c.generate(token_ids=list(range(3000, 3120)), max_tokens=2))
+            assert dict(err.trailing_metadata())["x-kvbank-reason"] == "queue_full"
+            again = _turn(c, "held", 6, seed=18, max_tokens=2)  # waits for the slot
+            served_at = time.time()
+        t.join(120)
+        assert again.usage["cached_tokens"] >= 120 and again.usage["cache_source"] == "ram"
+        assert served_at >= result["at"], "it ran while the slot was taken"
+        text = httpx.get(s.metrics_url("router"), timeout=10).text
+        assert "kvbank_queued_not_refused_total 1.0" in text
     finally:
         s.stop()
 

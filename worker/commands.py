@@ -85,6 +85,14 @@ class PressureTrim(Command):
 
 
 @dataclass
+class Probe(Command):
+    """How many of `tokens` the RAM bank and LMDB hold: (ram_tokens, ssd_tokens)."""
+
+    tenant: str
+    tokens: Any  # np.ndarray, uint32
+
+
+@dataclass
 class Announce(Command):
     """A KV-event subscriber joined: announce every block held, after clearing."""
 

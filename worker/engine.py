@@ -137,6 +137,9 @@ class Engine:
             cmd.Tick: self._tick,
             cmd.PressureTrim: lambda c: upkeep.pressure_trim(self.bank, c.level, c.source,
                                                              c.deferred_s),
+            cmd.Probe: lambda c: self.restorer.held(
+                c.tokens, chain_block_ids(c.tokens, self.root_for(c.tenant), self.block_tokens),
+                c.tenant),
             cmd.Announce: lambda c: self.kv_events and self.kv_events.announce_all(),
         }
         self.snapshot = cmd.Snapshot()

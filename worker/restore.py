@@ -62,6 +62,15 @@ class Restorer:
             return kv.restore(hit.entry.layers, ram_n), ram_n, api_pb2.CACHE_SOURCE_RAM
         return none
 
+    def held(self, tokens: np.ndarray, ids: list[BlockId], tenant: str) -> tuple[int, int]:
+        """How much of `tokens` RAM and LMDB hold (whole blocks on SSD), nothing restored."""
+        hit = self.bank.lookup(tokens, tenant, ids)
+        store = self.store()
+        n_full = 0
+        while store is not None and n_full < len(ids) and store.has_block(ids[n_full]):
+            n_full += 1
+        return (hit.n_tokens if hit else 0), n_full * self.block_tokens
+
     def _ssd_prefix(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
                     session: SessionKey, better_than: int) -> tuple[kv.Layers, int] | None:
         """The longest prefix whose blocks are committed in LMDB, if it beats `better_than`."""

@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvbank import events, metrics
@@ -59,6 +60,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def _ask(self, command: cmd.Command):
         """A command's answer, awaited without holding the event loop."""
         return await asyncio.wrap_future(self.engine.post(command).reply)
+
+    async def Probe(self, request, context):
+        tokens = np.asarray(request.token_ids, dtype=np.uint32)
+        ram, ssd = await self._ask(cmd.Probe(request.tenant, tokens))
+        return worker_pb2.ProbeResponse(ram_tokens=ram, ssd_tokens=ssd)
 
     async def Info(self, request, context):
         e = self.engine

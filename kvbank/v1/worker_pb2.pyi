@@ -76,3 +76,19 @@ class InfoResponse(_message.Message):
     transient_base_bytes: int
     transient_per_context_token: float
     def __init__(self, model_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., block_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., scheduler: _Optional[str] = ..., max_active_requests: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., fixed_bytes: _Optional[int] = ..., max_fit_tokens: _Optional[int] = ..., prefill_chunk_tokens: _Optional[int] = ..., transient_base_bytes: _Optional[int] = ..., transient_per_context_token: _Optional[float] = ...) -> None: ...
+
+class ProbeRequest(_message.Message):
+    __slots__ = ("tenant", "token_ids")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tenant: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ProbeResponse(_message.Message):
+    __slots__ = ("ram_tokens", "ssd_tokens")
+    RAM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SSD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ram_tokens: int
+    ssd_tokens: int
+    def __init__(self, ram_tokens: _Optional[int] = ..., ssd_tokens: _Optional[int] = ...) -> None: ...

@@ -40,6 +40,11 @@ class WorkerStub:
                 request_serializer=kvbank_dot_v1_dot_worker__pb2.WorkerGenerateRequest.SerializeToString,
                 response_deserializer=kvbank_dot_v1_dot_worker__pb2.WorkerGenerateResponse.FromString,
                 _registered_method=True)
+        self.Probe = channel.unary_unary(
+                '/kvbank.v1.Worker/Probe',
+                request_serializer=kvbank_dot_v1_dot_worker__pb2.ProbeRequest.SerializeToString,
+                response_deserializer=kvbank_dot_v1_dot_worker__pb2.ProbeResponse.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/kvbank.v1.Worker/Info',
                 request_serializer=kvbank_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
@@ -91,6 +96,12 @@ class WorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Probe(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -157,6 +168,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvbank_dot_v1_dot_worker__pb2.WorkerGenerateRequest.FromString,
                     response_serializer=kvbank_dot_v1_dot_worker__pb2.WorkerGenerateResponse.SerializeToString,
+            ),
+            'Probe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=kvbank_dot_v1_dot_worker__pb2.ProbeRequest.FromString,
+                    response_serializer=kvbank_dot_v1_dot_worker__pb2.ProbeResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -231,6 +247,33 @@ class Worker:
             '/kvbank.v1.Worker/Generate',
             kvbank_dot_v1_dot_worker__pb2.WorkerGenerateRequest.SerializeToString,
             kvbank_dot_v1_dot_worker__pb2.WorkerGenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbank.v1.Worker/Probe',
+            kvbank_dot_v1_dot_worker__pb2.ProbeRequest.SerializeToString,
+            kvbank_dot_v1_dot_worker__pb2.ProbeResponse.FromString,
             options,
             channel_credentials,
             insecure,
