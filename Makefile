@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 OPENBLAS := /usr/lib/x86_64-linux-gnu/libopenblas.so.0
 ARGS ?=
 
-.PHONY: install run test resilience proto clean
+.PHONY: install run cluster test resilience proto clean
 
 $(STAMP): pyproject.toml
 	@if [ "$$(uname -s)" = Linux ] && [ ! -e $(OPENBLAS) ] && command -v apt-get >/dev/null; then \
@@ -25,6 +25,10 @@ install: $(STAMP)
 
 run: install
 	$(VENV)/bin/kvbank up $(ARGS)
+
+# Several stacks behind vllm-router on this machine; ARGS go to `kvbank cluster up` (--stacks 3).
+cluster: install
+	$(VENV)/bin/kvbank cluster up $(ARGS)
 
 test: install
 	$(PY) -m pytest -q tests $(ARGS)

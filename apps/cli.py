@@ -1,6 +1,7 @@
 """The `kvbank` command.
 
     kvbank up          start router, worker, coldstore and the OpenAI shim (make run)
+    kvbank cluster up  several such stacks behind vllm-router --policy kv_aware (make cluster)
     kvbank chat        talk to a running kvbank in the terminal
     kvbank ask         one turn of a session; --json prints the usage
     kvbank bench ...   benchmarks (JSON out)
@@ -223,6 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
     _shim_flags(up)
     up.set_defaults(func=_run_up)
 
+    cl = sub.add_parser("cluster", help="several stacks on this machine behind vllm-router")
+    clsub = cl.add_subparsers(dest="cluster", required=True)
+    _cluster_up_parser(clsub.add_parser(
+        "up", help="start N stacks and vllm-router in front of them (foreground)",
+        description="Start N kvbank stacks (each a `kvbank up` with its own data dir, ports "
+                    "and KV-event endpoints) and vllm-router in front of their OpenAI APIs; "
+                    "print the one URL clients use. Ctrl-C stops the router, then the stacks. "
+                    "Other `kvbank up` flags (e.g. --memory-budget) go to every stack."))
+
     r = sub.add_parser("router", help="run the router alone")
     _data_dir(r)
     r.add_argument("--model", type=Path, required=True, help="the model folder (tokenizer)")
@@ -383,6 +393,74 @@ def _run_up(args: argparse.Namespace) -> int:
                       port=args.port, shim_port=args.shim_port,
                       metrics_port=args.metrics_port,
                       args={g: forward(args, g) for g in FLAG_GROUPS}).run()
+
+
+# `kvbank up` flags that `kvbank cluster up` sets per stack itself (not passed through).
+CLUSTER_OWNS = ("kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic",
+                "kv_events_block_size")
+
+
+def _cluster_up_parser(p: argparse.ArgumentParser) -> None:
+    from deploy.cluster import (DEFAULT_BLOCK_SIZE, DEFAULT_POLICY, DEFAULT_PORT,
+                                DEFAULT_STACKS, POLICIES, default_cluster_dir)
+
+    p.add_argument("--stacks", type=int, default=DEFAULT_STACKS,
+                   help="kvbank stacks to start (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="vllm-router's address (default: loopback)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help="vllm-router's port: the URL clients use (default: %(default)s, a "
+                        "single stack's)")
+    _model(p)
+    p.add_argument("--data-dir", type=Path, default=default_cluster_dir(),
+                   help="stack I keeps its data in DATA_DIR/stack-I, its log next to it "
+                        "(default: %(default)s)")
+    p.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY,
+                   help="vllm-router's policy; kv_aware reads the stacks' KV events, the others "
+                        "are for comparisons (default: %(default)s)")
+    p.add_argument("--router-bin", default=None,
+                   help="the vllm-router program (default: the one next to this Python, else "
+                        "on PATH; pip install vllm-router)")
+    p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                   help="one more vllm-router argument, last (repeatable), e.g. "
+                        "--router-arg=--retry-max-retries=2")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="each stack's Prometheus ports: 0 free ones (written to "
+                        "DATA_DIR/stack-I/run/*.metrics), -1 off, N: stack I uses N+3(I-1) "
+                        "and the next two (default: %(default)s)")
+    p.add_argument("--timeout-s", type=float, default=600,
+                   help="longest start of the whole cluster (default: %(default)s)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print each stack's and the router's command; start nothing")
+    _worker_flags(p)
+    _coldstore_flags(p)
+    _router_flags(p)
+    p.set_defaults(kv_events_block_size=DEFAULT_BLOCK_SIZE)
+    for action in p._actions:
+        if action.dest in CLUSTER_OWNS[:3]:
+            action.help = argparse.SUPPRESS  # set per stack by the cluster
+        elif action.dest == "kv_events_block_size":
+            action.help = ("tokens per KV-event block: every stack's --kv-events-block-size "
+                           "and the router's --kv-event-block-size (default: %(default)s)")
+    p.set_defaults(func=_run_cluster_up)
+
+
+def cluster_stack_flags(args: argparse.Namespace) -> list[str]:
+    """The `kvbank up` flags given to `kvbank cluster up`, for every stack (each flag once)."""
+    ns = argparse.Namespace(**{**vars(args), **{d: None for d in CLUSTER_OWNS}})
+    return [*forward(ns, "worker"), *forward(ns, "coldstore"), *forward(ns, "router")]
+
+
+def _run_cluster_up(args: argparse.Namespace) -> int:
+    _setup_logging("cluster")
+    from deploy.cluster import run_cluster
+
+    return run_cluster(stacks=args.stacks, model=args.model, base_dir=args.data_dir,
+                       host=args.host, port=args.port, policy=args.policy,
+                       block_size=getattr(args, "kv_events_block_size", 16),
+                       metrics_port=args.metrics_port, router_bin=args.router_bin,
+                       router_extra=args.router_arg, stack_extra=cluster_stack_flags(args),
+                       timeout_s=args.timeout_s, dry_run=args.dry_run)
 
 
 def _run_router(args: argparse.Namespace) -> int:

@@ -35,10 +35,14 @@ class LocalStack:
     @classmethod
     def start(cls, model: Path, data_dir: Path, *, extra: list[str] = (),
               env: dict | None = None, timeout_s: float = 300, shim: bool = True,
-              launcher: tuple[str, ...] = ("-m", "apps.cli")) -> "LocalStack":
-        """`launcher`: the module that runs `up` (a test may stand a slow disk in)."""
-        port = free_port()
-        shim_port = free_port() if shim else 0
+              launcher: tuple[str, ...] = ("-m", "apps.cli"), port: int | None = None,
+              shim_port: int | None = None, wait: bool = True,
+              popen: dict | None = None) -> "LocalStack":
+        """`launcher`: the module that runs `up` (a test may stand a slow disk in).
+        `port`, `shim_port`: fixed ports (default: free ones); `wait=False` returns as soon as
+        the process runs (then `wait_started`); `popen`: more `subprocess.Popen` arguments."""
+        port = port or free_port()
+        shim_port = (shim_port or free_port()) if shim else 0
         layout = Layout(data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         log = data_dir.parent / f"{data_dir.name}-stack.log"
@@ -47,16 +51,22 @@ class LocalStack:
                 "--shim-port", str(shim_port), "--metrics-port", "0", *extra]
         with open(log, "wb") as f:
             proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
-                                    env={**os.environ, **(env or {})})
+                                    env={**os.environ, **(env or {})}, **(popen or {}))
         stack = cls(proc, layout, f"127.0.0.1:{port}", log,
                     f"http://127.0.0.1:{shim_port}" if shim_port else None)
-        deadline = time.monotonic() + timeout_s
-        while not (layout.run_dir / "ready").exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                stack.stop()
-                raise RuntimeError(f"kvbank up failed; log:\n{stack.log_tail()}")
-            time.sleep(0.1)
+        if wait:
+            stack.wait_started(timeout_s)
         return stack
+
+    def wait_started(self, timeout_s: float = 300) -> None:
+        """Until `kvbank up` writes run/ready; if it exits first or the time runs out, stops
+        it and raises with its log's tail."""
+        deadline = time.monotonic() + timeout_s
+        while not (self.layout.run_dir / "ready").exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"kvbank up failed; log:\n{self.log_tail()}")
+            time.sleep(0.1)
 
     def log_tail(self, n: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-n:]
