@@ -118,9 +118,9 @@ def test_blocks_in_ram_and_on_ssd_are_announced_in_vllm_format(events_stack):
     whole = len(history) // BLOCK * BLOCK
     assert whole >= 4 * BLOCK
 
-    # In RAM as host memory, then on SSD as storage: the conversation's whole blocks, from
+    # In RAM as device memory, then on SSD as storage: the conversation's whole blocks, from
     # the root (no parent), one id per block.
-    for medium in ("CPU", "STORAGE"):
+    for medium in ("GPU", "STORAGE"):
         wait_until(lambda: history[:whole] in _stored_chains(sub, medium),
                    f"the conversation's blocks announced as {medium}", timeout_s=30)
     for e in sub.events(BlockStored):
@@ -132,12 +132,12 @@ def test_blocks_in_ram_and_on_ssd_are_announced_in_vllm_format(events_stack):
     seqs = [seq for seq, _ in sub.poll()]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
 
-    # Out of RAM: removed as host memory, still held on SSD.
-    ram = next(e for e in sub.events(BlockStored, "CPU") if e.token_ids == history[:whole])
+    # Out of RAM: removed as device memory, still held on SSD.
+    ram = next(e for e in sub.events(BlockStored, "GPU") if e.token_ids == history[:whole])
     with s.client() as c:
         assert c.release("agent").released_entries == 1
     wait_until(lambda: any(set(ram.block_hashes) <= set(e.block_hashes)
-                           for e in sub.events(BlockRemoved, "CPU")),
+                           for e in sub.events(BlockRemoved, "GPU")),
                "the released blocks removed from RAM")
     assert not any(set(e.block_hashes) & set(ram.block_hashes)
                    for e in sub.events(BlockRemoved, "STORAGE"))

@@ -195,12 +195,13 @@ class SessionBank:
         end of the previous answer differently continues, not branches)."""
         tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
         now = self.clock()
-        for old in list(self.session_entries(session)):
+        superseded = []
+        for old in self.session_entries(session):
             shared = common_prefix_len(old.tokens, tokens)
             if shared == old.n_tokens or (supersede_slack and old.n_tokens <= len(tokens)
                                           and shared >= old.n_tokens - supersede_slack):
                 durable_tokens = max(durable_tokens, min(old.durable_tokens, shared))
-                self._remove(old)
+                superseded.append(old)
         e = BankEntry(
             key=next(self._ids),
             session=session,
@@ -211,7 +212,9 @@ class SessionBank:
             last_used=now,
             durable_tokens=min(durable_tokens, len(tokens)),
         )
-        self._add(e)
+        self._add(e)  # before the superseded leave: the blocks they share are never unheld
+        for old in superseded:
+            self._remove(old)
         self._last_use[session] = now
         return e
 

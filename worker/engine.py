@@ -427,6 +427,8 @@ class Engine:
         )
         metrics.GENERATION_TOKENS.inc(len(r.completion))
         metrics.RECOMPUTED_TOKENS.inc(usage.recomputed_tokens)
+        if self.kv_events is not None:  # the router knows where this turn lives before its
+            self.kv_events.flush()      # client can come back
         r.job.emit(worker_pb2.WorkerGenerateResponse(finish_reason=r.finish, usage=usage))
         r.job.emit(None)
 
