@@ -89,6 +89,11 @@ class Backend:
             self._queue = AdmissionQueue(info.max_active_requests or 1, *self._queue_limits)
         return self._queue
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting in this router's admission queue."""
+        return self._queue.depth if self._queue is not None else 0
+
     def admit_sizes(self, tokens: list[int], max_tokens: int, info) -> None:
         check_ceilings(self.ceilings, prompt_tokens=len(tokens), max_tokens=max_tokens,
                        info=info)
@@ -212,6 +217,22 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 logger.exception("Render failed")
             await context.abort(code, msg, trailing_metadata=md)
         return api_pb2.RenderResponse(token_ids=tokens)
+
+    async def Load(self, request, context):
+        """The worker's load, with the requests waiting in the router's own queue."""
+        try:  # no tenant's data in it: any caller may ask (gateways send no key)
+            info = await self.b.info()
+            w = await self.b.stub.Load(worker_pb2.WorkerLoadRequest(), timeout=5)
+        except Exception as e:
+            code, msg, md = _status_for(e)
+            await context.abort(code, msg, trailing_metadata=md)
+        queued = self.b.queued
+        return api_pb2.LoadResponse(
+            running=w.running, waiting=w.waiting + queued, kv_bytes=w.kv_bytes,
+            kv_capacity_bytes=w.kv_capacity_bytes, max_running=info.max_active_requests,
+            kv_tokens=w.kv_bytes // max(1, info.kv_bytes_per_token),
+            kv_capacity_tokens=w.kv_capacity_bytes // max(1, info.kv_bytes_per_token),
+            kv_cache_usage=min(1.0, w.kv_bytes / w.kv_capacity_bytes) if w.kv_capacity_bytes else 0.0)
 
     async def _relay(self, v: ValidRequest, tokens: list[int], tenant: str, received_at: float,
                      t0: float, queue_s: float):

@@ -121,6 +121,7 @@ class Snapshot:
     ram_bytes: dict[SessionKey, int] = field(default_factory=dict)
     busy: frozenset[SessionKey] = frozenset()
     held_bytes: int = 0  # everything the worker answers for (the guard's ledger level)
+    kv_bytes: int = 0  # the bank's entries and running requests' caches
     bank_bytes: int = 0
     bank_entries: int = 0
     running: int = 0

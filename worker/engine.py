@@ -253,9 +253,11 @@ class Engine:
         """The snapshot other threads read, replaced whole (and this turn's KV events)."""
         if self.kv_events is not None:
             self.kv_events.flush()
+        ledger = self.bank.ledger()
         self.snapshot = cmd.Snapshot(
             sessions=self.conversations.records, ram_bytes=self._ram_bytes,
             busy=self.bank.busy_sessions(), held_bytes=held_bytes(self.pricing, self.bank),
+            kv_bytes=ledger["entries_bytes"] + ledger["active_bytes"],
             bank_bytes=self.bank.total_nbytes, bank_entries=len(self.bank.entries),
             running=len(self.batch), waiting=len(self._pending))
 

@@ -66,6 +66,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         ram, ssd = await self._ask(cmd.Probe(request.tenant, tokens))
         return worker_pb2.ProbeResponse(ram_tokens=ram, ssd_tokens=ssd)
 
+    async def Load(self, request, context):
+        snap, e = self.engine.snapshot, self.engine
+        return worker_pb2.WorkerLoadResponse(
+            running=snap.running, waiting=snap.waiting, kv_bytes=snap.kv_bytes,
+            kv_capacity_bytes=max(0, e.memory_budget - e.pricing.fixed_bytes))
+
     async def Info(self, request, context):
         e = self.engine
         return worker_pb2.InfoResponse(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import logging
 import time
@@ -26,13 +27,13 @@ from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from apps.shim.openai_format import Answer, ApiError, invalid, parse, parse_render
 from kvbank.contracts.failures import HTTP_STATUS, Unauthenticated, failure_for
 from kvbank.contracts.vocabulary import NO_RETRY_VERDICTS
-from kvbank.v1 import api_pb2_grpc
+from kvbank.v1 import api_pb2, api_pb2_grpc
 from router.auth import AUTH_KEY, tenant_for
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,56 @@ class Shim:
             serving = False
         return JSONResponse({"status": "ok" if serving else "router unavailable"},
                             status_code=200 if serving else 503)
+
+    # -- load, as gateways read it (no key: it names no tenant's data) ----------------------
+
+    async def _load(self) -> api_pb2.LoadResponse | None:
+        try:
+            return await self.generation.Load(api_pb2.LoadRequest(), timeout=HEALTH_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return None
+
+    async def metrics(self, request: Request) -> Response:
+        """vLLM's load gauges, under vLLM's names, for gateways that scrape /metrics."""
+        load = await self._load()
+        if load is None:
+            return PlainTextResponse("# router unavailable\n", status_code=503)
+        labels = f'{{engine="0",model_name="{self.model_name}"}}'
+        out = []
+        for name, help_, value in (
+                ("vllm:num_requests_running", "Number of requests in model execution batches.",
+                 load.running),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                 load.waiting),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                 load.kv_cache_usage)):
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} gauge",
+                    f"{name}{labels} {float(value)}"]
+        return PlainTextResponse("\n".join(out) + "\n",
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def loads(self, request: Request) -> JSONResponse:
+        """SMG's `/v1/loads`: one scheduler (data-parallel rank 0)."""
+        load = await self._load()
+        if load is None:
+            return JSONResponse({"error": "router unavailable"}, status_code=503)
+        return JSONResponse({
+            "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "dp_rank_count": 1,
+            "loads": [{"dp_rank": 0, "num_running_reqs": load.running,
+                       "num_waiting_reqs": load.waiting,
+                       "num_total_reqs": load.running + load.waiting,
+                       "num_used_tokens": load.kv_tokens,
+                       "max_total_num_tokens": load.kv_capacity_tokens,
+                       "token_usage": load.kv_cache_usage,
+                       "max_running_requests": load.max_running}]})
+
+    async def get_load(self, request: Request) -> JSONResponse:
+        """vllm-router's `/get_load`: one integer, requests running and waiting."""
+        load = await self._load()
+        if load is None:
+            return JSONResponse({"error": "router unavailable"}, status_code=503)
+        return JSONResponse({"load": load.running + load.waiting})
 
     async def models(self, request: Request) -> JSONResponse:
         try:
@@ -278,6 +329,9 @@ def create_app(router_address: str, keys: dict[str, str] | None = None,
         routes=[
             Route("/health", shim.health),
             Route("/v1/models", shim.models),
+            Route("/metrics", shim.metrics),
+            Route("/v1/loads", shim.loads),
+            Route("/get_load", shim.get_load),
             Route("/v1/models/{model:path}", shim.model),
             Route("/v1/chat/completions", shim.chat_completions, methods=["POST"]),
             Route("/v1/completions", shim.completions, methods=["POST"]),

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvbank/v1/api.proto\x12\tkvbank.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvbank.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"P\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\x81\x02\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.kvbank.v1.ChatMessagesH\x00\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12%\n\x06tokens\x18\x04 \x01(\x0b\x32\x13.kvbank.v1.TokenIdsH\x00\x12\x0e\n\x06\x61ppend\x18\x05 \x01(\x08\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvbank.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x07 \x01(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x10\n\x08no_cache\x18\t \x01(\x08\x42\x07\n\x05input\"\xdf\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12,\n\x0c\x63\x61\x63he_source\x18\x04 \x01(\x0e\x32\x16.kvbank.v1.CacheSource\x12\x19\n\x11recomputed_tokens\x18\x05 \x01(\r\x12\x0e\n\x06ttft_s\x18\x06 \x01(\x01\x12\x0f\n\x07queue_s\x18\x07 \x01(\x01\x12\x0f\n\x07\x64urable\x18\x08 \x01(\x08\x12\x12\n\nsession_id\x18\t \x01(\t\"\x84\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.kvbank.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.kvbank.v1.Usage\"#\n\x0eRenderResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xb7\x01\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0btoken_count\x18\x02 \x01(\r\x12\x16\n\x0e\x64urable_tokens\x18\x03 \x01(\r\x12\x11\n\tram_bytes\x18\x04 \x01(\x04\x12\x12\n\ncreated_at\x18\x05 \x01(\x01\x12\x12\n\nupdated_at\x18\x06 \x01(\x01\x12\x11\n\ttoken_ids\x18\x07 \x03(\r\x12\r\n\x05state\x18\x08 \x01(\t\x12\x0e\n\x06tenant\x18\t \x01(\t\"\x15\n\x13ListSessionsRequest\"<\n\x14ListSessionsResponse\x12$\n\x08sessions\x18\x01 \x03(\x0b\x32\x12.kvbank.v1.Session\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x14\x44\x65leteSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"(\n\x15\x44\x65leteSessionResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"7\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\twrite_out\x18\x02 \x01(\x08\"\x83\x01\n\x0fReleaseResponse\x12\x18\n\x10released_entries\x18\x01 \x01(\r\x12\x16\n\x0ereleased_bytes\x18\x02 \x01(\x04\x12\x1b\n\x13written_out_entries\x18\x03 \x01(\r\x12!\n\x19\x64ropped_unwritten_entries\x18\x04 \x01(\r\" \n\x0fPressureRequest\x12\r\n\x05level\x18\x01 \x01(\t\"1\n\x10PressureResponse\x12\r\n\x05level\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\"\r\n\x0bTrimRequest\"Y\n\x0cTrimResponse\x12\x17\n\x0f\x65victed_entries\x18\x01 \x01(\r\x12\x16\n\x0eunwritten_kept\x18\x02 \x01(\r\x12\x18\n\x10\x62\x61nk_bytes_after\x18\x03 \x01(\x04\"\x0e\n\x0c\x46lushRequest\"Q\n\rFlushResponse\x12\x17\n\x0fwritten_entries\x18\x01 \x01(\r\x12\x16\n\x0e\x66\x61iled_entries\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\x0f\n\rStatusRequest\"\xf2\x04\n\x0eStatusResponse\x12\x16\n\x0epressure_level\x18\x01 \x01(\t\x12\x17\n\x0fpressure_source\x18\x02 \x01(\t\x12\x1b\n\x13memory_budget_bytes\x18\x03 \x01(\x04\x12\x12\n\nheld_bytes\x18\x04 \x01(\x04\x12\x13\n\x0b\x66ixed_bytes\x18\x05 \x01(\x04\x12\x12\n\nbank_bytes\x18\x06 \x01(\x04\x12\x15\n\rrunning_bytes\x18\x07 \x01(\x04\x12\x14\n\x0cstaged_bytes\x18\x08 \x01(\x04\x12\x16\n\x0e\x62\x61nk_max_bytes\x18\t \x01(\x04\x12\x1a\n\x12\x62\x61nk_ceiling_bytes\x18\n \x01(\x04\x12\x14\n\x0c\x62\x61nk_entries\x18\x0b \x01(\r\x12\x11\n\tscheduler\x18\x0c \x01(\t\x12\x18\n\x10running_requests\x18\r \x01(\r\x12\x18\n\x10waiting_requests\x18\x0e \x01(\r\x12\x1c\n\x14recent_receipts_json\x18\x0f \x03(\t\x12\x1a\n\x12kv_bytes_per_token\x18\x10 \x01(\x04\x12\x1c\n\x14prefill_chunk_tokens\x18\x11 \x01(\x04\x12\x1c\n\x14transient_base_bytes\x18\x12 \x01(\x04\x12#\n\x1btransient_per_context_token\x18\x13 \x01(\x01\x12\x19\n\x11unaccounted_bytes\x18\x14 \x01(\x04\x12\x11\n\trss_bytes\x18\x15 \x01(\x04\x12\x16\n\x0e\x63oldstore_json\x18\x16 \x01(\t\x12\x1d\n\x15recent_evictions_json\x18\x17 \x03(\t\x12\x17\n\x0fmlx_cache_bytes\x18\x18 \x01(\x04*n\n\x0b\x43\x61\x63heSource\x12\x1c\n\x18\x43\x41\x43HE_SOURCE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x43\x41\x43HE_SOURCE_NONE\x10\x01\x12\x14\n\x10\x43\x41\x43HE_SOURCE_RAM\x10\x02\x12\x14\n\x10\x43\x41\x43HE_SOURCE_SSD\x10\x03*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\x94\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.kvbank.v1.GenerateRequest\x1a\x1b.kvbank.v1.GenerateResponse0\x01\x12?\n\x06Render\x12\x1a.kvbank.v1.GenerateRequest\x1a\x19.kvbank.v1.RenderResponse2\xd9\x01\n\x08Sessions\x12G\n\x04List\x12\x1e.kvbank.v1.ListSessionsRequest\x1a\x1f.kvbank.v1.ListSessionsResponse\x12\x37\n\x03Get\x12\x1c.kvbank.v1.GetSessionRequest\x1a\x12.kvbank.v1.Session\x12K\n\x06\x44\x65lete\x12\x1f.kvbank.v1.DeleteSessionRequest\x1a .kvbank.v1.DeleteSessionResponse2\xc5\x02\n\x05\x41\x64min\x12@\n\x07Release\x12\x19.kvbank.v1.ReleaseRequest\x1a\x1a.kvbank.v1.ReleaseResponse\x12\x46\n\x0bSetPressure\x12\x1a.kvbank.v1.PressureRequest\x1a\x1b.kvbank.v1.PressureResponse\x12\x37\n\x04Trim\x12\x16.kvbank.v1.TrimRequest\x1a\x17.kvbank.v1.TrimResponse\x12:\n\x05\x46lush\x12\x17.kvbank.v1.FlushRequest\x1a\x18.kvbank.v1.FlushResponse\x12=\n\x06Status\x12\x18.kvbank.v1.StatusRequest\x1a\x19.kvbank.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvbank/v1/api.proto\x12\tkvbank.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvbank.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"P\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\x81\x02\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.kvbank.v1.ChatMessagesH\x00\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12%\n\x06tokens\x18\x04 \x01(\x0b\x32\x13.kvbank.v1.TokenIdsH\x00\x12\x0e\n\x06\x61ppend\x18\x05 \x01(\x08\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvbank.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x07 \x01(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x10\n\x08no_cache\x18\t \x01(\x08\x42\x07\n\x05input\"\xdf\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12,\n\x0c\x63\x61\x63he_source\x18\x04 \x01(\x0e\x32\x16.kvbank.v1.CacheSource\x12\x19\n\x11recomputed_tokens\x18\x05 \x01(\r\x12\x0e\n\x06ttft_s\x18\x06 \x01(\x01\x12\x0f\n\x07queue_s\x18\x07 \x01(\x01\x12\x0f\n\x07\x64urable\x18\x08 \x01(\x08\x12\x12\n\nsession_id\x18\t \x01(\t\"\x84\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.kvbank.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.kvbank.v1.Usage\"#\n\x0eRenderResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xb7\x01\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0btoken_count\x18\x02 \x01(\r\x12\x16\n\x0e\x64urable_tokens\x18\x03 \x01(\r\x12\x11\n\tram_bytes\x18\x04 \x01(\x04\x12\x12\n\ncreated_at\x18\x05 \x01(\x01\x12\x12\n\nupdated_at\x18\x06 \x01(\x01\x12\x11\n\ttoken_ids\x18\x07 \x03(\r\x12\r\n\x05state\x18\x08 \x01(\t\x12\x0e\n\x06tenant\x18\t \x01(\t\"\x15\n\x13ListSessionsRequest\"<\n\x14ListSessionsResponse\x12$\n\x08sessions\x18\x01 \x03(\x0b\x32\x12.kvbank.v1.Session\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x14\x44\x65leteSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"(\n\x15\x44\x65leteSessionResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xb9\x01\n\x0cLoadResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x19\n\x11kv_capacity_bytes\x18\x05 \x01(\x04\x12\x11\n\tkv_tokens\x18\x06 \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\x07 \x01(\x04\x12\x13\n\x0bmax_running\x18\x08 \x01(\r\"7\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\twrite_out\x18\x02 \x01(\x08\"\x83\x01\n\x0fReleaseResponse\x12\x18\n\x10released_entries\x18\x01 \x01(\r\x12\x16\n\x0ereleased_bytes\x18\x02 \x01(\x04\x12\x1b\n\x13written_out_entries\x18\x03 \x01(\r\x12!\n\x19\x64ropped_unwritten_entries\x18\x04 \x01(\r\" \n\x0fPressureRequest\x12\r\n\x05level\x18\x01 \x01(\t\"1\n\x10PressureResponse\x12\r\n\x05level\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\"\r\n\x0bTrimRequest\"Y\n\x0cTrimResponse\x12\x17\n\x0f\x65victed_entries\x18\x01 \x01(\r\x12\x16\n\x0eunwritten_kept\x18\x02 \x01(\r\x12\x18\n\x10\x62\x61nk_bytes_after\x18\x03 \x01(\x04\"\x0e\n\x0c\x46lushRequest\"Q\n\rFlushResponse\x12\x17\n\x0fwritten_entries\x18\x01 \x01(\r\x12\x16\n\x0e\x66\x61iled_entries\x18\x02 \x01(\r\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\x0f\n\rStatusRequest\"\xf2\x04\n\x0eStatusResponse\x12\x16\n\x0epressure_level\x18\x01 \x01(\t\x12\x17\n\x0fpressure_source\x18\x02 \x01(\t\x12\x1b\n\x13memory_budget_bytes\x18\x03 \x01(\x04\x12\x12\n\nheld_bytes\x18\x04 \x01(\x04\x12\x13\n\x0b\x66ixed_bytes\x18\x05 \x01(\x04\x12\x12\n\nbank_bytes\x18\x06 \x01(\x04\x12\x15\n\rrunning_bytes\x18\x07 \x01(\x04\x12\x14\n\x0cstaged_bytes\x18\x08 \x01(\x04\x12\x16\n\x0e\x62\x61nk_max_bytes\x18\t \x01(\x04\x12\x1a\n\x12\x62\x61nk_ceiling_bytes\x18\n \x01(\x04\x12\x14\n\x0c\x62\x61nk_entries\x18\x0b \x01(\r\x12\x11\n\tscheduler\x18\x0c \x01(\t\x12\x18\n\x10running_requests\x18\r \x01(\r\x12\x18\n\x10waiting_requests\x18\x0e \x01(\r\x12\x1c\n\x14recent_receipts_json\x18\x0f \x03(\t\x12\x1a\n\x12kv_bytes_per_token\x18\x10 \x01(\x04\x12\x1c\n\x14prefill_chunk_tokens\x18\x11 \x01(\x04\x12\x1c\n\x14transient_base_bytes\x18\x12 \x01(\x04\x12#\n\x1btransient_per_context_token\x18\x13 \x01(\x01\x12\x19\n\x11unaccounted_bytes\x18\x14 \x01(\x04\x12\x11\n\trss_bytes\x18\x15 \x01(\x04\x12\x16\n\x0e\x63oldstore_json\x18\x16 \x01(\t\x12\x1d\n\x15recent_evictions_json\x18\x17 \x03(\t\x12\x17\n\x0fmlx_cache_bytes\x18\x18 \x01(\x04*n\n\x0b\x43\x61\x63heSource\x12\x1c\n\x18\x43\x41\x43HE_SOURCE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x43\x41\x43HE_SOURCE_NONE\x10\x01\x12\x14\n\x10\x43\x41\x43HE_SOURCE_RAM\x10\x02\x12\x14\n\x10\x43\x41\x43HE_SOURCE_SSD\x10\x03*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xcd\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.kvbank.v1.GenerateRequest\x1a\x1b.kvbank.v1.GenerateResponse0\x01\x12?\n\x06Render\x12\x1a.kvbank.v1.GenerateRequest\x1a\x19.kvbank.v1.RenderResponse\x12\x37\n\x04Load\x12\x16.kvbank.v1.LoadRequest\x1a\x17.kvbank.v1.LoadResponse2\xd9\x01\n\x08Sessions\x12G\n\x04List\x12\x1e.kvbank.v1.ListSessionsRequest\x1a\x1f.kvbank.v1.ListSessionsResponse\x12\x37\n\x03Get\x12\x1c.kvbank.v1.GetSessionRequest\x1a\x12.kvbank.v1.Session\x12K\n\x06\x44\x65lete\x12\x1f.kvbank.v1.DeleteSessionRequest\x1a .kvbank.v1.DeleteSessionResponse2\xc5\x02\n\x05\x41\x64min\x12@\n\x07Release\x12\x19.kvbank.v1.ReleaseRequest\x1a\x1a.kvbank.v1.ReleaseResponse\x12\x46\n\x0bSetPressure\x12\x1a.kvbank.v1.PressureRequest\x1a\x1b.kvbank.v1.PressureResponse\x12\x37\n\x04Trim\x12\x16.kvbank.v1.TrimRequest\x1a\x17.kvbank.v1.TrimResponse\x12:\n\x05\x46lush\x12\x17.kvbank.v1.FlushRequest\x1a\x18.kvbank.v1.FlushResponse\x12=\n\x06Status\x12\x18.kvbank.v1.StatusRequest\x1a\x19.kvbank.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvbank.v1.api_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CACHESOURCE']._serialized_start=2428
-  _globals['_CACHESOURCE']._serialized_end=2538
-  _globals['_FINISHREASON']._serialized_start=2540
-  _globals['_FINISHREASON']._serialized_end=2635
+  _globals['_CACHESOURCE']._serialized_start=2631
+  _globals['_CACHESOURCE']._serialized_end=2741
+  _globals['_FINISHREASON']._serialized_start=2743
+  _globals['_FINISHREASON']._serialized_end=2838
   _globals['_CHATMESSAGE']._serialized_start=34
   _globals['_CHATMESSAGE']._serialized_end=78
   _globals['_CHATMESSAGES']._serialized_start=80
@@ -63,30 +63,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DELETESESSIONREQUEST']._serialized_end=1257
   _globals['_DELETESESSIONRESPONSE']._serialized_start=1259
   _globals['_DELETESESSIONRESPONSE']._serialized_end=1299
-  _globals['_RELEASEREQUEST']._serialized_start=1301
-  _globals['_RELEASEREQUEST']._serialized_end=1356
-  _globals['_RELEASERESPONSE']._serialized_start=1359
-  _globals['_RELEASERESPONSE']._serialized_end=1490
-  _globals['_PRESSUREREQUEST']._serialized_start=1492
-  _globals['_PRESSUREREQUEST']._serialized_end=1524
-  _globals['_PRESSURERESPONSE']._serialized_start=1526
-  _globals['_PRESSURERESPONSE']._serialized_end=1575
-  _globals['_TRIMREQUEST']._serialized_start=1577
-  _globals['_TRIMREQUEST']._serialized_end=1590
-  _globals['_TRIMRESPONSE']._serialized_start=1592
-  _globals['_TRIMRESPONSE']._serialized_end=1681
-  _globals['_FLUSHREQUEST']._serialized_start=1683
-  _globals['_FLUSHREQUEST']._serialized_end=1697
-  _globals['_FLUSHRESPONSE']._serialized_start=1699
-  _globals['_FLUSHRESPONSE']._serialized_end=1780
-  _globals['_STATUSREQUEST']._serialized_start=1782
-  _globals['_STATUSREQUEST']._serialized_end=1797
-  _globals['_STATUSRESPONSE']._serialized_start=1800
-  _globals['_STATUSRESPONSE']._serialized_end=2426
-  _globals['_GENERATION']._serialized_start=2638
-  _globals['_GENERATION']._serialized_end=2786
-  _globals['_SESSIONS']._serialized_start=2789
-  _globals['_SESSIONS']._serialized_end=3006
-  _globals['_ADMIN']._serialized_start=3009
-  _globals['_ADMIN']._serialized_end=3334
+  _globals['_LOADREQUEST']._serialized_start=1301
+  _globals['_LOADREQUEST']._serialized_end=1314
+  _globals['_LOADRESPONSE']._serialized_start=1317
+  _globals['_LOADRESPONSE']._serialized_end=1502
+  _globals['_RELEASEREQUEST']._serialized_start=1504
+  _globals['_RELEASEREQUEST']._serialized_end=1559
+  _globals['_RELEASERESPONSE']._serialized_start=1562
+  _globals['_RELEASERESPONSE']._serialized_end=1693
+  _globals['_PRESSUREREQUEST']._serialized_start=1695
+  _globals['_PRESSUREREQUEST']._serialized_end=1727
+  _globals['_PRESSURERESPONSE']._serialized_start=1729
+  _globals['_PRESSURERESPONSE']._serialized_end=1778
+  _globals['_TRIMREQUEST']._serialized_start=1780
+  _globals['_TRIMREQUEST']._serialized_end=1793
+  _globals['_TRIMRESPONSE']._serialized_start=1795
+  _globals['_TRIMRESPONSE']._serialized_end=1884
+  _globals['_FLUSHREQUEST']._serialized_start=1886
+  _globals['_FLUSHREQUEST']._serialized_end=1900
+  _globals['_FLUSHRESPONSE']._serialized_start=1902
+  _globals['_FLUSHRESPONSE']._serialized_end=1983
+  _globals['_STATUSREQUEST']._serialized_start=1985
+  _globals['_STATUSREQUEST']._serialized_end=2000
+  _globals['_STATUSRESPONSE']._serialized_start=2003
+  _globals['_STATUSRESPONSE']._serialized_end=2629
+  _globals['_GENERATION']._serialized_start=2841
+  _globals['_GENERATION']._serialized_end=3046
+  _globals['_SESSIONS']._serialized_start=3049
+  _globals['_SESSIONS']._serialized_end=3266
+  _globals['_ADMIN']._serialized_start=3269
+  _globals['_ADMIN']._serialized_end=3594
 # @@protoc_insertion_point(module_scope)

@@ -169,6 +169,30 @@ class DeleteSessionResponse(_message.Message):
     deleted: bool
     def __init__(self, deleted: _Optional[bool] = ...) -> None: ...
 
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadResponse(_message.Message):
+    __slots__ = ("running", "waiting", "kv_cache_usage", "kv_bytes", "kv_capacity_bytes", "kv_tokens", "kv_capacity_tokens", "max_running")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    kv_bytes: int
+    kv_capacity_bytes: int
+    kv_tokens: int
+    kv_capacity_tokens: int
+    max_running: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_running: _Optional[int] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "write_out")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

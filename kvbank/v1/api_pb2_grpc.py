@@ -44,6 +44,11 @@ class GenerationStub:
                 request_serializer=kvbank_dot_v1_dot_api__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=kvbank_dot_v1_dot_api__pb2.RenderResponse.FromString,
                 _registered_method=True)
+        self.Load = channel.unary_unary(
+                '/kvbank.v1.Generation/Load',
+                request_serializer=kvbank_dot_v1_dot_api__pb2.LoadRequest.SerializeToString,
+                response_deserializer=kvbank_dot_v1_dot_api__pb2.LoadResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -66,6 +71,12 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Load(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +89,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Render,
                     request_deserializer=kvbank_dot_v1_dot_api__pb2.GenerateRequest.FromString,
                     response_serializer=kvbank_dot_v1_dot_api__pb2.RenderResponse.SerializeToString,
+            ),
+            'Load': grpc.unary_unary_rpc_method_handler(
+                    servicer.Load,
+                    request_deserializer=kvbank_dot_v1_dot_api__pb2.LoadRequest.FromString,
+                    response_serializer=kvbank_dot_v1_dot_api__pb2.LoadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +150,33 @@ class Generation:
             '/kvbank.v1.Generation/Render',
             kvbank_dot_v1_dot_api__pb2.GenerateRequest.SerializeToString,
             kvbank_dot_v1_dot_api__pb2.RenderResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Load(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbank.v1.Generation/Load',
+            kvbank_dot_v1_dot_api__pb2.LoadRequest.SerializeToString,
+            kvbank_dot_v1_dot_api__pb2.LoadResponse.FromString,
             options,
             channel_credentials,
             insecure,

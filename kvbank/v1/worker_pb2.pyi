@@ -92,3 +92,19 @@ class ProbeResponse(_message.Message):
     ram_tokens: int
     ssd_tokens: int
     def __init__(self, ram_tokens: _Optional[int] = ..., ssd_tokens: _Optional[int] = ...) -> None: ...
+
+class WorkerLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerLoadResponse(_message.Message):
+    __slots__ = ("running", "waiting", "kv_bytes", "kv_capacity_bytes")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    waiting: int
+    kv_bytes: int
+    kv_capacity_bytes: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ...) -> None: ...

@@ -45,6 +45,11 @@ class WorkerStub:
                 request_serializer=kvbank_dot_v1_dot_worker__pb2.ProbeRequest.SerializeToString,
                 response_deserializer=kvbank_dot_v1_dot_worker__pb2.ProbeResponse.FromString,
                 _registered_method=True)
+        self.Load = channel.unary_unary(
+                '/kvbank.v1.Worker/Load',
+                request_serializer=kvbank_dot_v1_dot_worker__pb2.WorkerLoadRequest.SerializeToString,
+                response_deserializer=kvbank_dot_v1_dot_worker__pb2.WorkerLoadResponse.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/kvbank.v1.Worker/Info',
                 request_serializer=kvbank_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
@@ -102,6 +107,12 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Probe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Load(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -173,6 +184,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Probe,
                     request_deserializer=kvbank_dot_v1_dot_worker__pb2.ProbeRequest.FromString,
                     response_serializer=kvbank_dot_v1_dot_worker__pb2.ProbeResponse.SerializeToString,
+            ),
+            'Load': grpc.unary_unary_rpc_method_handler(
+                    servicer.Load,
+                    request_deserializer=kvbank_dot_v1_dot_worker__pb2.WorkerLoadRequest.FromString,
+                    response_serializer=kvbank_dot_v1_dot_worker__pb2.WorkerLoadResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -274,6 +290,33 @@ class Worker:
             '/kvbank.v1.Worker/Probe',
             kvbank_dot_v1_dot_worker__pb2.ProbeRequest.SerializeToString,
             kvbank_dot_v1_dot_worker__pb2.ProbeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Load(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbank.v1.Worker/Load',
+            kvbank_dot_v1_dot_worker__pb2.WorkerLoadRequest.SerializeToString,
+            kvbank_dot_v1_dot_worker__pb2.WorkerLoadResponse.FromString,
             options,
             channel_credentials,
             insecure,
