@@ -11,6 +11,7 @@ import json
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -116,3 +117,59 @@ def test_anonymous_agents_return_to_the_stack_that_holds_their_kv(three_stacks):
         for (_, prev_prompt, _), (_, prompt, cached) in zip(seq, seq[1:]):
             assert cached >= prev_prompt, (i, seq)
     assert c.dead() == []
+
+
+def stack_of(c: cluster.ClusterStack, sid: str, n_tokens: int) -> int:
+    (stack,) = served_by(c)[(sid, n_tokens)]
+    return stack
+
+
+def test_a_killed_worker_fails_no_request_and_its_conversations_go_on(three_stacks):
+    """kill -9 of one stack's worker while agents run: the router retries what that stack
+    could not answer on another, and every agent finishes."""
+    c = three_stacks
+    turns: list = []
+    errors: list = []
+    threads = [threading.Thread(target=agent, args=(c.base_url, i, 6, turns, errors))
+               for i in range(3)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: len(turns) >= 5, "a few turns before the kill")
+    victim = c.stacks[stack_of(c, turns[-1][2], turns[-1][3])]
+    old = victim.kill9("worker")
+    for t in threads:
+        t.join(600)
+    assert errors == [], errors
+    assert len(turns) == 18
+    # The path was taken: requests to the dead worker were retried on another stack.
+    text = httpx.get(f"http://127.0.0.1:{c.plan.prometheus_port}/metrics", timeout=10).text
+    retries = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("vllm_router_retries_total"))
+    assert retries > 0, "no request met the dead worker"
+    victim.wait_restarted("worker", old, timeout_s=120)
+
+
+def test_a_restarted_stack_gets_its_conversation_back_from_ssd(three_stacks):
+    """A conversation only on one stack's SSD (its worker restarted, its RAM gone) is routed
+    back to that stack, which announced its SSD blocks when it came back."""
+    c = three_stacks
+    client = openai.OpenAI(base_url=c.base_url, api_key="none")
+    messages = [{"role": "user", "content": task(7)}]
+    for t in range(3):
+        r = client.chat.completions.create(model="kvbank", messages=messages, max_tokens=8)
+        messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": tool_result(7, t)}]
+    usage = r.model_dump()["usage"]
+    sid, n = usage["kvbank"]["session_id"], usage["prompt_tokens"] + usage["completion_tokens"]
+    holder = c.stacks[stack_of(c, sid, n)]
+    with holder.client() as g:
+        wait_until(lambda: g.get_session(sid).durable_tokens == n, "the conversation on SSD",
+                   timeout_s=60)
+    old = holder.kill9("worker")
+    holder.wait_restarted("worker", old, timeout_s=120)
+    r = client.chat.completions.create(model="kvbank", messages=messages, max_tokens=8)
+    after = r.model_dump()["usage"]
+    assert after["kvbank"]["cache_source"] == "ssd", after
+    assert after["prompt_tokens_details"]["cached_tokens"] >= n - 16, after
+    assert c.stacks[stack_of(c, after["kvbank"]["session_id"],
+                             after["prompt_tokens"] + after["completion_tokens"])] is holder
