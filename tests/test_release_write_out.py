@@ -23,6 +23,7 @@ from tests.waiting import wait_until
 from worker import kv
 from worker.bank import SessionBank
 from worker.link import ColdstoreClient
+from worker.upkeep import keep_within_cap
 from worker.writer import KVWriter
 
 B = 16
@@ -278,6 +279,31 @@ def test_staging_at_its_cap_puts_the_hand_over_off_and_keeps_the_entry_protected
     assert rig.writer.write_behind(second) is not None  # what Engine.retry_writes does
     rig.let_idle_lane_write(second)
     assert rig.durable_on_disk("s2") == 40 and not second.write_pending
+
+
+def test_over_the_cap_with_only_unwritten_entries_the_bank_writes_out_and_releases(rig):
+    """The commit's cap policy: when what stands above --bank-bytes is KV not on SSD yet, it
+    is written out and released, not kept (the bank never grows past its cap)."""
+    older = rig.turn("older", 48, seed=31)
+    newest = rig.turn("newest", 48, seed=32)
+    assert older.awaits_queued_write and newest.awaits_queued_write  # busy: nothing written
+    rig.bank.max_bytes = newest.nbytes + older.nbytes // 2  # room for one and a half
+    r = keep_within_cap(rig.bank, protect_keys=(newest.key,))
+    assert rig.bank.total_nbytes <= rig.bank.max_bytes
+    assert [row.session_id for row in r.rows] == ["older"]
+    assert r.kind == "release_write_out" and r.reason == "bank_budget"
+    assert r.written_out_entries == 1 and r.unwritten_dropped == 0
+    assert rig.durable_on_disk("older") == 48  # on SSD before it left RAM
+    assert newest.key in rig.bank.entries  # the turn just committed stays
+    last = rig.bank.eviction_log[-1]
+    assert (last.session_id, last.reason, last.release_write_out) == ("older", "bank_budget",
+                                                                       "written")
+
+
+def test_under_the_cap_nothing_is_written_out(rig):
+    e = rig.turn("small", 24, seed=33)
+    assert keep_within_cap(rig.bank, protect_keys=(e.key,)) is None
+    assert e.key in rig.bank.entries and rig.durable_on_disk("small") == 0
 
 
 @pytest.fixture

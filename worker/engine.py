@@ -463,10 +463,8 @@ class Engine:
             self.writer.write_behind(entry)
         else:  # the coldstore is away: record and KV go when it is back
             entry.write_pending = True
-        # Over budget, least recently used entries leave, but never one whose SSD write is
-        # still queued: it leaves once written (at most --max-dirty-s later).
-        self.bank.shrink_to_bytes(self.bank.effective_max_bytes, reason=TrimReason.BANK_BUDGET,
-                                  protect_unwritten=True, protect_keys=(entry.key,))
+        # Over --bank-bytes: entries on SSD leave first, unwritten ones are written out first.
+        upkeep.keep_within_cap(self.bank, protect_keys=(entry.key,))
         self._refresh_ram_bytes()
         return durable
 

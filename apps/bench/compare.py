@@ -33,6 +33,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -87,9 +88,47 @@ def _sessions(stack) -> dict:
                          for s in sessions}}
 
 
+class _Peaks:
+    """Samples the worker through a run: its RAM bank (the `kvbank_bank_bytes` gauge, set
+    on every change) and its resident memory (anonymous + shared pages, as the worker's own
+    ledger counts them), every `every_s`; keeps the highest of each."""
+
+    def __init__(self, stack, every_s: float = 0.2):
+        self.stack, self.every_s = stack, every_s
+        self.bank_bytes = self.worker_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peaks", daemon=True)
+
+    def __enter__(self) -> "_Peaks":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        import httpx
+
+        from worker.admission import resident_bytes
+
+        url = self.stack.metrics_url("worker")
+        while not self._stop.wait(self.every_s):
+            try:
+                text = httpx.get(url, timeout=5).text
+                bank = next(float(line.split()[-1]) for line in text.splitlines()
+                            if line.startswith("kvbank_bank_bytes "))
+                self.bank_bytes = max(self.bank_bytes, int(bank))
+                self.worker_bytes = max(self.worker_bytes,
+                                        resident_bytes(self.stack.pid("worker")))
+            except Exception:  # a scrape that failed is a sample missed, not the run
+                continue
+
+
 @contextmanager
 def _kvbank(model_dir: Path, tmp: Path, budget_bytes: int, after: dict) -> Iterator[str]:
-    """kvbank with its OpenAI shim; `after` gets the sessions' state once the run is over."""
+    """kvbank with its OpenAI shim; `after` gets the sessions' state once the run is over,
+    and the peaks of its bank and its worker's memory through the run."""
     from deploy.local import LocalStack
 
     stack = LocalStack.start(model_dir, tmp / "kvbank-data",
@@ -98,8 +137,10 @@ def _kvbank(model_dir: Path, tmp: Path, budget_bytes: int, after: dict) -> Itera
         if not stack.shim_url:
             raise RuntimeError("the kvbank stack was started without its OpenAI shim")
         _wait_health(stack.shim_url, stack.proc, 120, stack.log)
-        yield stack.shim_url
+        with _Peaks(stack) as peaks:
+            yield stack.shim_url
         after.update(_sessions(stack))
+        after.update(peak_bank_bytes=peaks.bank_bytes, peak_worker_bytes=peaks.worker_bytes)
     finally:
         stack.stop()
 
@@ -194,6 +235,9 @@ def run(*, model: str | None, scenario, budget_bytes: int, max_wall_s: float,
                         * scenario.params.turns for s in sums.values()),
         "sides": {name: {"label": label, "summary": sums[name]} for name, label in SIDES},
         "kvbank_after": kvbank_after,
+        "peak_bank_bytes": kvbank_after.get("peak_bank_bytes"),
+        "peak_worker_bytes": kvbank_after.get("peak_worker_bytes"),
+        "peak_bank_vs_budget": _ratio(kvbank_after.get("peak_bank_bytes"), budget_bytes),
     }
     return doc, results
 
@@ -231,6 +275,10 @@ def print_table(doc: dict, *, stderr: bool = False) -> None:
     if ram is not None:
         console.print(f"kvbank RAM bank after the run: {ram / 1e6:.0f} MB of KV (budget "
                       f"{doc['budget_bytes'] / 1e6:.0f} MB)")
+    if doc.get("peak_bank_bytes") is not None:
+        console.print(f"kvbank peaks through the run: bank {doc['peak_bank_bytes'] / 1e6:.0f} MB "
+                      f"({f(doc['peak_bank_vs_budget'])}x the budget), worker "
+                      f"{doc['peak_worker_bytes'] / 1e6:.0f} MB resident")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
