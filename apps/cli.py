@@ -201,8 +201,23 @@ def _shim_flags(p: argparse.ArgumentParser) -> None:
            (["--shim-host"], dict(default="127.0.0.1",
                                   help="OpenAI API address (default: loopback)")),
            (["--shim-port"], dict(type=int, default=DEFAULT_SHIM_PORT,
-                                  help="OpenAI API port (default: %(default)s; 0 = no shim)")))
+                                  help="OpenAI API port (default: %(default)s; 0 = no shim)")),
+           # = DEFAULT_MAX_TOKENS of apps/shim/openai_format.py (imported only by the shim)
+           (["--default-max-tokens"], dict(type=_positive_int, default=4096, metavar="N",
+            help="max_tokens of an OpenAI request that sends neither max_tokens nor "
+                 "max_completion_tokens, lowered to the room its prompt leaves in the model's "
+                 "context and under --max-request-tokens (default: %(default)s)")))
     _auth_flags(p, "shim")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of tokens > 0")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -372,6 +387,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     compare_arguments(bc)
     bc.set_defaults(func=_run_bench_compare)
+    bcl = bsub.add_parser("cluster", help="anonymous agents through vllm-router over N stacks: "
+                                          "kv_aware vs round_robin")
+    from apps.bench.cluster import add_arguments as cluster_arguments
+
+    cluster_arguments(bcl)
+    bcl.set_defaults(func=_run_bench_cluster)
     return ap
 
 
@@ -536,7 +557,8 @@ def _run_shim(args: argparse.Namespace) -> int:
     from apps.shim.server import main as shim_main
 
     shim_main(router_address=args.router, host=args.shim_host, port=args.shim_port,
-              keys=load_keys(args.api_key, args.api_keys_file), model_name=args.model_name)
+              keys=load_keys(args.api_key, args.api_keys_file), model_name=args.model_name,
+              default_max_tokens=args.default_max_tokens)
     return 0
 
 
@@ -651,6 +673,19 @@ def _run_bench_compare(args: argparse.Namespace) -> int:
     from apps.bench.compare import run_cli
 
     return run_cli(args)
+
+
+def _run_bench_cluster(args: argparse.Namespace) -> int:
+    _setup_logging("bench")
+    from apps.bench.cluster import run_cli
+    from deploy.cluster import ClusterError
+
+    try:
+        result = run_cli(args)
+    except (ValueError, ClusterError) as e:  # bad flags; a stack or the router did not start
+        sys.stderr.write(f"kvbank bench cluster: {e}\n")
+        return 2
+    return _bench_result(args, result)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from kvbank.contracts.failures import Refused
+from kvbank.contracts.pricing import Pricing
 from kvbank.contracts.vocabulary import RefusalReason, Verdict
+
+def worker_pricing(info) -> Pricing:
+    """The worker's own price list, from its Info."""
+    return Pricing(info.kv_bytes_per_token, info.fixed_bytes, info.prefill_chunk_tokens,
+                   info.transient_base_bytes, info.transient_per_context_token)
+
 
 @dataclass(frozen=True)
 class Ceilings:
@@ -39,10 +46,7 @@ def check_ceilings(c: Ceilings, *, prompt_tokens: int, max_tokens: int, info) ->
                       f"(--max-request-tokens): lower max_tokens or shorten the prompt")
     if not info.memory_budget_bytes:
         return
-    from kvbank.contracts.pricing import Pricing  # the worker's own price list, from its Info
-
-    pricing = Pricing(info.kv_bytes_per_token, info.fixed_bytes, info.prefill_chunk_tokens,
-                      info.transient_base_bytes, info.transient_per_context_token)
+    pricing = worker_pricing(info)
     if pricing.request_bytes(prompt_tokens, max_tokens) > info.memory_budget_bytes - info.fixed_bytes:
         fits = pricing.max_fit_tokens(info.memory_budget_bytes, prompt_tokens)
         raise Refused(RefusalReason.OVER_MEMORY_BUDGET, Verdict.NEVER,

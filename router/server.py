@@ -10,6 +10,7 @@ Errors map to gRPC codes in one place, `_status_for`, by kvbank/contracts/failur
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import hmac
 import logging
@@ -25,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from kvbank import metrics
 from kvbank.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvbank.contracts.failures import KvbankError, WorkerUnavailable, grpc_status
-from router.admission import AdmissionQueue, Ceilings, check_ceilings
+from router.admission import AdmissionQueue, Ceilings, check_ceilings, worker_pricing
 from router.auth import tenant_for
 from router.tokenizer import AnswerTokens, PromptTokenizer
 from router.validation import InvalidRequest, ValidRequest, validate
@@ -94,6 +95,20 @@ class Backend:
         """Requests waiting in this router's admission queue."""
         return self._queue.depth if self._queue is not None else 0
 
+    def fit(self, v: ValidRequest, tokens: list[int], info) -> ValidRequest:
+        """With fit_max_tokens, max_tokens lowered to the room the prompt leaves in the model's
+        context and under the ceilings; where none is left, the ceilings refuse as usual."""
+        if not v.fit_max_tokens:
+            return v
+        most = info.max_context_tokens
+        if self.ceilings.max_request_tokens is not None:
+            most = min(most, self.ceilings.max_request_tokens)
+        if info.memory_budget_bytes:
+            most = min(most, worker_pricing(info).max_fit_tokens(info.memory_budget_bytes,
+                                                                 len(tokens)))
+        room = most - len(tokens)
+        return dataclasses.replace(v, max_tokens=min(v.max_tokens, room)) if room >= 1 else v
+
     def admit_sizes(self, tokens: list[int], max_tokens: int, info) -> None:
         check_ceilings(self.ceilings, prompt_tokens=len(tokens), max_tokens=max_tokens,
                        info=info)
@@ -142,7 +157,7 @@ class Backend:
         if not new:
             raise InvalidRequest("the input tokenizes to nothing: send some text")
         full = history + new
-        if len(full) + v.max_tokens > info.max_context_tokens:
+        if len(full) + (1 if v.fit_max_tokens else v.max_tokens) > info.max_context_tokens:
             raise InvalidRequest(
                 f"the prompt is {len(full)} tokens and max_tokens is {v.max_tokens}: together "
                 f"they exceed the model's context of {info.max_context_tokens} tokens; shorten "
@@ -176,6 +191,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             v = validate(request, vocab_size=self.b.tokenizer.vocab_size)
             async with self.b.session_lock(tenant, v.session_id):
                 tokens = await self.b.prompt_tokens(v, tenant, info)
+                v = self.b.fit(v, tokens, info)
                 self.b.admit_sizes(tokens, v.max_tokens, info)
                 gate = await self.b.queue()
                 metrics.QUEUE_DEPTH.set(gate.depth + 1)

@@ -32,6 +32,7 @@ class ValidRequest:
     max_tokens: int
     stop: tuple[str, ...]
     no_cache: bool
+    fit_max_tokens: bool = False
 
 
 def validate(req: api_pb2.GenerateRequest, *, vocab_size: int) -> ValidRequest:
@@ -82,4 +83,5 @@ def validate(req: api_pb2.GenerateRequest, *, vocab_size: int) -> ValidRequest:
         token_ids=tuple(req.tokens.ids), append=req.append, temperature=s.temperature,
         top_p=s.top_p, seed=s.seed if s.HasField("seed") else None,
         max_tokens=req.max_tokens, stop=tuple(req.stop), no_cache=req.no_cache,
+        fit_max_tokens=req.fit_max_tokens,
     )

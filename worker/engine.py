@@ -426,6 +426,7 @@ class Engine:
             queue_s=r.started - r.job.queued_at,
             durable=durable,
             session_id=r.session[1],
+            max_tokens=r.job.request.max_tokens,
         )
         metrics.GENERATION_TOKENS.inc(len(r.completion))
         metrics.RECOMPUTED_TOKENS.inc(usage.recomputed_tokens)

@@ -18,9 +18,12 @@ from dataclasses import dataclass, field
 from kvbank.client import CACHE_SOURCES, FINISH_REASONS
 from kvbank.v1 import api_pb2
 
-# The OpenAI API's own default is "as many as fit"; a bounded default keeps a forgotten
-# max_tokens from holding the worker for the whole context.
-DEFAULT_MAX_TOKENS = 256
+# What a request without max_tokens / max_completion_tokens gets (`--default-max-tokens`),
+# lowered by the router to the room its prompt leaves in the context and under its ceilings
+# (`fit_max_tokens`), so a long prompt is never refused for it. The OpenAI API's own default
+# is "as many as fit"; kvbank prices a request's memory by prompt + max_tokens before it runs,
+# so the default is a bound a coding agent's longest answer fits in, not the whole context.
+DEFAULT_MAX_TOKENS = 4096
 # OpenAI's default, honoured as given: clients that want greedy answers send 0.
 DEFAULT_TEMPERATURE = 1.0
 MAX_TEMPERATURE = 2.0  # OpenAI's bound (the router would take up to 10)
@@ -79,9 +82,13 @@ class OpenAIRequest:
     generate: api_pb2.GenerateRequest
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk that carries the usage
+    # max_tokens is the server's default, not the client's: the shim may lower it to the room
+    # the prompt leaves (a client's own max_tokens is never lowered: too long is a 400).
+    fit_max_tokens: bool = False
 
 
-def parse(kind: str, body: object, *, session_header: str | None) -> OpenAIRequest:
+def parse(kind: str, body: object, *, session_header: str | None,
+          default_max_tokens: int = DEFAULT_MAX_TOKENS) -> OpenAIRequest:
     """A decoded JSON body of /v1/chat/completions (kind "chat") or /v1/completions.
 
     The session name is the `x-session-id` header, else `x-smg-routing-key` (what SMG-style
@@ -102,7 +109,7 @@ def parse(kind: str, body: object, *, session_header: str | None) -> OpenAIReque
     max_tokens = _int(body, "max_completion_tokens", lo=1, hi=MAX_INT32)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", lo=1, hi=MAX_INT32)
-    req.max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    req.max_tokens = default_max_tokens if max_tokens is None else max_tokens
     temperature = _number(body, "temperature", 0.0, MAX_TEMPERATURE)
     req.sampling.temperature = DEFAULT_TEMPERATURE if temperature is None else temperature
     top_p = _number(body, "top_p", 0.0, 1.0)
@@ -119,17 +126,20 @@ def parse(kind: str, body: object, *, session_header: str | None) -> OpenAIReque
         raise ApiError(413, f"the request is {size} bytes as a kvbank request; the router takes "
                             f"at most {MAX_REQUEST_BYTES}: shorten the prompt",
                        code="request_too_large", retry=False)
-    return OpenAIRequest(kind, req, stream, bool(include_usage))
+    return OpenAIRequest(kind, req, stream, bool(include_usage),
+                         fit_max_tokens=max_tokens is None)
 
 
 def parse_render(kind: str, body: object, *, session_header: str | None) -> OpenAIRequest:
     """A body of /v1/chat/completions/render or /v1/completions/render: the generation
     endpoint's body, less the keys vllm-router adds with its defaults (ROUTER_RENDER_DEFAULTS);
-    everything else is validated by `parse`, so a body it refuses is refused here alike."""
+    everything else is validated by `parse`, so a body it refuses is refused here alike. A body
+    without max_tokens renders with 1: its generation would lower the default to whatever room
+    the prompt leaves, so only a prompt that fills the context is refused, as it would be."""
     if isinstance(body, dict):
         body = {k: v for k, v in body.items()
                 if not (k in ROUTER_RENDER_DEFAULTS and v is ROUTER_RENDER_DEFAULTS[k])}
-    return parse(kind, body, session_header=session_header)
+    return parse(kind, body, session_header=session_header, default_max_tokens=1)
 
 
 def _refuse_unsupported(kind: str, body: dict) -> None:

@@ -1,14 +1,21 @@
-"""`kvbank shim`: the OpenAI HTTP API, as an ordinary client of the router's gRPC API.
+"""`kvbank shim`: the OpenAI HTTP API and Anthropic's Messages API (`/v1/messages`), as an
+ordinary client of the router's gRPC API.
 
 It holds no model and no privileged path: each request becomes one `Generate` call (a render,
 for vllm-router's kv_aware policy, one `Render` call), and the client's API key travels on as
 `authorization` metadata so that the router puts the request in the key's tenant (the shim
-checks the key too, to refuse early with OpenAI's 401).
+checks the key too, to refuse early with a 401). Anthropic's clients send the key as
+`x-api-key`; it travels on as the same metadata.
 
 A stream's HTTP headers go out with the router's first message, not before: a refusal (bad
 input, queue full, worker restarting) then still gets its own HTTP status and Retry-After, as
 OpenAI's clients expect. Once a stream has started, a failure is one SSE error event, in
-OpenAI's shape, that ends it. A client that hangs up cancels its router call.
+the API's shape, that ends it. A client that hangs up cancels its router call.
+
+A max_tokens the client did not choose (the OpenAI routes' `--default-max-tokens`; Anthropic's
+max_tokens, which its clients send as a bound, e.g. 32000 whatever the model) goes to the
+router with `fit_max_tokens`: the router lowers it to the room the prompt leaves in the
+model's context and under its ceilings.
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from apps.shim.openai_format import Answer, ApiError, invalid, parse, parse_render
+from apps.shim import anthropic_format
+from apps.shim.openai_format import (DEFAULT_MAX_TOKENS, Answer, ApiError, invalid, parse,
+                                     parse_render)
 from kvbank.contracts.failures import HTTP_STATUS, Unauthenticated, failure_for
 from kvbank.contracts.vocabulary import NO_RETRY_VERDICTS
 from kvbank.v1 import api_pb2, api_pb2_grpc
@@ -48,8 +57,6 @@ RENDER_TIMEOUT_S = 30.0  # a render only tokenizes (and reads a session's histor
 # HTTP status, OpenAI error type and code (HTTP_STATUS, the one table). Any other status is a
 # 500 with a plain message; the details go to the log, not the client.
 INTERNAL = (500, "server_error", "internal_error")
-
-
 def error_for(e: grpc.aio.AioRpcError) -> ApiError:
     failure = failure_for(e.code())
     status, kind, code = HTTP_STATUS[failure] if failure is not None else INTERNAL
@@ -77,13 +84,21 @@ def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
 
 
-class Shim:
-    """The router channel, the keys, and the one model /v1/models names."""
+def anthropic_error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(anthropic_format.error_body(e), status_code=e.status,
+                        headers=e.headers())
 
-    def __init__(self, router_address: str, keys: dict[str, str], model_name: str | None):
+
+class Shim:
+    """The router channel, the keys, the one model /v1/models names, and the max_tokens of
+    an OpenAI request that sends none."""
+
+    def __init__(self, router_address: str, keys: dict[str, str], model_name: str | None,
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS):
         self.router_address = router_address
         self.keys = keys
         self.model_name = model_name or DEFAULT_MODEL_NAME
+        self.default_max_tokens = default_max_tokens
         self.started_at = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -92,8 +107,10 @@ class Shim:
         self.channel = grpc.aio.insecure_channel(self.router_address)
         self.generation = api_pb2_grpc.GenerationStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
-        logger.info("OpenAI API for router %s, model %r, %s", self.router_address,
-                    self.model_name, f"{len(self.keys)} API keys" if self.keys else "no API keys")
+        logger.info("OpenAI and Anthropic APIs for router %s, model %r, %s, default max_tokens "
+                    "%d", self.router_address, self.model_name,
+                    f"{len(self.keys)} API keys" if self.keys else "no API keys",
+                    self.default_max_tokens)
         try:
             yield
         finally:
@@ -101,7 +118,19 @@ class Shim:
 
     def authorize(self, request: Request) -> tuple[tuple[str, str], ...]:
         """The metadata that carries the client's key on to the router; raises a 401."""
-        header = request.headers.get(AUTH_KEY, "")
+        return self._authorize(request.headers.get(AUTH_KEY, ""))
+
+    def authorize_anthropic(self, request: Request) -> tuple[tuple[str, str], ...]:
+        """As `authorize`, for a key sent as Anthropic's `x-api-key` (or, as Anthropic's
+        clients do with an auth token, `authorization: Bearer`)."""
+        key = request.headers.get("x-api-key")
+        header = f"Bearer {key.strip()}" if key else request.headers.get(AUTH_KEY, "")
+        if self.keys and not header:
+            raise ApiError(401, "this server needs an API key: send `x-api-key: KEY`",
+                           code="invalid_api_key")
+        return self._authorize(header)
+
+    def _authorize(self, header: str) -> tuple[tuple[str, str], ...]:
         try:
             tenant_for(self.keys, [(AUTH_KEY, header)])
         except Unauthenticated as e:
@@ -225,11 +254,13 @@ class Shim:
     async def _generate(self, request: Request, kind: str):
         try:
             metadata = self.authorize(request)
-            req = parse(kind, await _json(request), session_header=_session_header(request))
-            call = self.generation.Generate(req.generate, metadata=metadata)
-            first = await _unless_hung_up(request, call, _read(call))
-            if first is HUNG_UP:
+            req = parse(kind, await _json(request), session_header=_session_header(request),
+                        default_max_tokens=self.default_max_tokens)
+            started = await self._start(request, req.generate, metadata,
+                                        fit=req.fit_max_tokens)
+            if started is HUNG_UP:
                 return Response(status_code=499)  # nginx's "client closed request"; unsent
+            call, first = started
             answer = Answer(kind, self.model_name, include_usage=req.include_usage)
             if req.stream:  # from here on, sse-starlette cancels the stream on a hang-up
                 return EventSourceResponse(_events(call, first, answer), sep="\n")
@@ -237,6 +268,55 @@ class Shim:
             return Response(status_code=499) if body is HUNG_UP else JSONResponse(body)
         except ApiError as e:
             return error_response(e)
+
+    async def _start(self, request: Request, generate: api_pb2.GenerateRequest, metadata, *,
+                     fit: bool):
+        """The router's Generate call and its first message; HUNG_UP if the client left first.
+        With `fit`, max_tokens is a bound the router lowers to what fits (`fit_max_tokens`)."""
+        generate.fit_max_tokens = fit
+        call = self.generation.Generate(generate, metadata=metadata)
+        try:
+            first = await _unless_hung_up(request, call, call.read())
+        except grpc.aio.AioRpcError as e:
+            raise error_for(e) from None
+        return HUNG_UP if first is HUNG_UP else (call, first)
+
+    # -- Anthropic's Messages API -----------------------------------------------------------
+
+    async def messages(self, request: Request):
+        try:
+            metadata = self.authorize_anthropic(request)
+            req = anthropic_format.parse(await _json(request),
+                                         session_header=_session_header(request))
+            started = await self._start(request, req.generate, metadata, fit=True)
+            if started is HUNG_UP:
+                return Response(status_code=499)
+            call, first = started
+            message = anthropic_format.Message(self.model_name,
+                                               asked_max_tokens=req.generate.max_tokens)
+            if req.stream:
+                return EventSourceResponse(_anthropic_events(call, first, message), sep="\n")
+            body = await _unless_hung_up(request, call, _collect(call, first, message))
+            return Response(status_code=499) if body is HUNG_UP else JSONResponse(body)
+        except ApiError as e:
+            return anthropic_error_response(e)
+
+    async def count_tokens(self, request: Request) -> JSONResponse:
+        """`/v1/messages/count_tokens`: the prompt tokens of a Messages body (its render)."""
+        try:
+            metadata = self.authorize_anthropic(request)
+            req = anthropic_format.parse(await _json(request),
+                                         session_header=_session_header(request),
+                                         count_only=True)
+            req.generate.max_tokens = 1  # only a prompt that fills the context is refused
+            try:
+                out = await self.generation.Render(req.generate, metadata=metadata,
+                                                   timeout=RENDER_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:
+                raise error_for(e) from None
+        except ApiError as e:
+            return anthropic_error_response(e)
+        return JSONResponse({"input_tokens": len(out.token_ids)})
 
 
 HUNG_UP = object()
@@ -305,26 +385,54 @@ async def _events(call, msg, answer: Answer):
         call.cancel()  # a no-op once the call is done; stops the worker if the client left
 
 
+async def _anthropic_events(call, msg, message: anthropic_format.Message):
+    """Anthropic's events, each as `event: TYPE` and `data: {"type": TYPE, ...}`; a failure
+    once the stream has started is an `error` event that ends it."""
+    try:
+        for event in message.opening():
+            yield _sse(event)
+        while msg is not grpc.aio.EOF:
+            for event in message.events(msg):
+                yield _sse(event)
+            msg = await _read(call)
+    except ApiError as e:
+        yield _sse(anthropic_format.error_body(e))
+    finally:
+        call.cancel()
+
+
+def _sse(event: dict) -> dict:
+    return {"event": event["type"], "data": _dumps(event)}
+
+
 def _dumps(body: dict) -> str:
     # json escapes newlines, so each event is exactly one `data:` line
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
 
 
+def _error_response(request: Request, e: ApiError) -> JSONResponse:
+    """In the shape of the API the path belongs to."""
+    if request.url.path.startswith("/v1/messages"):
+        return anthropic_error_response(e)
+    return error_response(e)
+
+
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    return error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: "
-                                                    f"{exc.detail}"))
+    return _error_response(request, ApiError(exc.status_code, f"{request.method} "
+                                                              f"{request.url.path}: {exc.detail}"))
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     # Starlette re-raises `exc` after this answer, and uvicorn logs its traceback.
-    return error_response(ApiError(500, "kvbank failed to answer (internal error); the server "
-                                        "log says why", type="server_error",
-                                   code="internal_error"))
+    return _error_response(request, ApiError(500, "kvbank failed to answer (internal error); "
+                                                  "the server log says why",
+                                             type="server_error", code="internal_error"))
 
 
 def create_app(router_address: str, keys: dict[str, str] | None = None,
-               model_name: str | None = None) -> Starlette:
-    shim = Shim(router_address, keys or {}, model_name)
+               model_name: str | None = None,
+               default_max_tokens: int = DEFAULT_MAX_TOKENS) -> Starlette:
+    shim = Shim(router_address, keys or {}, model_name, default_max_tokens)
     return Starlette(
         routes=[
             Route("/health", shim.health),
@@ -337,6 +445,8 @@ def create_app(router_address: str, keys: dict[str, str] | None = None,
             Route("/v1/completions", shim.completions, methods=["POST"]),
             Route("/v1/chat/completions/render", shim.chat_render, methods=["POST"]),
             Route("/v1/completions/render", shim.completions_render, methods=["POST"]),
+            Route("/v1/messages", shim.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", shim.count_tokens, methods=["POST"]),
         ],
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
         lifespan=shim.lifespan,
@@ -344,8 +454,8 @@ def create_app(router_address: str, keys: dict[str, str] | None = None,
 
 
 def main(router_address: str, host: str, port: int, keys: dict[str, str],
-         model_name: str | None) -> None:
-    app = create_app(router_address, keys, model_name)
+         model_name: str | None, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+    app = create_app(router_address, keys, model_name, default_max_tokens)
     # log_config=None keeps the process's logging (set up by the CLI); loop="asyncio" because
     # grpc.aio wants the standard event loop.
     config = uvicorn.Config(app, host=host, port=port, loop="asyncio", log_config=None,

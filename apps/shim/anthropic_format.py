@@ -1,0 +1,273 @@
+"""Anthropic's Messages API (`POST /v1/messages`) in, the kvbank `GenerateRequest` the chat
+endpoint builds out; the router's messages in, Anthropic's message and stream events out.
+
+The conversation reaches the router as chat messages with roles, rendered by the model's chat
+template, exactly as `/v1/chat/completions` sends it, so whatever finds KV for one (the
+prefix, RAM or SSD, a conversation found by its tokens, a name from `x-session-id` or
+`metadata.user_id`) finds it for the other.
+
+A body is validated here, once, before anything reaches the router. A field kvbank does not
+support, a content block it cannot render (`tool_use`, `tool_result`, images, ...) and an
+assistant prefill are each a 400, in Anthropic's error shape, that names them, so a client
+never gets less than it asked for without being told. `cache_control` (top-level or on a
+block) is accepted and ignored: kvbank keeps the KV of every prompt without being asked; so
+are the fields about where and how fast Anthropic would serve a request (NO_EFFECT).
+
+Usage follows Anthropic's arithmetic: the prompt is `input_tokens + cache_read_input_tokens +
+cache_creation_input_tokens`, where `cache_read_input_tokens` is what kvbank restored (RAM or
+SSD) and `input_tokens` what it computed; `cache_creation_input_tokens` is always 0 (there is
+no separate, billed cache write).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from apps.shim.openai_format import (MAX_INT32, MAX_REQUEST_BYTES, ApiError, _int, _number,
+                                     _optional, invalid, usage_body as openai_usage)
+from kvbank.v1 import api_pb2
+
+DEFAULT_TEMPERATURE = 1.0  # Anthropic's default
+SUPPORTED = ("model", "max_tokens", "messages", "system", "stop_sequences", "temperature",
+             "top_p", "stream", "metadata")
+# Accepted, and without effect on one local machine that caches every prompt.
+NO_EFFECT = ("cache_control", "service_tier", "speed", "inference_geo")
+# Why a known field is refused; any other unknown field is refused as unknown.
+NOT_SUPPORTED = {
+    "tools": "tool use is not supported yet",
+    "tool_choice": "tool use is not supported yet",
+    "thinking": "extended thinking is not supported",
+    "top_k": "top_k sampling is not supported (kvbank samples with temperature and top_p)",
+}
+# HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors).
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+               413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+               503: "overloaded_error", 529: "overloaded_error"}
+ZERO_USAGE = {"input_tokens": 0, "output_tokens": 0, "cache_creation_input_tokens": 0,
+              "cache_read_input_tokens": 0}
+
+
+def error_body(e: ApiError) -> dict:
+    """`{"type": "error", "error": {"type", "message"}}` for an error the OpenAI routes would
+    answer with `e` (same HTTP status, same headers)."""
+    kind = ERROR_TYPES.get(e.status) or ("api_error" if e.status >= 500
+                                         else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
+@dataclass(frozen=True)
+class MessagesRequest:
+    generate: api_pb2.GenerateRequest
+    stream: bool
+
+
+def parse(body: object, *, session_header: str | None,
+          count_only: bool = False) -> MessagesRequest:
+    """A decoded JSON body of /v1/messages (or, `count_only`, /v1/messages/count_tokens, which
+    needs no max_tokens). The session name is the `x-session-id` (or `x-smg-routing-key`)
+    header, else `metadata.user_id`, else none (the worker finds the conversation by its
+    tokens). The input is always the whole conversation (append=False)."""
+    if not isinstance(body, dict):
+        raise invalid(None, f"the body must be a JSON object; given {type(body).__name__}")
+    _refuse_unsupported(body)
+    _optional(body, "model", str, "a string")
+    metadata = _optional(body, "metadata", dict, "an object") or {}
+    extra = sorted(k for k, v in metadata.items() if k != "user_id" and v is not None)
+    if extra:
+        raise invalid(f"metadata.{extra[0]}", "metadata takes only user_id; given "
+                                              + ", ".join(f"metadata.{k}" for k in extra))
+    user = _optional(metadata, "user_id", str, "a string", param="metadata.user_id")
+    req = api_pb2.GenerateRequest(session_id=session_header or user or "", append=False)
+    system = _system(body.get("system"))
+    if system:
+        req.chat.messages.append(api_pb2.ChatMessage(role="system", content=system))
+    req.chat.messages.extend(_messages(body))
+    max_tokens = _int(body, "max_tokens", lo=1, hi=MAX_INT32)
+    if max_tokens is None and not count_only:
+        raise invalid("max_tokens", "max_tokens is required (the most tokens the answer may "
+                                    "have; kvbank lowers it to the room the prompt leaves in "
+                                    "the model's context)")
+    req.max_tokens = max_tokens or 1
+    temperature = _number(body, "temperature", 0.0, 1.0)
+    req.sampling.temperature = DEFAULT_TEMPERATURE if temperature is None else temperature
+    top_p = _number(body, "top_p", 0.0, 1.0)
+    req.sampling.top_p = 1.0 if top_p is None else top_p
+    req.stop.extend(_stop_sequences(body))
+    stream = bool(_optional(body, "stream", bool, "true or false"))
+    if (size := req.ByteSize()) > MAX_REQUEST_BYTES:
+        raise ApiError(413, f"the request is {size} bytes as a kvbank request; the router takes "
+                            f"at most {MAX_REQUEST_BYTES}: shorten the prompt",
+                       code="request_too_large", retry=False)
+    return MessagesRequest(req, stream)
+
+
+def _absent(name: str, value: object) -> bool:
+    """null, and the values that ask for nothing (no tools, thinking disabled), are absent."""
+    return (value is None or (name == "tools" and value == [])
+            or (name == "thinking" and isinstance(value, dict)
+                and value.get("type") == "disabled"))
+
+
+def _refuse_unsupported(body: dict) -> None:
+    named = [k for k, v in body.items()
+             if k not in SUPPORTED and k not in NO_EFFECT and not _absent(k, v)]
+    if not named:
+        return
+    why = "; ".join(f"{k}: {NOT_SUPPORTED.get(k, 'not a field kvbank knows')}" for k in named)
+    raise invalid(named[0], f"unsupported field{'s' if len(named) > 1 else ''} "
+                            f"{', '.join(named)} ({why}); kvbank's Messages API takes "
+                            f"{', '.join(SUPPORTED)}")
+
+
+def _system(system: object) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    return _text(system, "system")
+
+
+def _messages(body: dict) -> list[api_pb2.ChatMessage]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        given = ("it is missing" if messages is None else "it is empty" if messages == []
+                 else f"given {type(messages).__name__}")
+        raise invalid("messages", f"messages must be a non-empty array of messages; {given}")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise invalid(where, f"{where} must be an object with role and content")
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise invalid(f"{where}.role", f'{where}.role must be "user" or "assistant" (the '
+                                           f"system prompt is the top-level system); given "
+                                           f"{role!r}")
+        extra = sorted(k for k, v in m.items() if k not in ("role", "content") and v is not None)
+        if extra:
+            raise invalid(f"{where}.{extra[0]}", f"{where} takes role and content only; given "
+                                                 f"{', '.join(extra)}")
+        if "content" not in m:
+            raise invalid(f"{where}.content", f"{where}.content is missing")
+        out.append(api_pb2.ChatMessage(role=role, content=_text(m["content"], f"{where}.content")))
+    if out[-1].role == "assistant":
+        raise invalid(f"messages[{len(out) - 1}].role",
+                      "the last message is the assistant's: continuing a prefilled answer is "
+                      "not supported yet (the chat template renders the turn as finished); end "
+                      "with a user message")
+    return out
+
+
+def _text(content: object, where: str) -> str:
+    """A string, or text blocks (joined by newlines); any other block is refused by name."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(where, f"{where} must be a string or an array of content blocks; given "
+                             f"{type(content).__name__}")
+    texts = []
+    for j, block in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if isinstance(kind, str) and kind.endswith(("tool_use", "tool_result")):
+            raise invalid(f"{at}.type", f"{at} is a {kind} block: tool use is not supported yet "
+                                        f"(kvbank does not render tools into the model's chat "
+                                        f"template); send text blocks")
+        if kind != "text":
+            raise invalid(f"{at}.type", f'{at}.type must be "text" (kvbank serves a text-only '
+                                        f"model); given {kind!r}")
+        if not isinstance(block.get("text"), str):
+            raise invalid(f"{at}.text", f"{at}.text must be a string")
+        extra = sorted(k for k, v in block.items()
+                       if k not in ("type", "text", "cache_control") and v not in (None, []))
+        if extra:
+            raise invalid(f"{at}.{extra[0]}", f"{at}: {', '.join(extra)} not supported on text "
+                                              f"blocks")
+        texts.append(block["text"])
+    return "\n".join(texts)
+
+
+def _stop_sequences(body: dict) -> list[str]:
+    stops = body.get("stop_sequences")
+    if stops is None:
+        return []
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise invalid("stop_sequences", "stop_sequences must be an array of non-empty strings")
+    return stops
+
+
+# -- answers --------------------------------------------------------------------------------
+
+
+def usage_body(u: api_pb2.Usage) -> dict:
+    """Anthropic's usage (input_tokens: the prompt tokens not read from cache), plus kvbank's
+    own facts under `kvbank` (clients ignore unknown keys)."""
+    return {"input_tokens": u.prompt_tokens - u.cached_tokens,
+            "output_tokens": u.completion_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": u.cached_tokens,
+            "kvbank": openai_usage(u)["kvbank"]}
+
+
+@dataclass
+class Message:
+    """One request's answer as the router streams it: a message, or its stream events."""
+
+    model: str
+    # What the client asked for; when the router lowered it to the room the prompt left in
+    # the model's context, an answer that fills that room stops for it
+    # ("model_context_window_exceeded"), not for max_tokens.
+    asked_max_tokens: int = 0
+    id: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
+    text: list[str] = field(default_factory=list)
+    stop_reason: str | None = None
+    usage: dict | None = None
+
+    def add(self, msg: api_pb2.GenerateResponse) -> None:
+        if msg.text:
+            self.text.append(msg.text)
+        if msg.HasField("usage"):
+            self.usage = usage_body(msg.usage)
+            if msg.finish_reason != api_pb2.FINISH_REASON_LENGTH:
+                # kvbank does not tell an end-of-turn token from a stop sequence yet
+                self.stop_reason = "end_turn"
+            elif msg.usage.max_tokens and msg.usage.max_tokens < self.asked_max_tokens:
+                self.stop_reason = "model_context_window_exceeded"
+            else:
+                self.stop_reason = "max_tokens"
+
+    def body(self) -> dict:
+        return self._message([{"type": "text", "text": "".join(self.text)}], self.stop_reason,
+                             self.usage)
+
+    def opening(self) -> list[dict]:
+        """The events before the first text: the usage is not known yet (kvbank counts the
+        prompt and what it restored as it runs); message_delta carries all of it."""
+        return [_event("message_start", message=self._message([], None, dict(ZERO_USAGE))),
+                _event("content_block_start", index=0,
+                       content_block={"type": "text", "text": ""}),
+                _event("ping")]
+
+    def events(self, msg: api_pb2.GenerateResponse) -> list[dict]:
+        """The events one router message becomes (a text delta; the end of the message)."""
+        self.add(msg)
+        out = []
+        if msg.text:
+            out.append(_event("content_block_delta", index=0,
+                              delta={"type": "text_delta", "text": msg.text}))
+        if msg.HasField("usage"):
+            out += [_event("content_block_stop", index=0),
+                    _event("message_delta",
+                           delta={"stop_reason": self.stop_reason, "stop_sequence": None},
+                           usage=self.usage),
+                    _event("message_stop")]
+        return out
+
+    def _message(self, content: list, stop_reason: str | None, usage: dict | None) -> dict:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content, "stop_reason": stop_reason, "stop_sequence": None,
+                "usage": usage}
+
+
+def _event(kind: str, **fields) -> dict:
+    return {"type": kind, **fields}

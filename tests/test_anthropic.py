@@ -1,0 +1,313 @@
+"""Anthropic's Messages API on the shim (`/v1/messages`), driven by the official `anthropic`
+SDK (and raw HTTP where the bytes matter) against the real stack; and the OpenAI routes'
+`--default-max-tokens`. The tiny model is random, so the tests check structure, token counts
+and cached tokens, never the text itself. Its context is 2,048 tokens."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from kvbank.contracts.failures import Refused
+from kvbank.v1 import worker_pb2
+from router.admission import Ceilings, check_ceilings
+from tests.conftest import start_stack
+
+KEY = "k-anthropic"
+DEFAULT_MAX_TOKENS = 300  # the stack's --default-max-tokens: more than the old fixed 256
+CONTEXT = 2048  # the tiny model's max_position_embeddings
+MAX_TOKENS = 8
+# The SDK no longer takes sampling parameters as arguments; the API (and kvbank) still does.
+GREEDY = {"extra_body": {"temperature": 0}}
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_model, tmp_path_factory, cache_dir):
+    """One stack for the module, with an API key (every test passes through auth) and a
+    default max_tokens for OpenAI requests that send none."""
+    s = start_stack(tiny_model, tmp_path_factory.mktemp("anthropic") / "data", cache_dir=cache_dir,
+                    extra=["--api-key", KEY, "--default-max-tokens", str(DEFAULT_MAX_TOKENS)])
+    yield s
+    s.stop()
+
+
+def _client(stack, key: str = KEY) -> anthropic.Anthropic:
+    # An explicit timeout: the SDK's own refuses a non-streamed max_tokens of 32000 (or none).
+    return anthropic.Anthropic(base_url=stack.shim_url, api_key=key, max_retries=0,
+                               timeout=120.0)
+
+
+def _user(text: str) -> list[dict]:
+    # A unique first message, so no earlier test's KV serves as this test's prefix.
+    return [{"role": "user", "content": f"[{uuid.uuid4().hex}] {text}"}]
+
+
+def _prompt(usage) -> int:
+    """The whole prompt, as Anthropic counts it."""
+    return usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+
+
+def test_text_turn(keyed):
+    c = _client(keyed)
+    messages = _user("Hello")
+    r = c.messages.create(model="kvbank", max_tokens=MAX_TOKENS, messages=messages,
+                          system=[{"type": "text", "text": "Be terse.",
+                                   "cache_control": {"type": "ephemeral"}}],
+                          stop_sequences=["\n\n\n"], cache_control={"type": "ephemeral"},
+                          extra_body={"temperature": 0, "top_p": 0.9},
+                          extra_headers={"anthropic-beta": "prompt-caching-2024-07-31"})
+    assert r.type == "message" and r.id.startswith("msg_") and r.role == "assistant"
+    assert r.model == "kvbank"
+    [block] = r.content
+    assert block.type == "text" and isinstance(block.text, str)
+    assert r.stop_reason in ("end_turn", "max_tokens") and r.stop_sequence is None
+    u = r.usage
+    assert 0 < u.output_tokens <= MAX_TOKENS and u.cache_creation_input_tokens == 0
+    assert u.input_tokens > 0 and u.cache_read_input_tokens >= 0
+    assert u.model_extra["kvbank"]["cache_source"] in ("none", "ram", "ssd")
+    # input_tokens + cache_read_input_tokens is the whole prompt: what count_tokens renders,
+    # and what the chat endpoint counts for the same conversation.
+    counted = c.messages.count_tokens(model="kvbank", messages=messages, system="Be terse.")
+    assert _prompt(u) == counted.input_tokens
+    chat = openai.OpenAI(base_url=keyed.shim_url + "/v1", api_key=KEY, max_retries=0)
+    same = chat.chat.completions.create(
+        model="kvbank", max_tokens=MAX_TOKENS, temperature=0, top_p=0.9, stop=["\n\n\n"],
+        messages=[{"role": "system", "content": "Be terse."}, *messages])
+    assert same.usage.prompt_tokens == _prompt(u)
+    assert same.choices[0].message.content == block.text  # the same request to the router
+    # ... whose prompt was the Anthropic turn's, now restored from the bank
+    assert same.usage.prompt_tokens_details.cached_tokens >= _prompt(u) - 1
+
+
+@pytest.mark.parametrize("identity", ["metadata", "anonymous"])
+def test_second_turn_is_served_from_cache(keyed, identity):
+    """Anthropic's clients resend the whole conversation; the first turn's KV (its prompt and
+    its answer) serves the second's prefix, named by metadata.user_id or found by tokens."""
+    c = _client(keyed)
+    same = ({"metadata": {"user_id": f"agent-{uuid.uuid4().hex[:8]}"}}
+            if identity == "metadata" else {})
+    messages = _user("List three prime numbers.")
+    t1 = c.messages.create(model="kvbank", max_tokens=MAX_TOKENS, messages=messages,
+                           **GREEDY, **same)
+    messages += [{"role": "assistant", "content": [{"type": "text", "text": t1.content[0].text}]},
+                 {"role": "user", "content": "Now three even ones."}]
+    t2 = c.messages.create(model="kvbank", max_tokens=MAX_TOKENS, messages=messages,
+                           **GREEDY, **same)
+    first = _prompt(t1.usage) + t1.usage.output_tokens
+    assert t2.usage.cache_read_input_tokens >= first - 1  # the first turn, prompt and answer
+    assert t2.usage.input_tokens == _prompt(t2.usage) - t2.usage.cache_read_input_tokens > 0
+    assert t2.usage.model_extra["kvbank"]["cache_source"] == "ram"
+    if identity == "metadata":
+        assert t2.usage.model_extra["kvbank"]["session_id"] == same["metadata"]["user_id"]
+    else:
+        assert t2.usage.model_extra["kvbank"]["session_id"].startswith("~")
+
+
+def test_stream_through_the_sdk_is_the_non_streamed_answer(keyed):
+    c = _client(keyed)
+    messages = _user("Tell me a story.")
+    whole = c.messages.create(model="kvbank", max_tokens=16, messages=messages, **GREEDY)
+    with c.messages.stream(model="kvbank", max_tokens=16, messages=messages,
+                           **GREEDY) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == whole.content[0].text == final.content[0].text
+    assert final.id.startswith("msg_") and final.stop_reason == whole.stop_reason
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert _prompt(final.usage) == _prompt(whole.usage)
+    # The second request saw the same prompt: its KV came back from the bank.
+    assert final.usage.cache_read_input_tokens > 0
+
+
+def test_stream_events_in_anthropics_order(keyed):
+    body = {"model": "kvbank", "max_tokens": MAX_TOKENS, "messages": _user("Count."),
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", keyed.shim_url + "/v1/messages", json=body,
+                      headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = []
+    for block in raw.split("\n\n"):
+        lines = [line for line in block.split("\n") if line and not line.startswith(":")]
+        if not lines:
+            continue  # a keep-alive comment (a slow machine)
+        assert lines[0].startswith("event: ") and lines[1].startswith("data: "), block
+        data = json.loads(lines[1].removeprefix("data: "))
+        assert data["type"] == lines[0].removeprefix("event: ")
+        events.append(data)
+    kinds = [e["type"] for e in events]
+    deltas = kinds.count("content_block_delta")
+    assert kinds == ["message_start", "content_block_start", "ping",
+                     *["content_block_delta"] * deltas,
+                     "content_block_stop", "message_delta", "message_stop"]
+    start = events[0]["message"]
+    assert start["content"] == [] and start["stop_reason"] is None
+    assert "input_tokens" in start["usage"]
+    assert events[1] == {"type": "content_block_start", "index": 0,
+                         "content_block": {"type": "text", "text": ""}}
+    assert all(e["delta"]["type"] == "text_delta" for e in events[3:3 + deltas])
+    end = events[-2]
+    assert end["delta"]["stop_reason"] in ("end_turn", "max_tokens")
+    assert 0 < end["usage"]["output_tokens"] <= MAX_TOKENS
+    assert end["usage"]["input_tokens"] > 0
+
+
+BAD = [  # (what replaces a good body's fields, what the 400's message must name)
+    ({"max_tokens": anthropic.omit}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"extra_body": {"temperature": 1.5}}, "temperature"),
+    ({"extra_body": {"top_k": 5}}, "top_k"),
+    ({"output_config": {"effort": "low"}}, "output_config"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools"),
+    ({"extra_body": {"frobnicate": True}}, "frobnicate"),
+    ({"extra_body": {"metadata": {"user_id": "a", "x": 1}}}, "metadata.x"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                 "content": "42"}]}]}, "tool_result"),
+    ({"messages": [{"role": "user", "content": "Hi"},
+                   {"role": "assistant", "content": [{"type": "tool_use", "id": "t1",
+                                                      "name": "f", "input": {}}]},
+                   {"role": "user", "content": "go on"}]}, "tool_use"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}, "image"),
+    ({"messages": [{"role": "user", "content": "Hi"},
+                   {"role": "assistant", "content": "The answer is"}]}, "prefill"),
+    ({"messages": [{"role": "system", "content": "Hi"}]}, "messages[0].role"),
+    ({"stop_sequences": [""]}, "stop_sequences"),
+]
+
+
+@pytest.mark.parametrize("fields,named", BAD, ids=[n for _, n in BAD])
+def test_bad_request_is_a_400_in_anthropics_shape_naming_it(keyed, fields, named):
+    body = {"model": "kvbank", "max_tokens": MAX_TOKENS, "messages": _user("hi"), **fields}
+    with pytest.raises(anthropic.BadRequestError) as info:
+        _client(keyed).messages.create(**body)
+    error = info.value.body
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert named in error["error"]["message"]
+
+
+def test_raw_errors_keep_anthropics_shape(keyed):
+    url = keyed.shim_url + "/v1/messages"
+    headers = {"x-api-key": KEY}
+    r = httpx.post(url, json={"model": "kvbank", "messages": _user("hi")}, headers=headers)
+    assert r.status_code == 400
+    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error",
+                                                   "message": r.json()["error"]["message"]}}
+    assert "max_tokens is required" in r.json()["error"]["message"]
+    r = httpx.post(url, content=b"{not json", headers=headers)
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    r = httpx.get(url, headers=headers)  # no such method: still Anthropic's shape
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    # Well-formed but a prompt beyond the model's context: the router's sentence comes through.
+    long = [{"role": "user", "content": "hi " * (CONTEXT + 100)}]
+    r = httpx.post(url, json={"max_tokens": 4, "messages": long}, headers=headers)
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+
+
+def test_api_key_is_checked(keyed):
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        _client(keyed, key="wrong").messages.create(model="kvbank", max_tokens=2,
+                                                     messages=_user("hi"))
+    assert info.value.body["error"]["type"] == "authentication_error"
+    r = httpx.post(keyed.shim_url + "/v1/messages",
+                   json={"max_tokens": 2, "messages": _user("hi")})
+    assert r.status_code == 401 and "x-api-key" in r.json()["error"]["message"]
+    # An auth token (Anthropic's clients send it as a bearer) is the same key.
+    c = anthropic.Anthropic(base_url=keyed.shim_url, auth_token=KEY, max_retries=0)
+    assert c.messages.create(model="kvbank", max_tokens=2, messages=_user("hi")).content
+
+
+def test_max_tokens_beyond_the_context_is_lowered_to_the_room_left(keyed):
+    """Anthropic's clients send max_tokens as a bound (32000, whatever the model): the answer
+    may fill the context, and says so when it does."""
+    c = _client(keyed)
+    messages = [{"role": "user", "content": " ".join(["word"] * 1900)}]
+    with c.messages.stream(model="kvbank", max_tokens=32000, messages=messages,
+                           **GREEDY) as stream:
+        r = stream.get_final_message()
+    room = CONTEXT - _prompt(r.usage)
+    assert 0 < room < DEFAULT_MAX_TOKENS
+    if r.stop_reason != "end_turn":
+        assert r.stop_reason == "model_context_window_exceeded"
+        assert r.usage.output_tokens == room
+    assert r.usage.output_tokens <= room
+
+
+# -- the OpenAI routes' --default-max-tokens -------------------------------------------------
+
+
+def _openai(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.shim_url + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_no_max_tokens_gets_the_flags_default(keyed):
+    """256 was the old fixed default; the flag's 300 reaches the shim through `kvbank up`.
+    The random model at temperature 0 runs to the end of this prompt's default."""
+    r = _openai(keyed).completions.create(model="kvbank", prompt=list(range(1000, 1032)),
+                                          temperature=0)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == DEFAULT_MAX_TOKENS
+
+
+def test_no_max_tokens_with_a_long_prompt_fills_the_context(keyed):
+    """A prompt that leaves less room than the default is not refused: max_tokens is lowered
+    to the room it leaves, for completions and chat alike."""
+    c = _openai(keyed)
+    prompt = [1000 + i % 977 for i in range(CONTEXT - 100)]
+    r = c.completions.create(model="kvbank", prompt=prompt, temperature=0)
+    assert r.usage.prompt_tokens == CONTEXT - 100
+    assert r.usage.completion_tokens <= 100
+    if r.choices[0].finish_reason == "length":
+        assert r.usage.completion_tokens == 100
+    streamed = list(c.chat.completions.create(
+        model="kvbank", messages=[{"role": "user", "content": " ".join(["word"] * 1900)}],
+        temperature=0, stream=True, stream_options={"include_usage": True}))
+    usage = streamed[-1].usage
+    assert 0 < usage.completion_tokens <= CONTEXT - usage.prompt_tokens < DEFAULT_MAX_TOKENS
+    # A max_tokens the client chose is its own: too long for the context is still a 400.
+    with pytest.raises(openai.BadRequestError) as info:
+        c.completions.create(model="kvbank", prompt=prompt, max_tokens=DEFAULT_MAX_TOKENS)
+    assert "context" in info.value.body["message"]
+
+
+# -- without a stack: the room the router's refusals leave -----------------------------------
+
+
+def test_the_router_fits_max_tokens_to_the_room_the_prompt_leaves():
+    """fit_max_tokens: the router lowers max_tokens to what the context, --max-request-tokens
+    and the memory budget leave for this prompt (router/server.py Backend.fit), and the
+    result then passes the ceilings; with no room left it stays, and the ceilings refuse."""
+    from types import SimpleNamespace
+
+    from router.server import Backend
+    from router.validation import ValidRequest
+
+    def v(max_tokens: int, fit: bool = True) -> ValidRequest:
+        return ValidRequest("", "tokens", (), "", (), False, 0.0, 1.0, None, max_tokens, (),
+                            False, fit_max_tokens=fit)
+
+    def fit(ceilings: Ceilings, info, prompt: int, max_tokens: int, fit: bool = True) -> int:
+        return Backend.fit(SimpleNamespace(ceilings=ceilings), v(max_tokens, fit),
+                           [7] * prompt, info).max_tokens
+
+    context = worker_pb2.InfoResponse(max_context_tokens=2048)
+    assert fit(Ceilings(), context, 1900, 4096) == 148
+    assert fit(Ceilings(), context, 1900, 100) == 100  # it fits already
+    assert fit(Ceilings(), context, 1900, 4096, fit=False) == 4096  # the client's own number
+    assert fit(Ceilings(), context, 2048, 4096) == 4096  # no room: refused as before
+    assert fit(Ceilings(max_request_tokens=1000), context, 900, 4096) == 100
+    budget = worker_pb2.InfoResponse(max_context_tokens=100_000, memory_budget_bytes=200_000_000,
+                                     fixed_bytes=100_000_000, kv_bytes_per_token=10_000,
+                                     prefill_chunk_tokens=512, transient_base_bytes=1_000_000,
+                                     transient_per_context_token=100.0)
+    room = fit(Ceilings(), budget, 1000, 4096)
+    assert 0 < room < 4096
+    check_ceilings(Ceilings(), prompt_tokens=1000, max_tokens=room, info=budget)  # it fits
+    with pytest.raises(Refused):
+        check_ceilings(Ceilings(), prompt_tokens=1000, max_tokens=room + 50, info=budget)
