@@ -25,7 +25,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from apps.shim.openai_format import (MAX_INT32, MAX_REQUEST_BYTES, ApiError, _int, _number,
-                                     _optional, invalid, usage_body as openai_usage)
+                                     _optional, each_message, invalid,
+                                     usage_body as openai_usage)
 from kvbank.v1 import api_pb2
 
 DEFAULT_TEMPERATURE = 1.0  # Anthropic's default
@@ -128,16 +129,8 @@ def _system(system: object) -> str:
 
 
 def _messages(body: dict) -> list[api_pb2.ChatMessage]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        given = ("it is missing" if messages is None else "it is empty" if messages == []
-                 else f"given {type(messages).__name__}")
-        raise invalid("messages", f"messages must be a non-empty array of messages; {given}")
     out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise invalid(where, f"{where} must be an object with role and content")
+    for where, m in each_message(body):
         role = m.get("role")
         if role not in ("user", "assistant"):
             raise invalid(f"{where}.role", f'{where}.role must be "user" or "assistant" (the '

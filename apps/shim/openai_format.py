@@ -164,17 +164,24 @@ def _refuse_unsupported(kind: str, body: dict) -> None:
             raise invalid("suffix", "suffix is not supported")
 
 
-def _messages(body: dict) -> list[api_pb2.ChatMessage]:
+def each_message(body: dict):
+    """(where, message) for each object of body["messages"], a non-empty array; else a 400
+    naming what is wrong (the OpenAI and Anthropic routes share it)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         given = ("it is missing" if messages is None else "it is empty" if messages == []
                  else f"given {type(messages).__name__}")
         raise invalid("messages", f"messages must be a non-empty array of messages; {given}")
-    out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise invalid(where, f"{where} must be an object with role and content")
+        yield where, m
+
+
+def _messages(body: dict) -> list[api_pb2.ChatMessage]:
+    out = []
+    for where, m in each_message(body):
         role = m.get("role")
         if role not in ROLES:
             raise invalid(f"{where}.role", f"{where}.role must be one of "
