@@ -115,32 +115,55 @@ def test_blocks_in_ram_and_on_ssd_are_announced_in_vllm_format(events_stack):
         c.generate(session_id="agent", token_ids=list(range(100, 160)), append=True,
                    max_tokens=8)
         history = list(c.get_session("agent").token_ids)
-    whole = len(history) // BLOCK * BLOCK
-    assert whole >= 4 * BLOCK
+        whole = len(history) // BLOCK * BLOCK
+        assert whole >= 4 * BLOCK
 
-    # In RAM as device memory, then on SSD as storage: the conversation's whole blocks, from
-    # the root (no parent), one id per block.
-    for medium in ("GPU", "STORAGE"):
-        wait_until(lambda: history[:whole] in _stored_chains(sub, medium),
-                   f"the conversation's blocks announced as {medium}", timeout_s=30)
-    for e in sub.events(BlockStored):
-        assert e.parent_block_hash is None and e.block_size == BLOCK
-        assert len(e.block_hashes) * BLOCK == len(e.token_ids)
-        assert e.lora_id is None and e.lora_name is None
+        # In RAM: device memory, the conversation's whole blocks from the root, one id each.
+        wait_until(lambda: history[:whole] in _stored_chains(sub, "GPU"),
+                   "the conversation's blocks announced as GPU")
+        ram = next(e for e in sub.events(BlockStored, "GPU") if e.token_ids == history[:whole])
+        assert ram.parent_block_hash is None and ram.block_size == BLOCK
+        assert len(ram.block_hashes) * BLOCK == len(ram.token_ids)
+        assert ram.lora_id is None and ram.lora_name is None
+        wait_until(lambda: c.get_session("agent").durable_tokens == len(history), "on SSD")
+        # On SSD too, but a block is announced once, on the best medium holding it.
+        assert not sub.events(BlockStored, "STORAGE")
+
+        # Out of RAM: removed as device memory, announced as storage.
+        assert c.release("agent").released_entries == 1
+    wait_until(lambda: history[:whole] in _stored_chains(sub, "STORAGE"),
+               "the released blocks announced as STORAGE")
+    assert any(set(ram.block_hashes) <= set(e.block_hashes)
+               for e in sub.events(BlockRemoved, "GPU"))
+    ssd = next(e for e in sub.events(BlockStored, "STORAGE") if e.token_ids == history[:whole])
+    assert ssd.block_hashes == ram.block_hashes and ssd.parent_block_hash is None
 
     # Numbered from 0, one by one.
     seqs = [seq for seq, _ in sub.poll()]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
 
-    # Out of RAM: removed as device memory, still held on SSD.
-    ram = next(e for e in sub.events(BlockStored, "GPU") if e.token_ids == history[:whole])
+
+def test_a_returning_turn_announces_only_its_new_blocks_after_the_ones_held(events_stack):
+    s, sub = events_stack
     with s.client() as c:
-        assert c.release("agent").released_entries == 1
-    wait_until(lambda: any(set(ram.block_hashes) <= set(e.block_hashes)
-                           for e in sub.events(BlockRemoved, "GPU")),
-               "the released blocks removed from RAM")
-    assert not any(set(e.block_hashes) & set(ram.block_hashes)
-                   for e in sub.events(BlockRemoved, "STORAGE"))
+        c.generate(session_id="a", token_ids=list(range(200, 264)), append=True, max_tokens=4)
+        first = list(c.get_session("a").token_ids)
+        wait_until(lambda: any(e.token_ids == first[:len(first) // BLOCK * BLOCK]
+                               for e in sub.events(BlockStored, "GPU")), "the first turn")
+        before = len(sub.poll())
+        c.generate(session_id="a", token_ids=list(range(300, 340)), append=True, max_tokens=4)
+        second = list(c.get_session("a").token_ids)
+    held = len(first) // BLOCK
+    run = wait_until(lambda: next((e for _, b in sub.poll()[before:] for e in b.events
+                                   if isinstance(e, BlockStored) and e.medium == "GPU"), None),
+                     "the second turn's blocks")
+    first_ram = next(e for e in sub.events(BlockStored, "GPU")
+                     if e.token_ids == first[:held * BLOCK])
+    # Anchored after the last block it shares with the first turn, which stays announced.
+    assert run.parent_block_hash == first_ram.block_hashes[held - 1]
+    assert run.token_ids == second[held * BLOCK:len(second) // BLOCK * BLOCK]
+    assert not [e for _, b in sub.poll()[before:] for e in b.events
+                if isinstance(e, BlockRemoved) and set(e.block_hashes) & set(first_ram.block_hashes)]
 
 
 def test_a_missed_batch_is_replayed(events_stack):
@@ -148,7 +171,7 @@ def test_a_missed_batch_is_replayed(events_stack):
     wait_until(lambda: sub.events(AllBlocksCleared), "the state announced to a new subscriber")
     with s.client() as c:
         c.generate(session_id="a", token_ids=list(range(300, 340)), append=True, max_tokens=4)
-    wait_until(lambda: sub.events(BlockStored, "STORAGE"), "a block on SSD")
+    wait_until(lambda: sub.events(BlockStored, "GPU"), "a block in RAM")
     seen = sub.poll()
     replayed = sub.replay(seen[1][0])
     assert [seq for seq, _ in replayed] == [seq for seq, _ in seen[1:]]
@@ -161,9 +184,9 @@ def test_a_restarted_worker_announces_what_its_ssd_holds(events_stack):
         c.generate(session_id="kept", token_ids=list(range(500, 580)), append=True,
                    max_tokens=4)
         history = list(c.get_session("kept").token_ids)
+        wait_until(lambda: c.get_session("kept").durable_tokens == len(history),
+                   "the conversation on SSD", timeout_s=30)
     whole = len(history) // BLOCK * BLOCK
-    wait_until(lambda: history[:whole] in _stored_chains(sub, "STORAGE"),
-               "the conversation on SSD", timeout_s=30)
     t0 = len(sub.poll())  # what the first worker said
     old = s.kill9("worker")
     s.wait_restarted("worker", old, timeout_s=120)

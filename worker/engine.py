@@ -402,18 +402,27 @@ class Engine:
                 self.bank.end_request(r.bank_key)
                 r.job.emit(e)
             return
+        answers = []
         for r, cache in done:
             try:
-                self._finish(r, cache)
+                answers.append((r, self._finish(r, cache)))
             except Exception as e:
                 logger.exception("commit failed")
-                r.job.emit(e)
+                answers.append((r, e))
             finally:
                 self.bank.end_request(r.bank_key)
         if done:
+            # The turns are in the snapshot (and their KV events out) before their clients
+            # hear back: what a client reads next (its session, a router's view) includes it.
+            self._publish()
+            for r, answer in answers:
+                r.job.emit(answer)
+                if not isinstance(answer, Exception):
+                    r.job.emit(None)
             give_back_freed_memory()
 
-    def _finish(self, r: Running, cache: list) -> None:
+    def _finish(self, r: Running, cache: list) -> worker_pb2.WorkerGenerateResponse:
+        """Commit a finished turn; its last message, to send once the snapshot has it."""
         full = np.concatenate([r.tokens, np.asarray(r.completion, dtype=np.uint32)])
         durable = self._commit(r.session, full, cache, r.started)
         usage = api_pb2.Usage(
@@ -430,10 +439,7 @@ class Engine:
         )
         metrics.GENERATION_TOKENS.inc(len(r.completion))
         metrics.RECOMPUTED_TOKENS.inc(usage.recomputed_tokens)
-        if self.kv_events is not None:  # the router knows where this turn lives before its
-            self.kv_events.flush()      # client can come back
-        r.job.emit(worker_pb2.WorkerGenerateResponse(finish_reason=r.finish, usage=usage))
-        r.job.emit(None)
+        return worker_pb2.WorkerGenerateResponse(finish_reason=r.finish, usage=usage)
 
     # -- commit -----------------------------------------------------------------------------
 
@@ -465,7 +471,7 @@ class Engine:
         else:  # the coldstore is away: record and KV go when it is back
             entry.write_pending = True
         # Over --bank-bytes: entries on SSD leave first, unwritten ones are written out first.
-        upkeep.keep_within_cap(self.bank, protect_keys=(entry.key,))
+        upkeep.keep_within_cap(self.bank, protect_keys=(entry.key,), keep_sessions=(session,))
         self._refresh_ram_bytes()
         return durable
 

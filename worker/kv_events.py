@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -71,12 +70,15 @@ def block_hashes(tokens: np.ndarray, salt: bytes, block_size: int) -> list[int]:
 
 
 class Publisher:
-    """Its own thread owns the sockets. Batches go out in order, numbered from 0."""
+    """Its own thread owns the sockets. Batches go out in order, numbered from 0, the moment
+    they are handed over: they come in on an inproc socket the thread polls with the others,
+    because a router decides the next turn a few milliseconds after this one's answer."""
 
     def __init__(self, config: EventsConfig, on_subscribe: Callable[[], None]):
         self.config = config
         self.on_subscribe = on_subscribe  # a subscriber joined: the owner announces it all
-        self._out: queue.Queue = queue.Queue()
+        self._inbox = f"inproc://kv-events-{id(self)}"
+        self._push: zmq.Socket | None = None  # the owner's end (one thread: the engine's)
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: Exception | None = None
@@ -91,19 +93,28 @@ class Publisher:
         return self
 
     def publish(self, events: list[dict]) -> None:
-        """Any thread: one batch."""
-        if events:
-            self._out.put((time.time(), events))
+        """The owner's thread: one batch."""
+        if not events:
+            return
+        if self._push is None:
+            self._push = zmq.Context.instance().socket(zmq.PUSH)
+            self._push.setsockopt(zmq.LINGER, 0)
+            self._push.connect(self._inbox)
+        self._push.send(msgpack.packb([time.time(), events]))
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+        if self._push is not None:
+            self._push.close()
 
     def _run(self) -> None:
         ctx = zmq.Context.instance()
         pub = ctx.socket(zmq.XPUB)
         pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every join, not only a topic's first
         pub.setsockopt(zmq.LINGER, 0)
+        inbox = ctx.socket(zmq.PULL)
+        inbox.bind(self._inbox)
         replay = None
         try:
             pub.bind(self.config.endpoint)
@@ -114,6 +125,9 @@ class Publisher:
         except zmq.ZMQError as e:
             self._error = e
             self._ready.set()
+            for sock in (inbox, pub, replay):
+                if sock is not None:
+                    sock.close()
             return
         self._ready.set()
         logger.info("KV events on %s (replay %s, block size %d)", self.config.endpoint,
@@ -122,29 +136,28 @@ class Publisher:
         buffer: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_BUFFER)
         seq = 0
         poller = zmq.Poller()
-        poller.register(pub, zmq.POLLIN)
-        if replay is not None:
-            poller.register(replay, zmq.POLLIN)
+        for sock in (inbox, pub, replay):
+            if sock is not None:
+                poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                ready = dict(poller.poll(20))
+                ready = dict(poller.poll(100))
                 if pub in ready:
                     self._subscriptions(pub)
                 if replay is not None and replay in ready:
                     self._replay(replay, topic, buffer)
-                while True:
+                while inbox in ready:
                     try:
-                        ts, events = self._out.get_nowait()
-                    except queue.Empty:
+                        payload = inbox.recv(zmq.NOBLOCK)
+                    except zmq.Again:
                         break
-                    payload = msgpack.packb([ts, events])
                     buffer.append((seq, payload))
                     pub.send_multipart([topic, seq.to_bytes(8, "big"), payload])
                     seq += 1
         finally:
-            pub.close()
-            if replay is not None:
-                replay.close()
+            for sock in (inbox, pub, replay):
+                if sock is not None:
+                    sock.close()
 
     def _subscriptions(self, pub: zmq.Socket) -> None:
         joined = False
@@ -175,8 +188,10 @@ class Publisher:
 
 
 class KVEvents:
-    """The engine thread's book of what this machine holds, per medium; changes become
-    events, sent as one batch per turn of the engine's loop (`flush`)."""
+    """The engine thread's book of what this machine holds. Each block is announced once, on
+    the best medium holding it (RAM over SSD): announcing a block held in RAM as storage too
+    would let the later claim stand for both, and the router credits it as disk. Changes
+    become events, sent as one batch per turn of the engine's loop (`flush`)."""
 
     def __init__(self, publisher: Publisher, *, salt_for: Callable[[str], bytes],
                  block_size: int):
@@ -185,6 +200,7 @@ class KVEvents:
         self.block_size = block_size
         self._count = {MEDIUM_RAM: {}, MEDIUM_SSD: {}}  # medium -> hash -> holders
         self._held = {MEDIUM_RAM: {}, MEDIUM_SSD: {}}  # medium -> holder -> (hashes, tokens)
+        self._announced: dict[int, str] = {}  # hash -> the medium the router was told
         self._pending: list[dict] = []
 
     # -- what changed (engine thread) ---------------------------------------------------------
@@ -202,9 +218,8 @@ class KVEvents:
     def announce_all(self) -> None:
         """Everything again, after clearing: a subscriber joined, or the worker started."""
         self._pending.append({"type": "AllBlocksCleared"})
-        for medium, held in self._held.items():
-            for hashes, tokens in held.values():
-                self._stored(medium, hashes, tokens)
+        self._announced.clear()
+        self._announce(set(self._count[MEDIUM_RAM]) | set(self._count[MEDIUM_SSD]))
 
     def flush(self) -> None:
         if self._pending:
@@ -223,27 +238,60 @@ class KVEvents:
                 tokens = np.asarray(tokens[:n], dtype=np.uint32)
                 new_hashes = block_hashes(tokens, self.salt_for(tenant), self.block_size)
                 held[holder] = (new_hashes, tokens)
-        fresh = False
         for h in new_hashes:
             counts[h] = counts.get(h, 0) + 1
-            fresh |= counts[h] == 1
-        gone = []
         for h in (old[0] if old else ()):
             counts[h] -= 1
             if not counts[h]:
                 del counts[h]
-                gone.append(h)
-        if gone:
-            self._pending.append({"type": "BlockRemoved", "block_hashes": gone,
-                                  "medium": medium})
-        if fresh:  # the whole chain from its root: the router anchors it there
-            self._stored(medium, new_hashes, held[holder][1])
+        self._announce(set(new_hashes) | set(old[0] if old else ()))
 
-    def _stored(self, medium: str, hashes: list[int], tokens: np.ndarray) -> None:
-        self._pending.append({
-            "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
-            "token_ids": tokens.tolist(), "block_size": self.block_size, "lora_id": None,
-            "medium": medium, "lora_name": None})
+    def _best(self, h: int) -> str | None:
+        return (MEDIUM_RAM if h in self._count[MEDIUM_RAM]
+                else MEDIUM_SSD if h in self._count[MEDIUM_SSD] else None)
+
+    def _announce(self, changed: set[int]) -> None:
+        """Tell the router what changed among `changed`: removals first, then each medium's
+        stores as chains anchored at their root or at the block before them."""
+        removed: dict[str, list[int]] = {}
+        wanted: dict[str, set[int]] = {MEDIUM_RAM: set(), MEDIUM_SSD: set()}
+        for h in changed:
+            was, now = self._announced.get(h), self._best(h)
+            if was == now:
+                continue
+            if was is not None:
+                removed.setdefault(was, []).append(h)
+                del self._announced[h]
+            if now is not None:
+                wanted[now].add(h)
+        for medium, hashes in removed.items():
+            self._pending.append({"type": "BlockRemoved", "block_hashes": hashes,
+                                  "medium": medium})
+        for medium, hashes in wanted.items():
+            for chain, tokens in self._held[medium].values():
+                if hashes and not hashes.isdisjoint(chain):
+                    self._stored_runs(medium, chain, tokens, hashes)
+
+    def _stored_runs(self, medium: str, chain: list[int], tokens: np.ndarray,
+                     wanted: set[int]) -> None:
+        """The runs of `chain` to announce on `medium`: blocks wanted there, each run after
+        the block before it (None at the root)."""
+        B, i = self.block_size, 0
+        while i < len(chain):
+            if chain[i] not in wanted or self._announced.get(chain[i]) == medium:
+                i += 1
+                continue
+            j = i
+            while j < len(chain) and chain[j] in wanted and \
+                    self._announced.get(chain[j]) != medium:
+                self._announced[chain[j]] = medium
+                j += 1
+            self._pending.append({
+                "type": "BlockStored", "block_hashes": chain[i:j],
+                "parent_block_hash": chain[i - 1] if i else None,
+                "token_ids": tokens[i * B:j * B].tolist(), "block_size": B, "lora_id": None,
+                "medium": medium, "lora_name": None})
+            i = j
 
 
 def held_conversations(records: Iterable) -> Iterable:

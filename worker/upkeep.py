@@ -36,19 +36,21 @@ def reconcile_rss(pricing: Pricing, bank: SessionBank, budget: int, rss: int) ->
     pricing.unaccounted_bytes = max(0, rss - ledger - int(budget * RSS_SLACK))
 
 
-def keep_within_cap(bank: SessionBank, *, protect_keys=()) -> ReleaseReceipt | None:
+def keep_within_cap(bank: SessionBank, *, protect_keys=(),
+                    keep_sessions=()) -> ReleaseReceipt | None:
     """After a commit, over --bank-bytes: least recently used entries already on SSD leave
     first; if only conversations whose KV is not on SSD yet remain above the cap, they are
     written out and released (the seeds' `release_sessions(write_out_before_release=True)`),
     so the bank never grows past its cap on unwritten KV. `protect_keys`: the entry just
-    committed stays. Returns the release's receipt when one was needed."""
+    committed stays; `keep_sessions`: its conversation is not released (its turn is still
+    being answered). Returns the release's receipt when one was needed."""
     cap = bank.effective_max_bytes
     bank.shrink_to_bytes(cap, reason=TrimReason.BANK_BUDGET, protect_unwritten=True,
                          protect_keys=protect_keys)
     if bank.total_nbytes <= cap:
         return None
     return bank.release_sessions(cap, reason=TrimReason.BANK_BUDGET, protect_keys=protect_keys,
-                                 write_out_before_release=True)
+                                 keep_sessions=keep_sessions, write_out_before_release=True)
 
 
 def apply_dynamic_ceiling(bank: SessionBank, pricing: Pricing, budget: int) -> None:
