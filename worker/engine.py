@@ -55,8 +55,6 @@ from worker.writer import KVWriter
 
 logger = logging.getLogger(__name__)
 
-RETRY_WRITES_EVERY_S = upkeep.RETRY_WRITES_EVERY_S
-
 
 class Engine:
     def __init__(self, model_path: Path, layout: Layout, *, block_tokens: int, bank_bytes: int,
@@ -253,10 +251,11 @@ class Engine:
         """The snapshot other threads read, replaced whole (and this turn's KV events)."""
         if self.kv_events is not None:
             self.kv_events.flush()
-        ledger = self.bank.ledger()
+        ledger = self.bank.ledger()  # once: this runs at every step of the loop
+        held = self.pricing.fixed_bytes + self.pricing.unaccounted_bytes + ledger["held_bytes"]
         self.snapshot = cmd.Snapshot(
             sessions=self.conversations.records, ram_bytes=self._ram_bytes,
-            busy=self.bank.busy_sessions(), held_bytes=held_bytes(self.pricing, self.bank),
+            busy=self.bank.busy_sessions(), held_bytes=held,
             kv_bytes=ledger["entries_bytes"] + ledger["active_bytes"],
             bank_bytes=self.bank.total_nbytes, bank_entries=len(self.bank.entries),
             running=len(self.batch), waiting=len(self._pending))
@@ -541,7 +540,7 @@ class Engine:
         upkeep.reconcile_rss(self.pricing, self.bank, self.memory_budget, tick.rss_bytes)
         upkeep.apply_dynamic_ceiling(self.bank, self.pricing, self.memory_budget)
         now = time.monotonic()
-        if now - self._retried_at >= RETRY_WRITES_EVERY_S:
+        if now - self._retried_at >= upkeep.RETRY_WRITES_EVERY_S:
             self._retried_at = now
             upkeep.retry_writes(self.bank, self.writer, self.coldstore, self.conversations,
                                 self.block_tokens)
