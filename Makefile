@@ -41,6 +41,7 @@ resilience: install
 proto: install
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. \
 		proto/kvbank/v1/api.proto proto/kvbank/v1/worker.proto proto/kvbank/v1/coldstore.proto
+	rm -f kvbank/v1/coldstore_pb2_grpc.py  # coldstore.proto has messages only, no service
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -16,7 +16,8 @@ CACHE_SOURCES = {
     api_pb2.CACHE_SOURCE_RAM: "ram",
     api_pb2.CACHE_SOURCE_SSD: "ssd",
 }
-FINISH_REASONS = {api_pb2.FINISH_REASON_STOP: "stop", api_pb2.FINISH_REASON_LENGTH: "length"}
+FINISH_REASONS = {api_pb2.FINISH_REASON_STOP: "stop", api_pb2.FINISH_REASON_LENGTH: "length",
+                  api_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls"}
 
 
 def usage_dict(u: api_pb2.Usage) -> dict:

@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import contextlib
 import hmac
+import json
 import logging
 import signal
 import time
@@ -25,10 +26,11 @@ from grpc_reflection.v1alpha import reflection
 
 from kvbank import metrics
 from kvbank.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
-from kvbank.contracts.failures import KvbankError, WorkerUnavailable, grpc_status
+from kvbank.contracts.failures import (RELAYED_METADATA, KvbankError, WorkerUnavailable,
+                                      grpc_status)
 from router.admission import AdmissionQueue, Ceilings, check_ceilings, worker_pricing
 from router.auth import tenant_for
-from router.tokenizer import AnswerTokens, PromptTokenizer
+from router.tokenizer import AnswerTokens, PromptTokenizer, answer_key
 from router.validation import InvalidRequest, ValidRequest, validate
 
 logger = logging.getLogger(__name__)
@@ -40,10 +42,10 @@ def _status_for(exc: Exception) -> tuple[grpc.StatusCode, str, tuple]:
     """The one table from an exception to the status (and trailing metadata) a client sees."""
     if isinstance(exc, KvbankError):
         return grpc_status(exc), str(exc), exc.trailing_metadata()
-    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+    if isinstance(exc, grpc.aio.AioRpcError):  # the worker's: its reasons go on
         md = tuple((k, v) for k, v in (exc.trailing_metadata() or ())
-                   if k in ("retry-after", "x-kvbank-reason", "x-kvbank-verdict"))
-        return exc.code(), exc.details() or "", md
+                   if k in RELAYED_METADATA)
+        return (*_code_for(exc), md)
     return (*_code_for(exc), ())
 
 
@@ -142,14 +144,20 @@ class Backend:
         return list(s.token_ids)
 
     async def prompt_tokens(self, v: ValidRequest, tenant: str, info) -> list[int]:
+        if v.tools and not info.tool_parser:
+            raise InvalidRequest(f"the model {Path(info.model_path).name} has no tool calling "
+                                 f"in its chat template: send the request without tools",
+                                 param="tools")
         history = await self.history(tenant, v.session_id) if v.append else []
         tok = self.tokenizer
+        tools = list(v.tools) or None
         if v.kind == "chat":
             if v.append:
-                new = tok.chat_append(history, list(v.messages), set(info.eos_token_ids))
+                new = tok.chat_append(history, list(v.messages), set(info.eos_token_ids),
+                                      tools=tools)
             else:
-                new = tok.chat(list(v.messages),
-                               answer_tokens=lambda text: self.answers.get(tenant, text))
+                new = tok.chat(list(v.messages), tools=tools,
+                               answer_tokens=lambda key: self.answers.get(tenant, key))
         elif v.kind == "prompt":
             new = tok.encode(v.prompt)
         else:
@@ -253,21 +261,22 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
     async def _relay(self, v: ValidRequest, tokens: list[int], tenant: str, received_at: float,
                      t0: float, queue_s: float):
         """The worker's stream, with the router's view of TTFT and queueing added."""
-        sampling = api_pb2.SamplingParams(temperature=v.temperature, top_p=v.top_p)
-        if v.seed is not None:
-            sampling.seed = v.seed
         wreq = worker_pb2.WorkerGenerateRequest(
             request_id=uuid.uuid4().hex, session_id=v.session_id, token_ids=tokens,
-            sampling=sampling, max_tokens=v.max_tokens, no_cache=v.no_cache,
-            received_at=received_at, stop=v.stop, tenant=tenant)
+            sampling=v.sampling, max_tokens=v.max_tokens, no_cache=v.no_cache,
+            received_at=received_at, stop=v.stop, tenant=tenant,
+            tools_json=json.dumps(list(v.tools)) if v.tools else "",
+            tool_choice=v.tool_choice, response_format=v.response_format)
         first_at = last_at = None
         texts: list[str] = []
         ids: list[int] = []
+        calls: list[tuple[str, str]] = []
         async for ev in self.b.stub.Generate(wreq, metadata=((TENANT_KEY, tenant),)):
             texts.append(ev.text)
             ids.extend(ev.token_ids)
-            if ev.HasField("usage"):
-                self._remember_answer(tenant, "".join(texts), ids)
+            calls.extend((c.name, c.arguments) for c in ev.tool_calls)
+            if ev.HasField("usage") and not ev.stop_sequence:
+                self._remember_answer(tenant, "".join(texts), calls, ids)
             if ev.token_ids:
                 now = time.monotonic()
                 if first_at is None:
@@ -278,7 +287,9 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             if first_at is None and (ev.token_ids or ev.HasField("usage")):
                 first_at = time.monotonic()
             out = api_pb2.GenerateResponse(text=ev.text, token_ids=ev.token_ids,
-                                           finish_reason=ev.finish_reason)
+                                           finish_reason=ev.finish_reason,
+                                           logprobs=ev.logprobs, tool_calls=ev.tool_calls,
+                                           stop_sequence=ev.stop_sequence)
             if ev.HasField("usage"):
                 out.usage.CopyFrom(ev.usage)
                 out.usage.ttft_s = first_at - t0
@@ -286,11 +297,13 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             yield out
 
 
-    def _remember_answer(self, tenant: str, text: str, ids: list[int]) -> None:
-        """So the next turn can send this answer back as text and still hit its KV. Only an
-        answer whose text is all of its tokens (no stop string cut it) is kept."""
-        if text and ids and self.b.tokenizer.decode(ids) == text:
-            self.b.answers.put(tenant, text, ids)
+    def _remember_answer(self, tenant: str, text: str, calls: list[tuple[str, str]],
+                         ids: list[int]) -> None:
+        """So the next turn can send this answer back (text and tool calls) and still hit its
+        KV. Only an answer that is all of its tokens is kept: no stop string cut it, and its
+        text is its tokens' unless tool calls were parsed out of them."""
+        if ids and (calls or (text and self.b.tokenizer.decode(ids) == text)):
+            self.b.answers.put(tenant, answer_key(text, calls), ids)
 
 
 class SessionsServicer(api_pb2_grpc.SessionsServicer):

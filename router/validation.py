@@ -6,7 +6,8 @@ given, so a client knows what to change.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 
 from kvbank.contracts.failures import InvalidRequest
 from kvbank.v1 import api_pb2
@@ -16,6 +17,12 @@ ROLES = ("system", "user", "assistant", "tool")
 # refuses keys over 511 bytes (256 characters of emoji are 1 KiB).
 MAX_SESSION_ID_BYTES = 256
 MAX_STOP_STRINGS = 8
+MAX_LOGIT_BIAS = 100.0      # OpenAI's bound on a bias
+MAX_PENALTY = 2.0           # OpenAI's bound on presence / frequency penalties
+MAX_REPETITION_PENALTY = 10.0
+MAX_PENALTY_WINDOW = 4096
+MAX_TOP_LOGPROBS = 20
+FORMATS = ("", "text", "json_object", "json_schema")
 
 
 @dataclass(frozen=True)
@@ -26,13 +33,14 @@ class ValidRequest:
     prompt: str
     token_ids: tuple[int, ...]
     append: bool
-    temperature: float
-    top_p: float
-    seed: int | None
     max_tokens: int
     stop: tuple[str, ...]
     no_cache: bool
     fit_max_tokens: bool = False
+    sampling: api_pb2.SamplingParams = field(default_factory=api_pb2.SamplingParams)
+    tools: tuple[dict, ...] = ()       # OpenAI's tools array, for the chat template
+    tool_choice: str = ""              # auto | none | required | function:NAME ("" : auto)
+    response_format: api_pb2.ResponseFormat = field(default_factory=api_pb2.ResponseFormat)
 
 
 def validate(req: api_pb2.GenerateRequest, *, vocab_size: int) -> ValidRequest:
@@ -50,12 +58,8 @@ def validate(req: api_pb2.GenerateRequest, *, vocab_size: int) -> ValidRequest:
     if kind == "chat":
         if not req.chat.messages:
             raise InvalidRequest("chat.messages is empty: send at least one message")
-        for i, m in enumerate(req.chat.messages):
-            if m.role not in ROLES:
-                raise InvalidRequest(f"chat.messages[{i}].role must be one of {', '.join(ROLES)}; "
-                                     f"given {m.role!r}")
-        messages = tuple({"role": m.role, "content": m.content} for m in req.chat.messages)
-        if all(not m["content"].strip() for m in messages):
+        messages = tuple(_message(i, m) for i, m in enumerate(req.chat.messages))
+        if all(not m["content"].strip() and not m.get("tool_calls") for m in messages):
             raise InvalidRequest("every chat message is empty: send some text")
     elif kind == "prompt":
         if not req.prompt:
@@ -78,10 +82,120 @@ def validate(req: api_pb2.GenerateRequest, *, vocab_size: int) -> ValidRequest:
     if len(req.stop) > MAX_STOP_STRINGS or any(not x for x in req.stop):
         raise InvalidRequest(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings; "
                              f"given {len(req.stop)}")
+    _sampling_extras(s, vocab_size)
+    tools = _tools(req.chat.tools_json) if kind == "chat" else ()
+    choice = _tool_choice(req.chat.tool_choice, tools)
+    fmt = req.response_format
+    if fmt.type not in FORMATS:
+        raise InvalidRequest(f"response_format.type must be one of text, json_object, "
+                             f"json_schema; given {fmt.type!r}", param="response_format")
+    if fmt.type == "json_schema" and not isinstance(_json(fmt.json_schema,
+                                                          "response_format.json_schema"), dict):
+        raise InvalidRequest("response_format.json_schema must be a JSON object (a schema)",
+                             param="response_format")
+    forced_call = choice == "required" or choice.startswith("function:")
+    if fmt.type in ("json_object", "json_schema") and forced_call:
+        raise InvalidRequest("response_format and a required tool call both constrain the "
+                             "answer: send one of them", param="response_format")
     return ValidRequest(
         session_id=sid, kind=kind, messages=messages, prompt=req.prompt,
-        token_ids=tuple(req.tokens.ids), append=req.append, temperature=s.temperature,
-        top_p=s.top_p, seed=s.seed if s.HasField("seed") else None,
-        max_tokens=req.max_tokens, stop=tuple(req.stop), no_cache=req.no_cache,
-        fit_max_tokens=req.fit_max_tokens,
+        token_ids=tuple(req.tokens.ids), append=req.append, max_tokens=req.max_tokens,
+        stop=tuple(req.stop), no_cache=req.no_cache, fit_max_tokens=req.fit_max_tokens, sampling=s, tools=tools, tool_choice=choice,
+        response_format=fmt,
     )
+
+
+def _message(i: int, m: api_pb2.ChatMessage) -> dict:
+    """One message as chat templates take it: tool calls with their arguments as objects."""
+    where = f"chat.messages[{i}]"
+    if m.role not in ROLES:
+        raise InvalidRequest(f"{where}.role must be one of {', '.join(ROLES)}; given {m.role!r}")
+    out: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise InvalidRequest(f"{where}.tool_calls: only assistant messages carry tool calls")
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": _arguments(c.arguments, f"{where}."
+                                                                  f"tool_calls[{j}]")}}
+            for j, c in enumerate(m.tool_calls)]
+    if m.role == "tool":
+        if m.tool_call_id:
+            out["tool_call_id"] = m.tool_call_id
+        if m.name:
+            out["name"] = m.name
+    return out
+
+
+def _arguments(text: str, where: str) -> dict:
+    args = _json(text or "{}", f"{where}.arguments")
+    if not isinstance(args, dict):
+        raise InvalidRequest(f"{where}.arguments must be a JSON object; given {text[:80]!r}")
+    return args
+
+
+def _json(text: str, where: str, param: str | None = None):
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise InvalidRequest(f"{where} is not valid JSON ({e}); given {text[:80]!r}",
+                             param=param or where) from None
+
+
+def _tools(text: str) -> tuple[dict, ...]:
+    """OpenAI's tools: an array of {"type": "function", "function": {"name", ...}}."""
+    if not text:
+        return ()
+    tools = _json(text, "tools", param="tools")
+    if not isinstance(tools, list):
+        raise InvalidRequest("tools must be an array of function tools", param="tools")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if (not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict)
+                or not isinstance(fn.get("name"), str) or not fn["name"]):
+            raise InvalidRequest(f'tools[{i}] must be {{"type": "function", "function": '
+                                 f'{{"name": ..., "parameters": {{...}}}}}}', param="tools")
+        if not isinstance(fn.get("parameters", {}), dict):
+                raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema object",
+                                 param="tools")
+    return tuple(tools)
+
+
+def _tool_choice(choice: str, tools: tuple[dict, ...]) -> str:
+    if not choice:
+        return "auto" if tools else ""
+    names = [t["function"]["name"] for t in tools]
+    if not tools:
+        raise InvalidRequest(f"tool_choice is {choice!r} but the request has no tools",
+                             param="tool_choice")
+    if choice in ("auto", "none", "required"):
+        return choice
+    name = choice.removeprefix("function:")
+    if choice.startswith("function:") and name in names:
+        return choice
+    raise InvalidRequest(f"tool_choice must be auto, none, required or function:NAME with NAME "
+                         f"one of {', '.join(names)}; given {choice!r}", param="tool_choice")
+
+
+def _sampling_extras(s: api_pb2.SamplingParams, vocab_size: int) -> None:
+    for token, bias in s.logit_bias.items():
+        if token >= vocab_size:
+            raise InvalidRequest(f"logit_bias names token {token}; the vocabulary has "
+                                 f"{vocab_size} tokens", param="logit_bias")
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias values must be in [-100, 100]; given {bias} for "
+                                 f"token {token}", param="logit_bias")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise InvalidRequest(f"{name} must be in [-2, 2]; given {value}", param=name)
+    if not 0 <= s.repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise InvalidRequest(f"repetition_penalty must be in [0, {MAX_REPETITION_PENALTY:g}] "
+                             f"(1 or 0: off); given {s.repetition_penalty}",
+                             param="repetition_penalty")
+    if s.penalty_window > MAX_PENALTY_WINDOW:
+        raise InvalidRequest(f"penalty_window must be at most {MAX_PENALTY_WINDOW}; given "
+                             f"{s.penalty_window}", param="penalty_window")
+    if s.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}; given "
+                             f"{s.top_logprobs}", param="top_logprobs")

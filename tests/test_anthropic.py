@@ -289,8 +289,8 @@ def test_the_router_fits_max_tokens_to_the_room_the_prompt_leaves():
     from router.validation import ValidRequest
 
     def v(max_tokens: int, fit: bool = True) -> ValidRequest:
-        return ValidRequest("", "tokens", (), "", (), False, 0.0, 1.0, None, max_tokens, (),
-                            False, fit_max_tokens=fit)
+        return ValidRequest("", "tokens", (), "", (), False, max_tokens, (), False,
+                            fit_max_tokens=fit)
 
     def fit(ceilings: Ceilings, info, prompt: int, max_tokens: int, fit: bool = True) -> int:
         return Backend.fit(SimpleNamespace(ceilings=ceilings), v(max_tokens, fit),

@@ -165,7 +165,7 @@ BAD = [  # (endpoint kind, what replaces a good body's fields): 400 from both en
     ("chat", {"stream": "yes"}),
     ("chat", {"n": 2}),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
-    ("chat", {"logprobs": True}),  # a value vllm-router does not add is validated as usual
+    ("chat", {"logprobs": "yes"}),  # a value vllm-router does not add is validated as usual
     ("chat", {"max_tokens": 100_000}),  # refused by the router: beyond the model's context
     ("chat", {"messages": [{"role": "user", "content": "   "}]}),  # refused by the router
     ("completion", {"prompt": None}),

@@ -170,8 +170,21 @@ BAD_CHAT = [  # (what replaces a good body's fields, the field the 400 must name
     ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ({"n": 2}, "n"),
     ({"user": 12}, "user"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),  # no tool template
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"logit_bias": {"hello": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias"),  # past the vocabulary: the router says so
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
 ]
 
 

@@ -50,7 +50,8 @@ from worker.kv_events import EventsConfig, KVEvents, Publisher, held_conversatio
 from worker.lineage import is_anonymous
 from worker.link import ColdstoreClient
 from worker.restore import Restorer
-from worker.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running, make_request_sampler
+from worker.decoding import Decoding, make_request_sampler
+from worker.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running
 from worker.writer import KVWriter
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class Engine:
         self.config = json.loads((self.model_path / "config.json").read_text())
         self.max_context_tokens = int(self.config.get("max_position_embeddings", 8192))
         self.eos_token_ids = sorted(self.tokenizer.eos_token_ids)
+        self.vocab_size = int(self.config.get("vocab_size") or len(self.tokenizer.vocab))
         self.kv_bytes_per_token, self.kv_dtype = self._measure_kv()
         self.fingerprint = self._fingerprint()
         logger.info("model %s loaded in %.1fs: %d KV bytes/token (%s), fingerprint %s",
@@ -113,6 +115,7 @@ class Engine:
         self.admission_chain_shed = admission_chain_shed
         self.batch = BatchScheduler(self.model, max_active=scheduler.max_active,
                                     eos_token_ids=self.eos_token_ids,
+                                    decode=self.tokenizer.decode,
                                     prefill_step_tokens=prefill_chunk_tokens)
         self._warm_up(prefill_chunk_tokens)
         self.pricing.fixed_bytes = resident_bytes()
@@ -158,10 +161,11 @@ class Engine:
         job = cmd.Generate(worker_pb2.WorkerGenerateRequest(max_tokens=2), emit=lambda ev: None)
         r = Running(job=job, tokens=tokens, bank_key=("", "warm-up"), session=None, cached=0,
                     source=api_pb2.CACHE_SOURCE_NONE, known=0, started=time.monotonic(),
-                    stops=[], detok=self.tokenizer.detokenizer)
+                    stops=[], detok=self.tokenizer.detokenizer,
+                    decoding=Decoding(make_request_sampler(0.0, 0.0, None)))
         from mlx_lm.models.cache import make_prompt_cache
 
-        self.batch.add(r, make_prompt_cache(self.model), 2, make_request_sampler(0.0, 0.0, None))
+        self.batch.add(r, make_prompt_cache(self.model), 2)
         while self.batch:
             self.batch.step()
         mx.clear_cache()
@@ -306,6 +310,7 @@ class Engine:
             raise InvalidRequest(
                 f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                 f"model's context of {self.max_context_tokens} tokens")
+        decoding = self._decoding(req)
         tenant = req.tenant
         ids = chain_block_ids(tokens, self.root_for(tenant), self.block_tokens)  # hashed once
         session = self.conversations.resolve(
@@ -333,19 +338,25 @@ class Engine:
             cache, cached, source = self.restorer.restore(tokens, ids, tenant, session,
                                                           req.no_cache)
             self._count_restore(req, session, len(tokens), cached, source)
-            sampling = req.sampling
-            seed = sampling.seed if sampling.HasField("seed") else None
             r = Running(job=job, tokens=tokens, bank_key=session, session=session,
                         cached=cached, source=source,
                         known=common_prefix_len(info.tokens, tokens) if info is not None else 0,
                         started=time.monotonic(), stops=list(req.stop),
-                        detok=self.tokenizer.detokenizer)
-            self.batch.add(r, cache, req.max_tokens,
-                           make_request_sampler(sampling.temperature, sampling.top_p, seed))
+                        detok=self.tokenizer.detokenizer, decoding=decoding)
+            self.batch.add(r, cache, req.max_tokens)
         except Exception:
             self.bank.end_request(session)
             raise
         return True
+
+    def _decoding(self, req) -> Decoding:
+        """Sampling, logits processors, tool calls and grammar for one request; a request
+        this model cannot serve is refused here, before any memory is spent on it."""
+        if req.tools_json and not self.tokenizer.has_tool_calling:
+            raise InvalidRequest(f"the model {self.model_path.name} has no tool calling in its "
+                                 f"chat template: send the request without tools",
+                                 param="tools")
+        return Decoding.for_request(req, self.tokenizer, self.vocab_size)
 
     def _count_restore(self, req, session: SessionKey, n_tokens: int, cached: int,
                        source: int) -> None:
@@ -438,7 +449,11 @@ class Engine:
         )
         metrics.GENERATION_TOKENS.inc(len(r.completion))
         metrics.RECOMPUTED_TOKENS.inc(usage.recomputed_tokens)
-        return worker_pb2.WorkerGenerateResponse(finish_reason=r.finish, usage=usage)
+        finish = r.finish
+        if finish == api_pb2.FINISH_REASON_STOP and r.decoding.tools and r.decoding.tools.made_calls:
+            finish = api_pb2.FINISH_REASON_TOOL_CALLS
+        return worker_pb2.WorkerGenerateResponse(finish_reason=finish, usage=usage,
+                                                 stop_sequence=r.stop_sequence)
 
     # -- commit -----------------------------------------------------------------------------
 

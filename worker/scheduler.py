@@ -7,39 +7,20 @@ prompt. `serial` and `hyper` use the same path with one request at a time.
 
 A request enters with its own restored cache (RAM bank or SSD) and leaves with the cache of
 everything it read and wrote, which the engine commits. Stop strings and cancellation are
-checked here, on the detokenized text, after each token.
+checked here, on the detokenized text, after each token; so are tool calls, which the
+request's `Decoding` (worker/decoding.py) parses out of the text before it is sent.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
-import mlx.core as mx
+from typing import Any
 
 from kvbank.v1 import api_pb2, worker_pb2
+from worker.decoding import Decoding, token_logprob
 
 PREFILL_STEP_TOKENS = 512
-
-
-def make_request_sampler(temperature: float, top_p: float, seed: int | None) -> Callable:
-    """A sampler of its own for each request; with a seed it draws from its own key, so the
-    same request gives the same text whatever else runs in the batch."""
-    from mlx_lm.sample_utils import apply_top_p, make_sampler
-
-    if temperature <= 0 or seed is None:
-        return make_sampler(temp=temperature, top_p=top_p)
-    key = mx.random.key(seed)
-
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        key, sub = mx.random.split(key)
-        if 0 < top_p < 1:
-            logprobs = apply_top_p(logprobs, top_p)
-        return mx.random.categorical(logprobs * (1 / temperature), key=sub)
-
-    return sample
 
 
 @dataclass
@@ -56,20 +37,24 @@ class Running:
     started: float
     stops: list[str]
     detok: Any
+    decoding: Decoding
     completion: list[int] = field(default_factory=list)
     text: str = ""
     sent: int = 0
     first_token_at: float | None = None
     finish: int = api_pb2.FINISH_REASON_LENGTH
+    stop_sequence: str = ""  # the stop string that ended the answer
     uid: int = -1
 
 
 class BatchScheduler:
-    def __init__(self, model, *, max_active: int, eos_token_ids: list[int],
+    def __init__(self, model, *, max_active: int, eos_token_ids: list[int], decode,
                  prefill_step_tokens: int = PREFILL_STEP_TOKENS):
+        """`decode`: the tokenizer's ids -> text, for the tokens of log-probabilities."""
         from mlx_lm.generate import BatchGenerator
 
         self.max_active = max_active
+        self.decode = decode
         self.gen = BatchGenerator(model, stop_tokens=[[t] for t in eos_token_ids],
                                   completion_batch_size=max_active,
                                   prefill_batch_size=max_active,
@@ -79,9 +64,13 @@ class BatchScheduler:
     def __len__(self) -> int:
         return len(self.running)
 
-    def add(self, r: Running, cache: list, max_tokens: int, sampler: Callable) -> None:
-        (r.uid,) = self.gen.insert([r.tokens[r.cached:].tolist()], max_tokens=[max_tokens],
-                                   caches=[cache], samplers=[sampler])
+    def add(self, r: Running, cache: list, max_tokens: int) -> None:
+        d = r.decoding
+        (r.uid,) = self.gen.insert(
+            [r.tokens[r.cached:].tolist()], max_tokens=[max_tokens], caches=[cache],
+            samplers=[d.sampler], logits_processors=[d.processors],
+            # the penalties look back into the prompt, as mlx-lm's server has them do
+            all_tokens=[r.tokens[:r.cached].tolist() if d.processors else []])
         self.running[r.uid] = r
 
     def take_cancelled(self) -> list[Running]:
@@ -111,7 +100,7 @@ class BatchScheduler:
             else:
                 r.detok.add_token(resp.token)
                 r.text += r.detok.last_segment
-                if self._emit_text(r):
+                if self._emit(r, resp):
                     r.finish = api_pb2.FINISH_REASON_STOP
                     stopped.append(resp.uid)
                     continue
@@ -130,37 +119,61 @@ class BatchScheduler:
         if self.running.pop(r.uid, None) is not None:
             self.gen.remove([r.uid])
 
-    def _emit_text(self, r: Running) -> bool:
-        """Send what may be sent; True when a stop string was found."""
+    def _emit(self, r: Running, resp) -> bool:
+        """Send what may be sent of the text, with the token; True when a stop string was
+        found (the stop string and what follows it are not sent)."""
         cut, hit = stop_cut(r.text, r.stops)
+        text = ""
         if cut > r.sent:
-            r.job.emit(worker_pb2.WorkerGenerateResponse(text=r.text[r.sent:cut],
-                                                         token_ids=[r.completion[-1]]))
-            r.sent = cut
-        elif not hit:
-            r.job.emit(worker_pb2.WorkerGenerateResponse(token_ids=[r.completion[-1]]))
-        return hit
+            text, r.sent = r.text[r.sent:cut], cut
+        elif hit:
+            r.stop_sequence = hit
+            return True
+        msg = worker_pb2.WorkerGenerateResponse(token_ids=[resp.token])
+        if r.decoding.logprobs:
+            msg.logprobs.append(token_logprob(resp.logprobs, resp.token,
+                                              r.decoding.top_logprobs, self.decode))
+        self._send(r, msg, text)
+        r.stop_sequence = hit
+        return bool(hit)
 
     def _flush_text(self, r: Running) -> None:
-        if stop_cut(r.text, r.stops)[1]:
-            return  # the stop string and what follows it are not sent
-        r.detok.finalize()
-        r.text += r.detok.last_segment
-        end = stop_cut(r.text, r.stops)[0]
-        if end > r.sent:
-            r.job.emit(worker_pb2.WorkerGenerateResponse(text=r.text[r.sent:end]))
-            r.sent = end
+        """The end of the answer: the detokenizer's last text and any held-back tool call."""
+        text = ""
+        if not r.stop_sequence:
+            r.detok.finalize()
+            r.text += r.detok.last_segment
+            end, hit = stop_cut(r.text, r.stops)
+            if end > r.sent:
+                text, r.sent = r.text[r.sent:end], end
+            if hit:
+                r.stop_sequence, r.finish = hit, api_pb2.FINISH_REASON_STOP
+        self._send(r, worker_pb2.WorkerGenerateResponse(), text, final=True)
+
+    @staticmethod
+    def _send(r: Running, msg, text: str, final: bool = False) -> None:
+        """Text through the tool-call parser (when the request has tools), then out."""
+        tools = r.decoding.tools
+        if tools is not None:
+            text, calls = tools.feed(text)
+            if final:
+                rest, more = tools.finish()
+                text, calls = text + rest, calls + more
+            msg.tool_calls.extend(calls)
+        msg.text = text
+        if msg.text or msg.token_ids or msg.tool_calls:
+            r.job.emit(msg)
 
 
-def stop_cut(text: str, stops: list[str]) -> tuple[int, bool]:
-    """How much of `text` may be sent, and whether a stop string was found.
+def stop_cut(text: str, stops: list[str]) -> tuple[int, str]:
+    """How much of `text` may be sent, and the stop string found ("" : none).
 
     Text that could still grow into a stop string is held back.
     """
     if not stops:
-        return len(text), False
-    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    if first >= 0:
-        return first, True
+        return len(text), ""
+    found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+    if found:
+        return min(found)
     hold = max(len(s) for s in stops) - 1
-    return max(0, len(text) - hold), False
+    return max(0, len(text) - hold), ""

@@ -83,7 +83,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             max_fit_tokens=e.pricing.max_fit_tokens(e.memory_budget),
             prefill_chunk_tokens=e.pricing.chunk_tokens,
             transient_base_bytes=e.pricing.transient_base,
-            transient_per_context_token=e.pricing.transient_per_context_token)
+            transient_per_context_token=e.pricing.transient_per_context_token,
+            **_tool_calling(e.tokenizer))
 
     @staticmethod
     def _session_pb(snap: cmd.Snapshot, key, info, with_tokens: bool) -> api_pb2.Session:
@@ -214,3 +215,12 @@ async def serve(model: Path, layout: Layout, *, metrics_port: int = -1, **engine
 
 def main(model: Path, layout: Layout, **engine_kw) -> None:
     asyncio.run(serve(model, layout, **engine_kw))
+
+
+def _tool_calling(tokenizer) -> dict:
+    """The model's tool calling as mlx-lm reads it from the chat template (empty: none)."""
+    if not tokenizer.has_tool_calling:
+        return {}
+    parser = tokenizer.tool_parser
+    return {"tool_parser": getattr(parser, "__module__", "").rsplit(".", 1)[-1] or "custom",
+            "tool_call_start": tokenizer.tool_call_start, "tool_call_end": tokenizer.tool_call_end}

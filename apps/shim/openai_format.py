@@ -2,20 +2,19 @@
 
 A body is validated here, once, before anything reaches the router: whatever the OpenAI API
 would refuse becomes an `ApiError` (HTTP 400) whose message and `param` name the field.
-Fields that only tune sampling in ways kvbank does not (penalties, logit_bias, metadata, ...)
-are ignored; fields that would change the answer's shape (n > 1, tools, logprobs, a JSON
-response format, echo, best_of) are refused, so a client never gets less than it asked for
-without being told.
+Sampling controls (logit_bias, the penalties, seed), logprobs, tools and response_format are
+passed on; fields that would change the answer's shape in ways kvbank does not serve (n > 1,
+echo, best_of, suffix) are refused, so a client never gets less than it asked for without
+being told. Fields about billing and storage on OpenAI's side (metadata, store, ...) are
+ignored.
 """
 
 from __future__ import annotations
 
+import json
 import math
-import time
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from kvbank.client import CACHE_SOURCES, FINISH_REASONS
 from kvbank.v1 import api_pb2
 
 # What a request without max_tokens / max_completion_tokens gets (`--default-max-tokens`),
@@ -35,6 +34,9 @@ MAX_REQUEST_BYTES = 4 << 20
 # "developer" is OpenAI's newer name for the system role.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
+MAX_STOP = 4          # OpenAI's bound
+MAX_TOP_LOGPROBS = 20  # chat; completions' `logprobs` takes at most 5
+MAX_COMPLETION_LOGPROBS = 5
 
 # What vllm-router adds to a client's body before it asks a render endpoint for the prompt's
 # tokens (it re-serializes the body with its own defaults). None of them changes the prompt:
@@ -118,6 +120,10 @@ def parse(kind: str, body: object, *, session_header: str | None,
     if seed is not None:
         req.sampling.seed = seed
     req.stop.extend(_stop(body))
+    _sampling_controls(kind, body, req.sampling)
+    if kind == "chat":
+        _tools(body, req.chat)
+    _response_format(body, req)
     stream = bool(_optional(body, "stream", bool, "true or false"))
     options = _optional(body, "stream_options", dict, "an object") or {}
     include_usage = _optional(options, "include_usage", bool, "true or false",
@@ -146,15 +152,11 @@ def _refuse_unsupported(kind: str, body: dict) -> None:
     n = _int(body, "n", lo=1)
     if n not in (None, 1):
         raise invalid("n", f"n must be 1: kvbank returns one choice per request; given {n}")
-    if body.get("tools") or body.get("functions"):
-        name = "tools" if body.get("tools") else "functions"
-        raise invalid(name, f"{name} are not supported: kvbank returns text only")
-    if body.get("logprobs") is not None and body.get("logprobs") is not False:
-        raise invalid("logprobs", "logprobs are not supported")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise invalid("response_format", 'response_format must be {"type": "text"}: kvbank '
-                                         "does not constrain output to JSON")
+    if body.get("functions") or body.get("function_call"):
+        name = "functions" if body.get("functions") else "function_call"
+        raise invalid(name, f"{name} is OpenAI's deprecated form: send tools and tool_choice")
+    if kind == "completion" and body.get("tools"):
+        raise invalid("tools", "tools are a chat field: send them to /v1/chat/completions")
     if kind == "completion":
         if body.get("echo"):
             raise invalid("echo", "echo is not supported")
@@ -186,8 +188,107 @@ def _messages(body: dict) -> list[api_pb2.ChatMessage]:
         if role not in ROLES:
             raise invalid(f"{where}.role", f"{where}.role must be one of "
                                            f"{', '.join(ROLES)}; given {role!r}")
-        out.append(api_pb2.ChatMessage(role=ROLES[role], content=_content(m.get("content"), where)))
+        msg = api_pb2.ChatMessage(role=ROLES[role], content=_content(m.get("content"), where))
+        if role == "assistant":
+            msg.tool_calls.extend(_tool_calls(m.get("tool_calls"), where))
+        if role == "tool":
+            msg.tool_call_id = _optional(m, "tool_call_id", str, "a string",
+                                         param=f"{where}.tool_call_id") or ""
+            msg.name = _optional(m, "name", str, "a string", param=f"{where}.name") or ""
+        out.append(msg)
     return out
+
+
+def _tool_calls(calls: object, where: str) -> list[api_pb2.ToolCall]:
+    """An assistant message's tool_calls, as the client got them (arguments as JSON text)."""
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise invalid(f"{where}.tool_calls", f"{where}.tool_calls must be an array")
+    out = []
+    for j, c in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise invalid(at, f'{at} must be {{"id", "type": "function", "function": '
+                              f'{{"name", "arguments"}}}}')
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, str):
+            raise invalid(f"{at}.function.arguments", f"{at}.function.arguments must be a "
+                                                      f"string of JSON")
+        out.append(api_pb2.ToolCall(id=str(c.get("id") or ""), name=fn["name"], arguments=args))
+    return out
+
+
+def _tools(body: dict, chat: api_pb2.ChatMessages) -> None:
+    """tools as JSON for the router (which validates each), tool_choice in kvbank's words."""
+    tools = _optional(body, "tools", list, "an array of function tools")
+    choice = body.get("tool_choice")
+    _optional(body, "parallel_tool_calls", bool, "true or false")
+    if tools:
+        chat.tools_json = json.dumps(tools)
+    if choice is None:
+        return
+    if isinstance(choice, str) and choice in ("none", "auto", "required"):
+        chat.tool_choice = choice
+    elif (isinstance(choice, dict) and choice.get("type") == "function"
+          and isinstance((choice.get("function") or {}).get("name"), str)):
+        chat.tool_choice = "function:" + choice["function"]["name"]
+    else:
+        raise invalid("tool_choice", 'tool_choice must be "none", "auto", "required" or '
+                                     '{"type": "function", "function": {"name": ...}}; given '
+                                     f"{choice!r}")
+    if not tools and chat.tool_choice != "none":
+        raise invalid("tool_choice", "tool_choice needs tools: send the tools it chooses from")
+
+
+def _sampling_controls(kind: str, body: dict, s: api_pb2.SamplingParams) -> None:
+    """logit_bias, the penalties and logprobs, with OpenAI's bounds (the token ids are checked
+    against the vocabulary by the router)."""
+    bias = _optional(body, "logit_bias", dict, "an object of token id -> bias") or {}
+    for token, value in bias.items():
+        if not (isinstance(token, str) and token.isdigit()) or int(token) > MAX_UINT32:
+            raise invalid("logit_bias", f"logit_bias keys must be token ids; given {token!r}")
+        if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                or not -100 <= value <= 100):
+            raise invalid("logit_bias", f"logit_bias values must be numbers in [-100, 100]; "
+                                        f"given {value!r} for token {token}")
+        s.logit_bias[int(token)] = float(value)
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _number(body, name, -2.0, 2.0)
+        if value is not None:
+            setattr(s, name, value)
+    value = _number(body, "repetition_penalty", 0.0, 10.0)  # mlx-lm's and vLLM's extension
+    if value is not None:
+        s.repetition_penalty = value
+    if kind == "chat":
+        s.logprobs = bool(_optional(body, "logprobs", bool, "true or false"))
+        top = _int(body, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
+        if top is not None and not s.logprobs:
+            raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
+        s.top_logprobs = top or 0
+    else:  # completions: logprobs is how many alternatives, 0 for the chosen token's alone
+        top = None if body.get("logprobs") is False else _int(body, "logprobs", lo=0,
+                                                               hi=MAX_COMPLETION_LOGPROBS)
+        s.logprobs, s.top_logprobs = top is not None, top or 0
+
+
+def _response_format(body: dict, req: api_pb2.GenerateRequest) -> None:
+    fmt = body.get("response_format")
+    if fmt is None:
+        return
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise invalid("response_format", 'response_format.type must be "text", "json_object" '
+                                         f"or \"json_schema\"; given {kind!r}")
+    req.response_format.type = kind
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise invalid("response_format.json_schema.schema",
+                          "response_format.json_schema.schema must be a JSON schema object")
+        req.response_format.json_schema = json.dumps(schema)
 
 
 def _content(content: object, where: str) -> str:
@@ -234,6 +335,8 @@ def _stop(body: dict) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise invalid("stop", "stop must be a non-empty string or an array of them")
+    if len(stops) > MAX_STOP:
+        raise invalid("stop", f"stop takes at most {MAX_STOP} strings; given {len(stops)}")
     return stops
 
 
@@ -263,88 +366,3 @@ def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
             or not math.isfinite(value) or not lo <= value <= hi):
         raise invalid(name, f"{name} must be a number in [{lo:g}, {hi:g}]; given {value!r}")
     return float(value)
-
-
-# -- answers --------------------------------------------------------------------------------
-
-
-def usage_body(u: api_pb2.Usage) -> dict:
-    """OpenAI's usage, plus kvbank's own facts under `kvbank` (clients ignore unknown keys)."""
-    return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-        "kvbank": {"cache_source": CACHE_SOURCES[u.cache_source],
-                   "recomputed_tokens": u.recomputed_tokens, "ttft_s": round(u.ttft_s, 4),
-                   "queue_s": round(u.queue_s, 4), "durable": u.durable,
-                   "session_id": u.session_id},
-    }
-
-
-@dataclass
-class Answer:
-    """One request's answer as the router streams it, shaped for its endpoint."""
-
-    kind: str
-    model: str
-    include_usage: bool = False
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    created: int = field(default_factory=lambda: int(time.time()))
-    text: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
-    usage: dict | None = None
-
-    def add(self, msg: api_pb2.GenerateResponse) -> None:
-        if msg.text:
-            self.text.append(msg.text)
-        if msg.HasField("usage"):
-            self.usage = usage_body(msg.usage)
-            self.finish_reason = FINISH_REASONS.get(msg.finish_reason, "stop")
-
-    def body(self) -> dict:
-        text = "".join(self.text)
-        if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text,
-                                              "refusal": None}}
-        else:
-            choice = {"index": 0, "text": text}
-        choice |= {"logprobs": None, "finish_reason": self.finish_reason}
-        return self._envelope([choice], "chat.completion" if self.kind == "chat"
-                              else "text_completion") | {"usage": self.usage}
-
-    def first_chunk(self) -> dict | None:
-        """OpenAI's chat streams open with the role and empty content."""
-        if self.kind != "chat":
-            return None
-        return self._chunk({"role": "assistant", "content": "", "refusal": None}, None)
-
-    def chunks(self, msg: api_pb2.GenerateResponse) -> list[dict]:
-        """The chunks one router message becomes (a text delta; the finish; the usage)."""
-        self.add(msg)
-        out = []
-        if msg.text:
-            out.append(self._chunk({"content": msg.text} if self.kind == "chat" else msg.text,
-                                   None))
-        if msg.HasField("usage"):
-            out.append(self._chunk({} if self.kind == "chat" else "", self.finish_reason))
-            if self.include_usage:
-                out.append(self._envelope([], self._chunk_object()) | {"usage": self.usage})
-        return out
-
-    def _chunk(self, delta: dict | str, finish_reason: str | None) -> dict:
-        if self.kind == "chat":
-            choice = {"index": 0, "delta": delta}
-        else:
-            choice = {"index": 0, "text": delta}
-        choice |= {"logprobs": None, "finish_reason": finish_reason}
-        body = self._envelope([choice], self._chunk_object())
-        return body | {"usage": None} if self.include_usage else body
-
-    def _chunk_object(self) -> str:
-        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-
-    def _envelope(self, choices: list, obj: str) -> dict:
-        prefix = "chatcmpl-" if self.kind == "chat" else "cmpl-"
-        return {"id": prefix + self.id, "object": obj, "created": self.created,
-                "model": self.model, "system_fingerprint": None, "choices": choices}

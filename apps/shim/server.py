@@ -38,8 +38,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from apps.shim import anthropic_format
-from apps.shim.openai_format import (DEFAULT_MAX_TOKENS, Answer, ApiError, invalid, parse,
-                                     parse_render)
+from apps.shim.openai_answer import Answer
+from apps.shim.openai_format import DEFAULT_MAX_TOKENS, ApiError, invalid, parse, parse_render
 from kvbank.contracts.failures import HTTP_STATUS, Unauthenticated, failure_for
 from kvbank.contracts.vocabulary import NO_RETRY_VERDICTS
 from kvbank.v1 import api_pb2, api_pb2_grpc
@@ -70,7 +70,7 @@ def error_for(e: grpc.aio.AioRpcError) -> ApiError:
     retry_after_s = _seconds(md.get("retry-after")) if busy and not hopeless else None
     return ApiError(status, e.details() or e.code().name, type=kind,
                     code=md.get("x-kvbank-reason") or code, retry_after_s=retry_after_s,
-                    retry=False if hopeless else None)
+                    retry=False if hopeless else None, param=md.get("x-kvbank-param"))
 
 
 def _seconds(value: str | None) -> float:

@@ -1,7 +1,8 @@
 """One hierarchy for everything kvbank refuses or cannot do, and how each reaches a client:
 `GRPC_STATUS` (the router's and the worker's answer) and `HTTP_STATUS` (the shim's), one table
-each. A failure's message says what to change; `reason` and `verdict` travel as trailing
-metadata (`x-kvbank-reason`, `x-kvbank-verdict`, `retry-after`)."""
+each. A failure's message says what to change; `reason`, `verdict` and the field at fault
+travel as trailing metadata (`x-kvbank-reason`, `x-kvbank-verdict`, `retry-after`,
+`x-kvbank-param`)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ class KvbankError(Exception):
     reason: str = ""
     verdict: str = ""
     retry_after_s: int | None = None
+    param: str | None = None  # the request field at fault (OpenAI's `param`)
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        md = []
+        md = [("x-kvbank-param", self.param)] if self.param else []
         if self.reason:
             md.append(("x-kvbank-reason", str(self.reason)))
         if self.verdict:
@@ -30,6 +32,10 @@ class KvbankError(Exception):
 
 class InvalidRequest(KvbankError, ValueError):
     """Bad input: nothing ran; the message names the field and what to change."""
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class Unauthenticated(KvbankError):
@@ -88,6 +94,10 @@ HTTP_STATUS: dict[type[KvbankError], tuple[int, str, str | None]] = {
     Refused: (429, "requests", "rate_limit_exceeded"),
     Unavailable: (503, "server_error", "unavailable"),
 }
+
+
+# What a process passes on from the trailing metadata of a call it relays.
+RELAYED_METADATA = ("retry-after", "x-kvbank-reason", "x-kvbank-verdict", "x-kvbank-param")
 
 
 def grpc_status(exc: BaseException) -> grpc.StatusCode:

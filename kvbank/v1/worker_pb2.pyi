@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "token_ids", "sampling", "max_tokens", "no_cache", "received_at", "stop", "tenant")
+    __slots__ = ("request_id", "session_id", "token_ids", "sampling", "max_tokens", "no_cache", "received_at", "stop", "tenant", "tools_json", "tool_choice", "response_format")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,9 @@ class WorkerGenerateRequest(_message.Message):
     RECEIVED_AT_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -27,26 +30,35 @@ class WorkerGenerateRequest(_message.Message):
     received_at: float
     stop: _containers.RepeatedScalarFieldContainer[str]
     tenant: str
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., no_cache: _Optional[bool] = ..., received_at: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., tenant: _Optional[str] = ...) -> None: ...
+    tools_json: str
+    tool_choice: str
+    response_format: _api_pb2.ResponseFormat
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., no_cache: _Optional[bool] = ..., received_at: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., tenant: _Optional[str] = ..., tools_json: _Optional[str] = ..., tool_choice: _Optional[str] = ..., response_format: _Optional[_Union[_api_pb2.ResponseFormat, _Mapping]] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "usage")
+    __slots__ = ("text", "token_ids", "finish_reason", "usage", "logprobs", "tool_calls", "stop_sequence")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    STOP_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _api_pb2.FinishReason
     usage: _api_pb2.Usage
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_api_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_api_pb2.Usage, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_api_pb2.TokenLogprob]
+    tool_calls: _containers.RepeatedCompositeFieldContainer[_api_pb2.ToolCall]
+    stop_sequence: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_api_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_api_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_api_pb2.TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[_api_pb2.ToolCall, _Mapping]]] = ..., stop_sequence: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_path", "fingerprint", "max_context_tokens", "kv_bytes_per_token", "block_tokens", "eos_token_ids", "scheduler", "max_active_requests", "memory_budget_bytes", "fixed_bytes", "max_fit_tokens", "prefill_chunk_tokens", "transient_base_bytes", "transient_per_context_token")
+    __slots__ = ("model_path", "fingerprint", "max_context_tokens", "kv_bytes_per_token", "block_tokens", "eos_token_ids", "scheduler", "max_active_requests", "memory_budget_bytes", "fixed_bytes", "max_fit_tokens", "prefill_chunk_tokens", "transient_base_bytes", "transient_per_context_token", "tool_parser", "tool_call_start", "tool_call_end")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +73,9 @@ class InfoResponse(_message.Message):
     PREFILL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSIENT_BASE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSIENT_PER_CONTEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOOL_PARSER_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_START_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_END_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     fingerprint: str
     max_context_tokens: int
@@ -75,7 +90,10 @@ class InfoResponse(_message.Message):
     prefill_chunk_tokens: int
     transient_base_bytes: int
     transient_per_context_token: float
-    def __init__(self, model_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., block_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., scheduler: _Optional[str] = ..., max_active_requests: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., fixed_bytes: _Optional[int] = ..., max_fit_tokens: _Optional[int] = ..., prefill_chunk_tokens: _Optional[int] = ..., transient_base_bytes: _Optional[int] = ..., transient_per_context_token: _Optional[float] = ...) -> None: ...
+    tool_parser: str
+    tool_call_start: str
+    tool_call_end: str
+    def __init__(self, model_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., block_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., scheduler: _Optional[str] = ..., max_active_requests: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., fixed_bytes: _Optional[int] = ..., max_fit_tokens: _Optional[int] = ..., prefill_chunk_tokens: _Optional[int] = ..., transient_base_bytes: _Optional[int] = ..., transient_per_context_token: _Optional[float] = ..., tool_parser: _Optional[str] = ..., tool_call_start: _Optional[str] = ..., tool_call_end: _Optional[str] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ("tenant", "token_ids")

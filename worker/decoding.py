@@ -1,0 +1,174 @@
+"""What one request asks of decoding: its sampler, its logits processors (logit_bias,
+penalties, a grammar), the log-probabilities it wants back, and its tool calls.
+
+All of it is mlx-lm's where mlx-lm has it (samplers, `make_logits_processors`, the model's
+tool parser); what is ours is the per-request shape: a seeded sampler that draws from its own
+key, and the split of an answer's text into what the client reads and the calls it made.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from kvbank.contracts.failures import InvalidRequest
+from kvbank.v1 import api_pb2
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+PENALTY_WINDOW = 20    # mlx-lm's context size for the three penalties
+
+
+def make_request_sampler(temperature: float, top_p: float, seed: int | None) -> Callable:
+    """A sampler of its own for each request; with a seed it draws from its own key, so the
+    same request gives the same text whatever else runs in the batch."""
+    from mlx_lm.sample_utils import apply_top_p, make_sampler
+
+    if temperature <= 0 or seed is None:
+        return make_sampler(temp=temperature, top_p=top_p)
+    key = mx.random.key(seed)
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, sub = mx.random.split(key)
+        if 0 < top_p < 1:
+            logprobs = apply_top_p(logprobs, top_p)
+        return mx.random.categorical(logprobs * (1 / temperature), key=sub)
+
+    return sample
+
+
+def logits_processors(s: api_pb2.SamplingParams, vocab_size: int) -> list[Callable]:
+    """logit_bias and the penalties, as mlx-lm applies them (bad values: InvalidRequest)."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    bad = next((t for t in s.logit_bias if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"logit_bias names token {bad}; the vocabulary has {vocab_size}")
+    if s.repetition_penalty < 0:
+        raise InvalidRequest(f"repetition_penalty must be >= 0; given {s.repetition_penalty}")
+    window = s.penalty_window or PENALTY_WINDOW
+    return make_logits_processors(
+        logit_bias=dict(s.logit_bias) or None,
+        repetition_penalty=s.repetition_penalty if s.repetition_penalty not in (0, 1) else None,
+        repetition_context_size=window,
+        presence_penalty=s.presence_penalty or None, presence_context_size=window,
+        frequency_penalty=s.frequency_penalty or None, frequency_context_size=window)
+
+
+def token_logprob(logprobs: mx.array, token: int, top_n: int, decode) -> api_pb2.TokenLogprob:
+    """The chosen token's log-probability and the `top_n` most likely, most likely first."""
+    out = api_pb2.TokenLogprob(token_id=token, token=decode([token]),
+                               logprob=logprobs[token].item())
+    if top_n > 0:
+        top = mx.argpartition(-logprobs, kth=top_n - 1)[:top_n]
+        values = logprobs[top].tolist()
+        for lp, t in sorted(zip(values, top.tolist()), key=lambda p: -p[0]):
+            out.top.append(api_pb2.TokenLogprob(token_id=t, token=decode([t]), logprob=lp))
+    return out
+
+
+class ToolCallText:
+    """Splits an answer's text, as it streams, into the text the client reads and the tool
+    calls between the model's call markers, parsed by the model's own tool parser.
+
+    Text that could be the start of a marker is held back until it is known not to be. A call
+    the answer left unclosed (max_tokens) is parsed if it parses, else given back as text.
+    """
+
+    def __init__(self, start: str, end: str, parse: Callable, tools: list[dict]):
+        self.start, self.end, self.parse, self.tools = start, end, parse, tools
+        self.buf = ""
+        self.in_call = False
+        self.made_calls = False
+
+    def feed(self, text: str) -> tuple[str, list[api_pb2.ToolCall]]:
+        self.buf += text
+        out: list[str] = []
+        calls: list[api_pb2.ToolCall] = []
+        while True:
+            if not self.in_call:
+                at = self.buf.find(self.start)
+                if at < 0:
+                    keep = _partial_suffix(self.buf, self.start)
+                    out.append(self.buf[:len(self.buf) - keep])
+                    self.buf = self.buf[len(self.buf) - keep:]
+                    break
+                out.append(self.buf[:at])
+                self.buf, self.in_call = self.buf[at + len(self.start):], True
+            else:
+                at = self.buf.find(self.end)
+                if at < 0:
+                    break
+                body, self.buf, self.in_call = self.buf[:at], self.buf[at + len(self.end):], False
+                parsed = self._parse(body)
+                if parsed is None:  # not a call after all: the client gets what was written
+                    out.append(self.start + body + self.end)
+                calls += parsed or []
+        return "".join(out), calls
+
+    def finish(self) -> tuple[str, list[api_pb2.ToolCall]]:
+        rest, self.buf = self.buf, ""
+        if not self.in_call:
+            return rest, []
+        parsed = self._parse(rest)
+        return ("", parsed) if parsed else (self.start + rest, [])
+
+    def _parse(self, body: str) -> list[api_pb2.ToolCall] | None:
+        try:
+            parsed = self.parse(body, self.tools)
+        except (ValueError, KeyError, TypeError):
+            return None
+        calls = []
+        for call in parsed if isinstance(parsed, list) else [parsed]:
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                return None
+            args = call.get("arguments", {})
+            calls.append(api_pb2.ToolCall(
+                id=call.get("id") or f"call_{uuid.uuid4().hex[:24]}", name=call["name"],
+                arguments=args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+        self.made_calls = self.made_calls or bool(calls)
+        return calls
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+@dataclass
+class Decoding:
+    """One request's decoding: built once when it starts, consulted at every token."""
+
+    sampler: Callable
+    processors: list[Callable] = field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    tools: ToolCallText | None = None
+    grammar: Any = None  # the constraint's matcher, when the answer is constrained
+
+    @classmethod
+    def for_request(cls, req, tokenizer, vocab_size: int, constraint=None) -> "Decoding":
+        """`req` is a WorkerGenerateRequest; `constraint` the grammar's logits processor
+        (worker/grammar.py), if the answer has one."""
+        s = req.sampling
+        if s.top_logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}; "
+                                 f"given {s.top_logprobs}")
+        seed = s.seed if s.HasField("seed") else None
+        processors = logits_processors(s, vocab_size)
+        if constraint is not None:
+            processors.append(constraint)  # last: nothing may lift a masked token back
+        tools = None
+        if req.tools_json and req.tool_choice != "none":
+            tools = ToolCallText(tokenizer.tool_call_start, tokenizer.tool_call_end,
+                                 tokenizer.tool_parser, json.loads(req.tools_json))
+        return cls(sampler=make_request_sampler(s.temperature, s.top_p, seed),
+                   processors=processors, logprobs=s.logprobs or s.top_logprobs > 0,
+                   top_logprobs=s.top_logprobs, tools=tools, grammar=constraint)
