@@ -6,8 +6,13 @@ template, exactly as `/v1/chat/completions` sends it, so whatever finds KV for o
 prefix, RAM or SSD, a conversation found by its tokens, a name from `x-session-id` or
 `metadata.user_id`) finds it for the other.
 
+Tools: `tools` become the chat template's tools (OpenAI's function shape, `input_schema` as
+the parameters), `tool_use` blocks an assistant turn's tool calls and `tool_result` blocks
+tool messages, so a tool loop finds its KV as a chat completions loop does. `tool_choice`
+`any` and `tool` are the worker's grammar-constrained call.
+
 A body is validated here, once, before anything reaches the router. A field kvbank does not
-support, a content block it cannot render (`tool_use`, `tool_result`, images, ...) and an
+support, a content block it cannot render (images, documents, server tools ...) and an
 assistant prefill are each a 400, in Anthropic's error shape, that names them, so a client
 never gets less than it asked for without being told. `cache_control` (top-level or on a
 block) is accepted and ignored: kvbank keeps the KV of every prompt without being asked; so
@@ -21,6 +26,7 @@ no separate, billed cache write).
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 
@@ -31,13 +37,11 @@ from kvbank.v1 import api_pb2
 
 DEFAULT_TEMPERATURE = 1.0  # Anthropic's default
 SUPPORTED = ("model", "max_tokens", "messages", "system", "stop_sequences", "temperature",
-             "top_p", "stream", "metadata")
+             "top_p", "stream", "metadata", "tools", "tool_choice")
 # Accepted, and without effect on one local machine that caches every prompt.
 NO_EFFECT = ("cache_control", "service_tier", "speed", "inference_geo")
 # Why a known field is refused; any other unknown field is refused as unknown.
 NOT_SUPPORTED = {
-    "tools": "tool use is not supported yet",
-    "tool_choice": "tool use is not supported yet",
     "thinking": "extended thinking is not supported",
     "top_k": "top_k sampling is not supported (kvbank samples with temperature and top_p)",
 }
@@ -85,6 +89,7 @@ def parse(body: object, *, session_header: str | None,
     if system:
         req.chat.messages.append(api_pb2.ChatMessage(role="system", content=system))
     req.chat.messages.extend(_messages(body))
+    _tools(body, req.chat)
     max_tokens = _int(body, "max_tokens", lo=1, hi=MAX_INT32)
     if max_tokens is None and not count_only:
         raise invalid("max_tokens", "max_tokens is required (the most tokens the answer may "
@@ -142,7 +147,7 @@ def _messages(body: dict) -> list[api_pb2.ChatMessage]:
                                                  f"{', '.join(extra)}")
         if "content" not in m:
             raise invalid(f"{where}.content", f"{where}.content is missing")
-        out.append(api_pb2.ChatMessage(role=role, content=_text(m["content"], f"{where}.content")))
+        out += _turn(role, m["content"], f"{where}.content")
     if out[-1].role == "assistant":
         raise invalid(f"messages[{len(out) - 1}].role",
                       "the last message is the assistant's: continuing a prefilled answer is "
@@ -151,7 +156,93 @@ def _messages(body: dict) -> list[api_pb2.ChatMessage]:
     return out
 
 
-def _text(content: object, where: str) -> str:
+def _turn(role: str, content: object, where: str) -> list[api_pb2.ChatMessage]:
+    """One Anthropic message as chat messages: an assistant's text and tool calls in one; a
+    user's tool results as tool messages, then the user's text (if any) after them."""
+    if isinstance(content, str):
+        return [api_pb2.ChatMessage(role=role, content=content)]
+    if not isinstance(content, list):
+        raise invalid(where, f"{where} must be a string or an array of content blocks; given "
+                             f"{type(content).__name__}")
+    texts, calls, results = [], [], []
+    for j, block in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "tool_use" and role == "assistant":
+            calls.append(_tool_use(block, at))
+        elif kind == "tool_result" and role == "user":
+            results.append(api_pb2.ChatMessage(
+                role="tool", tool_call_id=_str(block, "tool_use_id", at),
+                content=_result_text(block.get("content"), f"{at}.content")))
+        elif kind in ("tool_use", "tool_result"):
+            raise invalid(f"{at}.type", f"{at} is a {kind} block in a {role} message: "
+                                        f"tool_use belongs to assistant turns, tool_result to "
+                                        f"user turns")
+        else:
+            texts.append(_text([block], at.rsplit("[", 1)[0], first=j))
+    out = results
+    if texts or not results:
+        msg = api_pb2.ChatMessage(role=role, content="\n".join(texts))
+        msg.tool_calls.extend(calls)
+        out = out + [msg]
+    return out
+
+
+def _tool_use(block: dict, at: str) -> api_pb2.ToolCall:
+    if not isinstance(block.get("input"), dict):
+        raise invalid(f"{at}.input", f"{at}.input must be an object (the tool's arguments)")
+    return api_pb2.ToolCall(id=_str(block, "id", at), name=_str(block, "name", at),
+                            arguments=json.dumps(block["input"]))
+
+
+def _str(block: dict, key: str, at: str) -> str:
+    value = block.get(key)
+    if not isinstance(value, str) or not value:
+        raise invalid(f"{at}.{key}", f"{at}.{key} must be a non-empty string")
+    return value
+
+
+def _result_text(content: object, where: str) -> str:
+    """A tool_result's content: a string, or text blocks (absent: empty)."""
+    return "" if content is None else _text(content, where)
+
+
+def _tools(body: dict, chat: api_pb2.ChatMessages) -> None:
+    """Anthropic's tools as the template's (OpenAI's function shape); tool_choice in kvbank's
+    words: auto, none, any (required) or one tool by name."""
+    tools = _optional(body, "tools", list, "an array of tools") or []
+    functions = []
+    for i, t in enumerate(tools):
+        at = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") not in (None, "custom"):
+            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+            raise invalid(f"{at}.type", f"{at} is a {kind!r} tool: kvbank runs no server tools; "
+                                        f"send custom tools (name, description, input_schema)")
+        name = _str(t, "name", at)
+        schema = t.get("input_schema")
+        if not isinstance(schema, dict):
+            raise invalid(f"{at}.input_schema", f"{at}.input_schema must be a JSON schema object")
+        functions.append({"type": "function", "function": {
+            "name": name, "description": t.get("description") or "", "parameters": schema}})
+    if functions:
+        chat.tools_json = json.dumps(functions)
+    choice = _optional(body, "tool_choice", dict, "an object with a type")
+    if choice is None:
+        return
+    kind = choice.get("type")
+    words = {"auto": "auto", "none": "none", "any": "required"}
+    if kind in words:
+        chat.tool_choice = words[kind]
+    elif kind == "tool" and isinstance(choice.get("name"), str):
+        chat.tool_choice = "function:" + choice["name"]
+    else:
+        raise invalid("tool_choice", 'tool_choice.type must be "auto", "any", "none" or "tool" '
+                                     f'(with a name); given {choice!r}')
+    if not functions and chat.tool_choice != "none":
+        raise invalid("tool_choice", "tool_choice needs tools: send the tools it chooses from")
+
+
+def _text(content: object, where: str, first: int = 0) -> str:
     """A string, or text blocks (joined by newlines); any other block is refused by name."""
     if isinstance(content, str):
         return content
@@ -159,16 +250,13 @@ def _text(content: object, where: str) -> str:
         raise invalid(where, f"{where} must be a string or an array of content blocks; given "
                              f"{type(content).__name__}")
     texts = []
-    for j, block in enumerate(content):
+    for j, block in enumerate(content, start=first):
         at = f"{where}[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
-        if isinstance(kind, str) and kind.endswith(("tool_use", "tool_result")):
-            raise invalid(f"{at}.type", f"{at} is a {kind} block: tool use is not supported yet "
-                                        f"(kvbank does not render tools into the model's chat "
-                                        f"template); send text blocks")
         if kind != "text":
-            raise invalid(f"{at}.type", f'{at}.type must be "text" (kvbank serves a text-only '
-                                        f"model); given {kind!r}")
+            raise invalid(f"{at}.type", f'{at}.type must be "text", "tool_use" or '
+                                        f'"tool_result" (kvbank serves a text-only model); '
+                                        f"given {kind!r}")
         if not isinstance(block.get("text"), str):
             raise invalid(f"{at}.text", f"{at}.text must be a string")
         extra = sorted(k for k, v in block.items()
@@ -204,7 +292,11 @@ def usage_body(u: api_pb2.Usage) -> dict:
 
 @dataclass
 class Message:
-    """One request's answer as the router streams it: a message, or its stream events."""
+    """One request's answer as the router streams it: a message, or its stream events.
+
+    Content blocks: the text first (index 0, opened at the start of the stream), then one
+    `tool_use` block per call, each sent whole: start, its input as one `input_json_delta`,
+    stop."""
 
     model: str
     # What the client asked for; when the router lowered it to the room the prompt left in
@@ -213,16 +305,22 @@ class Message:
     asked_max_tokens: int = 0
     id: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
     text: list[str] = field(default_factory=list)
+    tool_calls: list[api_pb2.ToolCall] = field(default_factory=list)
     stop_reason: str | None = None
+    stop_sequence: str | None = None
     usage: dict | None = None
 
     def add(self, msg: api_pb2.GenerateResponse) -> None:
         if msg.text:
             self.text.append(msg.text)
+        self.tool_calls.extend(msg.tool_calls)
         if msg.HasField("usage"):
             self.usage = usage_body(msg.usage)
-            if msg.finish_reason != api_pb2.FINISH_REASON_LENGTH:
-                # kvbank does not tell an end-of-turn token from a stop sequence yet
+            if msg.finish_reason == api_pb2.FINISH_REASON_TOOL_CALLS:
+                self.stop_reason = "tool_use"
+            elif msg.stop_sequence:
+                self.stop_reason, self.stop_sequence = "stop_sequence", msg.stop_sequence
+            elif msg.finish_reason != api_pb2.FINISH_REASON_LENGTH:
                 self.stop_reason = "end_turn"
             elif msg.usage.max_tokens and msg.usage.max_tokens < self.asked_max_tokens:
                 self.stop_reason = "model_context_window_exceeded"
@@ -230,36 +328,60 @@ class Message:
                 self.stop_reason = "max_tokens"
 
     def body(self) -> dict:
-        return self._message([{"type": "text", "text": "".join(self.text)}], self.stop_reason,
-                             self.usage)
+        text = "".join(self.text)
+        content = [{"type": "text", "text": text}] if text or not self.tool_calls else []
+        content += [_tool_use_block(c) for c in self.tool_calls]
+        return self._message(content, self.usage)
 
     def opening(self) -> list[dict]:
         """The events before the first text: the usage is not known yet (kvbank counts the
         prompt and what it restored as it runs); message_delta carries all of it."""
-        return [_event("message_start", message=self._message([], None, dict(ZERO_USAGE))),
+        return [_event("message_start", message=self._message([], dict(ZERO_USAGE))),
                 _event("content_block_start", index=0,
                        content_block={"type": "text", "text": ""}),
                 _event("ping")]
 
     def events(self, msg: api_pb2.GenerateResponse) -> list[dict]:
-        """The events one router message becomes (a text delta; the end of the message)."""
+        """The events one router message becomes (a text delta; tool_use blocks; the end)."""
+        calls_before = len(self.tool_calls)
         self.add(msg)
         out = []
         if msg.text:
             out.append(_event("content_block_delta", index=0,
                               delta={"type": "text_delta", "text": msg.text}))
+        for i, call in enumerate(msg.tool_calls, start=calls_before + 1):
+            if i == 1:
+                out.append(_event("content_block_stop", index=0))
+            block = _tool_use_block(call)
+            out += [_event("content_block_start", index=i, content_block={**block, "input": {}}),
+                    _event("content_block_delta", index=i,
+                           delta={"type": "input_json_delta",
+                                  "partial_json": json.dumps(block["input"])}),
+                    _event("content_block_stop", index=i)]
         if msg.HasField("usage"):
-            out += [_event("content_block_stop", index=0),
-                    _event("message_delta",
-                           delta={"stop_reason": self.stop_reason, "stop_sequence": None},
+            if not self.tool_calls:
+                out.append(_event("content_block_stop", index=0))
+            out += [_event("message_delta",
+                           delta={"stop_reason": self.stop_reason,
+                                  "stop_sequence": self.stop_sequence},
                            usage=self.usage),
                     _event("message_stop")]
         return out
 
-    def _message(self, content: list, stop_reason: str | None, usage: dict | None) -> dict:
+    def _message(self, content: list, usage: dict | None) -> dict:
+        done = usage is not None and self.stop_reason is not None
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": content, "stop_reason": stop_reason, "stop_sequence": None,
-                "usage": usage}
+                "content": content, "stop_reason": self.stop_reason if done else None,
+                "stop_sequence": self.stop_sequence if done else None, "usage": usage}
+
+
+def _tool_use_block(call: api_pb2.ToolCall) -> dict:
+    try:
+        args = json.loads(call.arguments or "{}")
+    except ValueError:  # a parser that returned text: Anthropic's input is always an object
+        args = {"arguments": call.arguments}
+    return {"type": "tool_use", "id": call.id, "name": call.name,
+            "input": args if isinstance(args, dict) else {"arguments": args}}
 
 
 def _event(kind: str, **fields) -> dict:

@@ -1,0 +1,262 @@
+"""What coding agents ask of the API beyond text: logprobs, logit_bias, penalties, stop
+sequences, tool calls (OpenAI and Anthropic), driven by the official SDKs against the real
+stack on the tiny model with a tool-calling chat template (tests/templates/qwen_tools.jinja).
+
+The tiny model is random: what it says is never checked, only what the API promises about it.
+Its logprobs and penalties are checked against mlx-lm running the same weights in this
+process; its tool calls are forced by tool_choice (the worker's grammar), since a random model
+never calls a tool of its own accord.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import anthropic
+import openai
+import pytest
+
+from tests.conftest import start_stack
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+        "unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a timezone.",
+    "parameters": {"type": "object", "properties": {"tz": {"type": "integer", "minimum": -12,
+                                                           "maximum": 14}},
+                   "required": ["tz"], "additionalProperties": False}}}
+MAX_TOKENS = 64  # room for a whole forced call
+
+
+@pytest.fixture(scope="module")
+def agent_stack(tool_model, tmp_path_factory, cache_dir):
+    s = start_stack(tool_model, tmp_path_factory.mktemp("agents") / "data", cache_dir=cache_dir)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tool_model):
+    """mlx-lm with the same weights, in this process: what the worker's numbers must equal."""
+    from mlx_lm import load
+
+    return load(str(tool_model))
+
+
+def _openai(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.shim_url + "/v1", api_key="none", max_retries=0)
+
+
+def _anthropic(stack) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=stack.shim_url, api_key="none", max_retries=0)
+
+
+def _user(text: str) -> list[dict]:
+    return [{"role": "user", "content": f"[{uuid.uuid4().hex}] {text}"}]
+
+
+def _greedy(reference, prompt: list[int], n: int, processors=()) -> tuple[list[int], list]:
+    """mlx-lm's own greedy tokens and log-softmax values for `prompt`."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    model, _ = reference
+    tokens, logprobs = [], []
+    for (token, lp), _ in zip(generate_step(mx.array(prompt), model, max_tokens=n,
+                                            sampler=lambda x: mx.argmax(x, axis=-1),
+                                            logits_processors=list(processors)), range(n)):
+        tokens.append(int(token))
+        logprobs.append(lp)
+    return tokens, logprobs
+
+
+def _prompt_ids(reference) -> list[int]:
+    _, tok = reference
+    return tok.encode(f"[{uuid.uuid4().hex}] The quick brown fox", add_special_tokens=False)
+
+
+# -- logprobs, logit_bias, penalties, stop sequences ----------------------------------------
+
+
+def test_logprobs_are_the_models_log_softmax(agent_stack, reference):
+    prompt = _prompt_ids(reference)
+    r = _openai(agent_stack).completions.create(model="kvbank", prompt=prompt, max_tokens=6,
+                                                temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    want, values = _greedy(reference, prompt, len(lp.tokens))
+    _, tok = reference
+    assert lp.tokens == [tok.decode([t]) for t in want]
+    for got, chosen, ref, top in zip(lp.token_logprobs, want, values, lp.top_logprobs):
+        assert got == pytest.approx(ref[chosen].item(), abs=2e-3)
+        assert len(top) == 3 and max(top.values()) == pytest.approx(got, abs=1e-6)  # greedy
+
+
+def test_chat_logprobs_stream_with_each_token(agent_stack):
+    chunks = list(_openai(agent_stack).chat.completions.create(
+        model="kvbank", messages=_user("Count."), max_tokens=6, temperature=0, stream=True,
+        logprobs=True, top_logprobs=2, stream_options={"include_usage": True}))
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs
+               for e in c.choices[0].logprobs.content]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = chunks[-1].usage
+    assert 0 < len(entries) <= usage.completion_tokens
+    assert "".join(e.token for e in entries) == text
+    for e in entries:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 2
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        assert bytes(e.bytes) == e.token.encode()
+
+
+def test_logit_bias_forces_and_forbids_tokens(agent_stack, reference):
+    c = _openai(agent_stack)
+    _, tok = reference
+    prompt = _prompt_ids(reference)
+    forced = tok.encode(" banana", add_special_tokens=False)[0]
+    r = c.completions.create(model="kvbank", prompt=prompt, max_tokens=4, temperature=0,
+                             logit_bias={str(forced): 100}, logprobs=0)
+    assert r.choices[0].logprobs.tokens == [tok.decode([forced])] * 4
+    plain = c.completions.create(model="kvbank", prompt=prompt, max_tokens=1, temperature=0,
+                                 logprobs=0)
+    first = plain.choices[0].logprobs.tokens[0]
+    banned = tok.encode(first, add_special_tokens=False)[0]
+    r = c.completions.create(model="kvbank", prompt=prompt, max_tokens=1, temperature=0,
+                             logit_bias={str(banned): -100}, logprobs=0)
+    assert r.choices[0].logprobs.tokens[0] != first
+
+
+def test_penalties_act_as_mlx_lms(agent_stack, reference):
+    from mlx_lm.sample_utils import make_logits_processors
+
+    _, tok = reference
+    prompt = _prompt_ids(reference)
+    c = _openai(agent_stack)
+    plain = c.completions.create(model="kvbank", prompt=prompt, max_tokens=12, temperature=0)
+    penalized = c.completions.create(model="kvbank", prompt=prompt, max_tokens=12,
+                                     temperature=0, presence_penalty=1.5, frequency_penalty=0.5,
+                                     extra_body={"repetition_penalty": 1.3}, logprobs=0)
+    processors = make_logits_processors(repetition_penalty=1.3, presence_penalty=1.5,
+                                        frequency_penalty=0.5)
+    want, _ = _greedy(reference, prompt, 12, processors)
+    assert penalized.choices[0].logprobs.tokens == [tok.decode([t]) for t in want]
+    assert penalized.choices[0].text != plain.choices[0].text  # they changed the answer
+
+
+def test_anthropic_reports_the_stop_sequence_that_ended_the_answer(agent_stack):
+    c = _anthropic(agent_stack)
+    messages = _user("Say something.")
+    free = c.messages.create(model="kvbank", max_tokens=16, messages=messages,
+                             extra_body={"temperature": 0})
+    text = free.content[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2].strip() or text[-1]
+    cut = c.messages.create(model="kvbank", max_tokens=16, messages=messages,
+                            extra_body={"temperature": 0},
+                            stop_sequences=["never-in-this-text-\u2603", stop])
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == text[:text.index(stop)]
+
+
+# -- tool calls -----------------------------------------------------------------------------
+
+
+def test_a_named_tool_choice_is_a_valid_call_and_the_loop_reuses_its_kv(agent_stack):
+    c = _openai(agent_stack)
+    messages = _user("What is the weather in Oslo?")
+    t1 = c.chat.completions.create(
+        model="kvbank", messages=messages, tools=[WEATHER, CLOCK], max_tokens=MAX_TOKENS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = t1.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    assert args["city"] in ("Paris", "Oslo", "Lima") and args["unit"] in ("c", "f")
+    # The agent runs the tool and sends the whole conversation back, as OpenAI clients do.
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "-3 C, snow"}]
+    t2 = c.chat.completions.create(model="kvbank", messages=messages, tools=[WEATHER, CLOCK],
+                                   tool_choice="none", max_tokens=8, temperature=0)
+    assert not t2.choices[0].message.tool_calls
+    assert t2.usage.prompt_tokens_details.cached_tokens >= (
+        t1.usage.prompt_tokens + t1.usage.completion_tokens - 1)  # the call, token for token
+    assert t2.usage.model_extra["kvbank"]["recomputed_tokens"] == 0
+
+
+def test_required_tool_choice_streams_the_call_as_a_delta(agent_stack):
+    chunks = list(_openai(agent_stack).chat.completions.create(
+        model="kvbank", messages=_user("Weather or time?"), tools=[WEATHER, CLOCK],
+        tool_choice="required", max_tokens=MAX_TOKENS, stream=True))
+    deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    [delta] = deltas
+    assert delta.index == 0 and delta.id and delta.type == "function"
+    assert delta.function.name in ("get_weather", "get_time")
+    args = json.loads(delta.function.arguments)
+    assert set(args) == ({"city", "unit"} if delta.function.name == "get_weather" else {"tz"})
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_anthropic_tool_use_loop(agent_stack):
+    c = _anthropic(agent_stack)
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in (WEATHER, CLOCK)]
+    messages = _user("What time is it in Tokyo?")
+    with c.messages.stream(model="kvbank", max_tokens=MAX_TOKENS, messages=messages,
+                           tools=tools, tool_choice={"type": "tool", "name": "get_time"}) as s:
+        events = [e.type for e in s]
+        m1 = s.get_final_message()
+    assert "input_json" in events or "content_block_delta" in events
+    assert m1.stop_reason == "tool_use"
+    [use] = [b for b in m1.content if b.type == "tool_use"]
+    assert use.name == "get_time" and -12 <= use.input["tz"] <= 14
+    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True)
+                                                   for b in m1.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                               "content": "09:41"}]}]
+    m2 = c.messages.create(model="kvbank", max_tokens=8, messages=messages, tools=tools,
+                           tool_choice={"type": "none"},
+                           extra_body={"temperature": 0})
+    assert m2.stop_reason in ("end_turn", "max_tokens")
+    assert all(b.type == "text" for b in m2.content)
+    prompt_1 = m1.usage.input_tokens + m1.usage.cache_read_input_tokens
+    assert m2.usage.cache_read_input_tokens >= prompt_1 + m1.usage.output_tokens - 1
+
+
+def test_tools_and_tool_choice_are_validated(agent_stack):
+    c = _openai(agent_stack)
+    for fields, param in [({"tools": [{"type": "function"}]}, "tools"),
+                          ({"tools": [WEATHER], "tool_choice": {"type": "function",
+                                                                "function": {"name": "nope"}}},
+                           "tool_choice")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            c.chat.completions.create(model="kvbank", messages=_user("hi"), max_tokens=4,
+                                      **fields)
+        assert info.value.body["param"] == param and param in info.value.body["message"]
+
+
+def test_tool_calls_are_parsed_out_of_the_text_however_it_streams():
+    """The parser boundary with a scripted model output: mlx-lm's json_tools parser, the text
+    arriving in pieces of every size."""
+    from mlx_lm.tool_parsers import json_tools
+
+    from worker.decoding import ToolCallText
+
+    answer = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+              '"unit": "c"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+              '{"tz": 9}}\n</tool_call><tool_call>\n{"name": "get_ti')
+    for size in (1, 2, 5, 11, len(answer)):
+        split = ToolCallText("<tool_call>", "</tool_call>", json_tools.parse_tool_call,
+                             [WEATHER, CLOCK])
+        text, calls = "", []
+        for i in range(0, len(answer), size):
+            more, found = split.feed(answer[i:i + size])
+            text, calls = text + more, calls + found
+        more, found = split.finish()  # the last call never closed (max_tokens): given back
+        text, calls = text + more, calls + found
+        assert text == 'Let me check.\n<tool_call>\n{"name": "get_ti'
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+            ("get_weather", {"city": "Oslo", "unit": "c"}), ("get_time", {"tz": 9})]
+        assert len({c.id for c in calls}) == 2 and split.made_calls
