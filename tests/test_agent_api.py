@@ -160,6 +160,34 @@ def test_anthropic_reports_the_stop_sequence_that_ended_the_answer(agent_stack):
     assert cut.content[0].text == text[:text.index(stop)]
 
 
+# -- response_format -----------------------------------------------------------------------
+
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "enum": ["Ada", "Grace"]},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "langs": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}},
+    "required": ["name", "age", "langs"], "additionalProperties": False}
+
+
+def test_json_schema_answers_parse_and_fit_the_schema(agent_stack):
+    c = _openai(agent_stack)
+    r = c.chat.completions.create(
+        model="kvbank", messages=_user("Who?"), max_tokens=80, temperature=0.8, seed=7,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    person = json.loads(r.choices[0].message.content)
+    assert r.choices[0].finish_reason == "stop"
+    assert person["name"] in ("Ada", "Grace") and 0 <= person["age"] <= 120
+    assert len(person["langs"]) <= 3 and all(len(x) <= 8 for x in person["langs"])
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(
+            model="kvbank", messages=_user("Who?"), max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {
+                "name": "bad", "schema": {"type": "object", "properties": {"a": {"type": 5}}}}})
+    assert info.value.body["param"] == "response_format"
+
+
 # -- tool calls -----------------------------------------------------------------------------
 
 

@@ -80,6 +80,7 @@ class Engine:
         self.max_context_tokens = int(self.config.get("max_position_embeddings", 8192))
         self.eos_token_ids = sorted(self.tokenizer.eos_token_ids)
         self.vocab_size = int(self.config.get("vocab_size") or len(self.tokenizer.vocab))
+        self._grammars = None  # worker/grammar.py Grammars, made on the first constrained answer
         self.kv_bytes_per_token, self.kv_dtype = self._measure_kv()
         self.fingerprint = self._fingerprint()
         logger.info("model %s loaded in %.1fs: %d KV bytes/token (%s), fingerprint %s",
@@ -356,7 +357,37 @@ class Engine:
             raise InvalidRequest(f"the model {self.model_path.name} has no tool calling in its "
                                  f"chat template: send the request without tools",
                                  param="tools")
-        return Decoding.for_request(req, self.tokenizer, self.vocab_size)
+        return Decoding.for_request(req, self.tokenizer, self.vocab_size,
+                                    constraint=self._constraint(req))
+
+    def _constraint(self, req):
+        """The grammar's logits processor for a JSON answer or a forced tool call; None when
+        the answer is free."""
+        fmt, choice = req.response_format, req.tool_choice
+        forced = req.tools_json and (choice == "required" or choice.startswith("function:"))
+        if fmt.type not in ("json_object", "json_schema") and not forced:
+            return None
+        param = "response_format" if not forced else "tool_choice"
+        if forced and self.tokenizer.tool_parser.__module__.rsplit(".", 1)[-1] != "json_tools":
+            raise InvalidRequest(
+                f"tool_choice {choice!r} constrains the answer to one JSON tool call, and the "
+                f"model {self.model_path.name} writes its calls in another format: send "
+                f"tool_choice auto", param=param)
+        if self._grammars is None:
+            from worker.grammar import Grammars
+
+            self._grammars = Grammars(self.tokenizer)
+        try:
+            if forced:
+                grammar = self._grammars.for_tool_call(json.loads(req.tools_json),
+                                                       choice.removeprefix("function:"))
+            else:
+                grammar = self._grammars.for_response_format(
+                    {"type": fmt.type, "json_schema": {"schema": json.loads(fmt.json_schema)}}
+                    if fmt.type == "json_schema" else {"type": fmt.type})
+        except ValueError as e:
+            raise InvalidRequest(str(e), param=param) from None
+        return grammar.processor()
 
     def _count_restore(self, req, session: SessionKey, n_tokens: int, cached: int,
                        source: int) -> None:
