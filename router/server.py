@@ -144,10 +144,8 @@ class Backend:
         return list(s.token_ids)
 
     async def prompt_tokens(self, v: ValidRequest, tenant: str, info) -> list[int]:
-        if v.tools and not info.tool_parser:
-            raise InvalidRequest(f"the model {Path(info.model_path).name} has no tool calling "
-                                 f"in its chat template: send the request without tools",
-                                 param="tools")
+        if not info.tool_parser:
+            _refuse_tools(v, Path(info.model_path).name)
         history = await self.history(tenant, v.session_id) if v.append else []
         tok = self.tokenizer
         tools = list(v.tools) or None
@@ -184,6 +182,18 @@ class Backend:
         except Exception as e:
             code, msg, md = _status_for(e)
             await context.abort(code, msg, trailing_metadata=md)
+
+
+def _refuse_tools(v: ValidRequest, model: str) -> None:
+    """Tools, tool calls and tool results on a model whose chat template has no tools: the
+    template would render them as plain turns (or not at all), and nothing would parse a call."""
+    if v.tools:
+        raise InvalidRequest(f"the model {model} has no tool calling in its chat template: "
+                             f"send the request without tools", param="tools")
+    if any(m.get("tool_calls") or m["role"] == "tool" for m in v.messages):
+        raise InvalidRequest(f"the messages carry tool calls or tool results, and the model "
+                             f"{model} has no tool calling in its chat template",
+                             param="messages")
 
 
 class GenerationServicer(api_pb2_grpc.GenerationServicer):
