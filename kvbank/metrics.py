@@ -37,6 +37,9 @@ PREFIX_HITS = Counter("kvbank_prefix_hits_total", "Where a request's cached KV c
 CACHED_TOKENS = Counter("kvbank_cached_tokens_total", "Prompt tokens restored, not computed",
                         ["tier"])
 PROMPT_TOKENS = Counter("kvbank_prompt_tokens_total", "Prompt tokens of admitted requests")
+PREFETCHES = Counter("kvbank_prefetches_total", "Prefetch hints, by what they did", ["status"])
+PREFETCHED_TOKENS = Counter("kvbank_prefetched_tokens_total",
+                            "Tokens of KV brought from SSD into RAM ahead of their return")
 GENERATION_TOKENS = Counter("kvbank_generation_tokens_total", "Tokens generated")
 RECOMPUTED_TOKENS = Counter("kvbank_recomputed_tokens_total",
                             "Prompt tokens of a session's own history computed again")

@@ -184,6 +184,12 @@ class Backend:
             await context.abort(code, msg, trailing_metadata=md)
 
 
+def _copy(request: api_pb2.GenerateRequest) -> api_pb2.GenerateRequest:
+    out = api_pb2.GenerateRequest()
+    out.CopyFrom(request)
+    return out
+
+
 def _refuse_tools(v: ValidRequest, model: str) -> None:
     """Tools, tool calls and tool results on a model whose chat template has no tools: the
     template would render them as plain turns (or not at all), and nothing would parse a call."""
@@ -251,6 +257,30 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 logger.exception("Render failed")
             await context.abort(code, msg, trailing_metadata=md)
         return api_pb2.RenderResponse(token_ids=tokens)
+
+    async def Prefetch(self, request, context):
+        """A hint: the prompt built as Render builds it (or the session's name alone), handed
+        to the worker, which brings the KV from SSD into RAM if it has room."""
+        try:
+            tenant = self.b.tenant(context)
+            tokens: list[int] = []
+            if request.WhichOneof("input") is not None:
+                info = await self.b.info()
+                if request.max_tokens <= 0:  # nothing is generated: any room will do
+                    request = _copy(request)
+                    request.max_tokens = 1
+                v = validate(request, vocab_size=self.b.tokenizer.vocab_size)
+                tokens = await self.b.prompt_tokens(v, tenant, info)
+            elif not request.session_id:
+                raise InvalidRequest("a prefetch names a session_id or sends the request's "
+                                     "input (chat, prompt or tokens)")
+            return await self.b.stub.Prefetch(worker_pb2.PrefetchRequest(
+                tenant=tenant, session_id=request.session_id, token_ids=tokens), timeout=30)
+        except Exception as e:
+            code, msg, md = _status_for(e)
+            if code == grpc.StatusCode.INTERNAL:
+                logger.exception("Prefetch failed")
+            await context.abort(code, msg, trailing_metadata=md)
 
     async def Load(self, request, context):
         """The worker's load, with the requests waiting in the router's own queue."""

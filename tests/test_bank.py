@@ -558,3 +558,23 @@ def test_release_with_target_stops_once_under_target():
     r = bank.release_sessions(bank.total_nbytes, reason="admission_release")
     assert r.rows == [] and r.released_bytes == 0
     check_invariants(bank)
+
+
+def test_a_prefetched_entry_is_the_first_to_go_until_it_is_used():
+    """A hint must not cost a conversation its place in RAM: an entry brought back from SSD
+    ahead of its return leaves before older entries, and is an entry like any other once a
+    request has used it."""
+    clock = Clock()
+    bank = make_bank(clock=clock)
+    put(bank, "old", own_tokens(1), durable_tokens=6)
+    hinted = bank.insert((TENANT, "hinted"), own_tokens(2), layers_of(800), durable_tokens=6,
+                         prefetched=True)
+    assert not bank.is_active((TENANT, "hinted"))  # a hint is not activity
+    bank.shrink_to_bytes(800, reason="test")
+    assert log_ids(bank) == ["hinted"]
+    hinted = bank.insert((TENANT, "hinted"), own_tokens(2), layers_of(800), durable_tokens=6,
+                         prefetched=True)
+    clock.advance(1)
+    bank.touch(hinted)  # a request restored from it
+    bank.shrink_to_bytes(800, reason="test")
+    assert log_ids(bank) == ["hinted", "old"]

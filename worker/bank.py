@@ -57,6 +57,7 @@ class BankEntry:
     durable_tokens: int = 0  # KV committed in LMDB up to here
     write_job: int | None = None  # id of its queued coldstore write, if any
     write_pending: bool = False  # its write must be sent again (refused, lost, no record)
+    prefetched: bool = False  # brought from SSD on a hint, not used since: the first to go
 
     @property
     def n_tokens(self) -> int:
@@ -187,12 +188,14 @@ class SessionBank:
     # -- commit -----------------------------------------------------------------------------
 
     def insert(self, session: SessionKey, tokens: np.ndarray, layers: Layers,
-               *, durable_tokens: int = 0, supersede_slack: int = 0) -> BankEntry:
+               *, durable_tokens: int = 0, supersede_slack: int = 0,
+               prefetched: bool = False) -> BankEntry:
         """Add a finished turn's KV. Entries of the same session that are a prefix of it are
         superseded (the new entry serves every prefix of its own) and leave; entries of a
         branch stay, as non-terminal. With `supersede_slack`, an entry the new one covers up
         to its last `supersede_slack` tokens is superseded too (a client that re-rendered the
-        end of the previous answer differently continues, not branches)."""
+        end of the previous answer differently continues, not branches). A `prefetched`
+        entry (read back from SSD on a hint) does not make its session active."""
         tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
         now = self.clock()
         superseded = []
@@ -211,11 +214,13 @@ class SessionBank:
             nbytes=layers_nbytes(layers),
             last_used=now,
             durable_tokens=min(durable_tokens, len(tokens)),
+            prefetched=prefetched,
         )
         self._add(e)  # before the superseded leave: the blocks they share are never unheld
         for old in superseded:
             self._remove(old)
-        self._last_use[session] = now
+        if not prefetched:
+            self._last_use[session] = now
         return e
 
     def session_entries(self, session: SessionKey) -> list[BankEntry]:
@@ -270,6 +275,7 @@ class SessionBank:
 
     def touch(self, e: BankEntry) -> None:
         e.last_used = self.clock()
+        e.prefetched = False  # used: an entry like any other now
         self._last_use[e.session] = e.last_used
 
     # -- durability (fed by the coldstore's acknowledgements) -------------------------------
@@ -298,8 +304,11 @@ class SessionBank:
         events.emit(**asdict(receipt))
 
     def _eviction_order(self, now: float) -> list[BankEntry]:
+        """Prefetched entries not used yet first (a hint must not cost a conversation its
+        place), then idle before active, least recently used first."""
         return sorted(self.entries.values(),
-                      key=lambda e: (self.is_active(e.session, now), e.last_used))
+                      key=lambda e: (not e.prefetched, self.is_active(e.session, now),
+                                     e.last_used))
 
     def evict(self, e: BankEntry, reason: str, *, write_out: str | None = None,
               write_out_s: float | None = None) -> None:

@@ -93,6 +93,25 @@ class Probe(Command):
 
 
 @dataclass
+class Prefetch(Command):
+    """A hint that a conversation will come back: bring its KV from SSD into RAM now, if
+    memory allows without pushing anything out. `tokens` empty: the named conversation's
+    committed history. Replies a `PrefetchReport`."""
+
+    tenant: str
+    session_id: str
+    tokens: Any  # np.ndarray, uint32
+
+
+@dataclass(frozen=True)
+class PrefetchReport:
+    status: str  # restored | in_ram | not_held | no_room | unknown
+    ram_tokens: int = 0   # held in RAM before the hint
+    ssd_tokens: int = 0   # whole blocks committed in LMDB
+    restored_tokens: int = 0
+
+
+@dataclass
 class Announce(Command):
     """A KV-event subscriber joined: announce every block held, after clearing."""
 

@@ -142,6 +142,7 @@ class Engine:
             cmd.Probe: lambda c: self.restorer.held(
                 c.tokens, chain_block_ids(c.tokens, self.root_for(c.tenant), self.block_tokens),
                 c.tenant),
+            cmd.Prefetch: self._prefetch_counted,
             cmd.Announce: lambda c: self.kv_events and self.kv_events.announce_all(),
         }
         self.snapshot = cmd.Snapshot()
@@ -485,6 +486,48 @@ class Engine:
             finish = api_pb2.FINISH_REASON_TOOL_CALLS
         return worker_pb2.WorkerGenerateResponse(finish_reason=finish, usage=usage,
                                                  stop_sequence=r.stop_sequence)
+
+    # -- prefetch ---------------------------------------------------------------------------
+
+    def _prefetch_counted(self, c: cmd.Prefetch) -> cmd.PrefetchReport:
+        report = self._prefetch(c)
+        metrics.PREFETCHES.labels(report.status).inc()
+        return report
+
+    def _prefetch(self, c: cmd.Prefetch) -> cmd.PrefetchReport:
+        """An agent in a tool call will come back: its KV moves from SSD into the bank now, as
+        an entry the first to go when memory is wanted (bank.py `prefetched`), so its return
+        reads RAM. Only into room the bank and the budget have: a hint never evicts."""
+        tokens = np.asarray(c.tokens, dtype=np.uint32)
+        if not len(tokens) and c.session_id:
+            info = self.conversations.get((c.tenant, c.session_id))
+            tokens = info.tokens if info is not None else tokens
+        if not len(tokens):
+            return cmd.PrefetchReport("unknown")
+        ids = chain_block_ids(tokens, self.root_for(c.tenant), self.block_tokens)
+        key = (c.tenant, c.session_id) if c.session_id else self.conversations.lineages.find(
+            tokens, ids, c.tenant, self.conversations.records, self.bank.is_busy)
+        if key is None:  # tokens that continue no conversation kvbank knows
+            return cmd.PrefetchReport("unknown")
+        ram, ssd = self.restorer.held(tokens, ids, c.tenant)
+        if ssd <= ram:
+            return cmd.PrefetchReport("in_ram" if ram else "not_held", ram, ssd)
+        need = (ssd + self.block_tokens) * self.kv_bytes_per_token  # whole blocks and a tail
+        room = min(self.bank.effective_max_bytes - self.bank.total_nbytes,
+                   self.memory_budget - held_bytes(self.pricing, self.bank))
+        if need > room:
+            return cmd.PrefetchReport("no_room", ram, ssd)
+        found = self.restorer.ssd_prefix(tokens, ids, c.tenant, key, better_than=ram)
+        if found is None:
+            return cmd.PrefetchReport("in_ram" if ram else "not_held", ram, ssd)
+        layers, n = found
+        layers = [(mx.contiguous(k[..., :n, :]), mx.contiguous(v[..., :n, :]))
+                  for k, v in layers]  # the bank keeps tight arrays
+        mx.eval(layers)
+        self.bank.insert(key, tokens[:n], layers, durable_tokens=n, prefetched=True)
+        self._refresh_ram_bytes()
+        metrics.PREFETCHED_TOKENS.inc(n)
+        return cmd.PrefetchReport("restored", ram, ssd, n)
 
     # -- commit -----------------------------------------------------------------------------
 

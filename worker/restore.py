@@ -51,7 +51,7 @@ class Restorer:
         hit = self.bank.lookup(tokens, tenant, ids)
         ram_n = min(hit.n_tokens, limit) if hit else 0
         # SSD can only add when RAM leaves something to restore: skip its reads.
-        ssd = (self._ssd_prefix(tokens, ids, tenant, session, better_than=ram_n)
+        ssd = (self.ssd_prefix(tokens, ids, tenant, session, better_than=ram_n)
                if ram_n < limit else None)
         if ssd is not None:
             layers, n = ssd
@@ -71,7 +71,7 @@ class Restorer:
             n_full += 1
         return (hit.n_tokens if hit else 0), n_full * self.block_tokens
 
-    def _ssd_prefix(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
+    def ssd_prefix(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
                     session: SessionKey, better_than: int) -> tuple[kv.Layers, int] | None:
         """The longest prefix whose blocks are committed in LMDB, if it beats `better_than`."""
         store = self.store()

@@ -66,6 +66,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         ram, ssd = await self._ask(cmd.Probe(request.tenant, tokens))
         return worker_pb2.ProbeResponse(ram_tokens=ram, ssd_tokens=ssd)
 
+    async def Prefetch(self, request, context):
+        tokens = np.asarray(request.token_ids, dtype=np.uint32)
+        r = await self._ask(cmd.Prefetch(request.tenant, request.session_id, tokens))
+        return api_pb2.PrefetchResponse(status=r.status, ram_tokens=r.ram_tokens,
+                                        ssd_tokens=r.ssd_tokens,
+                                        restored_tokens=r.restored_tokens)
+
     async def Load(self, request, context):
         snap, e = self.engine.snapshot, self.engine
         return worker_pb2.WorkerLoadResponse(

@@ -251,6 +251,39 @@ class Shim:
             return error_response(e)
         return JSONResponse({"model": self.model_name, "token_ids": list(out.token_ids)})
 
+    async def prefetch(self, request: Request) -> JSONResponse:
+        """`POST /v1/kvbank/prefetch`: a hint that a conversation will come back (an agent in
+        a tool call). The body is what the agent will send to chat completions (`messages`,
+        `tools`...) or completions (`prompt`), or only a session name (`session_id`, or the
+        `x-session-id` header). The worker brings the KV from SSD into RAM if it has room;
+        the answer says what it did. Nothing is generated."""
+        try:
+            metadata = self.authorize(request)
+            body = await _json(request)
+            if not isinstance(body, dict):
+                raise invalid(None, "the body must be a JSON object")
+            name = _session_header(request) or body.get("session_id")
+            if "messages" in body or "prompt" in body:
+                rest = {k: v for k, v in body.items() if k != "session_id"}
+                req = parse_render("chat" if "messages" in body else "completion", rest,
+                                   session_header=name).generate
+            elif isinstance(name, str) and name:
+                req = api_pb2.GenerateRequest(session_id=name)
+            else:
+                raise invalid("session_id", "a prefetch names the conversation: send the "
+                                            "messages (or prompt) the agent will send, or a "
+                                            "session_id")
+            try:
+                out = await self.generation.Prefetch(req, metadata=metadata,
+                                                     timeout=RENDER_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:
+                raise error_for(e) from None
+        except ApiError as e:
+            return error_response(e)
+        return JSONResponse({"status": out.status, "ram_tokens": out.ram_tokens,
+                             "ssd_tokens": out.ssd_tokens,
+                             "restored_tokens": out.restored_tokens})
+
     async def _generate(self, request: Request, kind: str):
         try:
             metadata = self.authorize(request)
@@ -445,6 +478,7 @@ def create_app(router_address: str, keys: dict[str, str] | None = None,
             Route("/v1/completions", shim.completions, methods=["POST"]),
             Route("/v1/chat/completions/render", shim.chat_render, methods=["POST"]),
             Route("/v1/completions/render", shim.completions_render, methods=["POST"]),
+            Route("/v1/kvbank/prefetch", shim.prefetch, methods=["POST"]),
             Route("/v1/messages", shim.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", shim.count_tokens, methods=["POST"]),
         ],

@@ -268,6 +268,18 @@ class LoadResponse(_message.Message):
     max_running: int
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_running: _Optional[int] = ...) -> None: ...
 
+class PrefetchResponse(_message.Message):
+    __slots__ = ("status", "ram_tokens", "ssd_tokens", "restored_tokens")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    RAM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SSD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    ram_tokens: int
+    ssd_tokens: int
+    restored_tokens: int
+    def __init__(self, status: _Optional[str] = ..., ram_tokens: _Optional[int] = ..., ssd_tokens: _Optional[int] = ..., restored_tokens: _Optional[int] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "write_out")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -49,6 +49,11 @@ class GenerationStub:
                 request_serializer=kvbank_dot_v1_dot_api__pb2.LoadRequest.SerializeToString,
                 response_deserializer=kvbank_dot_v1_dot_api__pb2.LoadResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/kvbank.v1.Generation/Prefetch',
+                request_serializer=kvbank_dot_v1_dot_api__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=kvbank_dot_v1_dot_api__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -77,6 +82,17 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """A hint that a conversation will come back soon (an agent in a tool call): the worker
+        brings its KV from SSD into RAM ahead of the request, if memory allows. By the request
+        the agent will send (its prompt, rendered as Generate would), or by session_id alone
+        (the named conversation's history). Nothing is generated; the prefetched KV is the first
+        to leave RAM if memory is needed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +110,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Load,
                     request_deserializer=kvbank_dot_v1_dot_api__pb2.LoadRequest.FromString,
                     response_serializer=kvbank_dot_v1_dot_api__pb2.LoadResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=kvbank_dot_v1_dot_api__pb2.GenerateRequest.FromString,
+                    response_serializer=kvbank_dot_v1_dot_api__pb2.PrefetchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +198,33 @@ class Generation:
             '/kvbank.v1.Generation/Load',
             kvbank_dot_v1_dot_api__pb2.LoadRequest.SerializeToString,
             kvbank_dot_v1_dot_api__pb2.LoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbank.v1.Generation/Prefetch',
+            kvbank_dot_v1_dot_api__pb2.GenerateRequest.SerializeToString,
+            kvbank_dot_v1_dot_api__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -111,6 +111,16 @@ class ProbeResponse(_message.Message):
     ssd_tokens: int
     def __init__(self, ram_tokens: _Optional[int] = ..., ssd_tokens: _Optional[int] = ...) -> None: ...
 
+class PrefetchRequest(_message.Message):
+    __slots__ = ("tenant", "session_id", "token_ids")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    session_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tenant: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class WorkerLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

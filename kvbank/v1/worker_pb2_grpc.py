@@ -45,6 +45,11 @@ class WorkerStub:
                 request_serializer=kvbank_dot_v1_dot_worker__pb2.ProbeRequest.SerializeToString,
                 response_deserializer=kvbank_dot_v1_dot_worker__pb2.ProbeResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/kvbank.v1.Worker/Prefetch',
+                request_serializer=kvbank_dot_v1_dot_worker__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=kvbank_dot_v1_dot_api__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
         self.Load = channel.unary_unary(
                 '/kvbank.v1.Worker/Load',
                 request_serializer=kvbank_dot_v1_dot_worker__pb2.WorkerLoadRequest.SerializeToString,
@@ -107,6 +112,12 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Probe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prefetch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -184,6 +195,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Probe,
                     request_deserializer=kvbank_dot_v1_dot_worker__pb2.ProbeRequest.FromString,
                     response_serializer=kvbank_dot_v1_dot_worker__pb2.ProbeResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=kvbank_dot_v1_dot_worker__pb2.PrefetchRequest.FromString,
+                    response_serializer=kvbank_dot_v1_dot_api__pb2.PrefetchResponse.SerializeToString,
             ),
             'Load': grpc.unary_unary_rpc_method_handler(
                     servicer.Load,
@@ -290,6 +306,33 @@ class Worker:
             '/kvbank.v1.Worker/Probe',
             kvbank_dot_v1_dot_worker__pb2.ProbeRequest.SerializeToString,
             kvbank_dot_v1_dot_worker__pb2.ProbeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbank.v1.Worker/Prefetch',
+            kvbank_dot_v1_dot_worker__pb2.PrefetchRequest.SerializeToString,
+            kvbank_dot_v1_dot_api__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,97 @@
+"""Prefetch: an agent in a tool call will come back; a hint brings its KV from SSD into RAM
+first, so the returning turn reads RAM (the real stack, the tiny model, the openai SDK and
+plain HTTP for the hint, which no SDK knows)."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import start_stack
+
+
+@pytest.fixture(scope="module")
+def hinted(tiny_model, tmp_path_factory, cache_dir):
+    s = start_stack(tiny_model, tmp_path_factory.mktemp("prefetch") / "data",
+                    cache_dir=cache_dir)
+    yield s
+    s.stop()
+
+
+def _chat(stack, messages, **kw):
+    c = openai.OpenAI(base_url=stack.shim_url + "/v1", api_key="none", max_retries=0)
+    return c.chat.completions.create(model="kvbank", messages=messages, max_tokens=6,
+                                     temperature=0, **kw)
+
+
+def _hint(stack, body: dict, headers: dict | None = None) -> dict:
+    r = httpx.post(stack.shim_url + "/v1/kvbank/prefetch", json=body, headers=headers or {},
+                   timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _cold(stack, session_id: str) -> None:
+    """The conversation on SSD only, as after its agent's long tool call."""
+    with stack.client() as c:
+        c.flush()
+        c.release(session_id, write_out=True)
+        assert c.get_session(session_id).state == "cold"
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named", "anonymous"])
+def test_a_hinted_conversation_comes_back_from_ram(hinted, named):
+    messages = [{"role": "user", "content": f"[{uuid.uuid4().hex}] Run the tests."}]
+    headers = {"x-session-id": f"agent-{uuid.uuid4().hex[:8]}"} if named else {}
+    t1 = _chat(hinted, messages, extra_headers=headers)
+    session = t1.usage.model_extra["kvbank"]["session_id"]
+    messages.append({"role": "assistant", "content": t1.choices[0].message.content})
+    _cold(hinted, session)
+    # The agent starts its tool call and says it will be back: by name, or by what it sends.
+    report = _hint(hinted, {} if named else {"messages": messages}, headers)
+    assert report["status"] == "restored" and report["restored_tokens"] > 0, report
+    with hinted.client() as c:
+        assert c.get_session(session).state == "resident-clean"
+    assert _hint(hinted, {} if named else {"messages": messages}, headers)["status"] == "in_ram"
+    messages.append({"role": "user", "content": "All 12 passed."})
+    t2 = _chat(hinted, messages, extra_headers=headers)
+    usage = t2.usage.model_extra["kvbank"]
+    assert usage["cache_source"] == "ram" and usage["recomputed_tokens"] == 0
+    assert t2.usage.prompt_tokens_details.cached_tokens >= t1.usage.prompt_tokens
+
+
+def test_without_a_hint_the_same_return_reads_ssd(hinted):
+    messages = [{"role": "user", "content": f"[{uuid.uuid4().hex}] Run the tests."}]
+    t1 = _chat(hinted, messages)
+    _cold(hinted, t1.usage.model_extra["kvbank"]["session_id"])
+    messages += [{"role": "assistant", "content": t1.choices[0].message.content},
+                 {"role": "user", "content": "All 12 passed."}]
+    assert _chat(hinted, messages).usage.model_extra["kvbank"]["cache_source"] == "ssd"
+
+
+def test_a_hint_for_what_kvbank_does_not_hold_changes_nothing(hinted):
+    assert _hint(hinted, {"session_id": f"never-{uuid.uuid4().hex}"})["status"] == "unknown"
+    fresh = [{"role": "user", "content": f"[{uuid.uuid4().hex}] hello"}]
+    assert _hint(hinted, {"messages": fresh})["status"] == "unknown"
+    r = httpx.post(hinted.shim_url + "/v1/kvbank/prefetch", json={}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "session_id"
+
+
+def test_a_hint_never_evicts(tiny_model, tmp_path, cache_dir):
+    """With a bank too small for the conversation, the hint says so and leaves RAM alone."""
+    s = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir,
+                    extra=["--bank-bytes", "20000"])
+    try:
+        name = f"big-{uuid.uuid4().hex[:8]}"
+        messages = [{"role": "user", "content": f"[{uuid.uuid4().hex}] " + "word " * 80}]
+        _chat(s, messages, extra_headers={"x-session-id": name})
+        _cold(s, name)
+        report = _hint(s, {"session_id": name})
+        assert report["status"] == "no_room" and report["ssd_tokens"] > 0, report
+        with s.client() as c:
+            assert c.get_session(name).state == "cold"
+    finally:
+        s.stop()
