@@ -106,6 +106,15 @@ class Client:
                        token_ids=token_ids, append=append, max_tokens=max_tokens)
         return list(self.generation.Render(req, timeout=timeout_s).token_ids)
 
+    def prefetch(self, *, session_id: str = "", messages: Iterable[dict] | None = None,
+                 timeout_s: float | None = 30) -> api_pb2.PrefetchResponse:
+        """A hint that this conversation comes back soon: by the messages it will send, or by
+        its name alone. The worker brings its KV from SSD into RAM if it has room."""
+        req = (_request(session_id=session_id, messages=messages, prompt=None, token_ids=None,
+                        append=False, max_tokens=1) if messages is not None
+               else api_pb2.GenerateRequest(session_id=session_id))
+        return self.generation.Prefetch(req, timeout=timeout_s)
+
     def get_session(self, session_id: str) -> api_pb2.Session:
         return self.sessions.Get(api_pb2.GetSessionRequest(session_id=session_id), timeout=30)
 

@@ -76,6 +76,21 @@ def test_grpc_n_agents_run_at_once_and_finish(stack, tmp_path):
     assert doc["summary"]["stopped_by"] == "turns"
 
 
+@pytest.mark.parametrize("kind", ["grpc", "openai"])
+def test_prefetch_hints_before_each_returning_turn(stack, tmp_path, kind):
+    """--prefetch: at the start of each think time the agent hints it will be back; the row
+    of the turn after it says what the hint did (here RAM holds everything: in_ram)."""
+    target = (f"grpc://{stack.address}" if kind == "grpc"
+              else stack.shim_url.replace("http://", "openai://"))
+    doc = _loadgen(target, tmp_path / "out.json", "--scenario", "n-agents", "--agents", "2",
+                   "--think-s", "0.2", "--prefetch")
+    _check_sums(doc)
+    rows = doc["rows"]
+    assert all(r["hint"] is None for r in rows if r["turn"] == 1)
+    assert all(r["hint"] == "in_ram" for r in rows if r["turn"] > 1), [r["hint"] for r in rows]
+    assert doc["summary"]["hints"] == {"in_ram": 4}
+
+
 def _shim_not_answering(stack) -> str:
     """Why kvbank's OpenAI shim does not answer GET /health on this stack ("" when it does)."""
     if not stack.shim_url:

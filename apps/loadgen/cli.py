@@ -39,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="agents (n-agents) or sessions (shared-prefix)")
     p.add_argument("--think-s", type=float, default=None,
                    help="n-agents: mean pause between an agent's turns, seconds")
+    p.add_argument("--prefetch", action="store_true",
+                   help="n-agents: each agent hints kvbank (POST /v1/kvbank/prefetch) at the "
+                        "start of its think time that it will be back, as a harness would when "
+                        "a tool call starts")
     p.add_argument("--compact-every", type=int, default=None,
                    help="compaction: turns between summaries")
     p.add_argument("--summary-tokens", type=int, default=None,
@@ -65,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def execute(scenario, target, *, run_id: str, max_wall_s: float, request_timeout_s: float,
-            counter=None, progress: bool = True, label: str = ""):
+            counter=None, progress: bool = True, label: str = "", prefetch: bool = False):
     """Run a scenario with a progress bar on stderr; returns the `RunResult`."""
     from rich.console import Console
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
@@ -76,7 +80,8 @@ def execute(scenario, target, *, run_id: str, max_wall_s: float, request_timeout
     total = scenario.params.agents * scenario.params.turns
     if not progress:
         return Runner(scenario, target, run_id=run_id, max_wall_s=max_wall_s,
-                      request_timeout_s=request_timeout_s, counter=counter).run()
+                      request_timeout_s=request_timeout_s, counter=counter,
+                      prefetch=prefetch).run()
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[last]}"), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True)) as bar:
@@ -89,7 +94,7 @@ def execute(scenario, target, *, run_id: str, max_wall_s: float, request_timeout
 
         return Runner(scenario, target, run_id=run_id, max_wall_s=max_wall_s,
                       request_timeout_s=request_timeout_s, counter=counter,
-                      on_row=on_row).run()
+                      on_row=on_row, prefetch=prefetch).run()
 
 
 def _fail(msg: str) -> int:
@@ -127,7 +132,8 @@ def run_cli(args: argparse.Namespace) -> int:
     try:
         result = execute(build(p), target, run_id=args.run_id or f"lg-{secrets.token_hex(4)}",
                          max_wall_s=args.max_wall_s, request_timeout_s=args.request_timeout_s,
-                         counter=counter, progress=not args.no_progress)
+                         counter=counter, progress=not args.no_progress,
+                         prefetch=args.prefetch)
     finally:
         target.close()
     summary = report.summarize(result)

@@ -69,6 +69,11 @@ def summarize(result: RunResult) -> dict:
         "server_recomputed_tokens": _sum(ok, "server_recomputed_tokens"),
         "rows_with_cached": sum(r.cached_tokens is not None for r in ok),
         "cache_sources": dict(Counter(r.cache_source or "unknown" for r in ok)),
+        "ttft_p50_by_source_s": {
+            src: _r(percentile([r.ttft_s for r in ok if (r.cache_source or "unknown") == src
+                                and r.ttft_s is not None], 50))
+            for src in sorted({r.cache_source or "unknown" for r in ok})},
+        "hints": dict(Counter(r.hint for r in rows if r.hint)),
         "ttft_p50_s": _r(percentile(ttfts, 50)),
         "ttft_p95_s": _r(percentile(ttfts, 95)),
         "ttft_max_s": _r(max(ttfts) if ttfts else None),

@@ -50,6 +50,7 @@ class Row:
     #                                          hit | partial (recomputed > 0) | miss (cached 0)
     server_ttft_s: float | None = None
     compacted: bool = False
+    hint: str | None = None                  # --prefetch: what the hint before it did
     reason: str | None = None
     message: str | None = None
 
@@ -100,13 +101,16 @@ class _Agent:
         self.session_id = session_id
         self.conversation = Conversation(script)
         self.prev_ids: list[int] | None = None       # previous prompt + answer (tokenizer)
+        self.hint: str | None = None                 # the prefetch hint before the next turn
         self.prev_total: int | None = None           # previous prompt + completion (usage)
 
 
 class Runner:
     def __init__(self, scenario: Scenario, target: Target, *, run_id: str, max_wall_s: float,
                  request_timeout_s: float = 600.0, counter: TokenCounter | None = None,
-                 on_row: Callable[[Row], None] | None = None):
+                 on_row: Callable[[Row], None] | None = None, prefetch: bool = False):
+        """`prefetch`: at the start of each think time, an agent hints that it will be back
+        (kvbank's prefetch), as an agent harness would when a tool call starts."""
         self.scenario = scenario
         self.target = target
         self.run_id = run_id
@@ -114,6 +118,7 @@ class Runner:
         self.request_timeout_s = request_timeout_s
         self.counter = counter
         self.on_row = on_row
+        self.prefetch = prefetch
         self.rows: list[Row] = []
         self._rows_lock = threading.Lock()
         self._stop = threading.Event()
@@ -151,7 +156,14 @@ class Runner:
         if self._stop.wait(min(a.script.start_s, max(0.0, self._remaining_s()))):
             return
         for t in a.script.turns:
-            if t.think_s and self._stop.wait(min(t.think_s, max(0.0, self._remaining_s()))):
+            think_s = t.think_s
+            if think_s and self.prefetch and len(a.conversation.history) > 1:
+                hinted_at = time.monotonic()
+                a.hint = self.target.prefetch(session_id=a.session_id,
+                                              messages=list(a.conversation.history),
+                                              timeout_s=max(1.0, think_s))
+                think_s = max(0.0, think_s - (time.monotonic() - hinted_at))
+            if think_s and self._stop.wait(min(think_s, max(0.0, self._remaining_s()))):
                 return
             self._turn(a, t)
 
@@ -172,8 +184,9 @@ class Runner:
                            type(e).__name__, e)
             reply = Reply("error", reason=type(e).__name__, message=str(e))
         row = Row(a.script.agent_id, a.session_id, t.turn, reply.status, round(started, 4),
-                  round(reply.total_s, 4), compacted=t.compact_to is not None,
+                  round(reply.total_s, 4), compacted=t.compact_to is not None, hint=a.hint,
                   reason=reply.reason, message=reply.message)
+        a.hint = None
         if reply.status == "ok":
             self._account(a, t, messages, reply, row)
             a.conversation.answered(reply.text)

@@ -65,6 +65,8 @@ class Target(Protocol):
     def send(self, *, agent_id: str, session_id: str, messages: list[dict], max_tokens: int,
              timeout_s: float) -> Reply: ...
 
+    def prefetch(self, *, session_id: str, messages: list[dict], timeout_s: float) -> str: ...
+
     def close(self) -> None: ...
 
 
@@ -105,6 +107,13 @@ class GrpcTarget:
                      server_recomputed_tokens=u.get("recomputed_tokens"),
                      server_ttft_s=u.get("ttft_s"))
 
+    def prefetch(self, *, session_id: str, messages: list[dict], timeout_s: float) -> str:
+        try:
+            return self.client.prefetch(session_id=session_id, messages=messages,
+                                        timeout_s=timeout_s).status
+        except grpc.RpcError as e:
+            return _hint_failed(e)
+
     def close(self) -> None:
         self.client.close()
 
@@ -119,6 +128,10 @@ def _grpc_failure(e: grpc.RpcError, total_s: float) -> Reply:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return Reply("timeout", total_s=total_s, reason=reason, message=details)
     return Reply("error", total_s=total_s, reason=reason, message=details)
+
+
+def _hint_failed(e: Exception) -> str:
+    return f"failed: {type(e).__name__}"
 
 
 class OpenAITarget:
@@ -204,6 +217,22 @@ class OpenAITarget:
                      server_recomputed_tokens=ext.get("recomputed_tokens",
                                                       usage.get("recomputed_tokens")),
                      server_ttft_s=ext.get("ttft_s"))
+
+    def prefetch(self, *, session_id: str, messages: list[dict], timeout_s: float) -> str:
+        """kvbank's hint (`POST /v1/kvbank/prefetch`) with the conversation so far; the status
+        it answers, or `unsupported` from a server without it."""
+        headers = {"x-session-id": session_id} if self.names else {}
+        try:
+            r = self.http.post(self._api("/kvbank/prefetch"), json={"messages": messages},
+                               headers=headers, timeout=timeout_s)
+        except httpx.HTTPError as e:
+            return _hint_failed(e)
+        if r.status_code in (404, 405):
+            return "unsupported"
+        try:
+            return r.json()["status"] if r.status_code == 200 else f"failed: {r.status_code}"
+        except (ValueError, KeyError, TypeError):
+            return "failed: not kvbank's answer"
 
     def close(self) -> None:
         self.http.close()
