@@ -10,7 +10,9 @@ import httpx
 import openai
 import pytest
 
+from kvbank.v1 import api_pb2
 from tests.conftest import start_stack
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +63,42 @@ def test_a_hinted_conversation_comes_back_from_ram(hinted, named):
     usage = t2.usage.model_extra["kvbank"]
     assert usage["cache_source"] == "ram" and usage["recomputed_tokens"] == 0
     assert t2.usage.prompt_tokens_details.cached_tokens >= t1.usage.prompt_tokens
+
+
+def test_a_hint_stays_live_while_the_agent_is_away(hinted):
+    """Hinted while its KV was still in RAM, then pushed out (here by a release): the worker
+    reads it back by itself once there is room, before the agent returns."""
+    name = f"agent-{uuid.uuid4().hex[:8]}"
+    headers = {"x-session-id": name}
+    messages = [{"role": "user", "content": f"[{uuid.uuid4().hex}] Build it."}]
+    t1 = _chat(hinted, messages, extra_headers=headers)
+    with hinted.client() as c:
+        c.flush()
+    assert _hint(hinted, {}, headers)["status"] == "in_ram"
+    with hinted.client() as c:
+        c.release(name, write_out=True)
+        wait_until(lambda: c.get_session(name).state == "resident-clean", timeout_s=30,
+                   what="the hinted conversation back in RAM")
+    messages += [{"role": "assistant", "content": t1.choices[0].message.content},
+                 {"role": "user", "content": "Built."}]
+    assert _chat(hinted, messages, extra_headers=headers).usage.model_extra[
+        "kvbank"]["cache_source"] == "ram"
+
+
+def test_a_deleted_conversation_is_not_brought_back(hinted):
+    name = f"agent-{uuid.uuid4().hex[:8]}"
+    headers = {"x-session-id": name}
+    _chat(hinted, [{"role": "user", "content": f"[{uuid.uuid4().hex}] x"}],
+          extra_headers=headers)
+    _cold(hinted, name)
+    assert _hint(hinted, {}, headers)["status"] == "restored"
+    with hinted.client() as c:
+        c.release(name, write_out=True)
+        c.sessions.Delete(api_pb2.DeleteSessionRequest(session_id=name), timeout=10)
+        c.trim()  # a later turn of the engine's loop: still no entry for it
+        assert all(s.session_id != name for s in c.list_sessions())
+        assert c.status().bank_entries == sum(1 for s in c.list_sessions()
+                                              if s.state.startswith("resident"))
 
 
 def test_without_a_hint_the_same_return_reads_ssd(hinted):

@@ -49,6 +49,7 @@ from worker.guard import Guard
 from worker.kv_events import EventsConfig, KVEvents, Publisher, held_conversations
 from worker.lineage import is_anonymous
 from worker.link import ColdstoreClient
+from worker.prefetch import Prefetcher
 from worker.restore import Restorer
 from worker.decoding import Decoding, make_request_sampler
 from worker.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running
@@ -101,6 +102,13 @@ class Engine:
                                  store_dir=self.layout.store_dir, root_for=self.root_for,
                                  block_tokens=block_tokens, restore_via=restore_via)
         self.conversations.load(self.restorer.store())
+        self.prefetcher = Prefetcher(
+            bank=self.bank, restorer=self.restorer, conversations=self.conversations,
+            root_for=self.root_for, block_tokens=block_tokens,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            room=lambda: 0 if self._pending else min(  # waiting requests come first
+                self.bank.effective_max_bytes - self.bank.total_nbytes,
+                self.memory_budget - held_bytes(self.pricing, self.bank)))
         self.kv_events = None
         if kv_events is not None:  # several machines behind a router: say what we hold
             publisher = Publisher(kv_events, on_subscribe=lambda: self.post(cmd.Announce()))
@@ -142,7 +150,7 @@ class Engine:
             cmd.Probe: lambda c: self.restorer.held(
                 c.tokens, chain_block_ids(c.tokens, self.root_for(c.tenant), self.block_tokens),
                 c.tenant),
-            cmd.Prefetch: self._prefetch_counted,
+            cmd.Prefetch: self._prefetch,
             cmd.Announce: lambda c: self.kv_events and self.kv_events.announce_all(),
         }
         self.snapshot = cmd.Snapshot()
@@ -334,6 +342,7 @@ class Engine:
             return False
         self._log_admission(req, session, receipt)
         info = self.conversations.get(session)
+        self.prefetcher.started(session)
         self.bank.begin_request(session)
         self.bank.reserve_active(session, need)
         try:
@@ -454,6 +463,8 @@ class Engine:
             finally:
                 self.bank.end_request(r.bank_key)
         if done:
+            if self.prefetcher.live and self.prefetcher.retry():  # memory they held is free
+                self._refresh_ram_bytes()
             # The turns are in the snapshot (and their KV events out) before their clients
             # hear back: what a client reads next (its session, a router's view) includes it.
             self._publish()
@@ -489,45 +500,10 @@ class Engine:
 
     # -- prefetch ---------------------------------------------------------------------------
 
-    def _prefetch_counted(self, c: cmd.Prefetch) -> cmd.PrefetchReport:
-        report = self._prefetch(c)
-        metrics.PREFETCHES.labels(report.status).inc()
-        return report
-
     def _prefetch(self, c: cmd.Prefetch) -> cmd.PrefetchReport:
-        """An agent in a tool call will come back: its KV moves from SSD into the bank now, as
-        an entry the first to go when memory is wanted (bank.py `prefetched`), so its return
-        reads RAM. Only into room the bank and the budget have: a hint never evicts."""
-        tokens = np.asarray(c.tokens, dtype=np.uint32)
-        if not len(tokens) and c.session_id:
-            info = self.conversations.get((c.tenant, c.session_id))
-            tokens = info.tokens if info is not None else tokens
-        if not len(tokens):
-            return cmd.PrefetchReport("unknown")
-        ids = chain_block_ids(tokens, self.root_for(c.tenant), self.block_tokens)
-        key = (c.tenant, c.session_id) if c.session_id else self.conversations.lineages.find(
-            tokens, ids, c.tenant, self.conversations.records, self.bank.is_busy)
-        if key is None:  # tokens that continue no conversation kvbank knows
-            return cmd.PrefetchReport("unknown")
-        ram, ssd = self.restorer.held(tokens, ids, c.tenant)
-        if ssd <= ram:
-            return cmd.PrefetchReport("in_ram" if ram else "not_held", ram, ssd)
-        need = (ssd + self.block_tokens) * self.kv_bytes_per_token  # whole blocks and a tail
-        room = min(self.bank.effective_max_bytes - self.bank.total_nbytes,
-                   self.memory_budget - held_bytes(self.pricing, self.bank))
-        if need > room:
-            return cmd.PrefetchReport("no_room", ram, ssd)
-        found = self.restorer.ssd_prefix(tokens, ids, c.tenant, key, better_than=ram)
-        if found is None:
-            return cmd.PrefetchReport("in_ram" if ram else "not_held", ram, ssd)
-        layers, n = found
-        layers = [(mx.contiguous(k[..., :n, :]), mx.contiguous(v[..., :n, :]))
-                  for k, v in layers]  # the bank keeps tight arrays
-        mx.eval(layers)
-        self.bank.insert(key, tokens[:n], layers, durable_tokens=n, prefetched=True)
+        report = self.prefetcher.hint(c.tenant, c.session_id, np.asarray(c.tokens, np.uint32))
         self._refresh_ram_bytes()
-        metrics.PREFETCHED_TOKENS.inc(n)
-        return cmd.PrefetchReport("restored", ram, ssd, n)
+        return report
 
     # -- commit -----------------------------------------------------------------------------
 
@@ -618,6 +594,7 @@ class Engine:
 
     def _delete_session(self, session: SessionKey) -> bool:
         existed = session in self.conversations or bool(self.bank.session_entries(session))
+        self.prefetcher.started(session)  # a deleted conversation never comes back
         self.bank.drop_session(session, reason=TrimReason.SESSION_DELETED)
         self.conversations.deleted(session, while_running=self.bank.is_busy(session))
         self.coldstore.delete_session(*session)
@@ -633,6 +610,8 @@ class Engine:
             self._retried_at = now
             upkeep.retry_writes(self.bank, self.writer, self.coldstore, self.conversations,
                                 self.block_tokens)
+        if self.prefetcher.live and self.prefetcher.retry():
+            self._refresh_ram_bytes()
         metrics.MEMORY_HELD.set(held_bytes(self.pricing, self.bank))
 
     def _status(self) -> dict:

@@ -1,0 +1,109 @@
+"""Prefetch: an agent in a tool call will come back, so its KV should be in RAM when it does.
+
+A hint names the conversation (by name, or by the prompt it will send). If its KV is only on
+SSD, it is read back into the bank now; if it is in RAM, the hint stays live, and should the
+conversation be pushed out before it returns, it is read back as soon as there is room. Only
+free room is used (a hint never evicts), and a prefetched entry is the first to leave when
+memory is wanted (bank.py `prefetched`), so a hint can cost a turn nothing but disk reads.
+
+Engine thread only, like everything it touches.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from kvbank import metrics
+from kvbank.blocks import chain_block_ids
+from worker.bank import SessionBank, SessionKey
+from worker.commands import PrefetchReport
+from worker.conversations import Conversations
+from worker.restore import Restorer
+
+HINT_TTL_S = 300.0  # a hint outlives the tool calls agents make; then it is forgotten
+
+
+@dataclass
+class _Hint:
+    tokens: np.ndarray
+    ids: list
+    until: float
+
+
+class Prefetcher:
+    def __init__(self, *, bank: SessionBank, restorer: Restorer, conversations: Conversations,
+                 root_for: Callable[[str], bytes], block_tokens: int, kv_bytes_per_token: int,
+                 room: Callable[[], int], clock: Callable[[], float] = time.monotonic):
+        """`room`: the bytes the bank may take without anything leaving (the smaller of what
+        its cap and the memory budget leave)."""
+        self.bank, self.restorer, self.conversations = bank, restorer, conversations
+        self.root_for, self.block_tokens = root_for, block_tokens
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.room, self.clock = room, clock
+        self.live: dict[SessionKey, _Hint] = {}
+
+    def hint(self, tenant: str, session_id: str, tokens: np.ndarray) -> PrefetchReport:
+        """A hint from a client: read the KV back now if it is on SSD only, and keep the hint
+        live until the conversation's next turn starts (or HINT_TTL_S)."""
+        if not len(tokens) and session_id:
+            info = self.conversations.get((tenant, session_id))
+            tokens = info.tokens if info is not None else tokens
+        if not len(tokens):
+            return self._counted(PrefetchReport("unknown"))
+        ids = chain_block_ids(tokens, self.root_for(tenant), self.block_tokens)
+        key = (tenant, session_id) if session_id else self.conversations.lineages.find(
+            tokens, ids, tenant, self.conversations.records, self.bank.is_busy)
+        if key is None:  # tokens that continue no conversation kvbank knows
+            return self._counted(PrefetchReport("unknown"))
+        self.live[key] = _Hint(tokens, ids, self.clock() + HINT_TTL_S)
+        return self._counted(self._bring_back(key, self.live[key]))
+
+    def started(self, key: SessionKey) -> None:
+        """The conversation came back (or was deleted): its hint has done its work. An admin
+        release does not end a hint: it is about memory now, and a hint only ever uses free
+        room."""
+        self.live.pop(key, None)
+
+    def retry(self) -> int:
+        """Live hints whose conversation left RAM since, read back where room allows (after
+        requests finish and on the guard's tick). Returns the tokens brought back."""
+        now = self.clock()
+        brought = 0
+        for key, h in list(self.live.items()):
+            if now > h.until:
+                del self.live[key]
+                continue
+            report = self._bring_back(key, h)
+            if report.status == "restored":
+                metrics.PREFETCHES.labels("restored_later").inc()
+                brought += report.restored_tokens
+        return brought
+
+    def _bring_back(self, key: SessionKey, h: _Hint) -> PrefetchReport:
+        tenant = key[0]
+        ram, ssd = self.restorer.held(h.tokens, h.ids, tenant)
+        if ssd <= ram:
+            return PrefetchReport("in_ram" if ram else "not_held", ram, ssd)
+        need = (ssd + self.block_tokens) * self.kv_bytes_per_token  # whole blocks and a tail
+        if need > self.room():
+            return PrefetchReport("no_room", ram, ssd)
+        found = self.restorer.ssd_prefix(h.tokens, h.ids, tenant, key, better_than=ram)
+        if found is None:
+            return PrefetchReport("in_ram" if ram else "not_held", ram, ssd)
+        layers, n = found
+        layers = [(mx.contiguous(k[..., :n, :]), mx.contiguous(v[..., :n, :]))
+                  for k, v in layers]  # the bank keeps tight arrays
+        mx.eval(layers)
+        self.bank.insert(key, h.tokens[:n], layers, durable_tokens=n, prefetched=True)
+        metrics.PREFETCHED_TOKENS.inc(n)
+        return PrefetchReport("restored", ram, ssd, n)
+
+    @staticmethod
+    def _counted(report: PrefetchReport) -> PrefetchReport:
+        metrics.PREFETCHES.labels(report.status).inc()
+        return report
