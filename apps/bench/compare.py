@@ -20,7 +20,11 @@ mlx-lm (unlimited) wall; `recomputed_fraction` = kvbank recomputed / kvbank prom
 gain over mlx-lm at the budget (it cannot beat the server that never evicts).
 
 By default the clients send no session name (`anonymous`: true), as the official SDKs and
-most agents do; `--session-ids` sends `user` and `x-session-id` to every server.
+most agents do; `--session-ids` sends `user` and `x-session-id` to every server. With
+`--prefetch` kvbank's agents hint at the start of each think time (`--think-s`, n-agents)
+that they will be back (`POST /v1/kvbank/prefetch`); its summary then splits TTFT by what the
+hint did (`ttft_p50_by_hint_s`) and by cache source. `--memory-budget` bounds kvbank's worker
+as a whole (weights, running requests and bank), where `--budget-bytes` bounds its bank.
 """
 
 from __future__ import annotations
@@ -126,13 +130,16 @@ class _Peaks:
 
 
 @contextmanager
-def _kvbank(model_dir: Path, tmp: Path, budget_bytes: int, after: dict) -> Iterator[str]:
+def _kvbank(model_dir: Path, tmp: Path, budget_bytes: int, after: dict,
+            memory_budget: str | None = None) -> Iterator[str]:
     """kvbank with its OpenAI shim; `after` gets the sessions' state once the run is over,
     and the peaks of its bank and its worker's memory through the run."""
     from deploy.local import LocalStack
 
-    stack = LocalStack.start(model_dir, tmp / "kvbank-data",
-                             extra=["--bank-bytes", str(budget_bytes)])
+    extra = ["--bank-bytes", str(budget_bytes)]
+    if memory_budget:
+        extra += ["--memory-budget", memory_budget]
+    stack = LocalStack.start(model_dir, tmp / "kvbank-data", extra=extra)
     try:
         if not stack.shim_url:
             raise RuntimeError("the kvbank stack was started without its OpenAI shim")
@@ -173,7 +180,7 @@ def _mlx_lm(model_dir: Path, tmp: Path, cache_bytes: int, name: str) -> Iterator
 
 
 def _run_side(name: str, label: str, url: str, scenario, counter, model_name: str | None,
-              max_wall_s: float, progress: bool, names: bool):
+              max_wall_s: float, progress: bool, names: bool, prefetch: bool = False):
     from apps.loadgen.cli import execute
     from apps.loadgen.targets import parse_target
 
@@ -183,7 +190,7 @@ def _run_side(name: str, label: str, url: str, scenario, counter, model_name: st
         target.check(30)
         return execute(scenario, target, run_id=f"compare-{name}", max_wall_s=max_wall_s,
                        request_timeout_s=max_wall_s, counter=counter, progress=progress,
-                       label=label)
+                       label=label, prefetch=prefetch)
     finally:
         target.close()
 
@@ -193,7 +200,9 @@ def _ratio(a: float | None, b: float | None, nd: int = 3) -> float | None:
 
 
 def run(*, model: str | None, scenario, budget_bytes: int, max_wall_s: float,
-        progress: bool = True, names: bool = False) -> tuple[dict, dict]:
+        progress: bool = True, names: bool = False, prefetch: bool = False,
+        memory_budget: str | None = None,
+        sides: tuple[str, ...] = tuple(n for n, _ in SIDES)) -> tuple[dict, dict]:
     """Returns (the result document, {side: RunResult})."""
     from kvbank.models import prepare_model
     from apps.loadgen.report import summarize
@@ -206,24 +215,32 @@ def run(*, model: str | None, scenario, budget_bytes: int, max_wall_s: float,
     with tempfile.TemporaryDirectory(prefix="kvbank-compare-") as tmpdir:
         tmp = Path(tmpdir)
         servers = {
-            "kvbank": lambda: _kvbank(model_dir, tmp, budget_bytes, kvbank_after),
+            "kvbank": lambda: _kvbank(model_dir, tmp, budget_bytes, kvbank_after,
+                                      memory_budget),
             "mlx_lm_budget": lambda: _mlx_lm(model_dir, tmp, budget_bytes, "mlx_lm_budget"),
             "mlx_lm_unlimited": lambda: _mlx_lm(model_dir, tmp, UNLIMITED_BYTES,
                                                 "mlx_lm_unlimited"),
         }
         for name, label in SIDES:
+            if name not in sides:
+                continue
             logger.info("compare: starting %s", label)
             with servers[name]() as url:
                 results[name] = _run_side(name, label, url, scenario, counter,
                                           None if name == "kvbank" else "default_model",
-                                          max_wall_s, progress, names)
+                                          max_wall_s, progress, names,
+                                          prefetch=prefetch and name == "kvbank")
     sums = {name: summarize(r) for name, r in results.items()}
-    kv, mb, mu = sums["kvbank"], sums["mlx_lm_budget"], sums["mlx_lm_unlimited"]
+    none = {"wall_s": None, "ttft_p50_s": None, "recomputed_tokens": None,
+            "prompt_tokens": None}  # a side not run: its ratios are null
+    kv, mb, mu = (sums.get(n, none) for n in ("kvbank", "mlx_lm_budget", "mlx_lm_unlimited"))
     doc = {
         "model": str(model_dir),
         "scenario": dataclasses.asdict(scenario.params),
         "budget_bytes": budget_bytes,
         "anonymous": not names,
+        "prefetch": prefetch,
+        "memory_budget": memory_budget,
         "wall_speedup": _ratio(mb["wall_s"], kv["wall_s"]),
         "speedup_bound": _ratio(mb["wall_s"], mu["wall_s"]),
         "vs_ideal": _ratio(kv["wall_s"], mu["wall_s"]),
@@ -233,7 +250,8 @@ def run(*, model: str | None, scenario, budget_bytes: int, max_wall_s: float,
         "ttft_p50_speedup": _ratio(mb["ttft_p50_s"], kv["ttft_p50_s"]),
         "complete": all(s["turns_ok"] == s["turns"] == scenario.params.agents
                         * scenario.params.turns for s in sums.values()),
-        "sides": {name: {"label": label, "summary": sums[name]} for name, label in SIDES},
+        "sides": {name: {"label": label, "summary": sums[name]} for name, label in SIDES
+                  if name in sums},
         "kvbank_after": kvbank_after,
         "peak_bank_bytes": kvbank_after.get("peak_bank_bytes"),
         "peak_worker_bytes": kvbank_after.get("peak_worker_bytes"),
@@ -271,6 +289,14 @@ def print_table(doc: dict, *, stderr: bool = False) -> None:
                   f"vs_ideal (kvbank / mlx-lm unlimited) {f(doc['vs_ideal'])}, "
                   f"recomputed_fraction {f(doc['recomputed_fraction'], 4)} (mlx-lm same "
                   f"budget: {f(doc['mlx_lm_budget_recomputed_fraction'], 4)})")
+    kv = doc["sides"].get("kvbank", {}).get("summary", {})
+    if kv.get("ttft_p50_by_source_s"):
+        console.print("kvbank TTFT p50 by cache source: " + ", ".join(
+            f"{src} {f(v)} s" for src, v in kv["ttft_p50_by_source_s"].items()))
+    if kv.get("hints"):
+        console.print("kvbank prefetch hints: " + ", ".join(
+            f"{h} {n} (next turn's TTFT p50 {f(kv['ttft_p50_by_hint_s'].get(h))} s)"
+            for h, n in kv["hints"].items()))
     ram = doc.get("kvbank_after", {}).get("ram_bytes")
     if ram is not None:
         console.print(f"kvbank RAM bank after the run: {ram / 1e6:.0f} MB of KV (budget "
@@ -288,6 +314,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="an mlx-lm model folder or a .gguf file (default: SmolLM2-135M-Instruct)")
     add_scenario_arguments(p, default="two-agents")
+    p.add_argument("--agents", type=int, default=None, help="n-agents: how many at once")
+    p.add_argument("--think-s", type=float, default=None,
+                   help="n-agents: mean pause between an agent's turns (its tool calls)")
+    p.add_argument("--prefetch", action="store_true",
+                   help="kvbank's agents hint at the start of each think time that they will "
+                        "be back (POST /v1/kvbank/prefetch)")
+    p.add_argument("--memory-budget", default=None,
+                   help="kvbank's worker memory budget (e.g. 1.5GB; default: the worker's)")
+    p.add_argument("--sides", default=",".join(n for n, _ in SIDES),
+                   help="which servers to run, comma-separated (default: %(default)s)")
     p.add_argument("--budget-bytes", type=int, default=DEFAULT_BUDGET_BYTES,
                    help="KV memory budget for kvbank's bank and mlx-lm's prompt cache "
                         "(default: %(default)s)")
@@ -313,7 +349,8 @@ def run_cli(args: argparse.Namespace) -> int:
     try:
         p = params(args.scenario, seed=args.seed, turns=args.turns,
                    turn_tokens=args.turn_tokens, max_tokens=args.max_tokens,
-                   system_tokens=args.system_tokens)
+                   system_tokens=args.system_tokens, agents=args.agents,
+                   think_s=args.think_s)
     except ValueError as e:
         sys.stderr.write(f"kvbank bench compare: {e}\n")
         return 2
@@ -321,7 +358,9 @@ def run_cli(args: argparse.Namespace) -> int:
     try:
         doc, results = run(model=args.model, scenario=scenario,
                            budget_bytes=args.budget_bytes, max_wall_s=args.max_wall_s,
-                           progress=not args.no_progress, names=args.session_ids)
+                           progress=not args.no_progress, names=args.session_ids,
+                           prefetch=args.prefetch, memory_budget=args.memory_budget,
+                           sides=tuple(args.sides.split(",")))
     except RuntimeError as e:  # a server that would not start: its log tail is in the message
         sys.stderr.write(f"kvbank bench compare: {e}\n")
         return 2

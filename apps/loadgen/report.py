@@ -74,6 +74,10 @@ def summarize(result: RunResult) -> dict:
                                 and r.ttft_s is not None], 50))
             for src in sorted({r.cache_source or "unknown" for r in ok})},
         "hints": dict(Counter(r.hint for r in rows if r.hint)),
+        "ttft_p50_by_hint_s": {
+            hint: _r(percentile([r.ttft_s for r in ok if r.hint == hint
+                                 and r.ttft_s is not None], 50))
+            for hint in sorted({r.hint for r in ok if r.hint})},
         "ttft_p50_s": _r(percentile(ttfts, 50)),
         "ttft_p95_s": _r(percentile(ttfts, 95)),
         "ttft_max_s": _r(max(ttfts) if ttfts else None),
