@@ -9,6 +9,7 @@ key, and the split of an answer's text into what the client reads and the calls 
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -67,7 +68,8 @@ def token_logprob(logprobs: mx.array, token: int, top_n: int, decode) -> api_pb2
         top = mx.argpartition(-logprobs, kth=top_n - 1)[:top_n]
         values = logprobs[top].tolist()
         for lp, t in sorted(zip(values, top.tolist()), key=lambda p: -p[0]):
-            out.top.append(api_pb2.TokenLogprob(token_id=t, token=decode([t]), logprob=lp))
+            if lp > -math.inf:  # a token a grammar or a bias of -inf ruled out is no choice
+                out.top.append(api_pb2.TokenLogprob(token_id=t, token=decode([t]), logprob=lp))
     return out
 
 
