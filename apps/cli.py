@@ -200,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     cluster_arguments(bcl)
     bcl.set_defaults(func=_run_bench_cluster)
+    bg = bsub.add_parser("grammar", help="per-token cost of constrained (JSON schema) decoding")
+    from apps.bench.grammar import add_arguments as grammar_arguments
+
+    grammar_arguments(bg)
+    bg.set_defaults(func=_run_bench_grammar)
     return ap
 
 
@@ -493,6 +498,13 @@ def _run_bench_cluster(args: argparse.Namespace) -> int:
         sys.stderr.write(f"kvbank bench cluster: {e}\n")
         return 2
     return _bench_result(args, result)
+
+
+def _run_bench_grammar(args: argparse.Namespace) -> int:
+    _setup_logging("bench")
+    from apps.bench.grammar import run_cli
+
+    return run_cli(args)
 
 
 def main(argv: list[str] | None = None) -> int:
