@@ -57,6 +57,11 @@ from worker.writer import KVWriter
 
 logger = logging.getLogger(__name__)
 
+# What `_start` says of a request: running now, or still waiting, for memory held by requests
+# in flight (it stops the line) or for a prefix a running request is computing (it does not).
+STARTED, WAIT_MEMORY, WAIT_PREFIX = "started", "wait_memory", "wait_prefix"
+PREFIX_WAIT_MAX_S = 60.0  # past this a request computes the shared prefix itself
+
 
 class Engine:
     def __init__(self, model_path: Path, layout: Layout, *, block_tokens: int, bank_bytes: int,
@@ -288,30 +293,37 @@ class Engine:
     # -- one generation ---------------------------------------------------------------------
 
     def _admit_pending(self) -> None:
-        """Start waiting requests in order while the scheduler has room and memory allows."""
-        while self._pending and len(self.batch) < self.scheduler.max_active:
-            job = self._pending[0]
+        """Start waiting requests in order while the scheduler has room and memory allows. A
+        request waiting for memory stops the line (it is first in it); one waiting for the
+        prefix a running request is computing lets the requests behind it start."""
+        i = 0
+        while i < len(self._pending) and len(self.batch) < self.scheduler.max_active:
+            job = self._pending[i]
             if job.cancelled.is_set():
-                self._pending.popleft()
+                del self._pending[i]
                 job.emit(None)
                 continue
             try:
                 started = self._start(job)
             except (InvalidRequest, Refused) as e:
-                self._pending.popleft()
+                del self._pending[i]
                 job.emit(e)
                 continue
             except Exception as e:
                 logger.exception("could not start a request")
-                self._pending.popleft()
+                del self._pending[i]
                 job.emit(e)
                 continue
-            if not started:
+            if started is WAIT_MEMORY:
                 return  # waits for memory held by requests in flight
-            self._pending.popleft()
+            if started is WAIT_PREFIX:
+                i += 1
+                continue
+            del self._pending[i]
 
-    def _start(self, job: cmd.Generate) -> bool:
-        """Admission, restore, and hand-over to the scheduler. False: wait for memory."""
+    def _start(self, job: cmd.Generate):
+        """Admission, restore, and hand-over to the scheduler: STARTED, or WAIT_MEMORY, or
+        WAIT_PREFIX (a running request is computing KV this one would compute again)."""
         req = job.request
         tokens = np.asarray(req.token_ids, dtype=np.uint32)
         if len(tokens) == 0:
@@ -323,6 +335,8 @@ class Engine:
         decoding = self._decoding(req)
         tenant = req.tenant
         ids = chain_block_ids(tokens, self.root_for(tenant), self.block_tokens)  # hashed once
+        if not req.no_cache and self._wait_for_prefix(job, tokens, ids, tenant):
+            return WAIT_PREFIX
         session = self.conversations.resolve(
             tokens, ids, tenant, req.session_id, busy=self.bank.is_busy,
             in_ram=lambda k: bool(self.bank.session_entries(k)))
@@ -339,7 +353,7 @@ class Engine:
         finally:
             self._refresh_ram_bytes()
         if receipt.decision == Decision.WAIT:
-            return False
+            return WAIT_MEMORY
         self._log_admission(req, session, receipt)
         info = self.conversations.get(session)
         self.prefetcher.started(session)
@@ -358,7 +372,36 @@ class Engine:
         except Exception:
             self.bank.end_request(session)
             raise
+        return STARTED
+
+    def _wait_for_prefix(self, job: cmd.Generate, tokens: np.ndarray, ids: list[BlockId],
+                         tenant: str) -> bool:
+        """Whether to wait for a running request that is still reading a prompt sharing at
+        least a block with this one that kvbank does not hold yet (agents that start together
+        share their system prompt): its prompt's KV goes into the bank when its prefill ends,
+        and this request then computes only what is its own. At most PREFIX_WAIT_MAX_S."""
+        if time.monotonic() - job.queued_at > PREFIX_WAIT_MAX_S:
+            return False
+        B = self.block_tokens
+        shared = [(common_prefix_len(r.tokens, tokens) // B * B, r.uid, r)
+                  for r in self.batch.prefilling() if r.job.request.tenant == tenant]
+        n, _, leader = max(shared, default=(0, 0, None), key=lambda x: x[:2])
+        if n < B or n - max(self.restorer.held(tokens, ids, tenant)) < B:
+            return False
+        if not any(j is job for j in leader.followers):
+            leader.followers.append(job)
+            metrics.PREFIX_WAITS.inc()
         return True
+
+    def _share_prefix(self, r: Running) -> None:
+        """A request others wait for has read its prompt: its prompt's KV goes into the bank
+        (as its conversation's entry, which its turn's commit supersedes), where their
+        restore finds it."""
+        cache = self.batch.prompt_cache(r)
+        n = min(len(r.tokens), *(c.offset for c in cache))
+        self.bank.insert(r.session, r.tokens[:n], kv.freeze(cache, n))
+        self._refresh_ram_bytes()
+        metrics.PREFIX_SHARED_TOKENS.inc(n * len(r.followers))
 
     def _decoding(self, req) -> Decoding:
         """Sampling, logits processors, tool calls and grammar for one request; a request
@@ -446,6 +489,8 @@ class Engine:
             return
         try:
             done = self.batch.step()
+            for r in self.batch.take_prefix_ready():
+                self._share_prefix(r)
         except Exception as e:  # a failed step fails every request in it, not the worker
             logger.exception("generation step failed")
             for r in list(self.batch.running.values()):

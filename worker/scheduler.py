@@ -45,6 +45,7 @@ class Running:
     finish: int = api_pb2.FINISH_REASON_LENGTH
     stop_sequence: str = ""  # the stop string that ended the answer
     uid: int = -1
+    followers: list = field(default_factory=list)  # jobs waiting for this prompt's KV
 
 
 class BatchScheduler:
@@ -60,6 +61,7 @@ class BatchScheduler:
                                   prefill_batch_size=max_active,
                                   prefill_step_size=prefill_step_tokens)
         self.running: dict[int, Running] = {}
+        self._prefix_ready: list[Running] = []
 
     def __len__(self) -> int:
         return len(self.running)
@@ -94,6 +96,8 @@ class BatchScheduler:
                 continue
             if r.first_token_at is None:
                 r.first_token_at = time.monotonic()
+                if r.followers:
+                    self._prefix_ready.append(r)
             r.completion.append(resp.token)
             if resp.finish_reason == "stop":  # an end-of-turn token: no text of its own
                 r.finish = api_pb2.FINISH_REASON_STOP
@@ -113,6 +117,19 @@ class BatchScheduler:
         for r, _ in done:
             self._flush_text(r)
         return done
+
+    def prefilling(self) -> list[Running]:
+        """Requests still reading their prompt (no first token yet)."""
+        return [r for r in self.running.values() if r.first_token_at is None]
+
+    def take_prefix_ready(self) -> list[Running]:
+        """Requests others wait for whose prompt was read by the last step (and still run)."""
+        ready, self._prefix_ready = self._prefix_ready, []
+        return [r for r in ready if r.uid in self.running]
+
+    def prompt_cache(self, r: Running) -> list:
+        """A running request's cache as it is now (a copy, without the batch's padding)."""
+        return self.gen.extract_cache([r.uid])[r.uid][0]
 
     def drop(self, r: Running) -> None:
         """Take a request out without a commit (it failed)."""

@@ -1,0 +1,45 @@
+"""Concurrent prefill sharing: a request whose prompt shares a prefix with one still reading
+its prompt waits for that KV rather than computing it again (the real stack, the tiny model,
+prefill in 16-token chunks so a long prompt takes many steps to read)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+
+from tests.conftest import start_stack
+from tests.waiting import wait_until
+
+
+@pytest.fixture
+def slow_prefill(tiny_model, tmp_path, cache_dir):
+    s = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir,
+                    extra=["--prefill-chunk-tokens", "16"])
+    yield s
+    s.stop()
+
+
+def test_a_request_waits_for_the_prefix_a_running_one_is_reading(slow_prefill):
+    shared = f"[{uuid.uuid4().hex}] You are a coding agent. " + "Follow the rules. " * 300
+    answers = {}
+
+    def ask(name: str, text: str) -> None:
+        with slow_prefill.client() as c:
+            answers[name] = c.generate(prompt=shared + text, max_tokens=4, temperature=0.0)
+
+    first = threading.Thread(target=ask, args=("first", "Task one: fix the bug."))
+    first.start()
+    with slow_prefill.client() as c:  # the first is reading its prompt, chunk by chunk
+        wait_until(lambda: c.status().running_requests == 1, "the first request running")
+        ask("second", "Task two: write the docs.")
+    first.join(timeout=120)
+    one, two = answers["first"].usage, answers["second"].usage
+    assert one["cached_tokens"] == 0
+    # The second computed only its own end: the shared prompt came from the first's KV.
+    prompt_shared = one["prompt_tokens"] - 10
+    assert two["cache_source"] == "ram" and two["cached_tokens"] >= prompt_shared - 16, two
+    with slow_prefill.client() as c:
+        metrics = c.status()
+    assert metrics.running_requests == 0
