@@ -196,6 +196,11 @@ def _sampling_extras(s: api_pb2.SamplingParams, vocab_size: int) -> None:
     if s.penalty_window > MAX_PENALTY_WINDOW:
         raise InvalidRequest(f"penalty_window must be at most {MAX_PENALTY_WINDOW}; given "
                              f"{s.penalty_window}", param="penalty_window")
+    if not 0.0 <= s.min_p <= 1.0:
+        raise InvalidRequest(f"min_p must be in [0, 1]; given {s.min_p}", param="min_p")
+    if s.top_k >= vocab_size:
+        raise InvalidRequest(f"top_k must be below the vocabulary size {vocab_size}; given "
+                             f"{s.top_k}", param="top_k")
     if s.top_logprobs > MAX_TOP_LOGPROBS:
         raise InvalidRequest(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}; given "
                              f"{s.top_logprobs}", param="top_logprobs")

@@ -146,6 +146,20 @@ def test_penalties_act_as_mlx_lms(agent_stack, reference):
     assert penalized.choices[0].text != plain.choices[0].text  # they changed the answer
 
 
+def test_top_k_1_and_min_p_1_sample_the_most_likely_token(agent_stack, reference):
+    """mlx-lm's filters: hot sampling from the top 1 token, or from the tokens as likely as
+    the most likely one, is greedy decoding."""
+    _, tok = reference
+    prompt = _prompt_ids(reference)
+    c = _openai(agent_stack)
+    greedy = c.completions.create(model="kvbank", prompt=prompt, max_tokens=8, temperature=0,
+                                  logprobs=0).choices[0].logprobs.tokens
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):
+        hot = c.completions.create(model="kvbank", prompt=prompt, max_tokens=8, temperature=2,
+                                   seed=11, logprobs=0, extra_body=extra)
+        assert hot.choices[0].logprobs.tokens == greedy, extra
+
+
 def test_anthropic_reports_the_stop_sequence_that_ended_the_answer(agent_stack):
     c = _anthropic(agent_stack)
     messages = _user("Say something.")

@@ -163,7 +163,7 @@ BAD = [  # (what replaces a good body's fields, what the 400's message must name
     ({"max_tokens": anthropic.omit}, "max_tokens"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"extra_body": {"temperature": 1.5}}, "temperature"),
-    ({"extra_body": {"top_k": 5}}, "top_k"),
+    ({"extra_body": {"top_k": -1}}, "top_k"),
     ({"output_config": {"effort": "low"}}, "output_config"),
     # this stack's model has no tools in its chat template (tests/test_agent_api.py's has)
     ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "no tool calling"),

@@ -185,6 +185,10 @@ BAD_CHAT = [  # (what replaces a good body's fields, the field the 400 must name
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": {"type": "function"}}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"reasoning_effort": "high"}, "reasoning_effort"),
+    ({"extra_body": {"min_p": 1.5}}, "min_p"),
 ]
 
 

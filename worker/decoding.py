@@ -23,13 +23,15 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 PENALTY_WINDOW = 20    # mlx-lm's context size for the three penalties
 
 
-def make_request_sampler(temperature: float, top_p: float, seed: int | None) -> Callable:
+def make_request_sampler(temperature: float, top_p: float, seed: int | None, *,
+                         top_k: int = 0, min_p: float = 0.0) -> Callable:
     """A sampler of its own for each request; with a seed it draws from its own key, so the
-    same request gives the same text whatever else runs in the batch."""
-    from mlx_lm.sample_utils import apply_top_p, make_sampler
+    same request gives the same text whatever else runs in the batch. The filters are
+    mlx-lm's, in its order (top_p, min_p, top_k)."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
     if temperature <= 0 or seed is None:
-        return make_sampler(temp=temperature, top_p=top_p)
+        return make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
     key = mx.random.key(seed)
 
     def sample(logprobs: mx.array) -> mx.array:
@@ -37,6 +39,10 @@ def make_request_sampler(temperature: float, top_p: float, seed: int | None) -> 
         key, sub = mx.random.split(key)
         if 0 < top_p < 1:
             logprobs = apply_top_p(logprobs, top_p)
+        if min_p:
+            logprobs = apply_min_p(logprobs, min_p)
+        if top_k:
+            logprobs = apply_top_k(logprobs, top_k)
         return mx.random.categorical(logprobs * (1 / temperature), key=sub)
 
     return sample
@@ -171,6 +177,10 @@ class Decoding:
         if req.tools_json and req.tool_choice != "none":
             tools = ToolCallText(tokenizer.tool_call_start, tokenizer.tool_call_end,
                                  tokenizer.tool_parser, json.loads(req.tools_json))
-        return cls(sampler=make_request_sampler(s.temperature, s.top_p, seed),
+        if s.top_k >= vocab_size:
+            raise InvalidRequest(f"top_k must be below the vocabulary size {vocab_size}; given "
+                                 f"{s.top_k}", param="top_k")
+        return cls(sampler=make_request_sampler(s.temperature, s.top_p, seed, top_k=s.top_k,
+                                                min_p=s.min_p),
                    processors=processors, logprobs=s.logprobs or s.top_logprobs > 0,
                    top_logprobs=s.top_logprobs, tools=tools, grammar=constraint)

@@ -37,13 +37,12 @@ from kvbank.v1 import api_pb2
 
 DEFAULT_TEMPERATURE = 1.0  # Anthropic's default
 SUPPORTED = ("model", "max_tokens", "messages", "system", "stop_sequences", "temperature",
-             "top_p", "stream", "metadata", "tools", "tool_choice")
+             "top_p", "top_k", "stream", "metadata", "tools", "tool_choice")
 # Accepted, and without effect on one local machine that caches every prompt.
 NO_EFFECT = ("cache_control", "service_tier", "speed", "inference_geo")
 # Why a known field is refused; any other unknown field is refused as unknown.
 NOT_SUPPORTED = {
     "thinking": "extended thinking is not supported",
-    "top_k": "top_k sampling is not supported (kvbank samples with temperature and top_p)",
 }
 # HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -100,6 +99,7 @@ def parse(body: object, *, session_header: str | None,
     req.sampling.temperature = DEFAULT_TEMPERATURE if temperature is None else temperature
     top_p = _number(body, "top_p", 0.0, 1.0)
     req.sampling.top_p = 1.0 if top_p is None else top_p
+    req.sampling.top_k = _int(body, "top_k", lo=0, hi=MAX_INT32) or 0
     req.stop.extend(_stop_sequences(body))
     stream = bool(_optional(body, "stream", bool, "true or false"))
     if (size := req.ByteSize()) > MAX_REQUEST_BYTES:

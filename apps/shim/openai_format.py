@@ -148,7 +148,24 @@ def parse_render(kind: str, body: object, *, session_header: str | None) -> Open
     return parse(kind, body, session_header=session_header, default_max_tokens=1)
 
 
+# Fields of OpenAI's API that would change the answer in ways kvbank cannot: each a 400 naming
+# it. Fields about OpenAI's own service (metadata, store, service_tier, prompt_cache_key, ...)
+# and other servers' extensions are ignored, so gateways that add their defaults still pass.
+REFUSED = {
+    "audio": "audio output is not supported (kvbank serves a text model)",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "reasoning_effort": "reasoning effort is not supported (the model does not reason apart)",
+}
+
+
 def _refuse_unsupported(kind: str, body: dict) -> None:
+    for name, why in REFUSED.items():
+        if body.get(name) is not None:
+            raise invalid(name, f"{name}: {why}")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise invalid("modalities", f'modalities must be ["text"]; given {modalities!r}')
     n = _int(body, "n", lo=1)
     if n not in (None, 1):
         raise invalid("n", f"n must be 1: kvbank returns one choice per request; given {n}")
@@ -258,9 +275,11 @@ def _sampling_controls(kind: str, body: dict, s: api_pb2.SamplingParams) -> None
         value = _number(body, name, -2.0, 2.0)
         if value is not None:
             setattr(s, name, value)
-    value = _number(body, "repetition_penalty", 0.0, 10.0)  # mlx-lm's and vLLM's extension
+    value = _number(body, "repetition_penalty", 0.0, 10.0)  # mlx-lm's and vLLM's extensions
     if value is not None:
         s.repetition_penalty = value
+    s.top_k = _int(body, "top_k", lo=0, hi=MAX_UINT32) or 0
+    s.min_p = _number(body, "min_p", 0.0, 1.0) or 0.0
     if kind == "chat":
         s.logprobs = bool(_optional(body, "logprobs", bool, "true or false"))
         top = _int(body, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
