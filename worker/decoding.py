@@ -184,3 +184,50 @@ class Decoding:
                                                 min_p=s.min_p),
                    processors=processors, logprobs=s.logprobs or s.top_logprobs > 0,
                    top_logprobs=s.top_logprobs, tools=tools, grammar=constraint)
+
+
+class Decodings:
+    """Each request's `Decoding`, for one model: what the model cannot do is refused here,
+    before any memory is spent on the request; grammars compile against its vocabulary
+    (llguidance's view of it is made once, on the first constrained answer)."""
+
+    def __init__(self, tokenizer, vocab_size: int, model_name: str):
+        self.tokenizer, self.vocab_size, self.model_name = tokenizer, vocab_size, model_name
+        self._grammars = None  # worker/grammar.py Grammars
+
+    def for_request(self, req) -> Decoding:
+        if req.tools_json and not self.tokenizer.has_tool_calling:
+            raise InvalidRequest(f"the model {self.model_name} has no tool calling in its "
+                                 f"chat template: send the request without tools",
+                                 param="tools")
+        return Decoding.for_request(req, self.tokenizer, self.vocab_size,
+                                    constraint=self._constraint(req))
+
+    def _constraint(self, req):
+        """The grammar's logits processor for a JSON answer or a forced tool call; None when
+        the answer is free."""
+        fmt, choice = req.response_format, req.tool_choice
+        forced = req.tools_json and (choice == "required" or choice.startswith("function:"))
+        if fmt.type not in ("json_object", "json_schema") and not forced:
+            return None
+        param = "response_format" if not forced else "tool_choice"
+        if forced and self.tokenizer.tool_parser.__module__.rsplit(".", 1)[-1] != "json_tools":
+            raise InvalidRequest(
+                f"tool_choice {choice!r} constrains the answer to one JSON tool call, and the "
+                f"model {self.model_name} writes its calls in another format: send "
+                f"tool_choice auto", param=param)
+        if self._grammars is None:
+            from worker.grammar import Grammars
+
+            self._grammars = Grammars(self.tokenizer)
+        try:
+            if forced:
+                grammar = self._grammars.for_tool_call(json.loads(req.tools_json),
+                                                       choice.removeprefix("function:"))
+            else:
+                grammar = self._grammars.for_response_format(
+                    {"type": fmt.type, "json_schema": {"schema": json.loads(fmt.json_schema)}}
+                    if fmt.type == "json_schema" else {"type": fmt.type})
+        except ValueError as e:
+            raise InvalidRequest(str(e), param=param) from None
+        return grammar.processor()

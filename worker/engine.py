@@ -51,7 +51,8 @@ from worker.lineage import is_anonymous
 from worker.link import ColdstoreClient
 from worker.prefetch import Prefetcher
 from worker.restore import Restorer
-from worker.decoding import Decoding, make_request_sampler
+from worker import sharing
+from worker.decoding import Decoding, Decodings, make_request_sampler
 from worker.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running
 from worker.writer import KVWriter
 
@@ -60,7 +61,6 @@ logger = logging.getLogger(__name__)
 # What `_start` says of a request: running now, or still waiting, for memory held by requests
 # in flight (it stops the line) or for a prefix a running request is computing (it does not).
 STARTED, WAIT_MEMORY, WAIT_PREFIX = "started", "wait_memory", "wait_prefix"
-PREFIX_WAIT_MAX_S = 60.0  # past this a request computes the shared prefix itself
 
 
 class Engine:
@@ -86,7 +86,7 @@ class Engine:
         self.max_context_tokens = int(self.config.get("max_position_embeddings", 8192))
         self.eos_token_ids = sorted(self.tokenizer.eos_token_ids)
         self.vocab_size = int(self.config.get("vocab_size") or len(self.tokenizer.vocab))
-        self._grammars = None  # worker/grammar.py Grammars, made on the first constrained answer
+        self.decodings = Decodings(self.tokenizer, self.vocab_size, self.model_path.name)
         self.kv_bytes_per_token, self.kv_dtype = self._measure_kv()
         self.fingerprint = self._fingerprint()
         logger.info("model %s loaded in %.1fs: %d KV bytes/token (%s), fingerprint %s",
@@ -332,10 +332,11 @@ class Engine:
             raise InvalidRequest(
                 f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                 f"model's context of {self.max_context_tokens} tokens")
-        decoding = self._decoding(req)
+        decoding = self.decodings.for_request(req)  # a request the model cannot serve: refused
         tenant = req.tenant
         ids = chain_block_ids(tokens, self.root_for(tenant), self.block_tokens)  # hashed once
-        if not req.no_cache and self._wait_for_prefix(job, tokens, ids, tenant):
+        if not req.no_cache and sharing.wait_for_prefix(job, tokens, ids, self.batch,
+                                                        self.restorer, self.block_tokens):
             return WAIT_PREFIX
         session = self.conversations.resolve(
             tokens, ids, tenant, req.session_id, busy=self.bank.is_busy,
@@ -373,74 +374,6 @@ class Engine:
             self.bank.end_request(session)
             raise
         return STARTED
-
-    def _wait_for_prefix(self, job: cmd.Generate, tokens: np.ndarray, ids: list[BlockId],
-                         tenant: str) -> bool:
-        """Whether to wait for a running request that is still reading a prompt sharing at
-        least a block with this one that kvbank does not hold yet (agents that start together
-        share their system prompt): its prompt's KV goes into the bank when its prefill ends,
-        and this request then computes only what is its own. At most PREFIX_WAIT_MAX_S."""
-        if time.monotonic() - job.queued_at > PREFIX_WAIT_MAX_S:
-            return False
-        B = self.block_tokens
-        shared = [(common_prefix_len(r.tokens, tokens) // B * B, r.uid, r)
-                  for r in self.batch.prefilling() if r.job.request.tenant == tenant]
-        n, _, leader = max(shared, default=(0, 0, None), key=lambda x: x[:2])
-        if n < B or n - max(self.restorer.held(tokens, ids, tenant)) < B:
-            return False
-        if not any(j is job for j in leader.followers):
-            leader.followers.append(job)
-            metrics.PREFIX_WAITS.inc()
-        return True
-
-    def _share_prefix(self, r: Running) -> None:
-        """A request others wait for has read its prompt: its prompt's KV goes into the bank
-        (as its conversation's entry, which its turn's commit supersedes), where their
-        restore finds it."""
-        cache = self.batch.prompt_cache(r)
-        n = min(len(r.tokens), *(c.offset for c in cache))
-        self.bank.insert(r.session, r.tokens[:n], kv.freeze(cache, n))
-        self._refresh_ram_bytes()
-        metrics.PREFIX_SHARED_TOKENS.inc(n * len(r.followers))
-
-    def _decoding(self, req) -> Decoding:
-        """Sampling, logits processors, tool calls and grammar for one request; a request
-        this model cannot serve is refused here, before any memory is spent on it."""
-        if req.tools_json and not self.tokenizer.has_tool_calling:
-            raise InvalidRequest(f"the model {self.model_path.name} has no tool calling in its "
-                                 f"chat template: send the request without tools",
-                                 param="tools")
-        return Decoding.for_request(req, self.tokenizer, self.vocab_size,
-                                    constraint=self._constraint(req))
-
-    def _constraint(self, req):
-        """The grammar's logits processor for a JSON answer or a forced tool call; None when
-        the answer is free."""
-        fmt, choice = req.response_format, req.tool_choice
-        forced = req.tools_json and (choice == "required" or choice.startswith("function:"))
-        if fmt.type not in ("json_object", "json_schema") and not forced:
-            return None
-        param = "response_format" if not forced else "tool_choice"
-        if forced and self.tokenizer.tool_parser.__module__.rsplit(".", 1)[-1] != "json_tools":
-            raise InvalidRequest(
-                f"tool_choice {choice!r} constrains the answer to one JSON tool call, and the "
-                f"model {self.model_path.name} writes its calls in another format: send "
-                f"tool_choice auto", param=param)
-        if self._grammars is None:
-            from worker.grammar import Grammars
-
-            self._grammars = Grammars(self.tokenizer)
-        try:
-            if forced:
-                grammar = self._grammars.for_tool_call(json.loads(req.tools_json),
-                                                       choice.removeprefix("function:"))
-            else:
-                grammar = self._grammars.for_response_format(
-                    {"type": fmt.type, "json_schema": {"schema": json.loads(fmt.json_schema)}}
-                    if fmt.type == "json_schema" else {"type": fmt.type})
-        except ValueError as e:
-            raise InvalidRequest(str(e), param=param) from None
-        return grammar.processor()
 
     def _count_restore(self, req, session: SessionKey, n_tokens: int, cached: int,
                        source: int) -> None:
@@ -490,7 +423,8 @@ class Engine:
         try:
             done = self.batch.step()
             for r in self.batch.take_prefix_ready():
-                self._share_prefix(r)
+                sharing.share_prefix(r, self.batch, self.bank)
+                self._refresh_ram_bytes()
         except Exception as e:  # a failed step fails every request in it, not the worker
             logger.exception("generation step failed")
             for r in list(self.batch.running.values()):

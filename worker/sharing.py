@@ -1,0 +1,54 @@
+"""Concurrent prefill sharing: requests that start together (agents sharing a system prompt)
+compute their common prefix once.
+
+A request whose prompt shares at least a block that kvbank does not hold yet with a request
+still reading its prompt waits for it, rather than computing the same KV beside it in the
+batch (on a CPU, prefill is compute-bound: two copies take twice the time). When that request
+has read its prompt, its prompt's KV goes into the bank as its conversation's entry (its turn's
+commit supersedes it), and the waiting request restores the shared part from RAM and computes
+only what is its own. Requests behind a waiting one in line may start meanwhile.
+
+Engine thread only.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from kvbank import metrics
+from kvbank.blocks import BlockId, common_prefix_len
+from worker import kv
+from worker.bank import SessionBank
+from worker.restore import Restorer
+from worker.scheduler import BatchScheduler, Running
+
+PREFIX_WAIT_MAX_S = 60.0  # past this a request computes the shared prefix itself
+
+
+def wait_for_prefix(job, tokens: np.ndarray, ids: list[BlockId], batch: BatchScheduler,
+                    restorer: Restorer, block_tokens: int) -> bool:
+    """Whether `job` (a commands.Generate) should wait for a request still reading a prompt
+    that shares at least a block with `tokens` beyond what RAM or SSD holds; if so it is
+    that request's follower."""
+    if time.monotonic() - job.queued_at > PREFIX_WAIT_MAX_S:
+        return False
+    tenant, B = job.request.tenant, block_tokens
+    shared = [(common_prefix_len(r.tokens, tokens) // B * B, r.uid, r)
+              for r in batch.prefilling() if r.job.request.tenant == tenant]
+    n, _, leader = max(shared, default=(0, 0, None), key=lambda x: x[:2])
+    if n < B or n - max(restorer.held(tokens, ids, tenant)) < B:
+        return False
+    if not any(j is job for j in leader.followers):
+        leader.followers.append(job)
+        metrics.PREFIX_WAITS.inc()
+    return True
+
+
+def share_prefix(r: Running, batch: BatchScheduler, bank: SessionBank) -> None:
+    """`r` has read its prompt and others wait for it: its prompt's KV goes into the bank."""
+    cache = batch.prompt_cache(r)
+    n = min(len(r.tokens), *(c.offset for c in cache))
+    bank.insert(r.session, r.tokens[:n], kv.freeze(cache, n))
+    metrics.PREFIX_SHARED_TOKENS.inc(n * len(r.followers))
