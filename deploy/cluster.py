@@ -235,7 +235,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _popen_kwargs() -> dict:
+def popen_kwargs() -> dict:
     """Own process group (a terminal's Ctrl-C reaches only the cluster, which stops the
     children in order); on Linux, SIGTERM when the cluster process dies."""
     kw: dict = {"process_group": 0}
@@ -244,7 +244,7 @@ def _popen_kwargs() -> dict:
     return kw
 
 
-def _http_ok(url: str, timeout_s: float = 2.0) -> bool:
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
     import httpx
 
     try:
@@ -356,14 +356,14 @@ class ClusterStack:
             self.stacks.append(LocalStack.start(
                 Path(model), s.data_dir, extra=[*stack_flags(s, self.plan.block_size), *extra],
                 env=env, port=s.port, shim_port=s.shim_port, wait=False,
-                popen=_popen_kwargs()))
+                popen=popen_kwargs()))
         for s, stack in zip(self.plan.stacks, self.stacks):
             try:
                 stack.wait_started(max(1.0, deadline - time.monotonic()))
             except RuntimeError:
                 raise ClusterError(f"stack {s.index} did not start; the end of {stack.log}:\n"
                                    f"{stack.log_tail()}") from None
-            while not _http_ok(f"{s.shim_url}/health"):
+            while not http_ok(f"{s.shim_url}/health"):
                 if stack.proc.poll() is not None or time.monotonic() > deadline:
                     raise ClusterError(f"stack {s.index}'s OpenAI API {s.shim_url} is not "
                                        f"healthy; the end of {stack.log}:\n{stack.log_tail()}")
@@ -377,9 +377,9 @@ class ClusterStack:
         logger.info("starting %s", shlex.join(argv))
         with open(self.router_log, "wb") as f:
             self.router = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL, **_popen_kwargs())
+                                           stdin=subprocess.DEVNULL, **popen_kwargs())
         deadline = time.monotonic() + timeout_s
-        while not _http_ok(f"{self.url}/health"):
+        while not http_ok(f"{self.url}/health"):
             if self.router.poll() is not None or time.monotonic() > deadline:
                 raise ClusterError(f"vllm-router did not become healthy on {self.url}; the end "
                                    f"of {self.router_log}:\n{_tail(self.router_log)}")
