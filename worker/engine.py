@@ -177,7 +177,10 @@ class Engine:
         r = Running(job=job, tokens=tokens, bank_key=("", "warm-up"), session=None, cached=0,
                     source=api_pb2.CACHE_SOURCE_NONE, known=0, started=time.monotonic(),
                     stops=[], detok=self.tokenizer.detokenizer,
-                    decoding=Decoding(make_request_sampler(0.0, 0.0, None)))
+                    # a logits processor sends it through mlx-lm's BatchGenerator, whose
+                    # first-use buffers belong in the fixed part too (not the solo path)
+                    decoding=Decoding(make_request_sampler(0.0, 0.0, None),
+                                      processors=[lambda tokens, logits: logits]))
         from mlx_lm.models.cache import make_prompt_cache
 
         self.batch.add(r, make_prompt_cache(self.model), 2)

@@ -1,9 +1,16 @@
 """Moving KV between mlx-lm caches, bank entries and stored blocks.
 
-A bank entry holds, per layer, K and V of exactly its tokens: (1, kv_heads, n, head_dim),
-contiguous, so its `nbytes` is what RAM really holds. A request never gets the entry's arrays
-to write into: `restore` hands out fresh `KVCache` objects over slices, and mlx-lm's cache
-reallocates before it writes past them, so two requests never share mutable state.
+A bank entry holds, per layer, K and V of its n tokens: (1, kv_heads, m >= n, head_dim),
+contiguous, so its `nbytes` is what RAM really holds: m > n when the entry kept the buffer its
+turn wrote, room and all (at most 1/8 of it), instead of copying it. A request never gets the
+entry's arrays to write into: `restore` hands out fresh `KVCache` objects over a copy or over
+slices, and mlx-lm's cache reallocates before it writes past them, so two requests never share
+mutable state.
+
+Buffers come in sizes of whole `ROOM_STEP` tokens, a conversation's the same size for many
+turns, so that the buffers a turn frees are the ones the next turn takes from MLX's cache (it
+reuses a buffer only of nearly the same size): fresh memory costs a page fault per 4 KiB, more
+than the copy itself.
 """
 
 from __future__ import annotations
@@ -22,33 +29,61 @@ from kvbank.blocks import BlockHeader, decode_block, encode_block
 Layers = list[tuple[mx.array, mx.array]]
 BLOCK_LAYOUT = "kv-block-layout:token-major"  # part of the model fingerprint: never mixed
 RESTORE_LANES = max(1, min(4, os.cpu_count() or 1))  # threads and streams a restore uses
+ROOM_STEP = 256  # tokens; mlx-lm's KVCache grows by as many
+KEEP_ROOM = 8  # an entry keeps its turn's buffer when the room is at most 1/KEEP_ROOM of it
 _POOL: ThreadPoolExecutor | None = None
 _STREAMS = threading.local()
 
 
+def capacity(n_tokens: int) -> int:
+    """The buffer size, in tokens, for a cache that must hold n_tokens and then grow."""
+    return (n_tokens // ROOM_STEP + 1) * ROOM_STEP
+
+
 def freeze(cache: list[KVCache], n_tokens: int) -> Layers:
-    """Copy the first n_tokens of a request's cache into tight arrays for the bank."""
+    """The first n_tokens of a request's cache as arrays for the bank: the cache's own buffers
+    when their room is small, else a tight copy."""
     layers = []
     for c in cache:
         if c.offset < n_tokens:
             raise RuntimeError(f"bug: cache holds {c.offset} tokens, entry wants {n_tokens}")
-        k = mx.contiguous(c.keys[..., :n_tokens, :])
-        v = mx.contiguous(c.values[..., :n_tokens, :])
-        layers.append((k, v))
+        k, v = c.keys, c.values
+        if k.shape[2] - n_tokens > n_tokens // KEEP_ROOM:
+            k, v = k[..., :n_tokens, :], v[..., :n_tokens, :]
+        layers.append((mx.contiguous(k), mx.contiguous(v)))  # no copy when already so
     mx.eval(layers)
     return layers
 
 
-def restore(layers: Layers, n_tokens: int) -> list[KVCache]:
-    """A request's own cache over the first n_tokens of `layers` (no copy until written)."""
+def restore(layers: Layers, n_tokens: int, owned: bool = False) -> list[KVCache]:
+    """A request's own cache over the first n_tokens of `layers` (no copy until written).
+
+    `owned`: nobody else holds these arrays (decoded from SSD for this request): the cache
+    takes them whole, room included, and writes its new tokens in place (MLX reuses a buffer
+    that only one array holds). The bank's arrays are never handed out whole: a write copies
+    them first, as MLX does for a buffer that another array still holds."""
     out = []
     for k, v in layers:
         c = KVCache()
-        c.keys = k[..., :n_tokens, :]
-        c.values = v[..., :n_tokens, :]
+        if owned:
+            c.keys, c.values = k, v
+        else:
+            c.keys = k[..., :n_tokens, :]
+            c.values = v[..., :n_tokens, :]
         c.offset = n_tokens
         out.append(c)
     return out
+
+
+def with_room(cache: list, n_tokens: int) -> None:
+    """A restored cache without room for its request's prompt (n_tokens) and a first answer
+    token gets its own buffer of `capacity(n_tokens)` now: the copy its first write would
+    make, at a size that MLX's cache can serve again."""
+    for c in cache:
+        if type(c) is KVCache and c.keys is not None and c.keys.shape[2] <= n_tokens:
+            pad = [(0, 0), (0, 0), (0, capacity(n_tokens) - c.offset), (0, 0)]
+            c.keys = mx.pad(c.keys[..., :c.offset, :], pad)
+            c.values = mx.pad(c.values[..., :c.offset, :], pad)
 
 
 def layers_nbytes(layers: Layers) -> int:
@@ -107,21 +142,23 @@ def _restore_lanes() -> tuple[ThreadPoolExecutor, list]:
     return _POOL, streams
 
 
-def decode_blocks(payloads: list[bytes]) -> Layers:
+def decode_blocks(payloads: list[bytes], capacity: int = 0) -> Layers:
     """Stored blocks (in order) back into per-layer (1, H, n, D) arrays, in one copy.
 
     MLX copies outside memory in (it refuses a CPU buffer without a copy), so each layer's K
     and V is allocated by MLX and filled through a NumPy view of it (documented: writing to the
     view writes the array). The lanes
     take every n-th block, so a cold read still moves front to back through the file. The
-    arrays are token-major and read through a transposed view."""
+    arrays are head-major, as a request's cache is, with room for `capacity` tokens: the
+    request that restores them (`restore(..., owned=True)`) appends in place, no second copy."""
     decoded = [decode_block(raw) for raw in payloads]
     header = decoded[0][0]
     starts = list(itertools.accumulate((h.n_tokens for h, _ in decoded), initial=0))
     bf16 = header.dtype == "bfloat16"  # filled as its uint16 bits, viewed as bf16 after
     alloc = mx.uint16 if bf16 else getattr(mx, header.dtype)
     pool, streams = _restore_lanes()
-    arrays = [tuple(mx.zeros((starts[-1], *shape[1:]), dtype=alloc,
+    cap = max(starts[-1], capacity)
+    arrays = [tuple(mx.zeros((shape[1], cap, *shape[2:]), dtype=alloc,
                              stream=streams[i % len(streams)])
                     for shape in (header.k_shape, header.v_shape))
               for i in range(header.n_layers)]
@@ -132,14 +169,14 @@ def decode_blocks(payloads: list[bytes]) -> Layers:
         for b in blocks:
             s, e = starts[b], starts[b + 1]
             for (k, v), (tk, tv) in zip(decoded[b][1], targets):
-                tk[s:e] = k
-                tv[s:e] = v
+                tk[:, s:e] = k.transpose(1, 0, 2)
+                tv[:, s:e] = v.transpose(1, 0, 2)
 
     lanes = len(streams)
     done, _ = wait([pool.submit(fill, range(i, len(decoded), lanes)) for i in range(lanes)])
     for f in done:  # every lane has stopped reading the blocks before an error is raised
         f.result()
-    out = [tuple((a.view(mx.bfloat16) if bf16 else a).transpose(1, 0, 2)[None] for a in pair)
-           for pair in arrays]
+    del targets
+    out = [tuple((a.view(mx.bfloat16) if bf16 else a)[None] for a in pair) for pair in arrays]
     mx.eval(out)
     return out

@@ -51,12 +51,15 @@ class Restorer:
         hit = self.bank.lookup(tokens, tenant, ids)
         ram_n = min(hit.n_tokens, limit) if hit else 0
         # SSD can only add when RAM leaves something to restore: skip its reads.
-        ssd = (self.ssd_prefix(tokens, ids, tenant, session, better_than=ram_n)
+        # Room for the rest of the prompt and the first answer tokens (as a cache grows): the
+        # request appends in place to the arrays it reads from SSD, no second copy.
+        ssd = (self.ssd_prefix(tokens, ids, tenant, session, better_than=ram_n,
+                               capacity=kv.capacity(len(tokens)))
                if ram_n < limit else None)
         if ssd is not None:
             layers, n = ssd
             n = min(n, limit)
-            return kv.restore(layers, n), n, api_pb2.CACHE_SOURCE_SSD
+            return kv.restore(layers, n, owned=True), n, api_pb2.CACHE_SOURCE_SSD
         if ram_n > 0:
             self.bank.touch(hit.entry)
             return kv.restore(hit.entry.layers, ram_n), ram_n, api_pb2.CACHE_SOURCE_RAM
@@ -72,8 +75,10 @@ class Restorer:
         return (hit.n_tokens if hit else 0), n_full * self.block_tokens
 
     def ssd_prefix(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
-                    session: SessionKey, better_than: int) -> tuple[kv.Layers, int] | None:
-        """The longest prefix whose blocks are committed in LMDB, if it beats `better_than`."""
+                    session: SessionKey, better_than: int,
+                    capacity: int = 0) -> tuple[kv.Layers, int] | None:
+        """The longest prefix whose blocks are committed in LMDB, if it beats `better_than`
+        (arrays with room for `capacity` tokens; 0: tight)."""
         store = self.store()
         if store is None:
             return None
@@ -94,18 +99,19 @@ class Restorer:
                     n += meta.tail_tokens
         if min(n, len(tokens) - 1) <= better_than:
             return None
-        layers = self._read_blocks(store, want)
+        layers = self._read_blocks(store, want, capacity)
         if layers is None:  # collected since we looked: fall back
             return None
         return layers, n
 
-    def _read_blocks(self, store: StoreReader, ids: list[BlockId]) -> kv.Layers | None:
+    def _read_blocks(self, store: StoreReader, ids: list[BlockId],
+                     capacity: int = 0) -> kv.Layers | None:
         """The blocks' KV: decoded straight from the read-only LMDB map (zero-copy; the
         default, `kvbank bench coldstore` measured it faster), or fetched through the coldstore
         process. None when a block is missing."""
         if self.restore_via == "direct":
-            return store.get_blocks(ids, decode=kv.decode_blocks)
+            return store.get_blocks(ids, decode=lambda views: kv.decode_blocks(views, capacity))
         frames = self.client.get_blocks([bytes(b) for b in ids], timeout_s=READ_TIMEOUT_S)
         if len(frames) != len(ids) or not all(len(f) for f in frames):
             return None
-        return kv.decode_blocks(frames)
+        return kv.decode_blocks(frames, capacity)

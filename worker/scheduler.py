@@ -9,18 +9,33 @@ A request enters with its own restored cache (RAM bank or SSD) and leaves with t
 everything it read and wrote, which the engine commits. Stop strings and cancellation are
 checked here, on the detokenized text, after each token; so are tool calls, which the
 request's `Decoding` (worker/decoding.py) parses out of the text before it is sent.
+
+A request that arrives when nothing else runs runs solo: the model on its own cache, one
+prefill chunk per step, its last prompt tokens and its first token in one forward, then one
+token per step, until another request arrives and it joins the batch where it stands. The
+batch would copy its whole KV twice (merge, split) and give the first token two forwards
+later (the last prompt token alone, then a decode step launched before the token is read:
+on CPU `async_eval` mostly runs in the caller), so a returning turn's first token costs one
+forward over its new tokens, as mlx-lm's own model call would. A request with logits
+processors (penalties, logit_bias, a grammar) takes the batch.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
+import mlx.core as mx
+
 from kvbank.v1 import api_pb2, worker_pb2
+from worker import kv
 from worker.decoding import Decoding, token_logprob
 
 PREFILL_STEP_TOKENS = 512
+LAST_FORWARD_TOKENS = 64  # a solo prompt's last forward, the one with logits, reads at most this
 
 
 @dataclass
@@ -48,6 +63,16 @@ class Running:
     followers: list = field(default_factory=list)  # jobs waiting for this prompt's KV
 
 
+@dataclass
+class _Solo:
+    """The request that runs alone, on its own cache (no batch)."""
+
+    r: Running
+    cache: list
+    prompt: list[int]  # prompt tokens not in the cache yet
+    max_tokens: int
+
+
 class BatchScheduler:
     def __init__(self, model, *, max_active: int, eos_token_ids: list[int], decode,
                  prefill_step_tokens: int = PREFILL_STEP_TOKENS):
@@ -56,6 +81,11 @@ class BatchScheduler:
 
         self.max_active = max_active
         self.decode = decode
+        self.model = model
+        self.prefill_step_tokens = prefill_step_tokens
+        self.eos = frozenset(eos_token_ids)
+        self._solo: _Solo | None = None
+        self._solo_uids = itertools.count(-1, -1)  # the batch's uids are >= 0
         self.gen = BatchGenerator(model, stop_tokens=[[t] for t in eos_token_ids],
                                   completion_batch_size=max_active,
                                   prefill_batch_size=max_active,
@@ -67,26 +97,57 @@ class BatchScheduler:
         return len(self.running)
 
     def add(self, r: Running, cache: list, max_tokens: int) -> None:
+        prompt = r.tokens[r.cached:].tolist()
+        if not self.running and not r.decoding.processors:
+            kv.with_room(cache, len(r.tokens))  # a buffer of a size MLX has kept
+            r.uid = next(self._solo_uids)
+            self._solo = _Solo(r, cache, prompt, max_tokens)
+            self.running[r.uid] = r
+            return
+        self._join_batch()
+        self._insert(r, prompt, cache, max_tokens)
+
+    def _insert(self, r: Running, prompt: list[int], cache: list, max_tokens: int) -> None:
         d = r.decoding
         (r.uid,) = self.gen.insert(
-            [r.tokens[r.cached:].tolist()], max_tokens=[max_tokens], caches=[cache],
+            [prompt], max_tokens=[max_tokens], caches=[cache],
             samplers=[d.sampler], logits_processors=[d.processors],
             # the penalties look back into the prompt, as mlx-lm's server has them do
             all_tokens=[r.tokens[:r.cached].tolist() if d.processors else []])
         self.running[r.uid] = r
 
+    def _join_batch(self) -> None:
+        """The solo request, if any, joins the batch where it stands."""
+        s, self._solo = self._solo, None
+        if s is None:
+            return
+        r = self.running.pop(s.r.uid)
+        if s.prompt:  # still reading its prompt
+            self._insert(r, s.prompt, s.cache, s.max_tokens)
+        else:  # its last token is sampled, not in the cache yet: the batch's first input
+            self._insert(r, r.completion[-1:], s.cache, s.max_tokens - len(r.completion))
+
     def take_cancelled(self) -> list[Running]:
         """Requests whose client went away, taken out before the next step (in prefill too)."""
         gone = [r for r in self.running.values() if r.job.cancelled.is_set()]
         if gone:
-            self.gen.remove([r.uid for r in gone])
-            for r in gone:
-                del self.running[r.uid]
+            self._forget(gone)
         return gone
+
+    def _forget(self, gone: list[Running]) -> None:
+        if self._solo is not None and any(self._solo.r is r for r in gone):
+            self._solo = None
+        batch = [r.uid for r in gone if r.uid >= 0]
+        if batch:
+            self.gen.remove(batch)
+        for r in gone:
+            del self.running[r.uid]
 
     def step(self) -> list[tuple[Running, list]]:
         """One decode token for each decoding request, one prefill chunk for the others.
         Returns the requests that ended, each with its cache."""
+        if self._solo is not None:
+            return self._solo_step()
         _, responses = self.gen.next()
         done: list[tuple[Running, list]] = []
         stopped: list[int] = []
@@ -94,20 +155,9 @@ class BatchScheduler:
             r = self.running.get(resp.uid)
             if r is None:
                 continue
-            if r.first_token_at is None:
-                r.first_token_at = time.monotonic()
-                if r.followers:
-                    self._prefix_ready.append(r)
-            r.completion.append(resp.token)
-            if resp.finish_reason == "stop":  # an end-of-turn token: no text of its own
-                r.finish = api_pb2.FINISH_REASON_STOP
-            else:
-                r.detok.add_token(resp.token)
-                r.text += r.detok.last_segment
-                if self._emit(r, resp):
-                    r.finish = api_pb2.FINISH_REASON_STOP
-                    stopped.append(resp.uid)
-                    continue
+            if self._take(r, resp):
+                stopped.append(resp.uid)
+                continue
             if resp.finish_reason is not None:
                 done.append((self.running.pop(resp.uid), resp.prompt_cache))
         if stopped:
@@ -129,12 +179,64 @@ class BatchScheduler:
 
     def prompt_cache(self, r: Running) -> list:
         """A running request's cache as it is now (a copy, without the batch's padding)."""
+        if self._solo is not None and self._solo.r is r:  # views: MLX copies on write
+            return [_view(c) for c in self._solo.cache]
         return self.gen.extract_cache([r.uid])[r.uid][0]
+
+    def _take(self, r: Running, resp) -> bool:
+        """A request's new token: kept, its text sent; True when a stop string ends it."""
+        if r.first_token_at is None:
+            r.first_token_at = time.monotonic()
+            if r.followers:
+                self._prefix_ready.append(r)
+        r.completion.append(resp.token)
+        if resp.finish_reason == "stop":  # an end-of-turn token: no text of its own
+            r.finish = api_pb2.FINISH_REASON_STOP
+            return False
+        r.detok.add_token(resp.token)
+        r.text += r.detok.last_segment
+        if self._emit(r, resp):
+            r.finish = api_pb2.FINISH_REASON_STOP
+            return True
+        return False
+
+    def _solo_step(self) -> list[tuple[Running, list]]:
+        """One prefill chunk, or the last prompt tokens and the first token in one forward, or
+        one decode token, for the request that runs alone."""
+        s = self._solo
+        r = s.r
+        with mx.stream(self.gen.stream):
+            # A chunk without logits: a long last chunk's would cost more than one forward.
+            if len(s.prompt) > LAST_FORWARD_TOKENS:
+                n = min(self.prefill_step_tokens, len(s.prompt) - LAST_FORWARD_TOKENS)
+                chunk, s.prompt = s.prompt[:n], s.prompt[n:]
+                self.model(mx.array(chunk)[None], cache=s.cache)
+                mx.eval([c.state for c in s.cache])
+                return []
+            x, s.prompt = (s.prompt or r.completion[-1:]), []
+            logits = self.model(mx.array(x)[None], cache=s.cache)[:, -1, :]
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            token = r.decoding.sampler(logprobs)
+            mx.eval(token, logprobs)
+            token = int(token.item())
+        finish = ("stop" if token in self.eos
+                  else "length" if len(r.completion) + 1 >= s.max_tokens else None)
+        resp = SimpleNamespace(uid=r.uid, token=token, logprobs=logprobs[0],
+                               finish_reason=finish)
+        if not self._take(r, resp) and finish is None:
+            return []
+        with mx.stream(self.gen.stream):  # the cache holds the answer's last token too
+            self.model(mx.array([[token]]), cache=s.cache)
+            mx.eval([c.state for c in s.cache])
+        self._solo = None
+        del self.running[r.uid]
+        self._flush_text(r)
+        return [(r, s.cache)]
 
     def drop(self, r: Running) -> None:
         """Take a request out without a commit (it failed)."""
-        if self.running.pop(r.uid, None) is not None:
-            self.gen.remove([r.uid])
+        if r.uid in self.running:
+            self._forget([r])
 
     def _emit(self, r: Running, resp) -> bool:
         """Send what may be sent of the text, with the token; True when a stop string was
@@ -180,6 +282,17 @@ class BatchScheduler:
         msg.text = text
         if msg.text or msg.token_ids or msg.tool_calls:
             r.job.emit(msg)
+
+
+def _view(c):
+    """A new KVCache over the first `offset` tokens of `c`'s arrays (new array objects: a
+    write to either copies first)."""
+    from mlx_lm.models.cache import KVCache
+
+    out = KVCache()
+    out.keys, out.values = c.keys[..., :c.offset, :], c.values[..., :c.offset, :]
+    out.offset = c.offset
+    return out
 
 
 def stop_cut(text: str, stops: list[str]) -> tuple[int, str]:
