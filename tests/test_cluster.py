@@ -7,7 +7,6 @@ Which stack served a turn is read from the stacks' own event logs: each committe
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
@@ -16,6 +15,7 @@ import openai
 import pytest
 
 from deploy import cluster
+from tests.served import served_by
 from tests.waiting import wait_until
 
 SYSTEM = ("You are a coding agent. Read the task, plan the change, edit the files, run the "
@@ -33,18 +33,6 @@ def three_stacks(tiny_model, cache_dir, tmp_path):
                                    env={"KVBANK_CACHE_DIR": str(cache_dir)})
     yield c
     c.stop()
-
-
-def served_by(c: cluster.ClusterStack) -> dict[tuple[str, int], set[int]]:
-    """(conversation, its length after the turn) -> the stacks that committed that turn."""
-    out: dict[tuple[str, int], set[int]] = {}
-    for i, stack in enumerate(c.stacks):
-        path = stack.layout.events_path
-        for line in (path.read_text().splitlines() if path.exists() else ()):
-            e = json.loads(line)
-            if e["kind"] == "kv_resident":
-                out.setdefault((e["session_id"], e["tokens"]), set()).add(i)
-    return out
 
 
 def task(i: int) -> str:
@@ -96,9 +84,9 @@ def test_anonymous_agents_return_to_the_stack_that_holds_their_kv(three_stacks):
         t.join(600)
     assert errors == []
     assert len(turns) == 36
-    wait_until(lambda: all(served_by(c).get((sid, n)) for _, _, sid, n, _, _ in turns),
+    wait_until(lambda: all(served_by(c.stacks).get((sid, n)) for _, _, sid, n, _, _ in turns),
                "every turn in some stack's event log", timeout_s=30)
-    where = served_by(c)
+    where = served_by(c.stacks)
     by_agent: dict[int, list] = {}
     for i, t, sid, n, prompt, cached in sorted(turns):
         (stack,) = where[(sid, n)]
@@ -127,7 +115,7 @@ def test_anonymous_agents_return_to_the_stack_that_holds_their_kv(three_stacks):
 
 
 def stack_of(c: cluster.ClusterStack, sid: str, n_tokens: int) -> int:
-    (stack,) = served_by(c)[(sid, n_tokens)]
+    (stack,) = served_by(c.stacks)[(sid, n_tokens)]
     return stack
 
 
@@ -170,7 +158,7 @@ def test_a_restarted_stack_gets_its_conversation_back_from_ssd(three_stacks):
                      {"role": "user", "content": tool_result(7, t)}]
         usage = r.model_dump()["usage"]
         sid, n = usage["kvbank"]["session_id"], usage["prompt_tokens"] + usage["completion_tokens"]
-        wait_until(lambda: (sid, n) in served_by(c), "the turn in a stack's event log")
+        wait_until(lambda: (sid, n) in served_by(c.stacks), "the turn in a stack's event log")
         served.append(stack_of(c, sid, n))
     assert len(set(served)) == 1, f"one agent alone moved between stacks: {served}"
     holder = c.stacks[served[-1]]

@@ -17,7 +17,6 @@ them (about a second). The test extra installs SMG; missing, the tests fail and 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -35,6 +34,7 @@ import pytest
 
 from deploy import cluster
 from deploy.local import LocalStack
+from tests.served import served_by
 from tests.waiting import wait_until
 
 SMG_REQUIREMENT = "smg==1.13.0"  # the version these tests were written and measured against
@@ -178,18 +178,6 @@ def stacks(tiny_model, cache_dir, tmp_path_factory):
                 s.proc.send_signal(signal.SIGTERM)
         for s in started:
             s.stop()
-
-
-def served_by(stacks: list[LocalStack]) -> dict[tuple[str, int], set[int]]:
-    """(conversation, its length after the turn) -> the stacks that committed that turn."""
-    out: dict[tuple[str, int], set[int]] = {}
-    for i, stack in enumerate(stacks):
-        path = stack.layout.events_path
-        for line in (path.read_text().splitlines() if path.exists() else ()):
-            e = json.loads(line)
-            if e["kind"] == "kv_resident":
-                out.setdefault((e["session_id"], e["tokens"]), set()).add(i)
-    return out
 
 
 # -- agents ----------------------------------------------------------------------------------
