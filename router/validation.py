@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 
 from kvbank.contracts.failures import InvalidRequest
+from kvbank.contracts.vocabulary import MAX_TOP_LOGPROBS
 from kvbank.v1 import api_pb2
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -21,7 +22,6 @@ MAX_LOGIT_BIAS = 100.0      # OpenAI's bound on a bias
 MAX_PENALTY = 2.0           # OpenAI's bound on presence / frequency penalties
 MAX_REPETITION_PENALTY = 10.0
 MAX_PENALTY_WINDOW = 4096
-MAX_TOP_LOGPROBS = 20
 FORMATS = ("", "text", "json_object", "json_schema")
 
 

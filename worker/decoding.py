@@ -19,7 +19,6 @@ import mlx.core as mx
 from kvbank.contracts.failures import InvalidRequest
 from kvbank.v1 import api_pb2
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 PENALTY_WINDOW = 20    # mlx-lm's context size for the three penalties
 
 
@@ -166,9 +165,6 @@ class Decoding:
         """`req` is a WorkerGenerateRequest; `constraint` the grammar's logits processor
         (worker/grammar.py), if the answer has one."""
         s = req.sampling
-        if s.top_logprobs > MAX_TOP_LOGPROBS:
-            raise InvalidRequest(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}; "
-                                 f"given {s.top_logprobs}")
         seed = s.seed if s.HasField("seed") else None
         processors = logits_processors(s, vocab_size)
         if constraint is not None:

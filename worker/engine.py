@@ -51,7 +51,7 @@ from worker.lineage import is_anonymous
 from worker.link import ColdstoreClient
 from worker.prefetch import Prefetcher
 from worker.restore import Restorer
-from worker import sharing
+from worker import reports, sharing
 from worker.decoding import Decoding, Decodings, make_request_sampler
 from worker.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running
 from worker.writer import KVWriter
@@ -148,7 +148,9 @@ class Engine:
                 write_out_before_release=c.write_out),
             cmd.Trim: lambda c: upkeep.trim(self.bank),
             cmd.Flush: lambda c: upkeep.flush(self.bank, self.writer),
-            cmd.Status: lambda c: (self._status(), *self._recent_receipts(c.tenant)),
+            cmd.Status: lambda c: (reports.status(self),
+                                   *reports.recent_receipts(self._admissions, self.bank,
+                                                            c.tenant)),
             cmd.Tick: self._tick,
             cmd.PressureTrim: lambda c: upkeep.pressure_trim(self.bank, c.level, c.source,
                                                              c.deferred_s),
@@ -595,44 +597,6 @@ class Engine:
         if self.prefetcher.live and self.prefetcher.retry():
             self._refresh_ram_bytes()
         metrics.MEMORY_HELD.set(held_bytes(self.pricing, self.bank))
-
-    def _status(self) -> dict:
-        ledger = self.bank.ledger()
-        return {
-            "pressure_level": self.guard.level, "pressure_source": self.guard.source,
-            "memory_budget_bytes": self.memory_budget,
-            "held_bytes": held_bytes(self.pricing, self.bank),
-            "unaccounted_bytes": self.pricing.unaccounted_bytes,
-            "rss_bytes": resident_bytes(), "mlx_cache_bytes": mx.get_cache_memory(),
-            "fixed_bytes": self.pricing.fixed_bytes, "bank_bytes": ledger["entries_bytes"],
-            "running_bytes": ledger["active_bytes"], "staged_bytes": ledger["staged_bytes"],
-            "bank_max_bytes": self.bank.max_bytes,
-            "bank_ceiling_bytes": self.bank.ceiling_bytes or 0,
-            "bank_entries": len(self.bank.entries), "scheduler": self.scheduler.mode,
-            "running_requests": len(self.batch), "waiting_requests": len(self._pending),
-            "kv_bytes_per_token": self.kv_bytes_per_token,
-            "prefill_chunk_tokens": self.pricing.chunk_tokens,
-            "transient_base_bytes": self.pricing.transient_base,
-            "transient_per_context_token": self.pricing.transient_per_context_token,
-        }
-
-    def _recent_receipts(self, tenant: str, n: int = 20) -> tuple[list[dict], list[dict]]:
-        """The last receipts of every policy and the eviction log, as `tenant` may see them:
-        admission receipts and eviction rows of its own conversations, release rows of its
-        own, the other policies' counts."""
-        out = [dataclasses.asdict(r) for r in list(self._admissions)[-4 * n:]
-               if r.tenant == tenant][-n:]
-        for r in list(self.bank.receipts)[-4 * n:]:
-            d = dataclasses.asdict(r)
-            if "rows" in d:
-                d["rows"] = [row for row in d["rows"] if row["tenant"] == tenant]
-                if not d["rows"] and not d["skipped_busy_sessions"]:
-                    continue
-            out.append(d)
-        out = sorted(out, key=lambda d: d["at"])[-3 * n:]
-        evictions = [dataclasses.asdict(e) for e in self.bank.eviction_log
-                     if e.tenant == tenant][-5 * n:]
-        return out, evictions
 
 
 _WAKE = object()  # a turn of the loop, nothing else (the writer's inbox has mail)

@@ -15,6 +15,7 @@ import json
 import math
 from dataclasses import dataclass
 
+from kvbank.contracts.vocabulary import MAX_TOP_LOGPROBS
 from kvbank.v1 import api_pb2
 
 # What a request without max_tokens / max_completion_tokens gets (`--default-max-tokens`),
@@ -35,7 +36,6 @@ MAX_REQUEST_BYTES = 4 << 20
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
 MAX_STOP = 4          # OpenAI's bound
-MAX_TOP_LOGPROBS = 20  # chat; completions' `logprobs` takes at most 5
 MAX_COMPLETION_LOGPROBS = 5
 
 # What vllm-router adds to a client's body before it asks a render endpoint for the prompt's

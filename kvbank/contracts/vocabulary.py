@@ -79,3 +79,5 @@ class PressureLevel(StrEnum):
     @property
     def rank(self) -> int:
         return list(PressureLevel).index(self)
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs, kept by the shim, router and worker
