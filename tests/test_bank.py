@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvbank.blocks import chain_root, common_prefix_len
+from kvbank.blocks import chain_block_ids, chain_root, common_prefix_len
 from kvbank.contracts.receipts import ShrinkReceipt
 from worker import kv
 from worker.bank import SessionBank
@@ -496,6 +496,73 @@ def test_restore_is_isolated_and_continues_like_recomputation(model_and_tokenize
         c.trim(3)
     _last_logits(model, np.asarray([1, 2, 3], np.uint32), fourth)
     assert _same(entry.layers, snap)
+
+
+def _data_ptr(a: mx.array) -> int:
+    return np.array(a, copy=False).ctypes.data
+
+
+def test_returning_request_borrows_the_entry_and_writes_in_place(model_and_tokenizer, tmp_path):
+    """A prompt that continues a whole entry with room in its buffer borrows the entry's
+    arrays: its new tokens go into the bank's buffer, no copy of the history. One borrower at
+    a time; readers that hold the buffer (another request's slices, a write-out's views) see
+    it unchanged, and the borrower's answer is exact either way."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from worker.restore import Restorer
+
+    model, tokenizer = model_and_tokenizer
+    prompt = np.asarray(tokenizer.encode("You are a helpful assistant. Tell me about the sea."),
+                        np.uint32)
+    more = np.asarray(tokenizer.encode(" And the mountains?"), np.uint32)
+    full = toks(prompt, more)
+    n = len(prompt)
+    cache = make_prompt_cache(model)
+    _last_logits(model, prompt, cache)
+    room = [(0, 0), (0, 0), (0, len(more) + 4), (0, 0)]  # the room a kept turn buffer has
+    layers = [(mx.pad(c.keys[..., :n, :], room), mx.pad(c.values[..., :n, :], room))
+              for c in cache]
+    mx.eval(layers)
+    bank = make_bank(block_tokens=4)
+    entry = bank.insert((TENANT, "s"), prompt, layers)
+    snap = _snapshot([(k[..., :n, :], v[..., :n, :]) for k, v in entry.layers])
+    reference = _last_logits(model, full, make_prompt_cache(model))
+    restorer = Restorer(model=model, bank=bank, client=None, store_dir=tmp_path,
+                        root_for=root_for, block_tokens=4)
+
+    def restore(tokens, session):
+        ids = chain_block_ids(tokens, root_for(TENANT), 4)
+        return restorer.restore(tokens, ids, TENANT, (TENANT, session), False)
+
+    borrowed, cached, _, lent = restore(full, "s")
+    assert lent is entry and entry.lent and cached == n
+    before = _data_ptr(entry.layers[0][0])
+    assert np.allclose(_last_logits(model, more, borrowed), reference, atol=1e-4)
+    assert _data_ptr(entry.layers[0][0]) == before  # written in place: no copy
+    assert _same([(k[..., :n, :], v[..., :n, :]) for k, v in entry.layers], snap)
+
+    # While lent, another request gets slices (its own copy on write), not the buffer.
+    other, _, _, lent2 = restore(full, "t")
+    assert lent2 is None and other[0].keys is not entry.layers[0][0]
+    assert np.allclose(_last_logits(model, more, other), reference, atol=1e-4)
+
+    # Given back, lent again; a write-out's views taken before the borrower writes keep the
+    # bytes they were taken over (the borrower copies rather than write under them).
+    entry.lent = False
+    views = kv.layer_views(entry.layers)
+    kept = [(k.copy(), v.copy()) for k, v in views]
+    again, _, _, lent3 = restore(full, "s")
+    assert lent3 is entry
+    junk = np.asarray([7, 8, 9, 10], np.uint32)  # different tokens over the same positions
+    _last_logits(model, junk, again)
+    assert all(np.array_equal(k, kk) and np.array_equal(v, vv)
+               for (k, v), (kk, vv) in zip(views, kept))
+
+    # A prompt that leaves the entry before its end is never lent (it would write over it).
+    entry.lent = False
+    fork = toks(prompt[:n - 2], more)
+    _, cached, _, lent4 = restore(fork, "s")
+    assert lent4 is None and cached == n - 2
 
 
 # -- 9: release_sessions ---------------------------------------------------------------------

@@ -478,3 +478,37 @@ def test_cluster_stack_serves_through_the_router(tiny_model, cache_dir, tmp_path
     assert all(s.proc.returncode is not None for s in c.stacks)
     for s in c.stacks:  # each supervisor stopped its own processes
         assert not list(s.layout.run_dir.glob("*.pid")), f"{s.log}: pid files left"
+
+
+# -- the MLX backend an install picks ---------------------------------------------------------
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the CUDA wheels are Linux-only")
+@pytest.mark.parametrize("smi_says, expected", [
+    (None, "cpu"),  # no NVIDIA driver
+    ("| NVIDIA-SMI 550.54.15   Driver Version: 550.54.15   CUDA Version: 12.4     |", "cuda12"),
+    ("| NVIDIA-SMI 580.65.06   Driver Version: 580.65.06   CUDA Version: 13.0     |", "cuda13"),
+    ("| NVIDIA-SMI 470.82.01   Driver Version: 470.82.01   CUDA Version: 11.4     |", "cpu"),
+])
+def test_install_picks_mlx_backend_by_the_gpu_driver(tmp_path, smi_says, expected):
+    """`make install` installs kvbank with the extra deploy/mlx-backend prints: MLX's CUDA
+    wheels where the NVIDIA driver supports them, the CPU wheel elsewhere. The driver is
+    outside the project: a fake `nvidia-smi` stands in for it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if smi_says is not None:
+        fake = bin_dir / "nvidia-smi"
+        fake.write_text(f"#!/bin/sh\necho '{smi_says}'\n")
+        fake.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    out = subprocess.run([str(ROOT / "deploy" / "mlx-backend")], env=env, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    assert out == expected
+    chosen = subprocess.run([str(ROOT / "deploy" / "mlx-backend")], capture_output=True,
+                            text=True, check=True, env={**env, "KVBANK_MLX_BACKEND": "cuda12"})
+    assert chosen.stdout.strip() == "cuda12"
+    # Every backend it can print is an extra of kvbank's pyproject.
+    import tomllib
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert expected in extras and "metal" in extras

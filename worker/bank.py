@@ -58,6 +58,7 @@ class BankEntry:
     write_job: int | None = None  # id of its queued coldstore write, if any
     write_pending: bool = False  # its write must be sent again (refused, lost, no record)
     prefetched: bool = False  # brought from SSD on a hint, not used since: the first to go
+    lent: bool = False  # a running request writes past its tokens in its arrays (worker/kv.py)
 
     @property
     def n_tokens(self) -> int:

@@ -365,20 +365,29 @@ class Engine:
         self.prefetcher.started(session)
         self.bank.begin_request(session)
         self.bank.reserve_active(session, need)
+        lent = None
         try:
-            cache, cached, source = self.restorer.restore(tokens, ids, tenant, session,
-                                                          req.no_cache)
+            cache, cached, source, lent = self.restorer.restore(tokens, ids, tenant, session,
+                                                                req.no_cache)
             self._count_restore(req, session, len(tokens), cached, source)
             r = Running(job=job, tokens=tokens, bank_key=session, session=session,
                         cached=cached, source=source,
                         known=common_prefix_len(info.tokens, tokens) if info is not None else 0,
                         started=time.monotonic(), stops=list(req.stop),
-                        detok=self.tokenizer.detokenizer, decoding=decoding)
+                        detok=self.tokenizer.detokenizer, decoding=decoding, lent=lent)
             self.batch.add(r, cache, req.max_tokens)
         except Exception:
+            if lent is not None:
+                lent.lent = False
             self.bank.end_request(session)
             raise
         return STARTED
+
+    def _leave(self, r: Running) -> None:
+        """A request is done with the bank (answered, failed or cancelled)."""
+        if r.lent is not None:
+            r.lent.lent = False
+        self.bank.end_request(r.bank_key)
 
     def _count_restore(self, req, session: SessionKey, n_tokens: int, cached: int,
                        source: int) -> None:
@@ -421,7 +430,7 @@ class Engine:
         # A cancelled turn is not committed: the client never saw it, so the session's
         # history stays as it was (an append builds on what the client has).
         for r in self.batch.take_cancelled():
-            self.bank.end_request(r.bank_key)
+            self._leave(r)
             r.job.emit(None)
         if not self.batch:
             return
@@ -434,7 +443,7 @@ class Engine:
             logger.exception("generation step failed")
             for r in list(self.batch.running.values()):
                 self.batch.drop(r)
-                self.bank.end_request(r.bank_key)
+                self._leave(r)
                 r.job.emit(e)
             return
         answers = []
@@ -445,7 +454,7 @@ class Engine:
                 logger.exception("commit failed")
                 answers.append((r, e))
             finally:
-                self.bank.end_request(r.bank_key)
+                self._leave(r)
         if done:
             if self.prefetcher.live and self.prefetcher.retry():  # memory they held is free
                 self._refresh_ram_bytes()

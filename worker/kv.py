@@ -2,10 +2,13 @@
 
 A bank entry holds, per layer, K and V of its n tokens: (1, kv_heads, m >= n, head_dim),
 contiguous, so its `nbytes` is what RAM really holds: m > n when the entry kept the buffer its
-turn wrote, room and all (at most 1/8 of it), instead of copying it. A request never gets the
-entry's arrays to write into: `restore` hands out fresh `KVCache` objects over a copy or over
-slices, and mlx-lm's cache reallocates before it writes past them, so two requests never share
-mutable state.
+turn wrote, room and all (at most 1/8 of it), instead of copying it.
+
+An entry's first n tokens never change. A returning request whose prompt continues the whole
+entry borrows its arrays (`restore(..., owned=True)`; the bank marks the entry lent, one
+borrower at a time) and writes its new tokens in place, past n: MLX writes in place only into
+a buffer no other array holds, and copies it first otherwise, so a borrower never disturbs a
+reader. Every other request gets slices, which MLX copies before the first write.
 
 Buffers come in sizes of whole `ROOM_STEP` tokens, a conversation's the same size for many
 turns, so that the buffers a turn frees are the ones the next turn takes from MLX's cache (it
@@ -58,10 +61,10 @@ def freeze(cache: list[KVCache], n_tokens: int) -> Layers:
 def restore(layers: Layers, n_tokens: int, owned: bool = False) -> list[KVCache]:
     """A request's own cache over the first n_tokens of `layers` (no copy until written).
 
-    `owned`: nobody else holds these arrays (decoded from SSD for this request): the cache
-    takes them whole, room included, and writes its new tokens in place (MLX reuses a buffer
-    that only one array holds). The bank's arrays are never handed out whole: a write copies
-    them first, as MLX does for a buffer that another array still holds."""
+    `owned`: the request may write past n_tokens (arrays decoded from SSD for it, or a bank
+    entry lent to it): the cache takes them whole, room included, and writes its new tokens in
+    place (MLX reuses a buffer that only one array holds). Otherwise it gets slices, and its
+    first write copies them."""
     out = []
     for k, v in layers:
         c = KVCache()
@@ -92,11 +95,13 @@ def layers_nbytes(layers: Layers) -> int:
 
 def layer_views(layers: Layers) -> list[tuple[np.ndarray, np.ndarray]]:
     """Zero-copy NumPy views of an entry's K and V (bf16 as its uint16 bits). Take them on the
-    engine thread; reading them is then plain NumPy, safe on any thread, and the views keep
-    the arrays alive."""
+    engine thread; reading them is then plain NumPy, safe on any thread.
+
+    Each view is of a new array over the same buffer: that array keeps the buffer alive (a
+    NumPy view keeps only its Python object), and while it lives a borrower's write copies
+    rather than writes into the buffer being read."""
     def view(a: mx.array) -> np.ndarray:
-        if a.dtype == mx.bfloat16:  # numpy has no bfloat16: carry its bits
-            a = a.view(mx.uint16)
+        a = a.view(mx.uint16 if a.dtype == mx.bfloat16 else a.dtype)  # numpy has no bf16
         mx.eval(a)
         return np.array(a, copy=False)
 

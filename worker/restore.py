@@ -12,7 +12,7 @@ from kvbank.blocks import BlockId, tail_block_id
 from kvbank.contracts.store_layout import StoreReader
 from kvbank.v1 import api_pb2
 from worker import kv
-from worker.bank import SessionBank, SessionKey
+from worker.bank import BankEntry, SessionBank, SessionKey
 from worker.link import ColdstoreClient
 
 logger = logging.getLogger(__name__)
@@ -40,11 +40,12 @@ class Restorer:
         return self._store
 
     def restore(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
-                session: SessionKey, no_cache: bool) -> tuple[list, int, int]:
-        """The request's own cache over the longest known prefix: (cache, tokens, source)."""
+                session: SessionKey, no_cache: bool) -> tuple[list, int, int, BankEntry | None]:
+        """The request's own cache over the longest known prefix: (cache, tokens, source, the
+        bank entry lent to it, to give back when the request leaves)."""
         from mlx_lm.models.cache import make_prompt_cache
 
-        none = (make_prompt_cache(self.model), 0, api_pb2.CACHE_SOURCE_NONE)
+        none = (make_prompt_cache(self.model), 0, api_pb2.CACHE_SOURCE_NONE, None)
         if no_cache:
             return none
         limit = len(tokens) - 1  # leave one token to compute: its logits give the next token
@@ -59,10 +60,16 @@ class Restorer:
         if ssd is not None:
             layers, n = ssd
             n = min(n, limit)
-            return kv.restore(layers, n, owned=True), n, api_pb2.CACHE_SOURCE_SSD
+            return kv.restore(layers, n, owned=True), n, api_pb2.CACHE_SOURCE_SSD, None
         if ram_n > 0:
-            self.bank.touch(hit.entry)
-            return kv.restore(hit.entry.layers, ram_n), ram_n, api_pb2.CACHE_SOURCE_RAM
+            e = hit.entry
+            self.bank.touch(e)
+            # A prompt that continues the whole entry, with room in its buffer for the prompt
+            # and a first token, writes there in place (the bank's copy for a returning turn).
+            lend = not e.lent and ram_n == e.n_tokens and e.layers[0][0].shape[2] > len(tokens)
+            e.lent = e.lent or lend
+            return (kv.restore(e.layers, ram_n, owned=lend), ram_n, api_pb2.CACHE_SOURCE_RAM,
+                    e if lend else None)
         return none
 
     def held(self, tokens: np.ndarray, ids: list[BlockId], tenant: str) -> tuple[int, int]:

@@ -61,6 +61,7 @@ class Running:
     stop_sequence: str = ""  # the stop string that ended the answer
     uid: int = -1
     followers: list = field(default_factory=list)  # jobs waiting for this prompt's KV
+    lent: Any = None  # the bank entry whose arrays its cache writes into (worker/kv.py)
 
 
 @dataclass
