@@ -43,3 +43,37 @@ def test_a_request_waits_for_the_prefix_a_running_one_is_reading(slow_prefill):
     with slow_prefill.client() as c:
         metrics = c.status()
     assert metrics.running_requests == 0
+
+
+@pytest.fixture
+def big_blocks(tiny_model, tmp_path, cache_dir):
+    s = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir,
+                    extra=["--prefill-chunk-tokens", "16", "--block-tokens", "256"])
+    yield s
+    s.stop()
+
+
+def test_a_few_held_tokens_do_not_hide_a_shared_prompt(big_blocks):
+    """Agents whose system prompt is a block and a bit (300 tokens at 256-token blocks), on a
+    server whose bank already holds the prompts' first few tokens (an earlier conversation
+    opened the same way): the second agent still waits for the first's KV."""
+    tag = f"[{uuid.uuid4().hex}]"
+    with big_blocks.client() as c:
+        c.generate(prompt=tag + " Hi", max_tokens=1, temperature=0.0)  # holds the opening
+    shared = tag + " You are a coding agent. " + "Follow the rules. " * 70
+    answers = {}
+
+    def ask(name: str, text: str) -> None:
+        with big_blocks.client() as c:
+            answers[name] = c.generate(prompt=shared + text, max_tokens=4, temperature=0.0)
+
+    first = threading.Thread(target=ask, args=("first", "Task one: " + "fix the bug. " * 150))
+    first.start()
+    with big_blocks.client() as c:
+        wait_until(lambda: c.status().running_requests == 1, "the first request running")
+        ask("second", "Task two: write the docs.")
+    first.join(timeout=120)
+    one, two = answers["first"].usage, answers["second"].usage
+    assert 0 < one["cached_tokens"] < 64, one  # the opening, from the earlier conversation
+    assert 256 < len(shared) // 4 and two["cache_source"] == "ram", two
+    assert two["cached_tokens"] >= 256 + 32, two  # the shared prompt, not just the opening

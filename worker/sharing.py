@@ -35,9 +35,12 @@ def wait_for_prefix(job, tokens: np.ndarray, ids: list[BlockId], batch: BatchSch
     if time.monotonic() - job.queued_at > PREFIX_WAIT_MAX_S:
         return False
     tenant, B = job.request.tenant, block_tokens
-    shared = [(common_prefix_len(r.tokens, tokens) // B * B, r.uid, r)
+    shared = [(common_prefix_len(r.tokens, tokens), r.uid, r)
               for r in batch.prefilling() if r.job.request.tenant == tenant]
     n, _, leader = max(shared, default=(0, 0, None), key=lambda x: x[:2])
+    # Counted in tokens, not whole blocks: the follower restores the leader's prompt entry
+    # token by token, and a bank that holds a few tokens of it (a chat template's opening)
+    # must not hide a shared system prompt of 300 tokens behind block rounding.
     if n < B or n - max(restorer.held(tokens, ids, tenant)) < B:
         return False
     if not any(j is job for j in leader.followers):
