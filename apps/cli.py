@@ -150,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     model_flag(bt)
     bt.add_argument("--tokens", type=int, default=2048, help="conversation length")
     bt.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
+    bt.add_argument("--repeats", type=int, default=3,
+                    help="returning turns from RAM and from SSD, each; the medians count")
     bt.add_argument("--json", action="store_true")
     bt.set_defaults(func=_run_bench_turn)
     bb = bsub.add_parser("bank", help="SessionBank.lookup latency on a full bank")
@@ -205,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     grammar_arguments(bg)
     bg.set_defaults(func=_run_bench_grammar)
+    bp = bsub.add_parser("prefill", help="prefill tokens/s: chunk size, batched against "
+                                         "single-stream, the decode stall it causes")
+    from apps.bench.prefill import add_arguments as prefill_arguments
+
+    prefill_arguments(bp)
+    bp.set_defaults(func=_run_bench_prefill)
     return ap
 
 
@@ -442,8 +450,11 @@ def _run_bench_turn(args: argparse.Namespace) -> int:
     _setup_logging("bench")
     from apps.bench.turn import run
 
+    if args.repeats < 1:
+        print("kvbank bench turn: --repeats must be at least 1", file=sys.stderr)
+        return 2
     return _bench_result(args, run(model=args.model, tokens=args.tokens,
-                                   block_tokens=args.block_tokens))
+                                   block_tokens=args.block_tokens, repeats=args.repeats))
 
 
 def _run_bench_bank(args: argparse.Namespace) -> int:
@@ -503,6 +514,13 @@ def _run_bench_cluster(args: argparse.Namespace) -> int:
 def _run_bench_grammar(args: argparse.Namespace) -> int:
     _setup_logging("bench")
     from apps.bench.grammar import run_cli
+
+    return run_cli(args)
+
+
+def _run_bench_prefill(args: argparse.Namespace) -> int:
+    _setup_logging("bench")
+    from apps.bench.prefill import run_cli
 
     return run_cli(args)
 

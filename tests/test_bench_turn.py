@@ -8,10 +8,12 @@ from apps.bench.turn import run
 
 def test_bench_turn_reports_the_floor_and_the_ratios_to_it(tiny_model, monkeypatch, cache_dir):
     monkeypatch.setenv("KVBANK_CACHE_DIR", str(cache_dir))
-    out = run(model=str(tiny_model), tokens=300, block_tokens=16)
+    out = run(model=str(tiny_model), tokens=300, block_tokens=16, repeats=2)
     assert out["cache_source_ssd"] == "ssd"
     assert out["cached_tokens_ram"] >= 300 and out["cached_tokens_ssd"] >= 300
     assert out["ttft_floor_s"] > 0
     for key in ("ram_vs_floor", "ssd_vs_floor"):
         assert out[key] > 0
     assert abs(out["ram_vs_floor"] - out["ttft_ram_s"] / out["ttft_floor_s"]) < 0.05
+    assert out["repeats"] == 2 and len(out["ttft_ram_all_s"]) == len(out["ttft_ssd_all_s"]) == 2
+    assert min(out["ttft_ram_all_s"]) <= out["ttft_ram_s"] <= max(out["ttft_ram_all_s"])

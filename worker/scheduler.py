@@ -36,6 +36,10 @@ from worker.decoding import Decoding, token_logprob
 
 PREFILL_STEP_TOKENS = 512
 LAST_FORWARD_TOKENS = 64  # a solo prompt's last forward, the one with logits, reads at most this
+# Prompts read one at a time, each chunk beside the batch's decode step: on a CPU a prefill
+# is compute-bound already, and batching prompts of different lengths pads them (measured:
+# `kvbank bench prefill`, docs/decisions.md). The first prompt's first token comes sooner.
+PREFILL_BATCH = 1
 
 
 @dataclass
@@ -89,7 +93,7 @@ class BatchScheduler:
         self._solo_uids = itertools.count(-1, -1)  # the batch's uids are >= 0
         self.gen = BatchGenerator(model, stop_tokens=[[t] for t in eos_token_ids],
                                   completion_batch_size=max_active,
-                                  prefill_batch_size=max_active,
+                                  prefill_batch_size=PREFILL_BATCH,
                                   prefill_step_size=prefill_step_tokens)
         self.running: dict[int, Running] = {}
         self._prefix_ready: list[Running] = []

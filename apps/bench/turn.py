@@ -1,8 +1,9 @@
 """`kvbank bench turn`: what a returning conversation costs, by where its KV comes from.
 
-Builds an N-token conversation on a fresh stack, then times the next turn's TTFT three ways
+Builds an N-token conversation on a fresh stack, then times a returning turn's TTFT three ways
 in one run: restored from the RAM bank, restored from SSD (after the bank released it), and
-recomputed (cache off). The floor is mlx-lm itself, in this process, prefilling the same new
+recomputed (cache off); RAM and SSD turns alternate `repeats` times and their medians count, as
+the floor's does (one turn is at the mercy of a shared machine's second). The floor is mlx-lm itself, in this process, prefilling the same new
 tokens on a cache of the same length (what no server can beat): `ram_vs_floor` and
 `ssd_vs_floor` say what kvbank adds. Ratios, not absolute seconds, are what carry across
 machines.
@@ -59,11 +60,13 @@ def ttft_floor_s(model_dir: Path, context_tokens: int, new_tokens: int, *, seed:
     return float(np.median(times))
 
 
-def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0) -> dict:
+def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
+        repeats: int = 3) -> dict:
     from kvbank.models import prepare_model
 
     model_dir = prepare_model(model)
     rng = np.random.default_rng(seed)
+    ram, ssd = [], []
     with tempfile.TemporaryDirectory(prefix="kvbank-bench-") as tmp:
         # No tail delay: the run waits for each turn to reach SSD, and measures restores.
         stack = LocalStack.start(model_dir, Path(tmp) / "data",
@@ -75,33 +78,40 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0) -> 
                 c.generate(session_id=SESSION, token_ids=_tokens(rng, tokens), append=True,
                            max_tokens=1)
                 build_s = time.monotonic() - t0
-                stack.wait_durable(SESSION, timeout_s=600)
-
-                ram = c.generate(session_id=SESSION, token_ids=_tokens(rng, TURN_TOKENS),
-                                 append=True, max_tokens=1).usage
-                stack.wait_durable(SESSION, timeout_s=600)
-                c.release(SESSION)
-
-                ssd_prompt = list(c.get_session(SESSION).token_ids) + _tokens(rng, TURN_TOKENS)
-                ssd = c.generate(session_id=SESSION, token_ids=ssd_prompt, max_tokens=1).usage
-                cold = c.generate(token_ids=ssd_prompt, max_tokens=1, no_cache=True).usage
+                # Turns alternate: one from RAM, then (released) one from SSD, `repeats` times;
+                # each adds TURN_TOKENS + 1 to the conversation.
+                for _ in range(repeats):
+                    stack.wait_durable(SESSION, timeout_s=600)
+                    ram.append(c.generate(session_id=SESSION, token_ids=_tokens(rng, TURN_TOKENS),
+                                          append=True, max_tokens=1).usage)
+                    stack.wait_durable(SESSION, timeout_s=600)
+                    c.release(SESSION)
+                    prompt = list(c.get_session(SESSION).token_ids) + _tokens(rng, TURN_TOKENS)
+                    ssd.append(c.generate(session_id=SESSION, token_ids=prompt,
+                                          max_tokens=1).usage)
+                cold = c.generate(token_ids=prompt, max_tokens=1, no_cache=True).usage
         finally:
             stack.stop()
     floor = ttft_floor_s(model_dir, tokens, TURN_TOKENS, seed=seed)  # the stack is gone
+    ram_s = float(np.median([u["ttft_s"] for u in ram]))
+    ssd_s = float(np.median([u["ttft_s"] for u in ssd]))
     return {
         "model": str(model_dir),
         "tokens": tokens,
         "block_tokens": block_tokens,
+        "repeats": repeats,
         "build_s": round(build_s, 3),
-        "ttft_ram_s": ram["ttft_s"],
-        "ttft_ssd_s": ssd["ttft_s"],
+        "ttft_ram_s": round(ram_s, 4),
+        "ttft_ssd_s": round(ssd_s, 4),
+        "ttft_ram_all_s": [u["ttft_s"] for u in ram],
+        "ttft_ssd_all_s": [u["ttft_s"] for u in ssd],
         "ttft_recompute_s": cold["ttft_s"],
-        "cached_tokens_ram": ram["cached_tokens"],
-        "cached_tokens_ssd": ssd["cached_tokens"],
-        "cache_source_ssd": ssd["cache_source"],
-        "ssd_speedup": round(cold["ttft_s"] / ssd["ttft_s"], 2),
-        "ram_speedup": round(cold["ttft_s"] / ram["ttft_s"], 2),
+        "cached_tokens_ram": min(u["cached_tokens"] for u in ram),
+        "cached_tokens_ssd": min(u["cached_tokens"] for u in ssd),
+        "cache_source_ssd": ",".join(sorted({u["cache_source"] for u in ssd})),
+        "ssd_speedup": round(cold["ttft_s"] / ssd_s, 2),
+        "ram_speedup": round(cold["ttft_s"] / ram_s, 2),
         "ttft_floor_s": round(floor, 4),
-        "ram_vs_floor": round(ram["ttft_s"] / floor, 2),
-        "ssd_vs_floor": round(ssd["ttft_s"] / floor, 2),
+        "ram_vs_floor": round(ram_s / floor, 2),
+        "ssd_vs_floor": round(ssd_s / floor, 2),
     }
