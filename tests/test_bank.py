@@ -502,11 +502,12 @@ def _data_ptr(a: mx.array) -> int:
     return np.array(a, copy=False).ctypes.data
 
 
-def test_returning_request_borrows_the_entry_and_writes_in_place(model_and_tokenizer, tmp_path):
-    """A prompt that continues a whole entry with room in its buffer borrows the entry's
-    arrays: its new tokens go into the bank's buffer, no copy of the history. One borrower at
-    a time; readers that hold the buffer (another request's slices, a write-out's views) see
-    it unchanged, and the borrower's answer is exact either way."""
+def test_returning_turn_takes_its_entry_and_writes_in_place(model_and_tokenizer, tmp_path):
+    """A prompt that continues the whole of its conversation's entry takes the entry out of
+    the bank (its KV is the request's while it runs) and writes its new tokens into the
+    entry's buffer: no copy of the history. Given back (the request failed), the entry is as it
+    was. Other conversations get slices; readers that hold the buffer (a write-out's views)
+    see it unchanged; the answers are exact either way."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from worker.restore import Restorer
@@ -534,35 +535,42 @@ def test_returning_request_borrows_the_entry_and_writes_in_place(model_and_token
         ids = chain_block_ids(tokens, root_for(TENANT), 4)
         return restorer.restore(tokens, ids, TENANT, (TENANT, session), False)
 
-    borrowed, cached, _, lent = restore(full, "s")
-    assert lent is entry and entry.lent and cached == n
+    def unchanged() -> bool:
+        return _same([(k[..., :n, :], v[..., :n, :]) for k, v in entry.layers], snap)
+
+    taken, cached, _, handed = restore(full, "s")
+    assert handed is entry and cached == n
+    assert entry.key not in bank.entries and bank.total_nbytes == 0  # the request's now
     before = _data_ptr(entry.layers[0][0])
-    assert np.allclose(_last_logits(model, more, borrowed), reference, atol=1e-4)
-    assert _data_ptr(entry.layers[0][0]) == before  # written in place: no copy
-    assert _same([(k[..., :n, :], v[..., :n, :]) for k, v in entry.layers], snap)
+    assert np.allclose(_last_logits(model, more, taken), reference, atol=1e-4)
+    assert _data_ptr(taken[0].keys) == before  # written in place: no copy
+    assert unchanged()
 
-    # While lent, another request gets slices (its own copy on write), not the buffer.
-    other, _, _, lent2 = restore(full, "t")
-    assert lent2 is None and other[0].keys is not entry.layers[0][0]
+    bank.take_back(entry)  # the request failed: the conversation's KV is back, as it was
+    assert bank.lookup(full, TENANT).entry is entry and bank.total_nbytes == entry.nbytes
+    assert unchanged()
+
+    # Another conversation sharing the prefix gets slices: its writes go to its own copy.
+    other, cached, _, handed = restore(full, "t")
+    assert handed is None and cached == n and entry.key in bank.entries
     assert np.allclose(_last_logits(model, more, other), reference, atol=1e-4)
+    assert unchanged()
 
-    # Given back, lent again; a write-out's views taken before the borrower writes keep the
-    # bytes they were taken over (the borrower copies rather than write under them).
-    entry.lent = False
+    # A write-out's views taken before the turn writes keep their bytes (the turn copies
+    # rather than write under them).
     views = kv.layer_views(entry.layers)
     kept = [(k.copy(), v.copy()) for k, v in views]
-    again, _, _, lent3 = restore(full, "s")
-    assert lent3 is entry
-    junk = np.asarray([7, 8, 9, 10], np.uint32)  # different tokens over the same positions
-    _last_logits(model, junk, again)
+    again, _, _, handed = restore(full, "s")
+    assert handed is entry
+    _last_logits(model, np.asarray([7, 8, 9, 10], np.uint32), again)
     assert all(np.array_equal(k, kk) and np.array_equal(v, vv)
                for (k, v), (kk, vv) in zip(views, kept))
+    bank.take_back(entry)
 
-    # A prompt that leaves the entry before its end is never lent (it would write over it).
-    entry.lent = False
+    # A prompt that leaves the entry before its end does not take it (it would write over it).
     fork = toks(prompt[:n - 2], more)
-    _, cached, _, lent4 = restore(fork, "s")
-    assert lent4 is None and cached == n - 2
+    _, cached, _, handed = restore(fork, "s")
+    assert handed is None and cached == n - 2 and entry.key in bank.entries
 
 
 # -- 9: release_sessions ---------------------------------------------------------------------

@@ -58,7 +58,6 @@ class BankEntry:
     write_job: int | None = None  # id of its queued coldstore write, if any
     write_pending: bool = False  # its write must be sent again (refused, lost, no record)
     prefetched: bool = False  # brought from SSD on a hint, not used since: the first to go
-    lent: bool = False  # a running request writes past its tokens in its arrays (worker/kv.py)
 
     @property
     def n_tokens(self) -> int:
@@ -166,7 +165,7 @@ class SessionBank:
         if self.listener is not None:
             self.listener.ram_added(e)
 
-    def _remove(self, e: BankEntry) -> None:
+    def _remove(self, e: BankEntry, *, announce: bool = True) -> None:
         del self.entries[e.key]
         self.total_nbytes -= e.nbytes
         keys = self._by_session[e.session]
@@ -179,6 +178,10 @@ class SessionBank:
                 s.discard(e.key)
                 if not s:
                     del self._index[bid]
+        if announce:
+            self._unannounce(e)
+
+    def _unannounce(self, e: BankEntry) -> None:
         if self.listener is not None:
             self.listener.ram_removed(e)
 
@@ -190,16 +193,21 @@ class SessionBank:
 
     def insert(self, session: SessionKey, tokens: np.ndarray, layers: Layers,
                *, durable_tokens: int = 0, supersede_slack: int = 0,
-               prefetched: bool = False) -> BankEntry:
+               prefetched: bool = False, handed: BankEntry | None = None) -> BankEntry:
         """Add a finished turn's KV. Entries of the same session that are a prefix of it are
         superseded (the new entry serves every prefix of its own) and leave; entries of a
         branch stay, as non-terminal. With `supersede_slack`, an entry the new one covers up
         to its last `supersede_slack` tokens is superseded too (a client that re-rendered the
         end of the previous answer differently continues, not branches). A `prefetched`
-        entry (read back from SSD on a hint) does not make its session active."""
+        entry (read back from SSD on a hint) does not make its session active. `handed`: the
+        entry this turn took out of the bank when it started (`hand_over`): what LMDB held of
+        it counts as for a superseded one."""
         tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
         now = self.clock()
         superseded = []
+        if handed is not None:
+            shared = common_prefix_len(handed.tokens, tokens)
+            durable_tokens = max(durable_tokens, min(handed.durable_tokens, shared))
         for old in self.session_entries(session):
             shared = common_prefix_len(old.tokens, tokens)
             if shared == old.n_tokens or (supersede_slack and old.n_tokens <= len(tokens)
@@ -220,9 +228,36 @@ class SessionBank:
         self._add(e)  # before the superseded leave: the blocks they share are never unheld
         for old in superseded:
             self._remove(old)
+        if handed is not None:
+            self._unannounce(handed)
         if not prefetched:
             self._last_use[session] = now
         return e
+
+    # -- a running request's own KV ------------------------------------------------------------
+
+    def hand_over(self, e: BankEntry) -> None:
+        """A request that continues the whole of its conversation's entry takes it out of the
+        bank: its KV is now the request's working memory (counted as active, not as the bank's,
+        as in every server's prompt cache), and the request may write past its tokens in place
+        (worker/kv.py). Its queued SSD write goes on, and its blocks stay announced (KV
+        events): the machine still holds them. The turn's commit supersedes it; a request that
+        fails or is cancelled gives it back (`take_back`), or lets it go (`let_go`)."""
+        self._remove(e, announce=False)
+
+    def take_back(self, e: BankEntry) -> None:
+        """A handed-over entry returns (its request ended without a commit): its tokens' KV
+        is as it was. Left out when an entry of its session covers it already."""
+        if any(common_prefix_len(o.tokens, e.tokens) == e.n_tokens
+               for o in self.session_entries(e.session)):
+            self.let_go(e)
+            return
+        self._add(e)  # a write that ended meanwhile is sent again (upkeep.retry_writes)
+
+    def let_go(self, e: BankEntry) -> None:
+        """A handed-over entry nobody will commit over or give back (its conversation was
+        deleted, or another entry covers it): its blocks leave RAM for the KV events."""
+        self._unannounce(e)
 
     def session_entries(self, session: SessionKey) -> list[BankEntry]:
         return [self.entries[k] for k in self._by_session.get(session, ())]

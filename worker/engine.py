@@ -365,28 +365,33 @@ class Engine:
         self.prefetcher.started(session)
         self.bank.begin_request(session)
         self.bank.reserve_active(session, need)
-        lent = None
+        handed = None
         try:
-            cache, cached, source, lent = self.restorer.restore(tokens, ids, tenant, session,
-                                                                req.no_cache)
+            cache, cached, source, handed = self.restorer.restore(tokens, ids, tenant, session,
+                                                                  req.no_cache)
             self._count_restore(req, session, len(tokens), cached, source)
             r = Running(job=job, tokens=tokens, bank_key=session, session=session,
                         cached=cached, source=source,
                         known=common_prefix_len(info.tokens, tokens) if info is not None else 0,
                         started=time.monotonic(), stops=list(req.stop),
-                        detok=self.tokenizer.detokenizer, decoding=decoding, lent=lent)
+                        detok=self.tokenizer.detokenizer, decoding=decoding, handed=handed)
             self.batch.add(r, cache, req.max_tokens)
         except Exception:
-            if lent is not None:
-                lent.lent = False
+            if handed is not None:
+                self.bank.take_back(handed)
             self.bank.end_request(session)
             raise
         return STARTED
 
     def _leave(self, r: Running) -> None:
-        """A request is done with the bank (answered, failed or cancelled)."""
-        if r.lent is not None:
-            r.lent.lent = False
+        """A request is done with the bank (answered, failed or cancelled): a conversation's
+        entry that it took and did not commit over comes back."""
+        if r.handed is not None:
+            if self.conversations.deleted_since(r.bank_key, r.started):
+                self.bank.let_go(r.handed)
+            else:
+                self.bank.take_back(r.handed)
+        r.handed = None
         self.bank.end_request(r.bank_key)
 
     def _count_restore(self, req, session: SessionKey, n_tokens: int, cached: int,
@@ -470,7 +475,8 @@ class Engine:
     def _finish(self, r: Running, cache: list) -> worker_pb2.WorkerGenerateResponse:
         """Commit a finished turn; its last message, to send once the snapshot has it."""
         full = np.concatenate([r.tokens, np.asarray(r.completion, dtype=np.uint32)])
-        durable = self._commit(r.session, full, cache, r.started)
+        durable = self._commit(r.session, full, cache, r.started, handed=r.handed)
+        r.handed = None  # superseded by the turn, or gone with its deleted conversation
         usage = api_pb2.Usage(
             prompt_tokens=len(r.tokens),
             completion_tokens=len(r.completion),
@@ -501,12 +507,14 @@ class Engine:
     # -- commit -----------------------------------------------------------------------------
 
     def _commit(self, session: SessionKey, full: np.ndarray, cache: list,
-                started: float = 0.0) -> bool:
+                started: float = 0.0, handed=None) -> bool:
         """The conversation's record (durable), then the bank entry, then the write-behind job.
 
         A conversation deleted while its turn ran stays deleted: the turn is answered, not
         kept."""
         if self.conversations.deleted_since(session, started):
+            if handed is not None:
+                self.bank.let_go(handed)
             return False
         layers = kv.freeze(cache, len(full))
         durable, durable_tokens = False, 0
@@ -518,7 +526,8 @@ class Engine:
         anonymous = is_anonymous(session[1])
         entry = self.bank.insert(
             session, full, layers, durable_tokens=durable_tokens,
-            supersede_slack=self.conversations.lineages.slack if anonymous else 0)
+            supersede_slack=self.conversations.lineages.slack if anonymous else 0,
+            handed=handed)
         self.conversations.committed(session, full, durable_tokens, durable, entry.block_ids)
         self._ssd_changed(session)
         events.emit("kv_resident", tenant=session[0], session_id=session[1],

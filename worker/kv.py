@@ -4,11 +4,12 @@ A bank entry holds, per layer, K and V of its n tokens: (1, kv_heads, m >= n, he
 contiguous, so its `nbytes` is what RAM really holds: m > n when the entry kept the buffer its
 turn wrote, room and all (at most 1/8 of it), instead of copying it.
 
-An entry's first n tokens never change. A returning request whose prompt continues the whole
-entry borrows its arrays (`restore(..., owned=True)`; the bank marks the entry lent, one
-borrower at a time) and writes its new tokens in place, past n: MLX writes in place only into
-a buffer no other array holds, and copies it first otherwise, so a borrower never disturbs a
-reader. Every other request gets slices, which MLX copies before the first write.
+A returning turn whose prompt continues the whole of its conversation's entry takes the entry
+out of the bank (`SessionBank.hand_over`) and its arrays with it (`restore(..., owned=True)`),
+and writes its new tokens in place, past n. MLX writes in place only into a buffer no other
+array holds, and copies it first otherwise, so a writer never disturbs a reader (a write-out's
+views, another request's slices). Every other request gets slices, copied before the first
+write.
 
 Buffers come in sizes of whole `ROOM_STEP` tokens, a conversation's the same size for many
 turns, so that the buffers a turn frees are the ones the next turn takes from MLX's cache (it
@@ -62,7 +63,7 @@ def restore(layers: Layers, n_tokens: int, owned: bool = False) -> list[KVCache]
     """A request's own cache over the first n_tokens of `layers` (no copy until written).
 
     `owned`: the request may write past n_tokens (arrays decoded from SSD for it, or a bank
-    entry lent to it): the cache takes them whole, room included, and writes its new tokens in
+    entry handed over to it): the cache takes them whole, room included, and writes its new tokens in
     place (MLX reuses a buffer that only one array holds). Otherwise it gets slices, and its
     first write copies them."""
     out = []

@@ -18,6 +18,7 @@ from worker.link import ColdstoreClient
 logger = logging.getLogger(__name__)
 
 READ_TIMEOUT_S = 3.0
+RAM = api_pb2.CACHE_SOURCE_RAM
 
 
 class Restorer:
@@ -42,7 +43,7 @@ class Restorer:
     def restore(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
                 session: SessionKey, no_cache: bool) -> tuple[list, int, int, BankEntry | None]:
         """The request's own cache over the longest known prefix: (cache, tokens, source, the
-        bank entry lent to it, to give back when the request leaves)."""
+        bank entry handed over to it, which its commit supersedes or its failure gives back)."""
         from mlx_lm.models.cache import make_prompt_cache
 
         none = (make_prompt_cache(self.model), 0, api_pb2.CACHE_SOURCE_NONE, None)
@@ -64,12 +65,12 @@ class Restorer:
         if ram_n > 0:
             e = hit.entry
             self.bank.touch(e)
-            # A prompt that continues the whole entry, with room in its buffer for the prompt
-            # and a first token, writes there in place (the bank's copy for a returning turn).
-            lend = not e.lent and ram_n == e.n_tokens and e.layers[0][0].shape[2] > len(tokens)
-            e.lent = e.lent or lend
-            return (kv.restore(e.layers, ram_n, owned=lend), ram_n, api_pb2.CACHE_SOURCE_RAM,
-                    e if lend else None)
+            if e.session == session and ram_n == e.n_tokens:
+                # The conversation's next turn: its KV goes with the request, which writes its
+                # new tokens in place when the buffer has room (no copy of the history).
+                self.bank.hand_over(e)
+                return kv.restore(e.layers, ram_n, owned=True), ram_n, RAM, e
+            return kv.restore(e.layers, ram_n), ram_n, RAM, None
         return none
 
     def held(self, tokens: np.ndarray, ids: list[BlockId], tenant: str) -> tuple[int, int]:

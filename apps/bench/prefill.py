@@ -11,7 +11,7 @@ token ids (what a prompt says does not change its cost), each request with a fre
 1. single: one prompt alone, at each chunk size: tokens / time to first token.
 2. batch: `--batch` prompts admitted together, their chunks read in one forward (`batched`)
    or one prompt at a time beside the others' decode (`serial`, the worker's way:
-   worker/scheduler.py PREFILL_BATCH), against the same prompts one after another alone
+   worker/scheduler.py `_prompts_to_read`), against the same prompts one after another alone
    (`single`): total prompt tokens / time until every one has its first token. `--history N`:
    each prompt continues its own N-token conversation (returning agents), restored as the bank
    restores one.
@@ -93,7 +93,8 @@ class _Bench:
                            decode=self.tokenizer.decode, prefill_step_tokens=chunk)
         # serial: one prompt at a time, the others wait their turn (the worker's way, since
         # these numbers); batched: every admitted prompt's chunk in one forward
-        s.gen.prefill_batch_size = 1 if one_prefill else max_active
+        if not one_prefill:
+            s._prompts_to_read = lambda: max_active
         return s
 
     def add(self, s, r, max_tokens: int, history=None) -> None:
