@@ -36,12 +36,6 @@ from worker.decoding import Decoding, token_logprob
 
 PREFILL_STEP_TOKENS = 512
 LAST_FORWARD_TOKENS = 64  # a solo prompt's last forward, the one with logits, reads at most this
-# Prompts are read one at a time, each chunk beside the batch's decode step: on a CPU a
-# prefill is compute-bound already, and batching prompts of different lengths pads them
-# (docs/decisions.md). The first prompt's first token comes sooner. Except: a prompt of at
-# most one chunk, first in line, is read beside one with more than LONG_PROMPT_CHUNKS chunks
-# left, so a short request never waits for a long prompt.
-LONG_PROMPT_CHUNKS = 4
 
 
 @dataclass
@@ -95,12 +89,10 @@ class BatchScheduler:
         self._solo_uids = itertools.count(-1, -1)  # the batch's uids are >= 0
         self.gen = BatchGenerator(model, stop_tokens=[[t] for t in eos_token_ids],
                                   completion_batch_size=max_active,
-                                  prefill_batch_size=1,
+                                  prefill_batch_size=max_active,
                                   prefill_step_size=prefill_step_tokens)
         self.running: dict[int, Running] = {}
         self._prefix_ready: list[Running] = []
-        self._unread: dict[int, int] = {}  # uid -> prompt tokens, in line (insertion order)
-        self._reading: dict[int, int] = {}  # uid -> prompt tokens left, being read
 
     def __len__(self) -> int:
         return len(self.running)
@@ -124,7 +116,6 @@ class BatchScheduler:
             # the penalties look back into the prompt, as mlx-lm's server has them do
             all_tokens=[r.tokens[:r.cached].tolist() if d.processors else []])
         self.running[r.uid] = r
-        self._unread[r.uid] = len(prompt)
 
     def _join_batch(self) -> None:
         """The solo request, if any, joins the batch where it stands."""
@@ -150,9 +141,6 @@ class BatchScheduler:
         batch = [r.uid for r in gone if r.uid >= 0]
         if batch:
             self.gen.remove(batch)
-        for uid in batch:
-            self._unread.pop(uid, None)
-            self._reading.pop(uid, None)
         for r in gone:
             del self.running[r.uid]
 
@@ -161,14 +149,7 @@ class BatchScheduler:
         Returns the requests that ended, each with its cache."""
         if self._solo is not None:
             return self._solo_step()
-        self.gen.prefill_batch_size = self._prompts_to_read()
-        prompts, responses = self.gen.next()
-        for p in prompts:
-            self._unread.pop(p.uid, None)
-            if p.end_of_prompt:
-                self._reading.pop(p.uid, None)
-            else:
-                self._reading[p.uid] = p.progress[1] - p.progress[0]
+        _, responses = self.gen.next()
         done: list[tuple[Running, list]] = []
         stopped: list[int] = []
         for resp in responses:
@@ -187,19 +168,6 @@ class BatchScheduler:
         for r, _ in done:
             self._flush_text(r)
         return done
-
-    def _prompts_to_read(self) -> int:
-        """How many prompts this step reads: the ones being read, and the next in line when
-        none is (a prompt with one token left is done: that token is the first decode), or
-        when it is short and one being read is long."""
-        if all(left <= 1 for left in self._reading.values()):
-            return len(self._reading) + 1
-        head = next(iter(self._unread.values()), None)
-        chunk = self.prefill_step_tokens
-        if (head is not None and head <= chunk
-                and max(self._reading.values()) > LONG_PROMPT_CHUNKS * chunk):
-            return len(self._reading) + 1
-        return len(self._reading)
 
     def prefilling(self) -> list[Running]:
         """Requests still reading their prompt (no first token yet)."""
