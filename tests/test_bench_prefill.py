@@ -17,7 +17,7 @@ def test_bench_prefill_json_and_facts(tiny_model, tmp_path, monkeypatch, cache_d
     out = tmp_path / "prefill.json"
     assert main(["bench", "prefill", "--model", str(tiny_model), "--tokens", str(TOKENS),
                  "--chunks", ",".join(map(str, CHUNKS)), "--batch", str(BATCH),
-                 "--repeats", str(REPEATS), "--json", str(out)]) == 0
+                 "--repeats", str(REPEATS), "--history", "0", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     a = doc["args"]
     assert (a["tokens"], a["chunks"], a["batch"], a["repeats"]) == (TOKENS, list(CHUNKS), BATCH,
