@@ -16,7 +16,6 @@ new KV blocks.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -354,13 +353,13 @@ class Engine:
                                 session_id=session[1], running=len(self.batch),
                                 chain_shed=self.admission_chain_shed)
         except Refused as e:
-            self._log_admission(req, session, e.receipt)
+            reports.log_admission(self._admissions, req, session, e.receipt)
             raise
         finally:
             self._refresh_ram_bytes()
         if receipt.decision == Decision.WAIT:
             return WAIT_MEMORY
-        self._log_admission(req, session, receipt)
+        reports.log_admission(self._admissions, req, session, receipt)
         info = self.conversations.get(session)
         self.prefetcher.started(session)
         self.bank.begin_request(session)
@@ -369,7 +368,7 @@ class Engine:
         try:
             cache, cached, source, handed = self.restorer.restore(tokens, ids, tenant, session,
                                                                   req.no_cache)
-            self._count_restore(req, session, len(tokens), cached, source)
+            reports.count_restore(req, session, len(tokens), cached, source)
             r = Running(job=job, tokens=tokens, bank_key=session, session=session,
                         cached=cached, source=source,
                         known=common_prefix_len(info.tokens, tokens) if info is not None else 0,
@@ -394,42 +393,11 @@ class Engine:
         r.handed = None
         self.bank.end_request(r.bank_key)
 
-    def _count_restore(self, req, session: SessionKey, n_tokens: int, cached: int,
-                       source: int) -> None:
-        tier = {api_pb2.CACHE_SOURCE_RAM: "ram", api_pb2.CACHE_SOURCE_SSD: "ssd"}.get(source,
-                                                                                     "none")
-        metrics.PROMPT_TOKENS.inc(n_tokens)
-        if req.no_cache:
-            return
-        metrics.PREFIX_QUERIES.inc()
-        metrics.PREFIX_HITS.labels(tier).inc()
-        if cached:
-            metrics.CACHED_TOKENS.labels(tier).inc(cached)
-            events.emit("kv_restored", tenant=req.tenant, session_id=session[1], tier=tier,
-                        tokens=cached, prompt_tokens=n_tokens)
-
     def _price(self, prompt_tokens: int, max_tokens: int) -> int:
         """This request's bytes, with the padding a batched cache adds to the batch."""
         lens = [len(r.tokens) + r.job.request.max_tokens for r in self.batch.running.values()]
         return self.pricing.request_bytes(prompt_tokens, max_tokens,
                                           batch_len=max(lens, default=0), batch_size=len(lens))
-
-    def _log_admission(self, req, session: SessionKey, receipt) -> None:
-        """Every decision but a wait is a receipt (the Status RPC, the event log)."""
-        receipt.tenant, receipt.session_id = session
-        metrics.ADMISSIONS.labels(receipt.decision).inc()
-        if receipt.decision != Decision.WAIT:
-            self._admissions.append(receipt)
-            events.emit(prompt_tokens=len(req.token_ids), max_tokens=req.max_tokens,
-                        **dataclasses.asdict(receipt))
-        if receipt.decision != Decision.ADMITTED or receipt.lru_evicted or receipt.released_sessions:
-            logger.info("admission %s for %s: need %.0f MB, free %.0f -> %.0f MB, lru %d, "
-                        "shed %d+%d, released %d (%d written out) %s %s", receipt.decision,
-                        session[1], receipt.need_bytes / 1e6,
-                        receipt.free_before / 1e6, receipt.free_after / 1e6,
-                        receipt.lru_evicted, receipt.shed_non_terminal, receipt.shed_terminal,
-                        receipt.released_sessions, receipt.written_out, receipt.reason,
-                        receipt.verdict)
 
     def _step(self) -> None:
         # A cancelled turn is not committed: the client never saw it, so the session's

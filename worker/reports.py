@@ -1,14 +1,21 @@
-"""What the Status command answers: the engine's memory and scheduler figures, and the recent
-policy receipts and evictions as one tenant may see them (engine thread)."""
+"""What the engine reports: the Status command's memory and scheduler figures, the recent policy
+receipts and evictions as one tenant may see them, and each admission and restore in the
+metrics and the event log (engine thread)."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import mlx.core as mx
 
+from kvbank import events, metrics
+from kvbank.contracts.vocabulary import Decision
+from kvbank.v1 import api_pb2
 from worker.admission import held_bytes, resident_bytes
 from worker.bank import SessionBank
+
+logger = logging.getLogger(__name__)
 
 
 def status(engine) -> dict:
@@ -51,3 +58,36 @@ def recent_receipts(admissions, bank: SessionBank, tenant: str,
     evictions = [dataclasses.asdict(e) for e in bank.eviction_log
                  if e.tenant == tenant][-5 * n:]
     return out, evictions
+
+
+def count_restore(req, session, n_tokens: int, cached: int, source: int) -> None:
+    """A request's prompt and what it found cached, in the metrics and the event log."""
+    tier = {api_pb2.CACHE_SOURCE_RAM: "ram", api_pb2.CACHE_SOURCE_SSD: "ssd"}.get(source,
+                                                                                 "none")
+    metrics.PROMPT_TOKENS.inc(n_tokens)
+    if req.no_cache:
+        return
+    metrics.PREFIX_QUERIES.inc()
+    metrics.PREFIX_HITS.labels(tier).inc()
+    if cached:
+        metrics.CACHED_TOKENS.labels(tier).inc(cached)
+        events.emit("kv_restored", tenant=req.tenant, session_id=session[1], tier=tier,
+                    tokens=cached, prompt_tokens=n_tokens)
+
+
+def log_admission(admissions, req, session, receipt) -> None:
+    """Every decision but a wait is a receipt (the Status RPC, the event log)."""
+    receipt.tenant, receipt.session_id = session
+    metrics.ADMISSIONS.labels(receipt.decision).inc()
+    if receipt.decision != Decision.WAIT:
+        admissions.append(receipt)
+        events.emit(prompt_tokens=len(req.token_ids), max_tokens=req.max_tokens,
+                    **dataclasses.asdict(receipt))
+    if receipt.decision != Decision.ADMITTED or receipt.lru_evicted or receipt.released_sessions:
+        logger.info("admission %s for %s: need %.0f MB, free %.0f -> %.0f MB, lru %d, "
+                    "shed %d+%d, released %d (%d written out) %s %s", receipt.decision,
+                    session[1], receipt.need_bytes / 1e6,
+                    receipt.free_before / 1e6, receipt.free_after / 1e6,
+                    receipt.lru_evicted, receipt.shed_non_terminal, receipt.shed_terminal,
+                    receipt.released_sessions, receipt.written_out, receipt.reason,
+                    receipt.verdict)

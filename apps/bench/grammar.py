@@ -20,7 +20,6 @@ cost.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -177,6 +176,8 @@ def print_table(result: dict) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    from apps.bench.report import write_json
+
     try:
         batches = [int(x) for x in args.batch.split(",") if x.strip()]
     except ValueError:
@@ -187,9 +188,5 @@ def run_cli(args: argparse.Namespace) -> int:
         return 2
     result = run(model=args.model, tokens=args.tokens, pairs=args.pairs, batches=batches)
     print_table(result)
-    if args.json == "-":
-        sys.stdout.write(json.dumps(result) + "\n")
-    elif args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(result, args.json)
     return 0

@@ -28,7 +28,6 @@ gets the same first token from every path (`same_first_tokens`): facts the test 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -315,6 +314,8 @@ def print_summary(result: dict) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    from apps.bench.report import write_json
+
     try:
         chunks = [int(x) for x in args.chunks.split(",") if x.strip()]
     except ValueError:
@@ -327,9 +328,5 @@ def run_cli(args: argparse.Namespace) -> int:
     result = run(model=args.model, tokens=args.tokens, chunks=chunks, batch=args.batch,
                  batch_chunk=args.batch_chunk, repeats=args.repeats, history=max(0, args.history))
     print_summary(result)
-    if args.json == "-":
-        sys.stdout.write(json.dumps(result) + "\n")
-    elif args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(result, args.json)
     return 0

@@ -18,3 +18,14 @@ def print_result(name: str, result: dict, as_json: bool) -> None:
     for key, value in result.items():
         table.add_row(key, json.dumps(value) if isinstance(value, (dict, list)) else str(value))
     Console().print(table)
+
+
+def write_json(result: dict, dest: str | None) -> None:
+    """`--json [FILE]`: "-" prints one line to stdout, a path gets the indented document."""
+    if dest == "-":
+        print(json.dumps(result))
+    elif dest:
+        from pathlib import Path
+
+        Path(dest).parent.mkdir(parents=True, exist_ok=True)
+        Path(dest).write_text(json.dumps(result, indent=2) + "\n")
