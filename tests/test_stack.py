@@ -140,16 +140,15 @@ def test_a_cancelled_turn_gives_its_conversation_back_to_ram(stack):
     """A returning turn takes its conversation's KV with it while it runs; when its client
     goes away mid-answer, the conversation is back in RAM as it was, and the next turn reads
     all of it from there."""
-    from kvbank.client import _request
+    from kvbank.v1 import api_pb2
     from tests.waiting import wait_until
 
     with stack.client() as c:
         t1 = _ask(c, "agent-c", "List three prime numbers.")
         history = len(c.get_session("agent-c").token_ids)
-        call = c.generation.Generate(_request(
-            session_id="agent-c", messages=[{"role": "user", "content": "Now count to 500."}],
-            prompt=None, token_ids=None, append=True, max_tokens=400, temperature=0.0,
-            top_p=0.0, seed=None, stop=(), no_cache=False))
+        req = api_pb2.GenerateRequest(session_id="agent-c", append=True, max_tokens=400)
+        req.chat.messages.add(role="user", content="Now count to 500.")
+        call = c.generation.Generate(req)  # the stub's own call, so the test can cancel it
         next(ev for ev in call if ev.token_ids)  # it is answering
         call.cancel()
         wait_until(lambda: c.status().running_requests == 0, "the cancelled turn to leave")
