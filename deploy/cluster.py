@@ -83,17 +83,10 @@ def find_router_bin(explicit: str | None = None) -> str:
 
 
 def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
-    """`n` distinct free ports (all held open together while they are picked)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """`n` distinct free ports, outside the kernel's ephemeral range (see deploy.local)."""
+    from deploy.local import free_ports as pick
+
+    return pick(n, host)
 
 
 def port_in_use(host: str, port: int) -> bool:

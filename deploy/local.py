@@ -6,6 +6,7 @@ Used by the benchmarks and the end-to-end tests, which need the real processes.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,10 +19,48 @@ from kvbank.client import Client
 from kvbank.config import Layout
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default; elsewhere a guess is as good as asking for 0
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct free ports, all held open together while they are picked.
+
+    Picked below the kernel's ephemeral range: a port planned now and bound seconds later
+    (a stack starts after the one before it) must not be handed meanwhile to someone's
+    outgoing connection or `bind(0)`. CI lost a cluster test to exactly that."""
+    low, _ = _ephemeral_range()
+    candidates = list(range(max(1024, low - 12000), low))
+    random.shuffle(candidates)
+    socks: list[socket.socket] = []
+    try:
+        for port in candidates:
+            if len(socks) == n:
+                break
+            s = socket.socket()
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        if len(socks) < n:  # the range below is crowded: take what the kernel gives
+            for _ in range(n - len(socks)):
+                s = socket.socket()
+                s.bind((host, 0))
+                socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 @dataclass
@@ -41,8 +80,9 @@ class LocalStack:
         """`launcher`: the module that runs `up` (a test may stand a slow disk in).
         `port`, `shim_port`: fixed ports (default: free ones); `wait=False` returns as soon as
         the process runs (then `wait_started`); `popen`: more `subprocess.Popen` arguments."""
-        port = port or free_port()
-        shim_port = (shim_port or free_port()) if shim else 0
+        picked = free_ports(2)
+        port = port or picked[0]
+        shim_port = (shim_port or picked[1]) if shim else 0
         layout = Layout(data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         log = data_dir.parent / f"{data_dir.name}-stack.log"

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import zmq
 
-from deploy.local import free_port
+from deploy.local import free_ports
 from tests.conftest import start_stack
 from tests.waiting import wait_until
 
@@ -95,7 +95,7 @@ class Subscriber:
 
 @pytest.fixture
 def events_stack(tiny_model, tmp_path, cache_dir):
-    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    pub, replay = (f"tcp://127.0.0.1:{p}" for p in free_ports(2))
     s = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir, shim=False,
                     extra=["--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay])
     sub = Subscriber(pub, replay)

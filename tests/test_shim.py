@@ -17,7 +17,7 @@ import openai
 import pytest
 import uvicorn
 
-from deploy.local import free_port
+from deploy.local import free_ports
 from apps.shim.server import create_app, error_for
 from kvbank.v1 import api_pb2, api_pb2_grpc
 from tests.conftest import start_stack
@@ -328,7 +328,7 @@ def fake():
         await server.start()
         return server
 
-    router_port, shim_port = free_port(), free_port()
+    router_port, shim_port = free_ports(2)
     threading.Thread(target=loop.run_forever, daemon=True).start()
     server = asyncio.run_coroutine_threadsafe(serve(router_port), loop).result(10)
     http = uvicorn.Server(uvicorn.Config(create_app(f"127.0.0.1:{router_port}"), port=shim_port,
