@@ -4,6 +4,7 @@ plain HTTP for the hint, which no SDK knows)."""
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import httpx
@@ -118,7 +119,7 @@ def test_a_hint_for_what_kvbank_does_not_hold_changes_nothing(hinted):
     assert r.status_code == 400 and r.json()["error"]["param"] == "session_id"
 
 
-def test_a_hint_never_evicts(tiny_model, tmp_path, cache_dir):
+def test_a_hint_that_cannot_fit_leaves_ram_alone(tiny_model, tmp_path, cache_dir):
     """With a bank too small for the conversation, the hint says so and leaves RAM alone."""
     s = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir,
                     extra=["--bank-bytes", "20000"])
@@ -131,5 +132,46 @@ def test_a_hint_never_evicts(tiny_model, tmp_path, cache_dir):
         assert report["status"] == "no_room" and report["ssd_tokens"] > 0, report
         with s.client() as c:
             assert c.get_session(name).state == "cold"
+    finally:
+        s.stop()
+
+
+def test_the_agent_whose_tool_call_started_first_gets_ram_first(tiny_model, tmp_path,
+                                                                  cache_dir):
+    """RAM for one conversation, two agents in tool calls. Agent A hints first (its call
+    started first, so it ends first): at the hint B holds RAM, just used and with no hint, so A
+    waits. Once B hints too, B will be back later than A, and B is on SSD already: A takes its
+    place. Both return with nothing recomputed, A from RAM."""
+    one_conversation = 180 * 512  # the tiny model's 512 bytes a token; each context ~120
+    s = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir,
+                    extra=["--bank-bytes", str(one_conversation)])
+    try:
+        agents = {n: (f"{n}-{uuid.uuid4().hex[:8]}",
+                      [{"role": "user", "content": f"[{uuid.uuid4().hex}] " + "step " * 80}])
+                  for n in "ab"}
+        for name, messages in agents.values():
+            t = _chat(s, messages, extra_headers={"x-session-id": name})
+            messages.append({"role": "assistant", "content": t.choices[0].message.content})
+            s.wait_durable(name)
+        (a, a_messages), (b, b_messages) = agents["a"], agents["b"]
+        _cold(s, a)
+        with s.client() as c:
+            assert c.get_session(b).state == "resident-clean"
+
+        assert _hint(s, {"session_id": a})["status"] == "no_room"  # B was just used
+        assert _hint(s, {"session_id": b})["status"] == "in_ram"
+        with s.client() as c:
+            wait_until(lambda: c.get_session(a).state == "resident-clean", timeout_s=30,
+                       what="A read back in B's place")
+            assert c.get_session(b).state == "cold"
+            evictions = [json.loads(e) for e in c.status().recent_evictions_json]
+            assert any(e["reason"] == "prefetch" and e["session_id"] == b and e["durable"]
+                       for e in evictions), evictions
+
+        for name, messages, source in ((a, a_messages, "ram"), (b, b_messages, "ssd")):
+            messages.append({"role": "user", "content": "Done."})
+            usage = _chat(s, messages, extra_headers={"x-session-id": name}).usage
+            k = usage.model_extra["kvbank"]
+            assert k["cache_source"] == source and k["recomputed_tokens"] == 0, (name, k)
     finally:
         s.stop()

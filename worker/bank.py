@@ -259,6 +259,10 @@ class SessionBank:
         deleted, or another entry covers it): its blocks leave RAM for the KV events."""
         self._unannounce(e)
 
+    def sessions(self) -> list[SessionKey]:
+        """The conversations with at least one entry in RAM."""
+        return list(self._by_session)
+
     def session_entries(self, session: SessionKey) -> list[BankEntry]:
         return [self.entries[k] for k in self._by_session.get(session, ())]
 

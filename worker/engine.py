@@ -110,7 +110,7 @@ class Engine:
             bank=self.bank, restorer=self.restorer, conversations=self.conversations,
             root_for=self.root_for, block_tokens=block_tokens,
             kv_bytes_per_token=self.kv_bytes_per_token,
-            room=lambda: 0 if self._pending else min(  # waiting requests come first
+            room=lambda: None if self._pending else min(  # waiting requests come first
                 self.bank.effective_max_bytes - self.bank.total_nbytes,
                 self.memory_budget - held_bytes(self.pricing, self.bank)))
         self.kv_events = None

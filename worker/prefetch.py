@@ -2,9 +2,14 @@
 
 A hint names the conversation (by name, or by the prompt it will send). If its KV is only on
 SSD, it is read back into the bank now; if it is in RAM, the hint stays live, and should the
-conversation be pushed out before it returns, it is read back as soon as there is room. Only
-free room is used (a hint never evicts), and a prefetched entry is the first to leave when
-memory is wanted (bank.py `prefetched`), so a hint can cost a turn nothing but disk reads.
+conversation be pushed out before it returns, it is read back as soon as there is room. A
+prefetched entry is the first to leave when memory is wanted (bank.py `prefetched`), so a hint
+can cost a turn nothing but disk reads.
+
+Room comes from free memory first. When there is too little, a hint may take RAM from
+conversations that will be back later than its own: written to SSD already (nothing is lost,
+only a read later), and either hinted after it (its tool call started later, so it ends later)
+or idle with no hint at all. A hint never takes memory from a request, running or waiting.
 
 Engine thread only, like everything it touches.
 """
@@ -20,6 +25,7 @@ import numpy as np
 
 from kvbank import metrics
 from kvbank.blocks import chain_block_ids
+from kvbank.contracts.vocabulary import TrimReason
 from worker.bank import SessionBank, SessionKey
 from worker.commands import PrefetchReport
 from worker.conversations import Conversations
@@ -32,15 +38,18 @@ HINT_TTL_S = 300.0  # a hint outlives the tool calls agents make; then it is for
 class _Hint:
     tokens: np.ndarray
     ids: list
+    at: float  # when it came: an older hint's conversation is back sooner
     until: float
 
 
 class Prefetcher:
     def __init__(self, *, bank: SessionBank, restorer: Restorer, conversations: Conversations,
                  root_for: Callable[[str], bytes], block_tokens: int, kv_bytes_per_token: int,
-                 room: Callable[[], int], clock: Callable[[], float] = time.monotonic):
+                 room: Callable[[], int | None],
+                 clock: Callable[[], float] = time.monotonic):
         """`room`: the bytes the bank may take without anything leaving (the smaller of what
-        its cap and the memory budget leave)."""
+        its cap and the memory budget leave); None while requests wait for memory (they come
+        first: a hint takes nothing then)."""
         self.bank, self.restorer, self.conversations = bank, restorer, conversations
         self.root_for, self.block_tokens = root_for, block_tokens
         self.kv_bytes_per_token = kv_bytes_per_token
@@ -60,7 +69,9 @@ class Prefetcher:
             tokens, ids, tenant, self.conversations.records, self.bank.is_busy)
         if key is None:  # tokens that continue no conversation kvbank knows
             return self._counted(PrefetchReport("unknown"))
-        self.live[key] = _Hint(tokens, ids, self.clock() + HINT_TTL_S)
+        now = self.clock()
+        self.live.pop(key, None)  # a new hint: its place in line is now
+        self.live[key] = _Hint(tokens, ids, now, now + HINT_TTL_S)
         return self._counted(self._bring_back(key, self.live[key]))
 
     def started(self, key: SessionKey) -> None:
@@ -74,7 +85,7 @@ class Prefetcher:
         requests finish and on the guard's tick). Returns the tokens brought back."""
         now = self.clock()
         brought = 0
-        for key, h in list(self.live.items()):
+        for key, h in list(self.live.items()):  # oldest hint first: it is back soonest
             if now > h.until:
                 del self.live[key]
                 continue
@@ -90,7 +101,8 @@ class Prefetcher:
         if ssd <= ram:
             return PrefetchReport("in_ram" if ram else "not_held", ram, ssd)
         need = (ssd + self.block_tokens) * self.kv_bytes_per_token  # whole blocks and a tail
-        if need > self.room():
+        room = self.room()
+        if room is None or (need > room and not self._displace(key, h, need - room)):
             return PrefetchReport("no_room", ram, ssd)
         found = self.restorer.ssd_prefix(h.tokens, h.ids, tenant, key, better_than=ram)
         if found is None:
@@ -102,6 +114,24 @@ class Prefetcher:
         self.bank.insert(key, h.tokens[:n], layers, durable_tokens=n, prefetched=True)
         metrics.PREFETCHED_TOKENS.inc(n)
         return PrefetchReport("restored", ram, ssd, n)
+
+    def _displace(self, key: SessionKey, h: _Hint, short: int) -> bool:
+        """Free `short` bytes for `key` from conversations back later than it (module
+        docstring), least recently used first; nothing leaves unless enough can."""
+        now = self.clock()
+
+        def later(s: SessionKey) -> bool:
+            other = self.live.get(s)
+            return other.at > h.at if other is not None else not self.bank.is_active(s, now)
+
+        movable = [s for s in self.bank.sessions()
+                   if s != key and not self.bank.is_busy(s) and later(s)
+                   and all(e.durable for e in self.bank.session_entries(s))]
+        if sum(self.bank.session_nbytes(s) for s in movable) < short:
+            return False
+        self.bank.release_sessions(self.bank.total_nbytes - short, only_sessions=movable,
+                                   reason=TrimReason.PREFETCH)
+        return True
 
     @staticmethod
     def _counted(report: PrefetchReport) -> PrefetchReport:
