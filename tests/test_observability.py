@@ -56,6 +56,7 @@ def test_metrics_events_status_and_admin_follow_a_conversation(tiny_model, tmp_p
         assert _get(w, "kvbank_prefix_hits_total", tier="ram") == 1
         assert _get(w, "kvbank_cached_tokens_total", tier="ram") > 0
         assert _get(w, "kvbank_bank_bytes") > 0
+        assert _get(w, "kvbank_bank_peak_bytes") >= _get(w, "kvbank_bank_bytes")
 
         # Before the flush the turn is only in RAM; `kvbank status` says so.
         st = json.loads(_kvbank(s, "status", "--json"))

@@ -140,6 +140,7 @@ class Engine:
         self._ram_bytes: dict[SessionKey, int] = {}
         self._admissions: deque = deque(maxlen=1024)  # admission receipts, newest last
         self._retried_at = 0.0
+        self._bank_peak = 0  # kvbank_bank_peak_bytes: a benchmark reads it once, not polls
         self._handlers = {
             cmd.DeleteSession: lambda c: self._delete_session(c.session),
             cmd.Release: lambda c: self.bank.release_sessions(
@@ -515,6 +516,8 @@ class Engine:
             out[e.session] = out.get(e.session, 0) + e.nbytes
         self._ram_bytes = out
         metrics.BANK_BYTES.set(self.bank.total_nbytes)
+        self._bank_peak = max(self._bank_peak, self.bank.total_nbytes)
+        metrics.BANK_PEAK_BYTES.set(self._bank_peak)
         metrics.BANK_ENTRIES.set(len(self.bank.entries))
 
     # -- the coldstore's word (applied by the writer's pump, on this thread) -----------------

@@ -7,9 +7,10 @@ prefetched entry is the first to leave when memory is wanted (bank.py `prefetche
 can cost a turn nothing but disk reads.
 
 Room comes from free memory first. When there is too little, a hint may take RAM from
-conversations that will be back later than its own: written to SSD already (nothing is lost,
-only a read later), and either hinted after it (its tool call started later, so it ends later)
-or idle with no hint at all. A hint never takes memory from a request, running or waiting.
+conversations that will be back later than its own: hinted after it (its tool call started
+later, so it ends later) or idle with no hint at all. Such a conversation leaves only once all
+of it is on SSD (its unwritten tail is written first, within DISPLACE_WRITE_OUT_S): nothing is
+lost, only a read later. A hint never takes memory from a request, running or waiting.
 
 Engine thread only, like everything it touches.
 """
@@ -25,12 +26,13 @@ import numpy as np
 
 from kvbank import metrics
 from kvbank.blocks import chain_block_ids
-from kvbank.contracts.vocabulary import TrimReason
+from kvbank.contracts.vocabulary import Outcome, TrimReason
 from worker.bank import SessionBank, SessionKey
 from worker.commands import PrefetchReport
 from worker.conversations import Conversations
 from worker.restore import Restorer
 
+DISPLACE_WRITE_OUT_S = 2.0  # a hint is a guess: it waits this long at most for writes
 HINT_TTL_S = 300.0  # a hint outlives the tool calls agents make; then it is forgotten
 
 
@@ -117,20 +119,41 @@ class Prefetcher:
 
     def _displace(self, key: SessionKey, h: _Hint, short: int) -> bool:
         """Free `short` bytes for `key` from conversations back later than it (module
-        docstring), least recently used first; nothing leaves unless enough can."""
+        docstring): the farthest first; nothing leaves unless enough can, and nothing leaves
+        that is not on SSD (a conversation's unwritten tail is written first)."""
         now = self.clock()
 
-        def later(s: SessionKey) -> bool:
+        def back_at(s: SessionKey) -> float | None:  # None: not later than `key`
             other = self.live.get(s)
-            return other.at > h.at if other is not None else not self.bank.is_active(s, now)
+            if other is not None:
+                return other.at if other.at > h.at else None
+            return None if self.bank.is_active(s, now) else float("inf")  # no hint: idle
 
-        movable = [s for s in self.bank.sessions()
-                   if s != key and not self.bank.is_busy(s) and later(s)
-                   and all(e.durable for e in self.bank.session_entries(s))]
-        if sum(self.bank.session_nbytes(s) for s in movable) < short:
+        later = [(at, s) for s in self.bank.sessions()
+                 if s != key and not self.bank.is_busy(s) and (at := back_at(s)) is not None]
+        if sum(self.bank.session_nbytes(s) for _, s in later) < short:
             return False
-        self.bank.release_sessions(self.bank.total_nbytes - short, only_sessions=movable,
+        give_up_at = time.time() + DISPLACE_WRITE_OUT_S
+        chosen, freed = [], 0
+        for _, s in sorted(later, key=lambda p: -p[0]):
+            if freed >= short:
+                break
+            if self._written_out(s, give_up_at):
+                chosen.append(s)
+                freed += self.bank.session_nbytes(s)
+        if freed < short:
+            return False
+        self.bank.release_sessions(self.bank.total_nbytes - short, only_sessions=chosen,
                                    reason=TrimReason.PREFETCH)
+        return True
+
+    def _written_out(self, s: SessionKey, give_up_at: float) -> bool:
+        """All of the conversation's entries on SSD, writing the unwritten ones now."""
+        writer = self.bank.writer
+        for e in self.bank.session_entries(s):
+            if not e.durable and (writer is None or not e.awaits_queued_write
+                                  or writer.write_out(e, give_up_at) != Outcome.WRITTEN):
+                return False
         return True
 
     @staticmethod

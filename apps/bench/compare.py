@@ -93,9 +93,10 @@ def _sessions(stack) -> dict:
 
 
 class _Peaks:
-    """Samples the worker through a run: its RAM bank (the `kvbank_bank_bytes` gauge, set
-    on every change) and its resident memory (anonymous + shared pages, as the worker's own
-    ledger counts them), every `every_s`; keeps the highest of each."""
+    """The worker's peaks through a run: its RAM bank (the worker's own
+    `kvbank_bank_peak_bytes`, read once at the end: polling /metrics would cost the worker
+    the CPU the run measures) and its resident memory (anonymous + shared pages, as the
+    worker's own ledger counts them), read from /proc every `every_s`."""
 
     def __init__(self, stack, every_s: float = 0.2):
         self.stack, self.every_s = stack, every_s
@@ -108,25 +109,23 @@ class _Peaks:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
         import httpx
 
+        self._stop.set()
+        self._thread.join(timeout=5)
+        text = httpx.get(self.stack.metrics_url("worker"), timeout=10).text
+        self.bank_bytes = int(next(float(line.split()[-1]) for line in text.splitlines()
+                                   if line.startswith("kvbank_bank_peak_bytes ")))
+
+    def _run(self) -> None:
         from worker.admission import resident_bytes
 
-        url = self.stack.metrics_url("worker")
+        pid = self.stack.pid("worker")
         while not self._stop.wait(self.every_s):
             try:
-                text = httpx.get(url, timeout=5).text
-                bank = next(float(line.split()[-1]) for line in text.splitlines()
-                            if line.startswith("kvbank_bank_bytes "))
-                self.bank_bytes = max(self.bank_bytes, int(bank))
-                self.worker_bytes = max(self.worker_bytes,
-                                        resident_bytes(self.stack.pid("worker")))
-            except Exception:  # a scrape that failed is a sample missed, not the run
-                continue
+                self.worker_bytes = max(self.worker_bytes, resident_bytes(pid))
+            except Exception:  # the worker is gone: the run's own rows say so
+                return
 
 
 @contextmanager
