@@ -12,11 +12,12 @@ request's `Decoding` (worker/decoding.py) parses out of the text before it is se
 
 A request that arrives when nothing else runs runs solo: the model on its own cache, one
 prefill chunk per step, its last prompt tokens and its first token in one forward, then one
-token per step, until another request arrives and it joins the batch where it stands. The
-batch would copy its whole KV twice (merge, split) and give the first token two forwards
-later (the last prompt token alone, then a decode step launched before the token is read:
-on CPU `async_eval` mostly runs in the caller), so a returning turn's first token costs one
-forward over its new tokens, as mlx-lm's own model call would. A request with logits
+token per step, until another request arrives and it joins the batch where it stands (on
+its last prompt forward, it takes that forward first: the batch would pad it to the newcomer's
+prompt). The batch would copy its whole KV twice (merge, split) and give the first token
+two forwards later (the last prompt token alone, then a decode step launched before the token
+is read: on CPU `async_eval` mostly runs in the caller), so a returning turn's first token
+costs one forward over its new tokens, as mlx-lm's own model call would. A request with logits
 processors (penalties, logit_bias, a grammar) takes the batch.
 """
 
@@ -93,9 +94,10 @@ class BatchScheduler:
                                   prefill_step_size=prefill_step_tokens)
         self.running: dict[int, Running] = {}
         self._prefix_ready: list[Running] = []
+        self._ended_early: list[tuple[Running, list]] = []  # by a join; out at the next step
 
     def __len__(self) -> int:
-        return len(self.running)
+        return len(self.running) + len(self._ended_early)
 
     def add(self, r: Running, cache: list, max_tokens: int) -> None:
         prompt = r.tokens[r.cached:].tolist()
@@ -118,7 +120,11 @@ class BatchScheduler:
         self.running[r.uid] = r
 
     def _join_batch(self) -> None:
-        """The solo request, if any, joins the batch where it stands."""
+        """The solo request, if any, joins the batch where it stands. One on its last prompt
+        forward takes it alone first: in the batch its few last tokens would be padded to the
+        newcomer's whole prompt (n-agents: 64 tokens computed as 315)."""
+        if self._solo is not None and 0 < len(self._solo.prompt) <= LAST_FORWARD_TOKENS:
+            self._ended_early += self._solo_step()
         s, self._solo = self._solo, None
         if s is None:
             return
@@ -147,8 +153,11 @@ class BatchScheduler:
     def step(self) -> list[tuple[Running, list]]:
         """One decode token for each decoding request, one prefill chunk for the others.
         Returns the requests that ended, each with its cache."""
+        early, self._ended_early = self._ended_early, []  # their text is flushed already
         if self._solo is not None:
-            return self._solo_step()
+            return early + self._solo_step()
+        if not self.running:  # the batch's newcomer was cancelled meanwhile
+            return early
         _, responses = self.gen.next()
         done: list[tuple[Running, list]] = []
         stopped: list[int] = []
@@ -167,7 +176,7 @@ class BatchScheduler:
                 done.append((self.running.pop(uid), caches[uid][0]))
         for r, _ in done:
             self._flush_text(r)
-        return done
+        return early + done
 
     def prefilling(self) -> list[Running]:
         """Requests still reading their prompt (no first token yet)."""
