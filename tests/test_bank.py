@@ -635,21 +635,22 @@ def test_release_with_target_stops_once_under_target():
     check_invariants(bank)
 
 
-def test_a_prefetched_entry_is_the_first_to_go_until_it_is_used():
-    """A hint must not cost a conversation its place in RAM: an entry brought back from SSD
-    ahead of its return leaves before older entries, and is an entry like any other once a
-    request has used it."""
+def test_hinted_conversations_stay_longest_and_the_last_hinted_goes_first():
+    """Agents that said they will come back (a live prefetch hint, worker/prefetch.py) keep
+    their KV longer than conversations without a hint, even more recently used ones. Of two
+    hinted, the one hinted last leaves first: its tool call started last, and least recently
+    used would send away the agent due back soonest. A prefetched entry whose hint lapsed,
+    not used since, leaves before all."""
     clock = Clock()
     bank = make_bank(clock=clock)
-    put(bank, "old", own_tokens(1), durable_tokens=6)
-    hinted = bank.insert((TENANT, "hinted"), own_tokens(2), layers_of(800), durable_tokens=6,
-                         prefetched=True)
-    assert not bank.is_active((TENANT, "hinted"))  # a hint is not activity
-    bank.shrink_to_bytes(800, reason="test")
-    assert log_ids(bank) == ["hinted"]
-    hinted = bank.insert((TENANT, "hinted"), own_tokens(2), layers_of(800), durable_tokens=6,
-                         prefetched=True)
-    clock.advance(1)
-    bank.touch(hinted)  # a request restored from it
-    bank.shrink_to_bytes(800, reason="test")
-    assert log_ids(bank) == ["hinted", "old"]
+    hints: dict = {}
+    bank.hinted_at = hints.get
+    for i, name in enumerate(["back-first", "back-second", "no-hint", "lapsed"]):
+        put(bank, name, own_tokens(i + 1), durable_tokens=6)
+        clock.advance(1)
+    hints[(TENANT, "back-first")], hints[(TENANT, "back-second")] = 10.0, 20.0
+    bank.entries[next(e.key for e in bank.entries.values()
+                      if e.session[1] == "lapsed")].prefetched = True
+    for left in (3, 2, 1, 0):
+        bank.shrink_to_bytes(800 * left, reason="test")
+    assert log_ids(bank) == ["lapsed", "no-hint", "back-second", "back-first"]

@@ -7,9 +7,13 @@ contain that block, so a lookup walks the prompt's blocks (O(blocks in the promp
 verifies the chosen entry token by token.
 
 Eviction order (who leaves first), kept by `_eviction_order`:
-  1. entries of idle sessions before entries of active ones (a session is active while a
-     request runs on it, and for `active_pin_s` after its last use);
-  2. within a class, least recently used first.
+  1. prefetched entries whose hint has lapsed, not used since;
+  2. conversations without a hint: entries of idle sessions before entries of active ones (a
+     session is active while a request runs on it, and for `active_pin_s` after its last
+     use), least recently used first;
+  3. conversations an agent said it will come back to (a live prefetch hint): the one hinted
+     last goes first, since its tool call started last. Least recently used would be exactly
+     wrong here: agents that think alike come back in the order they left.
 Protections are filters on top of that order, never reorderings: `protect_active` skips
 active sessions, `protect_unwritten` skips entries whose own SSD write is still queued,
 `protect_keys` (entries) / `protect_sessions` (tenant, session id) skip what the caller names.
@@ -94,6 +98,9 @@ class SessionBank:
         self.max_bytes = max_bytes
         self.ceiling_bytes: int | None = None  # a dynamic ceiling below max_bytes
         self.active_pin_s = active_pin_s
+        # When a live prefetch hint came for the conversation (None: no hint); set by
+        # worker/prefetch.py, which owns the hints.
+        self.hinted_at: Callable[[SessionKey], float | None] = lambda session: None
         self.write_out_deadline_s: float | None = None  # None: RELEASE_WRITE_OUT_MAX_S
         self.entries: dict[int, BankEntry] = {}
         self.total_nbytes = 0
@@ -344,11 +351,14 @@ class SessionBank:
         events.emit(**asdict(receipt))
 
     def _eviction_order(self, now: float) -> list[BankEntry]:
-        """Prefetched entries not used yet first (a hint must not cost a conversation its
-        place), then idle before active, least recently used first."""
-        return sorted(self.entries.values(),
-                      key=lambda e: (not e.prefetched, self.is_active(e.session, now),
-                                     e.last_used))
+        """The module docstring's order."""
+        def rank(e: BankEntry) -> tuple:
+            hinted = self.hinted_at(e.session)
+            if hinted is None:
+                return (not e.prefetched, False, self.is_active(e.session, now), e.last_used)
+            return (True, True, False, -hinted)
+
+        return sorted(self.entries.values(), key=rank)
 
     def evict(self, e: BankEntry, reason: str, *, write_out: str | None = None,
               write_out_s: float | None = None) -> None:
@@ -458,7 +468,8 @@ class SessionBank:
                          max_write_out_s: float | None = None) -> "ReleaseReceipt":
         """Release whole idle conversations until the bank holds <= target_bytes (None: all).
 
-        Conversations already durable go first, then least recently used. With write-out, an
+        Conversations already durable go first, then those without a prefetch hint (least
+        recently used first), then hinted ones (hinted last, first). With write-out, an
         entry whose SSD write is still queued is written first; all writes of one call share
         one deadline (RELEASE_WRITE_OUT_MAX_S). A write that runs out of time, is refused or
         fails leaves the entry dropped, as without write-out; without it the queued write is
@@ -475,8 +486,12 @@ class SessionBank:
                                                 else "idle_release"))
         candidates = [s for s in self._by_session
                       if s not in keep and (only is None or s in only)]
-        candidates.sort(key=lambda s: (not all(e.durable for e in self.session_entries(s)),
-                                       self._last_use.get(s, 0.0)))
+        def rank(s: SessionKey) -> tuple:
+            hinted = self.hinted_at(s)
+            return (not all(e.durable for e in self.session_entries(s)), hinted is not None,
+                    -hinted if hinted is not None else self._last_use.get(s, 0.0))
+
+        candidates.sort(key=rank)
         for session in candidates:
             if target_bytes is not None and self.total_nbytes <= target_bytes:
                 break

@@ -2,9 +2,10 @@
 
 A hint names the conversation (by name, or by the prompt it will send). If its KV is only on
 SSD, it is read back into the bank now; if it is in RAM, the hint stays live, and should the
-conversation be pushed out before it returns, it is read back as soon as there is room. A
-prefetched entry is the first to leave when memory is wanted (bank.py `prefetched`), so a hint
-can cost a turn nothing but disk reads.
+conversation be pushed out before it returns, it is read back as soon as there is room. While
+the hint is live the bank keeps the conversation longer than those without one, and of two
+hinted ones lets the one hinted last go first (bank.py, eviction order); a hint never keeps
+memory from a request.
 
 Room comes from free memory first. When there is too little, a hint may take RAM from
 conversations that will be back later than its own: hinted after it (its tool call started
@@ -56,6 +57,7 @@ class Prefetcher:
         self.root_for, self.block_tokens = root_for, block_tokens
         self.kv_bytes_per_token = kv_bytes_per_token
         self.room, self.clock = room, clock
+        bank.hinted_at = self._hinted_at  # the bank keeps hinted conversations longest
         self.live: dict[SessionKey, _Hint] = {}
 
     def hint(self, tenant: str, session_id: str, tokens: np.ndarray) -> PrefetchReport:
@@ -75,6 +77,10 @@ class Prefetcher:
         self.live.pop(key, None)  # a new hint: its place in line is now
         self.live[key] = _Hint(tokens, ids, now, now + HINT_TTL_S)
         return self._counted(self._bring_back(key, self.live[key]))
+
+    def _hinted_at(self, key: SessionKey) -> float | None:
+        h = self.live.get(key)
+        return h.at if h is not None and self.clock() <= h.until else None
 
     def started(self, key: SessionKey) -> None:
         """The conversation came back (or was deleted): its hint has done its work. An admin
