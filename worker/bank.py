@@ -520,7 +520,8 @@ class SessionBank:
                 else:
                     row.dropped_entries += 1
                 self.evict(e, reason, write_out=outcome, write_out_s=took)
-            r.add(row)
+            if row.entries:  # a conversation whose every entry was protected: no row
+                r.add(row)
         r.write_out_s = round(r.write_out_s, 4)
         if r.rows or r.skipped_busy_sessions:
             self.record(r)
