@@ -84,8 +84,7 @@ class Prefetcher:
 
     def started(self, key: SessionKey) -> None:
         """The conversation came back (or was deleted): its hint has done its work. An admin
-        release does not end a hint: it is about memory now, and a hint only ever uses free
-        room."""
+        release does not end a hint: it is about memory now, and the hint waits for room."""
         self.live.pop(key, None)
 
     def retry(self) -> int:
