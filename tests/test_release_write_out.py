@@ -23,7 +23,7 @@ from tests.waiting import wait_until
 from worker import kv
 from worker.bank import SessionBank
 from worker.link import ColdstoreClient
-from worker.upkeep import keep_within_cap
+from worker.upkeep import keep_within_cap, pressure_trim
 from worker.writer import KVWriter
 
 B = 16
@@ -235,6 +235,23 @@ def test_critical_trim_takes_everything_idle_and_counts_the_unwritten(rig):
     receipt = rig.bank.shrink_to_bytes(0, reason="pressure_trim:critical")
     assert receipt.evicted_entries == 2 and receipt.unwritten_dropped == 1
     assert rig.bank.total_nbytes == 0
+
+
+@pytest.mark.parametrize("source", ["ledger", "system"])
+def test_critical_pressure_from_kvbanks_own_ledger_writes_out_instead_of_dropping(rig,
+                                                                                 source):
+    """Critical because kvbank's ledger reached its own budget: every idle conversation still
+    leaves RAM, but an unwritten one goes to SSD first and is not lost. Critical because the
+    machine is short of memory (`system`, `psi`): memory comes first, the unwritten is dropped
+    and counted."""
+    durable = rig.turn("d", 40, seed=16)
+    rig.let_idle_lane_write(durable)
+    unwritten = rig.turn("u", 40, seed=15)  # after: the idle lane writes all that is queued
+    receipt = pressure_trim(rig.bank, "critical", source, deferred_s=0.0)
+    assert receipt.bank_entries_evicted == 2 and rig.bank.total_nbytes == 0
+    kept_on_ssd = source == "ledger"
+    assert receipt.bank_unwritten_dropped == (0 if kept_on_ssd else 1)
+    assert rig.durable_on_disk("u") == (unwritten.n_tokens if kept_on_ssd else 0)
 
 
 def test_ledger_counts_entries_running_requests_and_staged_bytes(rig):

@@ -66,20 +66,32 @@ def apply_dynamic_ceiling(bank: SessionBank, pricing: Pricing, budget: int) -> N
 
 def pressure_trim(bank: SessionBank, level: str, source: str,
                   deferred_s: float) -> PressureReceipt:
-    """warning: half of the bank, keeping unwritten entries; critical: every idle entry,
-    unwritten ones counted, because there memory comes first. Only a conversation with a
-    request in flight is spared either way: the active pin (`--active-pin-s`) orders the
-    LRU but does not veto a pressure trim."""
+    """warning: half of the bank, keeping unwritten entries; critical: every idle entry.
+    At critical the machine's own shortage (`system`, `psi`, or one an operator injects)
+    drops unwritten entries, counted, because there memory comes first. kvbank's own ledger
+    at critical is a line it drew itself, with the machine not short: unwritten entries are
+    written out and then released (the seeds' `release_sessions(write_out_before_release)`),
+    and only one whose write fails is dropped. Dropping them there lost agents' turns in
+    n-agents at +200 MB (the ledger counts RSS, and RSS swings with prefill buffers). Only a
+    conversation with a request in flight is spared: the active pin (`--active-pin-s`)
+    orders the LRU but does not veto a pressure trim."""
     mx.clear_cache()  # MLX's kept buffers first: nothing needs them back
     if level == PressureLevel.WARNING:
         r = bank.shrink_to_bytes(bank.total_nbytes // 2, reason=TrimReason.PRESSURE_WARNING,
                                  protect_unwritten=True)
+        evicted, kept, dropped = r.evicted_entries, r.unwritten_kept, r.unwritten_dropped
+    elif source == "ledger":
+        r = bank.shrink_to_bytes(0, reason=TrimReason.PRESSURE_CRITICAL, protect_unwritten=True)
+        rel = bank.release_sessions(0, reason=TrimReason.PRESSURE_CRITICAL,
+                                    write_out_before_release=True)
+        evicted = r.evicted_entries + rel.released_entries
+        kept, dropped = 0, rel.unwritten_dropped
     else:
         r = bank.shrink_to_bytes(0, reason=TrimReason.PRESSURE_CRITICAL)
+        evicted, kept, dropped = r.evicted_entries, r.unwritten_kept, r.unwritten_dropped
     receipt = PressureReceipt(level=level, source=source, reason=r.reason,
-                              bank_entries_evicted=r.evicted_entries,
-                              bank_unwritten_kept=r.unwritten_kept,
-                              bank_unwritten_dropped=r.unwritten_dropped,
+                              bank_entries_evicted=evicted, bank_unwritten_kept=kept,
+                              bank_unwritten_dropped=dropped,
                               bytes_after=bank.total_nbytes, deferred_s=round(deferred_s, 3))
     bank.record(receipt)
     return receipt
