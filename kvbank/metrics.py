@@ -49,7 +49,8 @@ RECOMPUTED_TOKENS = Counter("kvbank_recomputed_tokens_total",
                             "Prompt tokens of a session's own history computed again")
 BANK_BYTES = Gauge("kvbank_bank_bytes", "KV bytes held in the worker's RAM bank")
 BANK_PEAK_BYTES = Gauge("kvbank_bank_peak_bytes",
-                        "The most KV bytes the worker's RAM bank has held since it started")
+                        "The most KV bytes the worker's RAM bank has held since it started, "
+                        "read after each change settles (a commit and its trims)")
 BANK_ENTRIES = Gauge("kvbank_bank_entries", "Entries in the RAM bank")
 SESSIONS = Gauge("kvbank_sessions", "Sessions by where their KV is", ["state"])
 EVICTIONS = Counter("kvbank_evictions_total", "Bank entries that left RAM, by reason",

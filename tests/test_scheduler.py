@@ -81,3 +81,25 @@ def test_a_request_that_joins_the_batch_answers_as_it_would_alone(model_and_toke
     assert sorted(map(id, ended)) == sorted([id(a), id(b)])
     assert a.completion == _alone(model, tokenizer, a_tokens)
     assert b.completion == _alone(model, tokenizer, b_tokens)
+
+
+def test_a_request_that_ends_during_a_join_and_is_cancelled_is_not_committed(
+        model_and_tokenizer):
+    """A one-token answer ends in the join's forward; its client goes away before the next
+    step. The engine hears of it as cancelled (not committed, like any cancelled turn), and
+    the step hands out only what is still wanted."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = model_and_tokenizer
+    rng = np.random.default_rng(7)
+    s = _scheduler(model, tokenizer, chunk=64)
+    a = _request(tokenizer, rng.integers(256, tokenizer.vocab_size, 100, dtype=np.uint32))
+    b = _request(tokenizer, rng.integers(256, tokenizer.vocab_size, 50, dtype=np.uint32))
+    s.add(a, make_prompt_cache(model), 1)
+    s.step()
+    s.add(b, make_prompt_cache(model), ANSWER)
+    assert len(a.completion) == 1 and a.uid not in s.running  # ended in the join
+    a.job.cancelled.set()
+    assert s.take_cancelled() == [a]
+    assert a not in [r for r, _ in s.step()]
+    assert [r for r in _drain(s)] == [b] and len(b.completion) == ANSWER

@@ -406,6 +406,9 @@ class Engine:
         for r in self.batch.take_cancelled():
             self._leave(r)
             r.job.emit(None)
+        for r, e in self.batch.take_failed():
+            self._leave(r)
+            r.job.emit(e)
         if not self.batch:
             return
         try:

@@ -11,7 +11,9 @@ Actions (`pressure_trim` in worker/upkeep.py, with its receipt), posted to the e
 rising edge and then at most every `act_every_s` while the level stays up:
   warning  wait up to `warning_wait_s` for an idle engine, then shrink the bank to half of what
            it holds, never an active conversation nor one whose KV is not on SSD yet;
-  critical no wait: every idle entry goes, unwritten ones too (and counted).
+  critical no wait: every idle entry goes; unwritten ones are dropped (and counted) when the
+           machine is short (system, psi, injected), written out first when the source is
+           kvbank's own ledger.
 Every tick also sets the bank's dynamic ceiling: the budget minus everything else held, so the
 bank gives back what running requests need, never taking an active conversation.
 """
@@ -107,7 +109,8 @@ class Guard:
         snap = self.engine.snapshot
         found = [(ledger_level(snap.held_bytes, self.engine.memory_budget), "ledger"),
                  (system_level(), "system"), (psi_level(), "psi")]
-        level, source = max(found, key=lambda f: _rank(f[0]))
+        # On a tie the machine's own reading names the source: it decides what a trim drops.
+        level, source = max(found, key=lambda f: (_rank(f[0]), f[1] != "ledger"))
         return level, source if level != "normal" else "none"
 
     def _run(self) -> None:

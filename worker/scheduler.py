@@ -24,6 +24,7 @@ processors (penalties, logit_bias, a grammar) takes the batch.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -34,6 +35,8 @@ import mlx.core as mx
 from kvbank.v1 import api_pb2, worker_pb2
 from worker import kv
 from worker.decoding import Decoding, token_logprob
+
+logger = logging.getLogger(__name__)
 
 PREFILL_STEP_TOKENS = 512
 LAST_FORWARD_TOKENS = 64  # a solo prompt's last forward, the one with logits, reads at most this
@@ -95,6 +98,7 @@ class BatchScheduler:
         self.running: dict[int, Running] = {}
         self._prefix_ready: list[Running] = []
         self._ended_early: list[tuple[Running, list]] = []  # by a join; out at the next step
+        self._failed: list[tuple[Running, Exception]] = []  # by a join; see take_failed
 
     def __len__(self) -> int:
         return len(self.running) + len(self._ended_early)
@@ -123,8 +127,15 @@ class BatchScheduler:
         """The solo request, if any, joins the batch where it stands. One on its last prompt
         forward takes it alone first: in the batch its few last tokens would be padded to the
         newcomer's whole prompt (n-agents: 64 tokens computed as 315)."""
-        if self._solo is not None and 0 < len(self._solo.prompt) <= LAST_FORWARD_TOKENS:
-            self._ended_early += self._solo_step()
+        solo = self._solo
+        if (solo is not None and 0 < len(solo.prompt) <= LAST_FORWARD_TOKENS
+                and not solo.r.job.cancelled.is_set()):
+            try:
+                self._ended_early += self._solo_step()
+            except Exception as e:  # its failure, not the newcomer's: out with its error
+                logger.exception("generation step failed")
+                self._forget([solo.r])
+                self._failed.append((solo.r, e))
         s, self._solo = self._solo, None
         if s is None:
             return
@@ -135,11 +146,20 @@ class BatchScheduler:
             self._insert(r, r.completion[-1:], s.cache, s.max_tokens - len(r.completion))
 
     def take_cancelled(self) -> list[Running]:
-        """Requests whose client went away, taken out before the next step (in prefill too)."""
+        """Requests whose client went away, taken out before the next step (in prefill too,
+        or ended by a join but not yet answered)."""
         gone = [r for r in self.running.values() if r.job.cancelled.is_set()]
         if gone:
             self._forget(gone)
+        early = [(r, c) for r, c in self._ended_early if not r.job.cancelled.is_set()]
+        gone += [r for r, _ in self._ended_early if r.job.cancelled.is_set()]
+        self._ended_early = early
         return gone
+
+    def take_failed(self) -> list[tuple[Running, Exception]]:
+        """Requests whose forward failed outside `step` (a join), with the error."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def _forget(self, gone: list[Running]) -> None:
         if self._solo is not None and any(self._solo.r is r for r in gone):
@@ -153,11 +173,11 @@ class BatchScheduler:
     def step(self) -> list[tuple[Running, list]]:
         """One decode token for each decoding request, one prefill chunk for the others.
         Returns the requests that ended, each with its cache."""
-        early, self._ended_early = self._ended_early, []  # their text is flushed already
-        if self._solo is not None:
-            return early + self._solo_step()
-        if not self.running:  # the batch's newcomer was cancelled meanwhile
+        if self._ended_early:  # answered by a join: out first, with no forward that could fail
+            early, self._ended_early = self._ended_early, []  # their text is flushed already
             return early
+        if self._solo is not None:
+            return self._solo_step()
         _, responses = self.gen.next()
         done: list[tuple[Running, list]] = []
         stopped: list[int] = []
@@ -176,7 +196,7 @@ class BatchScheduler:
                 done.append((self.running.pop(uid), caches[uid][0]))
         for r, _ in done:
             self._flush_text(r)
-        return early + done
+        return done
 
     def prefilling(self) -> list[Running]:
         """Requests still reading their prompt (no first token yet)."""

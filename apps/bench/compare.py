@@ -113,9 +113,12 @@ class _Peaks:
 
         self._stop.set()
         self._thread.join(timeout=5)
-        text = httpx.get(self.stack.metrics_url("worker"), timeout=10).text
-        self.bank_bytes = int(next(float(line.split()[-1]) for line in text.splitlines()
-                                   if line.startswith("kvbank_bank_peak_bytes ")))
+        try:
+            text = httpx.get(self.stack.metrics_url("worker"), timeout=10).text
+            self.bank_bytes = int(next(float(line.split()[-1]) for line in text.splitlines()
+                                       if line.startswith("kvbank_bank_peak_bytes ")))
+        except Exception:  # the worker is gone: the run's own error, if any, is the story
+            logger.warning("could not read the worker's peak bank bytes")
 
     def _run(self) -> None:
         from worker.admission import resident_bytes
