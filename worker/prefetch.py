@@ -33,7 +33,7 @@ from worker.commands import PrefetchReport
 from worker.conversations import Conversations
 from worker.restore import Restorer
 
-DISPLACE_WRITE_OUT_S = 2.0  # a hint is a guess: it waits this long at most for writes
+DISPLACE_WRITE_OUT_S = 2.0  # a hint (or a retry of all) waits this long at most for writes
 HINT_TTL_S = 300.0  # a hint outlives the tool calls agents make; then it is forgotten
 
 
@@ -76,7 +76,8 @@ class Prefetcher:
         now = self.clock()
         self.live.pop(key, None)  # a new hint: its place in line is now
         self.live[key] = _Hint(tokens, ids, now, now + HINT_TTL_S)
-        return self._counted(self._bring_back(key, self.live[key]))
+        return self._counted(self._bring_back(key, self.live[key],
+                                              time.time() + DISPLACE_WRITE_OUT_S))
 
     def _hinted_at(self, key: SessionKey) -> float | None:
         h = self.live.get(key)
@@ -92,24 +93,27 @@ class Prefetcher:
         requests finish and on the guard's tick). Returns the tokens brought back."""
         now = self.clock()
         brought = 0
+        give_up_at = time.time() + DISPLACE_WRITE_OUT_S  # one wait for all: the engine waits
         for key, h in list(self.live.items()):  # oldest hint first: it is back soonest
             if now > h.until:
                 del self.live[key]
                 continue
-            report = self._bring_back(key, h)
+            report = self._bring_back(key, h, give_up_at)
             if report.status == "restored":
                 metrics.PREFETCHES.labels("restored_later").inc()
                 brought += report.restored_tokens
         return brought
 
-    def _bring_back(self, key: SessionKey, h: _Hint) -> PrefetchReport:
+    def _bring_back(self, key: SessionKey, h: _Hint, give_up_at: float) -> PrefetchReport:
+        """`give_up_at` (unix s): when waiting for displaced conversations' writes stops."""
         tenant = key[0]
         ram, ssd = self.restorer.held(h.tokens, h.ids, tenant)
         if ssd <= ram:
             return PrefetchReport("in_ram" if ram else "not_held", ram, ssd)
         need = (ssd + self.block_tokens) * self.kv_bytes_per_token  # whole blocks and a tail
         room = self.room()
-        if room is None or (need > room and not self._displace(key, h, need - room)):
+        if room is None or (need > room and not self._displace(key, h, need - room,
+                                                                     give_up_at)):
             return PrefetchReport("no_room", ram, ssd)
         found = self.restorer.ssd_prefix(h.tokens, h.ids, tenant, key, better_than=ram)
         if found is None:
@@ -122,7 +126,7 @@ class Prefetcher:
         metrics.PREFETCHED_TOKENS.inc(n)
         return PrefetchReport("restored", ram, ssd, n)
 
-    def _displace(self, key: SessionKey, h: _Hint, short: int) -> bool:
+    def _displace(self, key: SessionKey, h: _Hint, short: int, give_up_at: float) -> bool:
         """Free `short` bytes for `key` from conversations back later than it (module
         docstring): the farthest first; nothing leaves unless enough can, and nothing leaves
         that is not on SSD (a conversation's unwritten tail is written first)."""
@@ -138,7 +142,6 @@ class Prefetcher:
                  if s != key and not self.bank.is_busy(s) and (at := back_at(s)) is not None]
         if sum(self.bank.session_nbytes(s) for _, s in later) < short:
             return False
-        give_up_at = time.time() + DISPLACE_WRITE_OUT_S
         chosen, freed = [], 0
         for _, s in sorted(later, key=lambda p: -p[0]):
             if freed >= short:
