@@ -154,8 +154,8 @@ class Backend:
                 new = tok.chat_append(history, list(v.messages), set(info.eos_token_ids),
                                       tools=tools)
             else:
-                new = tok.chat(list(v.messages), tools=tools,
-                               answer_tokens=lambda key: self.answers.get(tenant, key))
+                new = tok.chat(list(v.messages), tools=tools, answer_tokens=lambda key, prompt:
+                               self.answers.get(tenant, key, prompt))
         elif v.kind == "prompt":
             new = tok.encode(v.prompt)
         else:
@@ -316,7 +316,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             ids.extend(ev.token_ids)
             calls.extend((c.name, c.arguments) for c in ev.tool_calls)
             if ev.HasField("usage") and not ev.stop_sequence:
-                self._remember_answer(tenant, "".join(texts), calls, ids)
+                self._remember_answer(tenant, tokens, "".join(texts), calls, ids)
             if ev.token_ids:
                 now = time.monotonic()
                 if first_at is None:
@@ -337,13 +337,13 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             yield out
 
 
-    def _remember_answer(self, tenant: str, text: str, calls: list[tuple[str, str]],
-                         ids: list[int]) -> None:
+    def _remember_answer(self, tenant: str, prompt: list[int], text: str,
+                         calls: list[tuple[str, str]], ids: list[int]) -> None:
         """So the next turn can send this answer back (text and tool calls) and still hit its
         KV. Only an answer that is all of its tokens is kept: no stop string cut it, and its
         text is its tokens' unless tool calls were parsed out of them."""
         if ids and (calls or (text and self.b.tokenizer.decode(ids) == text)):
-            self.b.answers.put(tenant, answer_key(text, calls), ids)
+            self.b.answers.put(tenant, prompt, answer_key(text, calls), ids)
 
 
 class SessionsServicer(api_pb2_grpc.SessionsServicer):

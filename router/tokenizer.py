@@ -7,8 +7,8 @@ differently from what the model generated, so:
   message, up to the next generation prompt;
 - a client that sends the whole conversation back (every OpenAI client) gets each assistant
   message it was answered with spliced in as the tokens the model generated (`AnswerTokens`
-  remembers them by their text and tool calls, `answer_key`), and the template's text around
-  them tokenized in pieces. A tool call comes back as JSON the client re-serialized, so it
+  remembers them by the prompt they answered and their text and tool calls, `answer_key`),
+  and the template's text around them tokenized in pieces. A tool call comes back as JSON the client re-serialized, so it
   is keyed by its parsed arguments, not their spelling.
 """
 
@@ -54,26 +54,50 @@ def _arguments_text(args) -> str:
 
 
 class AnswerTokens:
-    """The tokens behind recent answers, by tenant and text (a bounded LRU)."""
+    """The tokens behind recent answers, by tenant, text and the prompt they answered (a
+    bounded LRU).
+
+    The prompt is part of the key: two answers with one text (an agent's "Done.", the same
+    tool call twice) can be different tokens, and a conversation that moved here from another
+    machine has its earlier answers tokenized from text in what this worker holds. Splicing
+    another turn's tokens in there would break the prompt's match with that history."""
 
     def __init__(self, capacity: int = ANSWERS_KEPT):
         self.capacity = capacity
-        self._ids: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._ids: OrderedDict[bytes, tuple[bytes, np.ndarray]] = OrderedDict()
+        self._texts: dict[bytes, int] = {}  # entries per (tenant, text): most texts are unknown
 
     @staticmethod
-    def _key(tenant: str, text: str) -> bytes:
+    def _text_key(tenant: str, text: str) -> bytes:
         return hashlib.blake2b(f"{tenant}\0{text}".encode(), digest_size=16).digest()
 
-    def put(self, tenant: str, text: str, token_ids: list[int]) -> None:
-        key = self._key(tenant, text)
-        self._ids[key] = np.asarray(token_ids, dtype=np.uint32)
+    @staticmethod
+    def _key(text_key: bytes, prompt: list[int]) -> bytes:
+        h = hashlib.blake2b(text_key, digest_size=16)
+        h.update(np.asarray(prompt, dtype=np.uint32).tobytes())
+        return h.digest()
+
+    def put(self, tenant: str, prompt: list[int], text: str, token_ids: list[int]) -> None:
+        tk = self._text_key(tenant, text)
+        key = self._key(tk, prompt)
+        if key not in self._ids:
+            self._texts[tk] = self._texts.get(tk, 0) + 1
+        self._ids[key] = (tk, np.asarray(token_ids, dtype=np.uint32))
         self._ids.move_to_end(key)
         while len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
+            _, (old, _) = self._ids.popitem(last=False)
+            self._texts[old] -= 1
+            if not self._texts[old]:
+                del self._texts[old]
 
-    def get(self, tenant: str, text: str) -> list[int] | None:
-        ids = self._ids.get(self._key(tenant, text))
-        return None if ids is None else ids.tolist()
+    def get(self, tenant: str, text: str, prompt: Callable[[], list[int]]) -> list[int] | None:
+        """The tokens answering `prompt()` with `text` (the prompt is built only for a text
+        some answer had)."""
+        tk = self._text_key(tenant, text)
+        if tk not in self._texts:
+            return None
+        got = self._ids.get(self._key(tk, prompt()))
+        return None if got is None else got[1].tolist()
 
 
 class PromptTokenizer:
@@ -98,33 +122,58 @@ class PromptTokenizer:
                                             add_generation_prompt=True, tokenize=False)
 
     def chat(self, messages: list[dict],
-             answer_tokens: Callable[[str], list[int] | None] | None = None,
+             answer_tokens: Callable[[str, Callable[[], list[int]]], list[int] | None]
+             | None = None,
              tools: list[dict] | None = None) -> list[int]:
-        """A whole conversation, ready for the assistant's next turn. Assistant messages
-        whose generated tokens `answer_tokens` knows (by `message_key`) go in as those
-        tokens, tool calls and all."""
-        plain = lambda: self.encode(self.render(messages, tools))  # noqa: E731
-        if answer_tokens is None:
-            return plain()
-        spliced: list[list[int]] = []
-        marked = []
-        for m in messages:
-            ids = answer_tokens(message_key(m)) if m["role"] == "assistant" else None
-            if ids:
-                m = {"role": "assistant",
-                     "content": f"\ue000kvbank-answer-{len(spliced)}\ue000"}
-                spliced.append(ids)
-            marked.append(m)
-        if not spliced:
-            return plain()
-        text = self.render(marked, tools)
-        out: list[int] = []
-        for i, ids in enumerate(spliced):
-            before, found, text = text.partition(f"\ue000kvbank-answer-{i}\ue000")
+        """A whole conversation, ready for the assistant's next turn. An assistant message
+        whose generated tokens `answer_tokens(message_key, prompt)` knows, as the answer to
+        the tokens before it, goes in as those tokens, tool calls and all; the text around
+        the spliced answers is tokenized in pieces, as each turn's prompt was."""
+        plain = self.render(messages, tools)
+        answers = [m for m in messages if m["role"] == "assistant"]
+        if answer_tokens is None or not answers:
+            return self.encode(plain)
+        marks = [f"\ue000kvbank-answer-{i}\ue000" for i in range(len(answers))]
+        it = iter(marks)
+        marked = self.render([{"role": "assistant", "content": next(it)}
+                              if m["role"] == "assistant" else m for m in messages], tools)
+        # The template's text between answers (`pieces`), and each answer as the plain render
+        # has it (`rendered`), by aligning the two renders.
+        pieces, rest = [], marked
+        for mark in marks:
+            before, found, rest = rest.partition(mark)
             if not found:  # a template that rewrites assistant content
-                return plain()
-            out += self.encode(before) + ids
-        return out + self.encode(text)
+                return self.encode(plain)
+            pieces.append(before)
+        pieces.append(rest)
+        rendered, at = [], len(pieces[0])
+        if not plain.startswith(pieces[0]) or not plain.endswith(pieces[-1]):
+            return self.encode(plain)
+        for piece in pieces[1:-1]:
+            end = plain.find(piece, at)
+            if end < 0:
+                return self.encode(plain)
+            rendered.append(plain[at:end])
+            at = end + len(piece)
+        rendered.append(plain[at:len(plain) - len(pieces[-1])])
+
+        out: list[int] = []
+        pending = pieces[0]  # text not tokenized yet, since the last spliced answer
+        for i, m in enumerate(answers):
+            built: list[list[int]] = []  # the prompt before this answer, once built
+
+            def prompt(out=out, pending=pending, built=built) -> list[int]:
+                if not built:
+                    built.append(out + self.encode(pending))
+                return built[0]
+
+            ids = answer_tokens(message_key(m), prompt)
+            if ids:
+                out = prompt() + ids
+                pending = pieces[i + 1]
+            else:
+                pending += rendered[i] + pieces[i + 1]
+        return out + self.encode(pending)
 
     def chat_append(self, history: list[int], messages: list[dict],
                     eos_token_ids: set[int], tools: list[dict] | None = None) -> list[int]:

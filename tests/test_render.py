@@ -110,8 +110,8 @@ def test_chat_render_is_the_prompt_the_worker_prefills(keyed, tok):
     ids2 = _render(keyed, "chat", _chat(messages))
     answer_ids = record1[len(ids1):]
     remembered = tok.decode(answer_ids) == answer  # kept only when its text is all its tokens
-    assert ids2 == tok.chat(messages, answer_tokens=lambda text: (
-        answer_ids if remembered and text == answer else None))
+    assert ids2 == tok.chat(messages, answer_tokens=lambda text, prompt: (
+        answer_ids if remembered and text == answer and prompt() == ids1 else None))
     if remembered:
         assert ids2[:len(record1)] == record1  # the render continues the record
     t2 = _generate(keyed, "chat", _chat(messages))
@@ -210,7 +210,7 @@ def test_render_uses_the_callers_tenant(keyed, tok):
     answer_ids = _record(keyed, t["usage"]["kvbank"]["session_id"])[t["usage"]["prompt_tokens"]:]
     messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "More."}]
     remembered = tok.decode(answer_ids) == answer
-    spliced = tok.chat(messages, answer_tokens=lambda text: (
+    spliced = tok.chat(messages, answer_tokens=lambda text, prompt: (
         answer_ids if remembered and text == answer else None))
     assert spliced != tok.chat(messages), "this test needs an answer that re-tokenizes otherwise"
     assert _render(keyed, "chat", _chat(messages), key=ALICE) == spliced

@@ -1,6 +1,6 @@
 """The worker's BatchScheduler on the tiny model (real mlx-lm, real caches): an answer does not
-depend on what else runs beside it, and a request that arrives while another reads its prompt
-alone does not make that one wait."""
+depend on what else runs beside it, a short prompt is not kept waiting behind a long one nor a
+long one behind short ones, and one request's failure or cancellation leaves the others be."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from kvbank.v1 import api_pb2, worker_pb2
 from worker import commands as cmd
 from worker.decoding import Decoding, make_request_sampler
-from worker.scheduler import LAST_FORWARD_TOKENS, BatchScheduler, Running
+from worker.scheduler import BatchScheduler, Running
 
 ANSWER = 8
 
@@ -54,28 +54,26 @@ def _alone(model, tokenizer, tokens: np.ndarray) -> list[int]:
     return r.completion
 
 
-@pytest.mark.parametrize("first_prompt", [100, 300], ids=["on-its-last-forward", "mid-prompt"])
-def test_a_request_that_joins_the_batch_answers_as_it_would_alone(model_and_tokenizer,
-                                                                  first_prompt):
-    """A reads its prompt alone; B arrives after A's first chunk. With A on its last prompt
-    forward, A takes that forward alone at once (its first token comes before B's prompt is
-    read, and its last tokens are not padded to B's length); mid-prompt, A joins the batch as
-    it stands. Either way both answer exactly as alone."""
+def _tokens(tokenizer, rng, n: int) -> np.ndarray:
+    return rng.integers(256, tokenizer.vocab_size, size=n, dtype=np.uint32)
+
+
+def test_a_short_prompt_that_arrives_during_a_long_one_is_read_first(model_and_tokenizer):
+    """A reads a 300-token prompt in 64-token chunks; B (20 tokens) arrives after A's first
+    chunk and gets its first token at the next step, while A is still reading. B decodes
+    alone, A joins it in the batch when its prompt is read; both answer exactly as alone."""
     from mlx_lm.models.cache import make_prompt_cache
 
     model, tokenizer = model_and_tokenizer
-    rng = np.random.default_rng(first_prompt)
-    a_tokens = rng.integers(256, tokenizer.vocab_size, size=first_prompt, dtype=np.uint32)
-    b_tokens = rng.integers(256, tokenizer.vocab_size, size=200, dtype=np.uint32)
-
+    rng = np.random.default_rng(1)
+    a_tokens, b_tokens = _tokens(tokenizer, rng, 300), _tokens(tokenizer, rng, 20)
     s = _scheduler(model, tokenizer, chunk=64)
     a, b = _request(tokenizer, a_tokens), _request(tokenizer, b_tokens)
     s.add(a, make_prompt_cache(model), ANSWER)
-    assert s.step() == [] and a.first_token_at is None  # A's first chunk, alone
+    assert s.step() == [] and a.first_token_at is None  # A's first chunk
     s.add(b, make_prompt_cache(model), ANSWER)
-    left = first_prompt - min(64, first_prompt - LAST_FORWARD_TOKENS)  # after A's chunk
-    on_last_forward = left <= LAST_FORWARD_TOKENS
-    assert (a.first_token_at is not None) == on_last_forward
+    s.step()
+    assert b.first_token_at is not None and a.first_token_at is None
     ended = _drain(s)
 
     assert sorted(map(id, ended)) == sorted([id(a), id(b)])
@@ -83,23 +81,63 @@ def test_a_request_that_joins_the_batch_answers_as_it_would_alone(model_and_toke
     assert b.completion == _alone(model, tokenizer, b_tokens)
 
 
-def test_a_request_that_ends_during_a_join_and_is_cancelled_is_not_committed(
-        model_and_tokenizer):
-    """A one-token answer ends in the join's forward; its client goes away before the next
-    step. The engine hears of it as cancelled (not committed, like any cancelled turn), and
-    the step hands out only what is still wanted."""
+def test_a_long_prompt_is_not_starved_by_short_ones(model_and_tokenizer):
+    """A short prompt arrives before every step, each ahead of the long one by its length;
+    the long one still gets its first token within twice its own number of chunks."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = model_and_tokenizer
+    rng = np.random.default_rng(2)
+    s = _scheduler(model, tokenizer, chunk=64)
+    long = _request(tokenizer, _tokens(tokenizer, rng, 640))  # 10 chunks
+    s.add(long, make_prompt_cache(model), 1)
+    ended, steps = [], 0
+    while long.first_token_at is None:
+        s.add(_request(tokenizer, _tokens(tokenizer, rng, 60)), make_prompt_cache(model), 1)
+        ended += [r for r, _ in s.step()]
+        steps += 1
+        assert steps <= 20, "the long prompt waited behind every short one"
+    assert ended, "no short prompt was read before the long one ended"
+    assert long in ended and len(long.completion) == 1
+
+
+def test_a_cancelled_reader_leaves_and_the_others_go_on(model_and_tokenizer):
+    """B's client goes away while its prompt is read beside A's: B leaves at once (not
+    committed), A answers as alone."""
     from mlx_lm.models.cache import make_prompt_cache
 
     model, tokenizer = model_and_tokenizer
     rng = np.random.default_rng(7)
+    a_tokens = _tokens(tokenizer, rng, 200)
     s = _scheduler(model, tokenizer, chunk=64)
-    a = _request(tokenizer, rng.integers(256, tokenizer.vocab_size, 100, dtype=np.uint32))
-    b = _request(tokenizer, rng.integers(256, tokenizer.vocab_size, 50, dtype=np.uint32))
-    s.add(a, make_prompt_cache(model), 1)
-    s.step()
+    a, b = _request(tokenizer, a_tokens), _request(tokenizer, _tokens(tokenizer, rng, 200))
+    s.add(a, make_prompt_cache(model), ANSWER)
     s.add(b, make_prompt_cache(model), ANSWER)
-    assert len(a.completion) == 1 and a.uid not in s.running  # ended in the join
-    a.job.cancelled.set()
-    assert s.take_cancelled() == [a]
-    assert a not in [r for r, _ in s.step()]
-    assert [r for r in _drain(s)] == [b] and len(b.completion) == ANSWER
+    s.step()
+    b.job.cancelled.set()
+    assert s.take_cancelled() == [b] and b.uid not in s.running
+    assert _drain(s) == [a] and a.completion == _alone(model, tokenizer, a_tokens)
+
+
+def test_a_request_whose_forward_fails_fails_alone(model_and_tokenizer):
+    """B's sampler raises (a failing forward); B comes out of `take_failed` with the error,
+    A, reading beside it, answers as alone."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    def failing_sampler(logprobs):
+        raise RuntimeError("sampler failed")
+
+    model, tokenizer = model_and_tokenizer
+    rng = np.random.default_rng(9)
+    a_tokens = _tokens(tokenizer, rng, 150)
+    s = _scheduler(model, tokenizer, chunk=64)
+    a, b = _request(tokenizer, a_tokens), _request(tokenizer, _tokens(tokenizer, rng, 30))
+    b.decoding = Decoding(failing_sampler)
+    s.add(a, make_prompt_cache(model), ANSWER)
+    s.add(b, make_prompt_cache(model), ANSWER)
+    ended, failed = [], []
+    while s:
+        ended += [r for r, _ in s.step()]
+        failed += s.take_failed()
+    assert [(r, str(e)) for r, e in failed] == [(b, "sampler failed")]
+    assert ended == [a] and a.completion == _alone(model, tokenizer, a_tokens)

@@ -311,9 +311,8 @@ class FakeRouter(api_pb2_grpc.GenerationServicer):
             while True:
                 yield api_pb2.GenerateResponse(text="lo", token_ids=[2])
                 await asyncio.sleep(0.01)
-        except asyncio.CancelledError:
-            self.cancelled.release()
-            raise
+        finally:  # only a cancel ends it: in the sleep (CancelledError) or while grpc sends
+            self.cancelled.release()  # the last message (the generator is closed at its yield)
 
 
 @pytest.fixture(scope="module")

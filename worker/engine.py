@@ -406,9 +406,6 @@ class Engine:
         for r in self.batch.take_cancelled():
             self._leave(r)
             r.job.emit(None)
-        for r, e in self.batch.take_failed():
-            self._leave(r)
-            r.job.emit(e)
         if not self.batch:
             return
         try:
@@ -423,6 +420,9 @@ class Engine:
                 self._leave(r)
                 r.job.emit(e)
             return
+        for r, e in self.batch.take_failed():  # its own forward failed; the others went on
+            self._leave(r)
+            r.job.emit(e)
         answers = []
         for r, cache in done:
             try:

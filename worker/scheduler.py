@@ -1,30 +1,32 @@
-"""How admitted requests share the model: mlx-lm's BatchGenerator, driven one step at a time.
+"""How admitted requests share the model: prompts read one chunk a step on their own caches,
+answers decoded together in mlx-lm's BatchGenerator.
 
-Each `step` decodes one token for every request in the decode batch and prefills one chunk
-(`prefill_step_tokens`) of every request still reading its prompt, so a short request that
-arrives during a long prefill gets its first token after one chunk, not after the whole
-prompt. `serial` and `hyper` use the same path with one request at a time.
+Each `step` decodes one token for every request past its prompt and reads one chunk
+(`prefill_step_tokens`) of one prompt: the one with the fewest chunks left, less the steps it
+was passed over (a short request that arrives during a long prefill gets its first token
+after one chunk; a long one is not starved). A prompt is read on the request's own cache, the
+model called as mlx-lm's own generate does: its chunks without logits, then its last
+<= 64 tokens and its first token in one forward, handed out at once. Reading prompts in the
+batch would pad them to the longest, copy every cache in and out of the batch (merge,
+split), and hand each token out one step after computing it; on this CPU four 512-token
+prompts on 1,600-token histories read together ran at 0.85 of one after another
+(docs/decisions.md). A request whose prompt is read decodes alone on its own cache while
+nothing else decodes, and joins the batch when a second one would (the batch is then worth
+its copies). `serial` and `hyper` use the same path with one request at a time.
 
 A request enters with its own restored cache (RAM bank or SSD) and leaves with the cache of
 everything it read and wrote, which the engine commits. Stop strings and cancellation are
 checked here, on the detokenized text, after each token; so are tool calls, which the
-request's `Decoding` (worker/decoding.py) parses out of the text before it is sent.
-
-A request that arrives when nothing else runs runs solo: the model on its own cache, one
-prefill chunk per step, its last prompt tokens and its first token in one forward, then one
-token per step, until another request arrives and it joins the batch where it stands (on
-its last prompt forward, it takes that forward first: the batch would pad it to the newcomer's
-prompt). The batch would copy its whole KV twice (merge, split) and give the first token
-two forwards later (the last prompt token alone, then a decode step launched before the token
-is read: on CPU `async_eval` mostly runs in the caller), so a returning turn's first token
-costs one forward over its new tokens, as mlx-lm's own model call would. A request with logits
-processors (penalties, logit_bias, a grammar) takes the batch.
+request's `Decoding` (worker/decoding.py) parses out of the text before it is sent. A request
+with logits processors (penalties, logit_bias, a grammar) takes the batch from the start:
+mlx-lm applies them there.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -39,7 +41,7 @@ from worker.decoding import Decoding, token_logprob
 logger = logging.getLogger(__name__)
 
 PREFILL_STEP_TOKENS = 512
-LAST_FORWARD_TOKENS = 64  # a solo prompt's last forward, the one with logits, reads at most this
+LAST_FORWARD_TOKENS = 64  # a prompt's last forward, the one with logits, reads at most this
 
 
 @dataclass
@@ -69,13 +71,15 @@ class Running:
 
 
 @dataclass
-class _Solo:
-    """The request that runs alone, on its own cache (no batch)."""
+class _Own:
+    """A request on its own cache, outside the batch: reading its prompt, or the one decoder
+    while the batch is empty."""
 
     r: Running
     cache: list
     prompt: list[int]  # prompt tokens not in the cache yet
     max_tokens: int
+    passed: int = 0  # steps another prompt was read instead
 
 
 class BatchScheduler:
@@ -89,30 +93,29 @@ class BatchScheduler:
         self.model = model
         self.prefill_step_tokens = prefill_step_tokens
         self.eos = frozenset(eos_token_ids)
-        self._solo: _Solo | None = None
-        self._solo_uids = itertools.count(-1, -1)  # the batch's uids are >= 0
+        self._readers: list[_Own] = []  # in arrival order
+        self._solo: _Own | None = None
+        self._own_uids = itertools.count(-1, -1)  # the batch's uids are >= 0
         self.gen = BatchGenerator(model, stop_tokens=[[t] for t in eos_token_ids],
                                   completion_batch_size=max_active,
                                   prefill_batch_size=max_active,
                                   prefill_step_size=prefill_step_tokens)
         self.running: dict[int, Running] = {}
         self._prefix_ready: list[Running] = []
-        self._ended_early: list[tuple[Running, list]] = []  # by a join; out at the next step
-        self._failed: list[tuple[Running, Exception]] = []  # by a join; see take_failed
+        self._failed: list[tuple[Running, Exception]] = []  # see take_failed
 
     def __len__(self) -> int:
-        return len(self.running) + len(self._ended_early)
+        return len(self.running)
 
     def add(self, r: Running, cache: list, max_tokens: int) -> None:
         prompt = r.tokens[r.cached:].tolist()
-        if not self.running and not r.decoding.processors:
-            kv.with_room(cache, len(r.tokens))  # a buffer of a size MLX has kept
-            r.uid = next(self._solo_uids)
-            self._solo = _Solo(r, cache, prompt, max_tokens)
-            self.running[r.uid] = r
+        if r.decoding.processors:
+            self._insert(r, prompt, cache, max_tokens)
             return
-        self._join_batch()
-        self._insert(r, prompt, cache, max_tokens)
+        kv.with_room(cache, len(r.tokens))  # a buffer of a size MLX has kept
+        r.uid = next(self._own_uids)
+        self._readers.append(_Own(r, cache, prompt, max_tokens))
+        self.running[r.uid] = r
 
     def _insert(self, r: Running, prompt: list[int], cache: list, max_tokens: int) -> None:
         d = r.decoding
@@ -123,46 +126,38 @@ class BatchScheduler:
             all_tokens=[r.tokens[:r.cached].tolist() if d.processors else []])
         self.running[r.uid] = r
 
-    def _join_batch(self) -> None:
-        """The solo request, if any, joins the batch where it stands. One on its last prompt
-        forward takes it alone first: in the batch its few last tokens would be padded to the
-        newcomer's whole prompt (n-agents: 64 tokens computed as 315)."""
-        solo = self._solo
-        if (solo is not None and 0 < len(solo.prompt) <= LAST_FORWARD_TOKENS
-                and not solo.r.job.cancelled.is_set()):
-            try:
-                self._ended_early += self._solo_step()
-            except Exception as e:  # its failure, not the newcomer's: out with its error
-                logger.exception("generation step failed")
-                self._forget([solo.r])
-                self._failed.append((solo.r, e))
-        s, self._solo = self._solo, None
-        if s is None:
+    def _in_batch(self) -> bool:
+        return any(uid >= 0 for uid in self.running)
+
+    def _decodes(self, o: _Own) -> None:
+        """`o` has read its prompt and answers on: alone on its own cache while nothing else
+        decodes, else in the batch (with the one that was alone)."""
+        self._readers.remove(o)
+        if self._solo is None and not self._in_batch():
+            self._solo = o
             return
-        r = self.running.pop(s.r.uid)
-        if s.prompt:  # still reading its prompt
-            self._insert(r, s.prompt, s.cache, s.max_tokens)
-        else:  # its last token is sampled, not in the cache yet: the batch's first input
-            self._insert(r, r.completion[-1:], s.cache, s.max_tokens - len(r.completion))
+        for d in ([self._solo] if self._solo is not None else []) + [o]:
+            r = self.running.pop(d.r.uid)  # its last token is sampled, not in the cache yet
+            self._insert(r, r.completion[-1:], d.cache, d.max_tokens - len(r.completion))
+        self._solo = None
 
     def take_cancelled(self) -> list[Running]:
-        """Requests whose client went away, taken out before the next step (in prefill too,
-        or ended by a join but not yet answered)."""
+        """Requests whose client went away, taken out before the next step (in prefill too)."""
         gone = [r for r in self.running.values() if r.job.cancelled.is_set()]
         if gone:
             self._forget(gone)
-        early = [(r, c) for r, c in self._ended_early if not r.job.cancelled.is_set()]
-        gone += [r for r, _ in self._ended_early if r.job.cancelled.is_set()]
-        self._ended_early = early
         return gone
 
     def take_failed(self) -> list[tuple[Running, Exception]]:
-        """Requests whose forward failed outside `step` (a join), with the error."""
+        """Requests whose own forward failed in the last step, with the error (the others
+        went on)."""
         failed, self._failed = self._failed, []
         return failed
 
     def _forget(self, gone: list[Running]) -> None:
-        if self._solo is not None and any(self._solo.r is r for r in gone):
+        ids = {id(r) for r in gone}
+        self._readers = [o for o in self._readers if id(o.r) not in ids]
+        if self._solo is not None and id(self._solo.r) in ids:
             self._solo = None
         batch = [r.uid for r in gone if r.uid >= 0]
         if batch:
@@ -171,13 +166,21 @@ class BatchScheduler:
             del self.running[r.uid]
 
     def step(self) -> list[tuple[Running, list]]:
-        """One decode token for each decoding request, one prefill chunk for the others.
+        """One decode token for each request past its prompt, one chunk of one prompt.
         Returns the requests that ended, each with its cache."""
-        if self._ended_early:  # answered by a join: out first, with no forward that could fail
-            early, self._ended_early = self._ended_early, []  # their text is flushed already
-            return early
+        done = self._batch_step() if self._in_batch() else []
         if self._solo is not None:
-            return self._solo_step()
+            done += self._own_step(self._solo)
+        if self._readers:
+            chunk = self.prefill_step_tokens
+            o = min(self._readers,  # min() keeps the first of equals: arrival order
+                    key=lambda o: math.ceil(len(o.prompt) / chunk) - o.passed)
+            for other in self._readers:
+                other.passed += other is not o
+            done += self._own_step(o)
+        return done
+
+    def _batch_step(self) -> list[tuple[Running, list]]:
         _, responses = self.gen.next()
         done: list[tuple[Running, list]] = []
         stopped: list[int] = []
@@ -209,8 +212,9 @@ class BatchScheduler:
 
     def prompt_cache(self, r: Running) -> list:
         """A running request's cache as it is now (a copy, without the batch's padding)."""
-        if self._solo is not None and self._solo.r is r:  # views: MLX copies on write
-            return [_view(c) for c in self._solo.cache]
+        for o in self._readers + ([self._solo] if self._solo is not None else []):
+            if o.r is r:  # views: MLX copies on write
+                return [_view(c) for c in o.cache]
         return self.gen.extract_cache([r.uid])[r.uid][0]
 
     def _take(self, r: Running, resp) -> bool:
@@ -230,38 +234,47 @@ class BatchScheduler:
             return True
         return False
 
-    def _solo_step(self) -> list[tuple[Running, list]]:
-        """One prefill chunk, or the last prompt tokens and the first token in one forward, or
-        one decode token, for the request that runs alone."""
-        s = self._solo
-        r = s.r
-        with mx.stream(self.gen.stream):
-            # A chunk without logits: a long last chunk's would cost more than one forward.
-            if len(s.prompt) > LAST_FORWARD_TOKENS:
-                n = min(self.prefill_step_tokens, len(s.prompt) - LAST_FORWARD_TOKENS)
-                chunk, s.prompt = s.prompt[:n], s.prompt[n:]
-                self.model(mx.array(chunk)[None], cache=s.cache)
-                mx.eval([c.state for c in s.cache])
+    def _own_step(self, o: _Own) -> list[tuple[Running, list]]:
+        """One forward of a request on its own cache: a prompt chunk without logits, or the
+        last prompt tokens and the next token, or one decode token. A failed forward fails
+        this request only (`take_failed`)."""
+        r = o.r
+        try:
+            with mx.stream(self.gen.stream):
+                # A chunk without logits: a long last chunk's would cost more than one forward.
+                last = min(LAST_FORWARD_TOKENS, self.prefill_step_tokens)
+                if len(o.prompt) > last:
+                    n = min(self.prefill_step_tokens, len(o.prompt) - last)
+                    chunk, o.prompt = o.prompt[:n], o.prompt[n:]
+                    self.model(mx.array(chunk)[None], cache=o.cache)
+                    mx.eval([c.state for c in o.cache])
+                    return []
+                x, o.prompt = (o.prompt or r.completion[-1:]), []
+                logits = self.model(mx.array(x)[None], cache=o.cache)[:, -1, :]
+                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                token = r.decoding.sampler(logprobs)
+                mx.eval(token, logprobs)
+                token = int(token.item())
+            finish = ("stop" if token in self.eos
+                      else "length" if len(r.completion) + 1 >= o.max_tokens else None)
+            resp = SimpleNamespace(uid=r.uid, token=token, logprobs=logprobs[0],
+                                   finish_reason=finish)
+            if not self._take(r, resp) and finish is None:
+                if o is not self._solo:
+                    self._decodes(o)
                 return []
-            x, s.prompt = (s.prompt or r.completion[-1:]), []
-            logits = self.model(mx.array(x)[None], cache=s.cache)[:, -1, :]
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            token = r.decoding.sampler(logprobs)
-            mx.eval(token, logprobs)
-            token = int(token.item())
-        finish = ("stop" if token in self.eos
-                  else "length" if len(r.completion) + 1 >= s.max_tokens else None)
-        resp = SimpleNamespace(uid=r.uid, token=token, logprobs=logprobs[0],
-                               finish_reason=finish)
-        if not self._take(r, resp) and finish is None:
+            with mx.stream(self.gen.stream):  # the cache holds the answer's last token too
+                self.model(mx.array([[token]]), cache=o.cache)
+                mx.eval([c.state for c in o.cache])
+        except Exception as e:
+            logger.exception("generation step failed")
+            if r.uid in self.running:
+                self._forget([r])
+            self._failed.append((r, e))
             return []
-        with mx.stream(self.gen.stream):  # the cache holds the answer's last token too
-            self.model(mx.array([[token]]), cache=s.cache)
-            mx.eval([c.state for c in s.cache])
-        self._solo = None
-        del self.running[r.uid]
+        self._forget([r])
         self._flush_text(r)
-        return [(r, s.cache)]
+        return [(r, o.cache)]
 
     def drop(self, r: Running) -> None:
         """Take a request out without a commit (it failed)."""
