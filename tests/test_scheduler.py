@@ -101,6 +101,32 @@ def test_a_long_prompt_is_not_starved_by_short_ones(model_and_tokenizer):
     assert long in ended and len(long.completion) == 1
 
 
+def test_equal_prompts_admitted_together_are_read_through_one_after_another(model_and_tokenizer):
+    """Four 256-token prompts admitted at once, 256-token chunks (two forwards each: 192
+    tokens, then the last 64 with the first token): the first gets its first token after its
+    own two forwards, not after all eight (taking turns makes every first token as late as the
+    last), and the first tokens come in the order the requests came."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = model_and_tokenizer
+    rng = np.random.default_rng(4)
+    s = _scheduler(model, tokenizer, chunk=256)
+    rs = [_request(tokenizer, _tokens(tokenizer, rng, 256)) for _ in range(4)]
+    for r in rs:
+        s.add(r, make_prompt_cache(model), ANSWER)
+    first_at_step = {}
+    step = 0
+    while s:
+        step += 1
+        s.step()
+        for i, r in enumerate(rs):
+            if r.first_token_at is not None:
+                first_at_step.setdefault(i, step)
+    assert first_at_step[0] == 2
+    assert [first_at_step[i] for i in range(4)] == sorted(first_at_step.values())
+    assert len(set(first_at_step.values())) == 4
+
+
 def test_a_cancelled_reader_leaves_and_the_others_go_on(model_and_tokenizer):
     """B's client goes away while its prompt is read beside A's: B leaves at once (not
     committed), A answers as alone."""

@@ -2,9 +2,10 @@
 answers decoded together in mlx-lm's BatchGenerator.
 
 Each `step` decodes one token for every request past its prompt and reads one chunk
-(`prefill_step_tokens`) of one prompt: the one with the fewest chunks left, less the steps it
-was passed over (a short request that arrives during a long prefill gets its first token
-after one chunk; a long one is not starved). A prompt is read on the request's own cache, the
+(`prefill_step_tokens`) of one prompt: the one with the fewest chunks left, less the steps a
+later request was read instead (a short request that arrives during a long prefill gets its
+first token after one chunk; a long one is not starved; of equal prompts, the first to come
+is read through first, not all of them by turns). A prompt is read on the request's own cache, the
 model called as mlx-lm's own generate does: its chunks without logits, then its last
 <= 64 tokens and its first token in one forward, handed out at once. Reading prompts in the
 batch would pad them to the longest, copy every cache in and out of the batch (merge,
@@ -79,7 +80,7 @@ class _Own:
     cache: list
     prompt: list[int]  # prompt tokens not in the cache yet
     max_tokens: int
-    passed: int = 0  # steps another prompt was read instead
+    passed: int = 0  # steps a prompt that came later was read instead
 
 
 class BatchScheduler:
@@ -172,13 +173,17 @@ class BatchScheduler:
         if self._solo is not None:
             done += self._own_step(self._solo)
         if self._readers:
-            chunk = self.prefill_step_tokens
             o = min(self._readers,  # min() keeps the first of equals: arrival order
-                    key=lambda o: math.ceil(len(o.prompt) / chunk) - o.passed)
-            for other in self._readers:
-                other.passed += other is not o
+                    key=lambda o: self._forwards_left(o) - o.passed)
+            for other in self._readers[:self._readers.index(o)]:
+                other.passed += 1  # overtaken by a later one; the others wait their turn
             done += self._own_step(o)
         return done
+
+    def _forwards_left(self, o: _Own) -> int:
+        """Forwards until `o`'s first token: its chunks, then the last one with logits."""
+        last = min(LAST_FORWARD_TOKENS, self.prefill_step_tokens)
+        return math.ceil(max(0, len(o.prompt) - last) / self.prefill_step_tokens) + 1
 
     def _batch_step(self) -> list[tuple[Running, list]]:
         _, responses = self.gen.next()
