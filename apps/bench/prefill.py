@@ -135,22 +135,19 @@ class _Bench:
               for p, h in zip(prompts, hs)]
         for r, h in zip(rs, hs):
             r.cached = 0 if h is None else len(h[0])
-        if mode == "single":
-            s, cached, ttft = self.scheduler(chunk, 1), {}, []
+        t0 = time.monotonic()  # all admitted now; each mode ends at the last first token
+        if mode == "single":  # back to back, each alone, as a scheduler of one would
+            s, cached = self.scheduler(chunk, 1), {}
             for r, h in zip(rs, hs):
-                t0 = time.monotonic()
                 self.add(s, r, 1, h)
                 cached.update(self.drain(s))
-                ttft.append(r.first_token_at - t0)
-            wall = sum(ttft)  # back to back, without the forward of the last token
         else:
             s = self.scheduler(chunk, len(rs))
-            t0 = time.monotonic()
             for r, h in zip(rs, hs):
                 self.add(s, r, 1, h)
             cached = self.drain(s)
-            ttft = [r.first_token_at - t0 for r in rs]
-            wall = max(ttft)
+        ttft = [r.first_token_at - t0 for r in rs]
+        wall = max(ttft)
         s.gen.close()
         return {"tok_s": sum(len(p) for p in prompts) / wall, "wall_s": wall,
                 "mean_ttft_s": statistics.mean(ttft), "first_tokens": [r.completion[0] for r in rs],
