@@ -164,6 +164,32 @@ def test_refusals_are_counted_by_reason_with_the_message():
     assert (s["refused"], s["errored"], s["turns_ok"], s["prompt_tokens"]) == (2, 0, 1, 10)
 
 
+def test_bench_compare_prefetch_summary_counts_returning_turns_only():
+    """`bench compare --prefetch`: SSD turns counted among returning turns (an agent's first
+    turn has no hint and no history), and hinted turns' TTFT p50 over the RAM hits' p50."""
+    from apps.bench.compare import prefetch_summary
+
+    def run(rows):
+        return RunResult("openai://x", params("n-agents"), "r", rows, 9.0, "turns", "usage")
+
+    def row(turn, source, ttft, hint=None, status="ok"):
+        return Row("a", "s-a", turn, status, 0.0, ttft + 1, ttft_s=ttft, cache_source=source,
+                   hint=hint)
+
+    without = run([row(1, "none", 5.0), row(2, "ssd", 3.0), row(3, "ssd", 4.0),
+                   row(4, "ram", 2.0)])
+    hinted = run([row(1, "none", 5.0), row(2, "ram", 2.0, "in_ram"),
+                  row(3, "ram", 2.2, "in_ram"), row(4, "ssd", 3.0, "no_room"),
+                  row(5, "ram", 9.0, "in_ram", status="error")])
+    s = prefetch_summary(without, hinted)
+    assert (s["returning_turns"], s["ssd_turns_without_hints"], s["ssd_turns_with_hints"]) \
+        == (3, 2, 1)
+    assert s["hints"] == {"in_ram": 2, "no_room": 1}
+    assert (s["hinted_ttft_p50_s"], s["ram_hit_ttft_p50_s"]) == (2.2, 2.1)
+    assert s["hinted_vs_ram_hits"] == round(2.2 / 2.1, 3)
+    assert s["without_hints_ttft_p50_by_source_s"] == {"ram": 2.0, "ssd": 3.5}
+
+
 def test_max_wall_s_zero_starts_no_turn(stack, tmp_path):
     out = tmp_path / "out.json"
     rc = main(["loadgen", f"grpc://{stack.address}", *SMALL, "--max-wall-s", "0",

@@ -21,9 +21,11 @@ gain over mlx-lm at the budget (it cannot beat the server that never evicts).
 
 By default the clients send no session name (`anonymous`: true), as the official SDKs and
 most agents do; `--session-ids` sends `user` and `x-session-id` to every server. With
-`--prefetch` kvbank's agents hint at the start of each think time (`--think-s`, n-agents)
-that they will be back (`POST /v1/kvbank/prefetch`); its summary then splits TTFT by what the
-hint did (`ttft_p50_by_hint_s`) and by cache source. `--memory-budget` bounds kvbank's worker
+`--prefetch` adds a side: kvbank again, freshly started, its agents hinting at the start of
+each think time (`--think-s`, n-agents) that they will be back (`POST /v1/kvbank/prefetch`).
+`prefetch` in the result compares the two kvbank runs (`prefetch_summary`): returning turns
+from SSD without and with hints, and `hinted_vs_ram_hits`, the hinted turns' TTFT p50 over
+the RAM hits' in the run with hints (the goal: 1, a hinted turn pays nothing for SSD). `--memory-budget` bounds kvbank's worker
 as a whole (weights, running requests and bank), where `--budget-bytes` bounds its bank.
 """
 
@@ -49,8 +51,9 @@ DEFAULT_BUDGET_BYTES = 150_000_000
 UNLIMITED_BYTES = 1 << 40
 MLX_CACHE_ENTRIES = 100_000
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
-SIDES = (("kvbank", "kvbank (budget)"), ("mlx_lm_budget", "mlx-lm (budget)"),
-         ("mlx_lm_unlimited", "mlx-lm (unlimited)"))
+SIDES = (("kvbank", "kvbank (budget)"), ("kvbank_prefetch", "kvbank (budget), hints"),
+         ("mlx_lm_budget", "mlx-lm (budget)"), ("mlx_lm_unlimited", "mlx-lm (unlimited)"))
+DEFAULT_SIDES = ("kvbank", "mlx_lm_budget", "mlx_lm_unlimited")  # --prefetch adds the hints
 
 
 def _wait_health(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> None:
@@ -132,7 +135,7 @@ class _Peaks:
 
 
 @contextmanager
-def _kvbank(model_dir: Path, tmp: Path, budget_bytes: int, after: dict,
+def _kvbank(model_dir: Path, data_dir: Path, budget_bytes: int, after: dict,
             memory_budget: str | None = None) -> Iterator[str]:
     """kvbank with its OpenAI shim; `after` gets the sessions' state once the run is over,
     and the peaks of its bank and its worker's memory through the run."""
@@ -141,7 +144,7 @@ def _kvbank(model_dir: Path, tmp: Path, budget_bytes: int, after: dict,
     extra = ["--bank-bytes", str(budget_bytes)]
     if memory_budget:
         extra += ["--memory-budget", memory_budget]
-    stack = LocalStack.start(model_dir, tmp / "kvbank-data", extra=extra)
+    stack = LocalStack.start(model_dir, data_dir, extra=extra)
     try:
         if not stack.shim_url:
             raise RuntimeError("the kvbank stack was started without its OpenAI shim")
@@ -201,10 +204,39 @@ def _ratio(a: float | None, b: float | None, nd: int = 3) -> float | None:
     return round(a / b, nd) if a is not None and b else None
 
 
+def prefetch_summary(without, hinted) -> dict:
+    """The two kvbank runs, without hints (`without`, may be None) and with: how many
+    returning turns (an agent's second and later) came from SSD, and the TTFT p50 of the
+    hinted turns against the RAM hits of the same run."""
+    from apps.loadgen.report import percentile
+
+    def returning(result, source: str | None = None) -> list:
+        return [r for r in (result.rows if result else []) if r.status == "ok" and r.turn > 1
+                and r.ttft_s is not None and (source is None or r.cache_source == source)]
+
+    def p50(rows) -> float | None:
+        return round(percentile([r.ttft_s for r in rows], 50), 3) if rows else None
+
+    hinted_turns = [r for r in returning(hinted) if r.hint]
+    ram_hits = returning(hinted, "ram")
+    return {
+        "returning_turns": len(returning(hinted)),
+        "ssd_turns_without_hints": len(returning(without, "ssd")) if without else None,
+        "ssd_turns_with_hints": len(returning(hinted, "ssd")),
+        "hints": {h: sum(r.hint == h for r in hinted_turns)
+                  for h in sorted({r.hint for r in hinted_turns})},
+        "hinted_ttft_p50_s": p50(hinted_turns),
+        "ram_hit_ttft_p50_s": p50(ram_hits),
+        "hinted_vs_ram_hits": _ratio(p50(hinted_turns), p50(ram_hits)),
+        "without_hints_ttft_p50_by_source_s": {
+            src: p50(returning(without, src)) for src in ("ram", "ssd")} if without else None,
+    }
+
+
 def run(*, model: str | None, scenario, budget_bytes: int, max_wall_s: float,
         progress: bool = True, names: bool = False, prefetch: bool = False,
         memory_budget: str | None = None,
-        sides: tuple[str, ...] = tuple(n for n, _ in SIDES)) -> tuple[dict, dict]:
+        sides: tuple[str, ...] = DEFAULT_SIDES) -> tuple[dict, dict]:
     """Returns (the result document, {side: RunResult})."""
     from kvbank.models import prepare_model
     from apps.loadgen.report import summarize
@@ -214,11 +246,15 @@ def run(*, model: str | None, scenario, budget_bytes: int, max_wall_s: float,
     counter = TokenCounter(model_dir)
     results = {}
     kvbank_after: dict = {}
+    if prefetch and "kvbank_prefetch" not in sides:
+        sides = (*sides, "kvbank_prefetch")
     with tempfile.TemporaryDirectory(prefix="kvbank-compare-") as tmpdir:
         tmp = Path(tmpdir)
         servers = {
-            "kvbank": lambda: _kvbank(model_dir, tmp, budget_bytes, kvbank_after,
-                                      memory_budget),
+            "kvbank": lambda: _kvbank(model_dir, tmp / "kvbank-data", budget_bytes,
+                                      kvbank_after, memory_budget),
+            "kvbank_prefetch": lambda: _kvbank(model_dir, tmp / "kvbank-prefetch-data",
+                                               budget_bytes, {}, memory_budget),
             "mlx_lm_budget": lambda: _mlx_lm(model_dir, tmp, budget_bytes, "mlx_lm_budget"),
             "mlx_lm_unlimited": lambda: _mlx_lm(model_dir, tmp, UNLIMITED_BYTES,
                                                 "mlx_lm_unlimited"),
@@ -229,9 +265,9 @@ def run(*, model: str | None, scenario, budget_bytes: int, max_wall_s: float,
             logger.info("compare: starting %s", label)
             with servers[name]() as url:
                 results[name] = _run_side(name, label, url, scenario, counter,
-                                          None if name == "kvbank" else "default_model",
+                                          None if name.startswith("kvbank") else "default_model",
                                           max_wall_s, progress, names,
-                                          prefetch=prefetch and name == "kvbank")
+                                          prefetch=name == "kvbank_prefetch")
     sums = {name: summarize(r) for name, r in results.items()}
     none = {"wall_s": None, "ttft_p50_s": None, "recomputed_tokens": None,
             "prompt_tokens": None}  # a side not run: its ratios are null
@@ -241,7 +277,8 @@ def run(*, model: str | None, scenario, budget_bytes: int, max_wall_s: float,
         "scenario": dataclasses.asdict(scenario.params),
         "budget_bytes": budget_bytes,
         "anonymous": not names,
-        "prefetch": prefetch,
+        "prefetch": (prefetch_summary(results.get("kvbank"), results["kvbank_prefetch"])
+                     if "kvbank_prefetch" in results else None),
         "memory_budget": memory_budget,
         "wall_speedup": _ratio(mb["wall_s"], kv["wall_s"]),
         "speedup_bound": _ratio(mb["wall_s"], mu["wall_s"]),
@@ -295,10 +332,14 @@ def print_table(doc: dict, *, stderr: bool = False) -> None:
     if kv.get("ttft_p50_by_source_s"):
         console.print("kvbank TTFT p50 by cache source: " + ", ".join(
             f"{src} {f(v)} s" for src, v in kv["ttft_p50_by_source_s"].items()))
-    if kv.get("hints"):
-        console.print("kvbank prefetch hints: " + ", ".join(
-            f"{h} {n} (next turn's TTFT p50 {f(kv['ttft_p50_by_hint_s'].get(h))} s)"
-            for h, n in kv["hints"].items()))
+    pf = doc.get("prefetch")
+    if pf:
+        console.print(f"kvbank prefetch: returning turns from SSD {f(pf['ssd_turns_without_hints'])} "
+                      f"of {pf['returning_turns']} without hints, {pf['ssd_turns_with_hints']} "
+                      f"with ({', '.join(f'{h} {n}' for h, n in pf['hints'].items())}); hinted "
+                      f"turns' TTFT p50 {f(pf['hinted_ttft_p50_s'])} s, RAM hits' "
+                      f"{f(pf['ram_hit_ttft_p50_s'])} s: hinted_vs_ram_hits "
+                      f"{f(pf['hinted_vs_ram_hits'], 3)}")
     ram = doc.get("kvbank_after", {}).get("ram_bytes")
     if ram is not None:
         console.print(f"kvbank RAM bank after the run: {ram / 1e6:.0f} MB of KV (budget "
@@ -320,12 +361,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--think-s", type=float, default=None,
                    help="n-agents: mean pause between an agent's turns (its tool calls)")
     p.add_argument("--prefetch", action="store_true",
-                   help="kvbank's agents hint at the start of each think time that they will "
-                        "be back (POST /v1/kvbank/prefetch)")
+                   help="run kvbank a second time, its agents hinting at the start of each "
+                        "think time that they will be back (POST /v1/kvbank/prefetch)")
     p.add_argument("--memory-budget", default=None,
                    help="kvbank's worker memory budget (e.g. 1.5GB; default: the worker's)")
-    p.add_argument("--sides", default=",".join(n for n, _ in SIDES),
-                   help="which servers to run, comma-separated (default: %(default)s)")
+    p.add_argument("--sides", default=",".join(DEFAULT_SIDES),
+                   help=f"which servers to run, comma-separated, of "
+                        f"{', '.join(n for n, _ in SIDES)} (default: %(default)s)")
     p.add_argument("--budget-bytes", type=int, default=DEFAULT_BUDGET_BYTES,
                    help="KV memory budget for kvbank's bank and mlx-lm's prompt cache "
                         "(default: %(default)s)")
