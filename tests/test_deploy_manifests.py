@@ -439,6 +439,16 @@ def test_cluster_up_dry_run_passes_flags_to_every_stack(capsys):
     assert len(flag_values(router_line, "--worker-urls")) == 3
 
 
+def test_workers_on_one_machine_share_its_cores_for_blas(monkeypatch):
+    """Three stacks on two cores: one OpenBLAS thread each (each would start two); two on
+    eight: four each; an operator's own OPENBLAS_NUM_THREADS is left as it is."""
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    assert cluster.blas_threads(3, cores=2) == {"OPENBLAS_NUM_THREADS": "1"}
+    assert cluster.blas_threads(2, cores=8) == {"OPENBLAS_NUM_THREADS": "4"}
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
+    assert cluster.blas_threads(3, cores=2) == {}
+
+
 def test_cluster_missing_router_names_the_install(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
     monkeypatch.setenv("PATH", str(tmp_path))
