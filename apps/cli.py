@@ -453,8 +453,13 @@ def _run_bench_turn(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         print("kvbank bench turn: --repeats must be at least 1", file=sys.stderr)
         return 2
-    return _bench_result(args, run(model=args.model, tokens=args.tokens,
-                                   block_tokens=args.block_tokens, repeats=args.repeats))
+    try:
+        result = run(model=args.model, tokens=args.tokens, block_tokens=args.block_tokens,
+                     repeats=args.repeats)
+    except ValueError as e:
+        print(f"kvbank bench turn: {e}", file=sys.stderr)
+        return 2
+    return _bench_result(args, result)
 
 
 def _run_bench_bank(args: argparse.Namespace) -> int:

@@ -17,3 +17,19 @@ def test_bench_turn_reports_the_floor_and_the_ratios_to_it(tiny_model, monkeypat
     assert abs(out["ram_vs_floor"] - out["ttft_ram_s"] / out["ttft_floor_s"]) < 0.05
     assert out["repeats"] == 2 and len(out["ttft_ram_all_s"]) == len(out["ttft_ssd_all_s"]) == 2
     assert min(out["ttft_ram_all_s"]) <= out["ttft_ram_s"] <= max(out["ttft_ram_all_s"])
+
+
+def test_a_conversation_longer_than_the_context_is_refused_before_anything_starts(
+        tiny_model, monkeypatch, cache_dir, capsys):
+    """The worker would refuse the conversation's first turn; the bench says which --tokens
+    fits instead, with no traceback."""
+    import json
+
+    from apps.cli import main
+
+    monkeypatch.setenv("KVBANK_CACHE_DIR", str(cache_dir))
+    context = json.loads((tiny_model / "config.json").read_text())["max_position_embeddings"]
+    assert main(["bench", "turn", "--model", str(tiny_model), "--tokens", str(context),
+                 "--repeats", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"use --tokens {context - 1 - 2 * 17} or less" in err and "Traceback" not in err

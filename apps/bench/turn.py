@@ -60,11 +60,27 @@ def ttft_floor_s(model_dir: Path, context_tokens: int, new_tokens: int, *, seed:
     return float(np.median(times))
 
 
+def longest_fit(model_dir: Path, repeats: int) -> int:
+    """The longest `--tokens` the model's context holds: the conversation grows by a turn of
+    TURN_TOKENS and a one-token answer twice per repeat, after its own one-token answer."""
+    import json
+
+    context = json.loads((Path(model_dir) / "config.json").read_text()).get(
+        "max_position_embeddings", 8192)
+    return context - 1 - 2 * repeats * (TURN_TOKENS + 1)
+
+
 def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
         repeats: int = 3) -> dict:
+    """Raises ValueError, before any stack starts, when the conversation would outgrow the
+    model's context."""
     from kvbank.models import prepare_model
 
     model_dir = prepare_model(model)
+    if tokens > (fit := longest_fit(model_dir, repeats)):
+        raise ValueError(f"--tokens {tokens}: with {repeats} returning turns from RAM and from "
+                         f"SSD each (--repeats) the conversation would outgrow the model's "
+                         f"context; use --tokens {fit} or less")
     rng = np.random.default_rng(seed)
     ram, ssd = [], []
     with tempfile.TemporaryDirectory(prefix="kvbank-bench-") as tmp:
