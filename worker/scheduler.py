@@ -2,7 +2,7 @@
 answers decoded together in mlx-lm's BatchGenerator.
 
 Each `step` decodes one token for every request past its prompt and reads one chunk
-(`prefill_step_tokens`) of one prompt: the one with the fewest chunks left, less the steps a
+(`prefill_step_tokens`) of one prompt: the one with the fewest forwards left, less the steps a
 later request was read instead (a short request that arrives during a long prefill gets its
 first token after one chunk; a long one is not starved; of equal prompts, the first to come
 is read through first, not all of them by turns). A prompt is read on the request's own cache, the
@@ -93,6 +93,7 @@ class BatchScheduler:
         self.decode = decode
         self.model = model
         self.prefill_step_tokens = prefill_step_tokens
+        self.last_forward_tokens = min(LAST_FORWARD_TOKENS, prefill_step_tokens)
         self.eos = frozenset(eos_token_ids)
         self._readers: list[_Own] = []  # in arrival order
         self._solo: _Own | None = None
@@ -182,8 +183,8 @@ class BatchScheduler:
 
     def _forwards_left(self, o: _Own) -> int:
         """Forwards until `o`'s first token: its chunks, then the last one with logits."""
-        last = min(LAST_FORWARD_TOKENS, self.prefill_step_tokens)
-        return math.ceil(max(0, len(o.prompt) - last) / self.prefill_step_tokens) + 1
+        return math.ceil(max(0, len(o.prompt) - self.last_forward_tokens)
+                         / self.prefill_step_tokens) + 1
 
     def _batch_step(self) -> list[tuple[Running, list]]:
         _, responses = self.gen.next()
@@ -247,7 +248,7 @@ class BatchScheduler:
         try:
             with mx.stream(self.gen.stream):
                 # A chunk without logits: a long last chunk's would cost more than one forward.
-                last = min(LAST_FORWARD_TOKENS, self.prefill_step_tokens)
+                last = self.last_forward_tokens
                 if len(o.prompt) > last:
                     n = min(self.prefill_step_tokens, len(o.prompt) - last)
                     chunk, o.prompt = o.prompt[:n], o.prompt[n:]

@@ -20,13 +20,14 @@ mlx-lm (unlimited) wall; `recomputed_fraction` = kvbank recomputed / kvbank prom
 gain over mlx-lm at the budget (it cannot beat the server that never evicts).
 
 By default the clients send no session name (`anonymous`: true), as the official SDKs and
-most agents do; `--session-ids` sends `user` and `x-session-id` to every server. With
+most agents do; `--session-ids` sends `user` and `x-session-id` to every server.
 `--prefetch` adds a side: kvbank again, freshly started, its agents hinting at the start of
 each think time (`--think-s`, n-agents) that they will be back (`POST /v1/kvbank/prefetch`).
 `prefetch` in the result compares the two kvbank runs (`prefetch_summary`): returning turns
 from SSD without and with hints, and `hinted_vs_ram_hits`, the hinted turns' TTFT p50 over
-the RAM hits' in the run with hints (the goal: 1, a hinted turn pays nothing for SSD). `--memory-budget` bounds kvbank's worker
-as a whole (weights, running requests and bank), where `--budget-bytes` bounds its bank.
+the RAM hits' in the run with hints (the goal: 1, a hinted turn pays nothing for SSD).
+`--memory-budget` bounds kvbank's worker as a whole (weights, running requests and bank),
+where `--budget-bytes` bounds its bank.
 """
 
 from __future__ import annotations
@@ -334,8 +335,9 @@ def print_table(doc: dict, *, stderr: bool = False) -> None:
             f"{src} {f(v)} s" for src, v in kv["ttft_p50_by_source_s"].items()))
     pf = doc.get("prefetch")
     if pf:
-        console.print(f"kvbank prefetch: returning turns from SSD {f(pf['ssd_turns_without_hints'])} "
-                      f"of {pf['returning_turns']} without hints, {pf['ssd_turns_with_hints']} "
+        console.print(f"kvbank prefetch: returning turns from SSD "
+                      f"{f(pf['ssd_turns_without_hints'])} of {pf['returning_turns']} without "
+                      f"hints, {pf['ssd_turns_with_hints']} "
                       f"with ({', '.join(f'{h} {n}' for h, n in pf['hints'].items())}); hinted "
                       f"turns' TTFT p50 {f(pf['hinted_ttft_p50_s'])} s, RAM hits' "
                       f"{f(pf['ram_hit_ttft_p50_s'])} s: hinted_vs_ram_hits "
