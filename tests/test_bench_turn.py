@@ -12,10 +12,14 @@ def test_bench_turn_reports_the_floor_and_the_ratios_to_it(tiny_model, monkeypat
     assert out["cache_source_ssd"] == "ssd"
     assert out["cached_tokens_ram"] >= 300 and out["cached_tokens_ssd"] >= 300
     assert out["ttft_floor_s"] > 0
-    for key in ("ram_vs_floor", "ssd_vs_floor"):
-        assert out[key] > 0
-    assert abs(out["ram_vs_floor"] - out["ttft_ram_s"] / out["ttft_floor_s"]) < 0.05
+    # Each returning turn is compared with the floor measured just before it.
     assert out["repeats"] == 2 and len(out["ttft_ram_all_s"]) == len(out["ttft_ssd_all_s"]) == 2
+    floors = out["ttft_floor_all_s"]
+    assert len(floors) == 4 and min(floors) <= out["ttft_floor_s"] <= max(floors)
+    for key, turns, paired in (("ram_vs_floor", out["ttft_ram_all_s"], floors[:2]),
+                               ("ssd_vs_floor", out["ttft_ssd_all_s"], floors[2:])):
+        ratios = sorted(t / f for t, f in zip(turns, paired))
+        assert ratios[0] - 0.01 <= out[key] <= ratios[-1] + 0.01
     assert min(out["ttft_ram_all_s"]) <= out["ttft_ram_s"] <= max(out["ttft_ram_all_s"])
 
 

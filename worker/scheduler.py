@@ -37,6 +37,7 @@ import mlx.core as mx
 
 from kvbank.v1 import api_pb2, worker_pb2
 from worker import kv
+from worker.admission import drop_stale_buffers
 from worker.decoding import Decoding, token_logprob
 
 logger = logging.getLogger(__name__)
@@ -246,6 +247,8 @@ class BatchScheduler:
         this request only (`take_failed`)."""
         r = o.r
         try:
+            if o.prompt:  # a prompt forward, its transients sized by its context
+                drop_stale_buffers()
             with mx.stream(self.gen.stream):
                 # A chunk without logits: a long last chunk's would cost more than one forward.
                 last = self.last_forward_tokens

@@ -2,11 +2,11 @@
 
 Builds an N-token conversation on a fresh stack, then times a returning turn's TTFT three ways
 in one run: restored from the RAM bank, restored from SSD (after the bank released it), and
-recomputed (cache off); RAM and SSD turns alternate `repeats` times and their medians count, as
-the floor's does (one turn is at the mercy of a shared machine's second). The floor is mlx-lm itself, in this process, prefilling the same new
-tokens on a cache of the same length (what no server can beat): `ram_vs_floor` and
-`ssd_vs_floor` say what kvbank adds. Ratios, not absolute seconds, are what carry across
-machines.
+recomputed (cache off). The floor is mlx-lm itself, in this process, prefilling the same number
+of new tokens on a cache of the same length: what no server can beat. Each returning turn is
+paired with a floor measured just before it (this machine's speed moves by a third from one
+minute to the next), and `ram_vs_floor` / `ssd_vs_floor` are the medians of the pairs' ratios:
+what kvbank adds. Ratios, not absolute seconds, are what carry across machines.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 SESSION = "bench-turn"
 TURN_TOKENS = 16
+SETTLE_S = 0.5  # after a floor, before a turn: idle BLAS threads spin a while before they sleep
 
 
 def _tokens(rng: np.random.Generator, n: int) -> list[int]:
@@ -31,33 +32,56 @@ def _tokens(rng: np.random.Generator, n: int) -> list[int]:
     return rng.integers(1000, 20000, size=n).tolist()
 
 
-def ttft_floor_s(model_dir: Path, context_tokens: int, new_tokens: int, *, seed: int = 0,
-                 chunk_tokens: int = 512, repeats: int = 5) -> float:
-    """mlx-lm in-process: a cache of `context_tokens`, then the time to prefill `new_tokens`
-    more and pick the next token (the median of `repeats`; the cache is trimmed back between)."""
-    from kvbank.config import preload_openblas
+class Floor:
+    """mlx-lm in this process on a cache of `context_tokens`, prefilled in chunks as the worker
+    does; `sample()` times prefilling `new_tokens` more and picking the next token, then trims
+    the cache back. The cache grows with the conversation it is compared with."""
 
-    preload_openblas()
-    import mlx.core as mx
-    from mlx_lm import load
-    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+    def __init__(self, model_dir: Path, context_tokens: int, new_tokens: int, *, seed: int = 0,
+                 chunk_tokens: int = 512):
+        from kvbank.config import preload_openblas
 
-    model, _ = load(str(model_dir))
-    rng = np.random.default_rng(seed)
-    cache = make_prompt_cache(model)
-    context = mx.array(_tokens(rng, context_tokens))
-    for s in range(0, context_tokens, chunk_tokens):  # as the worker prefills: in chunks
-        model(context[s:s + chunk_tokens][None], cache=cache)
-        mx.eval([c.state for c in cache])
-    new = mx.array(_tokens(rng, new_tokens))[None]
-    times = []
-    for _ in range(repeats):
+        preload_openblas()
+        import mlx.core as mx
+        from mlx_lm import load
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.mx, self.new_tokens = mx, new_tokens
+        self.model, _ = load(str(model_dir))
+        self.rng = np.random.default_rng(seed + 1)
+        self.chunk_tokens = chunk_tokens
+        self.cache = make_prompt_cache(self.model)
+        self._grow_to(context_tokens)
+
+    def _grow_to(self, context_tokens: int) -> None:
+        """The cache at `context_tokens`, with room for the new tokens (a forward that grows
+        a cache copies all of it: not what a floor measures)."""
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        mx, have = self.mx, self.cache[0].offset
+        context = mx.array(_tokens(self.rng, context_tokens - have))
+        for s in range(0, context_tokens - have, self.chunk_tokens):
+            self.model(context[s:s + self.chunk_tokens][None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+        if self.cache[0].keys.shape[2] < context_tokens + self.new_tokens:
+            self.model(mx.array(_tokens(self.rng, self.new_tokens))[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+            trim_prompt_cache(self.cache, self.new_tokens)
+
+    def sample(self, context_tokens: int) -> float:
+        """One floor on a cache of `context_tokens` (grown to it first, untimed)."""
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        mx = self.mx
+        self._grow_to(context_tokens)
+        new = mx.array(_tokens(self.rng, self.new_tokens))[None]
         t0 = time.perf_counter()
-        logits = model(new, cache=cache)
+        logits = self.model(new, cache=self.cache)
         mx.eval(mx.argmax(logits[:, -1, :], axis=-1))
-        times.append(time.perf_counter() - t0)
-        trim_prompt_cache(cache, new_tokens)
-    return float(np.median(times))
+        elapsed = time.perf_counter() - t0
+        trim_prompt_cache(self.cache, self.new_tokens)
+        time.sleep(SETTLE_S)
+        return elapsed
 
 
 def longest_fit(model_dir: Path, repeats: int) -> int:
@@ -82,7 +106,7 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
                          f"SSD each (--repeats) the conversation would outgrow the model's "
                          f"context; use --tokens {fit} or less")
     rng = np.random.default_rng(seed)
-    ram, ssd = [], []
+    ram, ssd, floor_ram, floor_ssd = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="kvbank-bench-") as tmp:
         # No tail delay: the run waits for each turn to reach SSD, and measures restores.
         stack = LocalStack.start(model_dir, Path(tmp) / "data",
@@ -94,23 +118,29 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
                 c.generate(session_id=SESSION, token_ids=_tokens(rng, tokens), append=True,
                            max_tokens=1)
                 build_s = time.monotonic() - t0
-                # Turns alternate: one from RAM, then (released) one from SSD, `repeats` times;
-                # each adds TURN_TOKENS + 1 to the conversation.
+                floor = Floor(model_dir, tokens, TURN_TOKENS, seed=seed)  # the stack idles
+                # Turns alternate: one from RAM, then (released) one from SSD, `repeats` times,
+                # each just after a floor; each adds TURN_TOKENS + 1 to the conversation.
                 for _ in range(repeats):
                     stack.wait_durable(SESSION, timeout_s=600)
+                    floor_ram.append(floor.sample(c.get_session(SESSION).token_count))
                     ram.append(c.generate(session_id=SESSION, token_ids=_tokens(rng, TURN_TOKENS),
                                           append=True, max_tokens=1).usage)
                     stack.wait_durable(SESSION, timeout_s=600)
                     c.release(SESSION)
                     prompt = list(c.get_session(SESSION).token_ids) + _tokens(rng, TURN_TOKENS)
+                    floor_ssd.append(floor.sample(len(prompt) - TURN_TOKENS))
                     ssd.append(c.generate(session_id=SESSION, token_ids=prompt,
                                           max_tokens=1).usage)
+                del floor
                 cold = c.generate(token_ids=prompt, max_tokens=1, no_cache=True).usage
         finally:
             stack.stop()
-    floor = ttft_floor_s(model_dir, tokens, TURN_TOKENS, seed=seed)  # the stack is gone
     ram_s = float(np.median([u["ttft_s"] for u in ram]))
     ssd_s = float(np.median([u["ttft_s"] for u in ssd]))
+    floor_s = float(np.median(floor_ram + floor_ssd))
+    ratio = lambda turns, floors: float(np.median(  # noqa: E731
+        [u["ttft_s"] / f for u, f in zip(turns, floors)]))
     return {
         "model": str(model_dir),
         "tokens": tokens,
@@ -127,7 +157,8 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
         "cache_source_ssd": ",".join(sorted({u["cache_source"] for u in ssd})),
         "ssd_speedup": round(cold["ttft_s"] / ssd_s, 2),
         "ram_speedup": round(cold["ttft_s"] / ram_s, 2),
-        "ttft_floor_s": round(floor, 4),
-        "ram_vs_floor": round(ram_s / floor, 2),
-        "ssd_vs_floor": round(ssd_s / floor, 2),
+        "ttft_floor_s": round(floor_s, 4),
+        "ttft_floor_all_s": [round(f, 4) for f in floor_ram + floor_ssd],
+        "ram_vs_floor": round(ratio(ram, floor_ram), 2),
+        "ssd_vs_floor": round(ratio(ssd, floor_ssd), 2),
     }
