@@ -84,6 +84,11 @@ class Floor:
         return elapsed
 
 
+def _paired_ratio(turns: list[dict], floors: list[float]) -> float:
+    """The median over pairs of a turn's TTFT over the floor measured just before it."""
+    return float(np.median([u["ttft_s"] / f for u, f in zip(turns, floors)]))
+
+
 def longest_fit(model_dir: Path, repeats: int) -> int:
     """The longest `--tokens` the model's context holds: the conversation grows by a turn of
     TURN_TOKENS and a one-token answer twice per repeat, after its own one-token answer."""
@@ -139,8 +144,6 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
     ram_s = float(np.median([u["ttft_s"] for u in ram]))
     ssd_s = float(np.median([u["ttft_s"] for u in ssd]))
     floor_s = float(np.median(floor_ram + floor_ssd))
-    ratio = lambda turns, floors: float(np.median(  # noqa: E731
-        [u["ttft_s"] / f for u, f in zip(turns, floors)]))
     return {
         "model": str(model_dir),
         "tokens": tokens,
@@ -159,6 +162,6 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
         "ram_speedup": round(cold["ttft_s"] / ram_s, 2),
         "ttft_floor_s": round(floor_s, 4),
         "ttft_floor_all_s": [round(f, 4) for f in floor_ram + floor_ssd],
-        "ram_vs_floor": round(ratio(ram, floor_ram), 2),
-        "ssd_vs_floor": round(ratio(ssd, floor_ssd), 2),
+        "ram_vs_floor": round(_paired_ratio(ram, floor_ram), 2),
+        "ssd_vs_floor": round(_paired_ratio(ssd, floor_ssd), 2),
     }
