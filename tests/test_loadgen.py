@@ -208,3 +208,27 @@ def test_unreachable_target_is_one_line_and_nonzero(target):
     assert "Traceback" not in out.stderr
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("kvbank loadgen:")]
     assert len(lines) == 1 and "cannot reach" in lines[0] and target in lines[0], out.stderr
+
+
+def test_bench_compare_rounds_alternate_the_order_and_take_the_median_ratio():
+    """`bench compare --rounds`: no side always runs first, and one slow minute on one side
+    moves the reported ratio no more than the middle round does."""
+    from apps.bench.compare import median_ratios, round_ratios, side_order
+
+    sides = ("kvbank", "mlx_lm_budget", "mlx_lm_unlimited")
+    assert side_order(sides, 0) == ["kvbank", "mlx_lm_budget", "mlx_lm_unlimited"]
+    assert side_order(sides, 1) == ["mlx_lm_unlimited", "mlx_lm_budget", "kvbank"]
+
+    def side(wall, recomputed=0, prompt=1000):
+        return {"wall_s": wall, "ttft_p50_s": wall / 10, "recomputed_tokens": recomputed,
+                "prompt_tokens": prompt}
+
+    rounds = [round_ratios({"kvbank": side(kv), "mlx_lm_budget": side(240.0, 300),
+                            "mlx_lm_unlimited": side(100.0)}) for kv in (104.0, 140.0, 98.0)]
+    assert [r["vs_ideal"] for r in rounds] == [1.04, 1.4, 0.98]
+    m = median_ratios(rounds)
+    assert m["vs_ideal"] == 1.04 and m["speedup_bound"] == 2.4
+    assert m["wall_speedup"] == round(240 / 104, 3) and m["recomputed_fraction"] == 0.0
+    assert m["mlx_lm_budget_recomputed_fraction"] == 0.3
+    # a side not run: its ratios are null, not an error
+    assert median_ratios([round_ratios({"kvbank": side(100.0)})])["vs_ideal"] is None

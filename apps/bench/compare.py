@@ -28,6 +28,10 @@ from SSD without and with hints, and `hinted_vs_ram_hits`, the hinted turns' TTF
 the RAM hits' in the run with hints (the goal: 1, a hinted turn pays nothing for SSD).
 `--memory-budget` bounds kvbank's worker as a whole (weights, running requests and bank),
 where `--budget-bytes` bounds its bank.
+
+`--rounds N` runs every side N times, the order reversed each round (kvbank first, then last,
+...), and each ratio is the median of the rounds' own ratios: on a shared machine the sides of
+one round run minutes apart and a wall moves by 10-25 % between minutes, so one pair is noise.
 """
 
 from __future__ import annotations
@@ -205,6 +209,40 @@ def _ratio(a: float | None, b: float | None, nd: int = 3) -> float | None:
     return round(a / b, nd) if a is not None and b else None
 
 
+def side_order(sides: tuple[str, ...], round_index: int) -> list[str]:
+    """The sides of one round: SIDES' order in even rounds, reversed in odd ones, so no side is
+    always the first (fresh page cache) or the last (a machine that has warmed up)."""
+    order = [name for name, _ in SIDES if name in sides]
+    return order if round_index % 2 == 0 else order[::-1]
+
+
+def round_ratios(sums: dict) -> dict:
+    """One round's ratios from its sides' summaries; a side not run gives null ratios."""
+    none = {"wall_s": None, "ttft_p50_s": None, "recomputed_tokens": None,
+            "prompt_tokens": None}
+    kv, mb, mu = (sums.get(n, none) for n in ("kvbank", "mlx_lm_budget", "mlx_lm_unlimited"))
+    return {
+        "wall_speedup": _ratio(mb["wall_s"], kv["wall_s"]),
+        "speedup_bound": _ratio(mb["wall_s"], mu["wall_s"]),
+        "vs_ideal": _ratio(kv["wall_s"], mu["wall_s"]),
+        "recomputed_fraction": _ratio(kv["recomputed_tokens"], kv["prompt_tokens"], 4),
+        "mlx_lm_budget_recomputed_fraction": _ratio(mb["recomputed_tokens"],
+                                                    mb["prompt_tokens"], 4),
+        "ttft_p50_speedup": _ratio(mb["ttft_p50_s"], kv["ttft_p50_s"]),
+    }
+
+
+def median_ratios(rounds: list[dict]) -> dict:
+    """Each ratio's median over the rounds that have it (null where none has)."""
+    import statistics
+
+    out = {}
+    for key in rounds[0]:
+        vals = [r[key] for r in rounds if r.get(key) is not None]
+        out[key] = round(statistics.median(vals), 4) if vals else None
+    return out
+
+
 def prefetch_summary(without, hinted) -> dict:
     """The two kvbank runs, without hints (`without`, may be None) and with: how many
     returning turns (an agent's second and later) came from SSD, and the TTFT p50 of the
@@ -236,66 +274,73 @@ def prefetch_summary(without, hinted) -> dict:
 
 def run(*, model: str | None, scenario, budget_bytes: int, max_wall_s: float,
         progress: bool = True, names: bool = False, prefetch: bool = False,
-        memory_budget: str | None = None,
-        sides: tuple[str, ...] = DEFAULT_SIDES) -> tuple[dict, dict]:
-    """Returns (the result document, {side: RunResult})."""
+        memory_budget: str | None = None, sides: tuple[str, ...] = DEFAULT_SIDES,
+        rounds: int = 1) -> tuple[dict, list[dict]]:
+    """Returns (the result document, one {side: RunResult} per round)."""
     from kvbank.models import prepare_model
     from apps.loadgen.report import summarize
     from apps.loadgen.run import TokenCounter
 
+    if rounds < 1:
+        raise ValueError(f"--rounds must be 1 or more, not {rounds}")
     model_dir = prepare_model(model)
     counter = TokenCounter(model_dir)
-    results = {}
-    kvbank_after: dict = {}
     if prefetch and "kvbank_prefetch" not in sides:
         sides = (*sides, "kvbank_prefetch")
+    results: list[dict] = []
+    afters: list[dict] = []  # kvbank's sessions and peaks after each round
     with tempfile.TemporaryDirectory(prefix="kvbank-compare-") as tmpdir:
-        tmp = Path(tmpdir)
-        servers = {
-            "kvbank": lambda: _kvbank(model_dir, tmp / "kvbank-data", budget_bytes,
-                                      kvbank_after, memory_budget),
-            "kvbank_prefetch": lambda: _kvbank(model_dir, tmp / "kvbank-prefetch-data",
-                                               budget_bytes, {}, memory_budget),
-            "mlx_lm_budget": lambda: _mlx_lm(model_dir, tmp, budget_bytes, "mlx_lm_budget"),
-            "mlx_lm_unlimited": lambda: _mlx_lm(model_dir, tmp, UNLIMITED_BYTES,
-                                                "mlx_lm_unlimited"),
-        }
-        for name, label in SIDES:
-            if name not in sides:
-                continue
-            logger.info("compare: starting %s", label)
-            with servers[name]() as url:
-                results[name] = _run_side(name, label, url, scenario, counter,
-                                          None if name.startswith("kvbank") else "default_model",
-                                          max_wall_s, progress, names,
-                                          prefetch=name == "kvbank_prefetch")
-    sums = {name: summarize(r) for name, r in results.items()}
-    none = {"wall_s": None, "ttft_p50_s": None, "recomputed_tokens": None,
-            "prompt_tokens": None}  # a side not run: its ratios are null
-    kv, mb, mu = (sums.get(n, none) for n in ("kvbank", "mlx_lm_budget", "mlx_lm_unlimited"))
+        for i in range(rounds):
+            tmp = Path(tmpdir) / f"round-{i + 1}"
+            tmp.mkdir()
+            after: dict = {}
+            servers = {
+                "kvbank": lambda: _kvbank(model_dir, tmp / "kvbank-data", budget_bytes,
+                                          after, memory_budget),
+                "kvbank_prefetch": lambda: _kvbank(model_dir, tmp / "kvbank-prefetch-data",
+                                                   budget_bytes, {}, memory_budget),
+                "mlx_lm_budget": lambda: _mlx_lm(model_dir, tmp, budget_bytes,
+                                                 "mlx_lm_budget"),
+                "mlx_lm_unlimited": lambda: _mlx_lm(model_dir, tmp, UNLIMITED_BYTES,
+                                                    "mlx_lm_unlimited"),
+            }
+            labels = dict(SIDES)
+            this: dict = {}
+            for name in side_order(sides, i):
+                label = labels[name] + (f" #{i + 1}" if rounds > 1 else "")
+                logger.info("compare: starting %s", label)
+                with servers[name]() as url:
+                    this[name] = _run_side(
+                        name, label, url, scenario, counter,
+                        None if name.startswith("kvbank") else "default_model", max_wall_s,
+                        progress, names, prefetch=name == "kvbank_prefetch")
+            results.append(this)
+            afters.append(after)
+    sums = [{name: summarize(r) for name, r in this.items()} for this in results]
+    per_round = [round_ratios(s) for s in sums]
+    first, kvbank_after = results[0], afters[0]
+    peak_bank = max((a.get("peak_bank_bytes") or 0 for a in afters), default=0) or None
+    peak_worker = max((a.get("peak_worker_bytes") or 0 for a in afters), default=0) or None
     doc = {
         "model": str(model_dir),
         "scenario": dataclasses.asdict(scenario.params),
         "budget_bytes": budget_bytes,
         "anonymous": not names,
-        "prefetch": (prefetch_summary(results.get("kvbank"), results["kvbank_prefetch"])
-                     if "kvbank_prefetch" in results else None),
+        "rounds": rounds,
+        "prefetch": (prefetch_summary(first.get("kvbank"), first["kvbank_prefetch"])
+                     if "kvbank_prefetch" in first else None),
         "memory_budget": memory_budget,
-        "wall_speedup": _ratio(mb["wall_s"], kv["wall_s"]),
-        "speedup_bound": _ratio(mb["wall_s"], mu["wall_s"]),
-        "vs_ideal": _ratio(kv["wall_s"], mu["wall_s"]),
-        "recomputed_fraction": _ratio(kv["recomputed_tokens"], kv["prompt_tokens"], 4),
-        "mlx_lm_budget_recomputed_fraction": _ratio(mb["recomputed_tokens"],
-                                                    mb["prompt_tokens"], 4),
-        "ttft_p50_speedup": _ratio(mb["ttft_p50_s"], kv["ttft_p50_s"]),
+        **median_ratios(per_round),
+        "round_ratios": [{"order": side_order(sides, i), **r} for i, r in enumerate(per_round)],
         "complete": all(s["turns_ok"] == s["turns"] == scenario.params.agents
-                        * scenario.params.turns for s in sums.values()),
-        "sides": {name: {"label": label, "summary": sums[name]} for name, label in SIDES
-                  if name in sums},
+                        * scenario.params.turns for this in sums for s in this.values()),
+        "sides": {name: {"label": label, "summary": sums[0][name],
+                         "wall_s_by_round": [this[name]["wall_s"] for this in sums]}
+                  for name, label in SIDES if name in sums[0]},
         "kvbank_after": kvbank_after,
-        "peak_bank_bytes": kvbank_after.get("peak_bank_bytes"),
-        "peak_worker_bytes": kvbank_after.get("peak_worker_bytes"),
-        "peak_bank_vs_budget": _ratio(kvbank_after.get("peak_bank_bytes"), budget_bytes),
+        "peak_bank_bytes": peak_bank,
+        "peak_worker_bytes": peak_worker,
+        "peak_bank_vs_budget": _ratio(peak_bank, budget_bytes),
     }
     return doc, results
 
@@ -329,6 +374,12 @@ def print_table(doc: dict, *, stderr: bool = False) -> None:
                   f"vs_ideal (kvbank / mlx-lm unlimited) {f(doc['vs_ideal'])}, "
                   f"recomputed_fraction {f(doc['recomputed_fraction'], 4)} (mlx-lm same "
                   f"budget: {f(doc['mlx_lm_budget_recomputed_fraction'], 4)})")
+    if doc.get("rounds", 1) > 1:
+        console.print("the table is round 1; ratios above are medians over the rounds: "
+                      + "; ".join(f"round {i + 1} ({' > '.join(r['order'])}) vs_ideal "
+                                  f"{f(r['vs_ideal'])}, wall_speedup {f(r['wall_speedup'])} "
+                                  f"of {f(r['speedup_bound'])}"
+                                  for i, r in enumerate(doc["round_ratios"])))
     kv = doc["sides"].get("kvbank", {}).get("summary", {})
     if kv.get("ttft_p50_by_source_s"):
         console.print("kvbank TTFT p50 by cache source: " + ", ".join(
@@ -376,6 +427,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-wall-s", type=float, default=600.0,
                    help="per server: start no turn after this many seconds "
                         "(default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every side this many times, the order reversed each round; each "
+                        "ratio is then the median of the rounds' (default: %(default)s)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="print the result as JSON (to FILE if given)")
     p.add_argument("--plot-dir", type=Path, default=None,
@@ -406,19 +460,20 @@ def run_cli(args: argparse.Namespace) -> int:
                            budget_bytes=args.budget_bytes, max_wall_s=args.max_wall_s,
                            progress=not args.no_progress, names=args.session_ids,
                            prefetch=args.prefetch, memory_budget=args.memory_budget,
-                           sides=tuple(args.sides.split(",")))
-    except RuntimeError as e:  # a server that would not start: its log tail is in the message
+                           sides=tuple(args.sides.split(",")), rounds=args.rounds)
+    except (RuntimeError, ValueError) as e:  # a server that would not start: its log tail is in the message
         sys.stderr.write(f"kvbank bench compare: {e}\n")
         return 2
     if args.plot_dir:
         labels = dict(SIDES)
         report.plot_ttft(Path(args.plot_dir) / f"compare-{p.scenario}.png",
-                         {labels[n]: r.rows for n, r in results.items()},
+                         {labels[n]: r.rows for n, r in results[0].items()},
                          f"TTFT per turn, {p.scenario}, budget {args.budget_bytes / 1e6:.0f} MB")
     print_table(doc, stderr=args.json == "-")  # stdout is the JSON's then
     if args.json == "-":
         sys.stdout.write(json.dumps(doc) + "\n")
     elif args.json:
-        full = {**doc, "rows": {n: report.document(r)["rows"] for n, r in results.items()}}
+        full = {**doc, "rows": {n + (f"#{i + 1}" if i else ""): report.document(r)["rows"]
+                                for i, this in enumerate(results) for n, r in this.items()}}
         report.write_json(Path(args.json), full)
     return 0 if doc["complete"] else 1
