@@ -44,6 +44,11 @@ PREFIX_SHARED_TOKENS = Counter("kvbank_prefix_shared_tokens_total",
 PREFETCHES = Counter("kvbank_prefetches_total", "Prefetch hints, by what they did", ["status"])
 PREFETCHED_TOKENS = Counter("kvbank_prefetched_tokens_total",
                             "Tokens of KV brought from SSD into RAM ahead of their return")
+WORKER_STAGE = Histogram("kvbank_worker_stage_seconds",
+                         "A request's time to first token in the worker, by stage: waiting "
+                         "(queue and admission), restore (KV from RAM or SSD), first_token "
+                         "(prompt forwards and the first token)", ["stage"],
+                         buckets=LATENCY_BUCKETS)
 GENERATION_TOKENS = Counter("kvbank_generation_tokens_total", "Tokens generated")
 RECOMPUTED_TOKENS = Counter("kvbank_recomputed_tokens_total",
                             "Prompt tokens of a session's own history computed again")

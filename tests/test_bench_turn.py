@@ -21,6 +21,16 @@ def test_bench_turn_reports_the_floor_and_the_ratios_to_it(tiny_model, monkeypat
         ratios = sorted(t / f for t, f in zip(turns, paired))
         assert ratios[0] - 0.01 <= out[key] <= ratios[-1] + 0.01
     assert min(out["ttft_ram_all_s"]) <= out["ttft_ram_s"] <= max(out["ttft_ram_all_s"])
+    # Each turn's TTFT split by where it went: the worker's stages and what lies outside.
+    for turns, stages in ((out["ttft_ram_all_s"], out["stages_ram_all_s"]),
+                          (out["ttft_ssd_all_s"], out["stages_ssd_all_s"])):
+        assert len(stages) == 2
+        for ttft, split in zip(turns, stages):
+            assert set(split) == {"waiting", "restore", "first_token", "outside"}
+            assert all(v >= -0.001 for v in split.values())
+            assert 0 < split["first_token"] <= ttft
+            assert abs(sum(split.values()) - ttft) < 0.002
+    assert out["ram_forward_vs_floor"] > 0
 
 
 def test_a_conversation_longer_than_the_context_is_refused_before_anything_starts(

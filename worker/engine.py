@@ -367,6 +367,7 @@ class Engine:
         self.bank.reserve_active(session, need)
         handed = None
         try:
+            t0 = time.monotonic()
             cache, cached, source, handed = self.restorer.restore(tokens, ids, tenant, session,
                                                                   req.no_cache)
             reports.count_restore(req, session, len(tokens), cached, source)
@@ -375,6 +376,7 @@ class Engine:
                         known=common_prefix_len(info.tokens, tokens) if info is not None else 0,
                         started=time.monotonic(), stops=list(req.stop),
                         detok=self.tokenizer.detokenizer, decoding=decoding, handed=handed)
+            r.restore_s = r.started - t0
             self.batch.add(r, cache, req.max_tokens)
         except Exception:
             if handed is not None:
@@ -461,6 +463,9 @@ class Engine:
             session_id=r.session[1],
             max_tokens=r.job.request.max_tokens,
         )
+        for stage, seconds in (("waiting", usage.queue_s - r.restore_s),
+                               ("restore", r.restore_s), ("first_token", usage.ttft_s)):
+            metrics.WORKER_STAGE.labels(stage).observe(seconds)
         metrics.GENERATION_TOKENS.inc(len(r.completion))
         metrics.RECOMPUTED_TOKENS.inc(usage.recomputed_tokens)
         finish = r.finish

@@ -57,7 +57,7 @@ class Running:
     cached: int
     source: int
     known: int  # prompt tokens the session's history already had
-    started: float
+    started: float  # restored, handed to the scheduler
     stops: list[str]
     detok: Any
     decoding: Decoding
@@ -70,6 +70,7 @@ class Running:
     uid: int = -1
     followers: list = field(default_factory=list)  # jobs waiting for this prompt's KV
     handed: Any = None  # its conversation's bank entry, out of the bank while it runs
+    restore_s: float = 0.0  # of the time before `started`
 
 
 @dataclass

@@ -6,7 +6,10 @@ recomputed (cache off). The floor is mlx-lm itself, in this process, prefilling 
 of new tokens on a cache of the same length: what no server can beat. Each returning turn is
 paired with a floor measured just before it (this machine's speed moves by a third from one
 minute to the next), and `ram_vs_floor` / `ssd_vs_floor` are the medians of the pairs' ratios:
-what kvbank adds. Ratios, not absolute seconds, are what carry across machines.
+what kvbank adds. Ratios, not absolute seconds, are what carry across machines. Each turn's TTFT
+is split by the worker's `kvbank_worker_stage_seconds` (`stages_*_s`): waiting, restore, the
+first token (`ram_forward_vs_floor` compares it with the floor), and what lies outside the
+worker (router, gRPC, client).
 """
 
 from __future__ import annotations
@@ -84,6 +87,33 @@ class Floor:
         return elapsed
 
 
+def _worker_stages(stack) -> dict[str, float]:
+    """The worker's seconds so far by stage (`kvbank_worker_stage_seconds`' sums)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(stack.metrics_url("worker"), timeout=10).text
+    return {s.labels["stage"]: s.value for fam in text_string_to_metric_families(text)
+            if fam.name == "kvbank_worker_stage_seconds" for s in fam.samples
+            if s.name.endswith("_sum")}
+
+
+def _timed_turn(stack, stages: list[dict], turn) -> dict:
+    """`turn()`'s usage; its time by worker stage appended to `stages`, and what the worker
+    did not see (the router, gRPC both ways, the client) as `outside`."""
+    before = _worker_stages(stack)
+    usage = turn()
+    after = _worker_stages(stack)
+    split = {k: after[k] - before.get(k, 0.0) for k in after}
+    split["outside"] = usage["ttft_s"] - sum(split.values())
+    stages.append({k: round(v, 4) for k, v in split.items()})
+    return usage
+
+
+def _median_stages(stages: list[dict]) -> dict:
+    return {k: round(float(np.median([s[k] for s in stages])), 4) for k in stages[0]}
+
+
 def _paired_ratio(turns: list[dict], floors: list[float]) -> float:
     """The median over pairs of a turn's TTFT over the floor measured just before it."""
     return float(np.median([u["ttft_s"] / f for u, f in zip(turns, floors)]))
@@ -111,7 +141,7 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
                          f"SSD each (--repeats) the conversation would outgrow the model's "
                          f"context; use --tokens {fit} or less")
     rng = np.random.default_rng(seed)
-    ram, ssd, floor_ram, floor_ssd = [], [], [], []
+    ram, ssd, floor_ram, floor_ssd, stages_ram, stages_ssd = [], [], [], [], [], []
     with tempfile.TemporaryDirectory(prefix="kvbank-bench-") as tmp:
         # No tail delay: the run waits for each turn to reach SSD, and measures restores.
         stack = LocalStack.start(model_dir, Path(tmp) / "data",
@@ -129,14 +159,15 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
                 for _ in range(repeats):
                     stack.wait_durable(SESSION, timeout_s=600)
                     floor_ram.append(floor.sample(c.get_session(SESSION).token_count))
-                    ram.append(c.generate(session_id=SESSION, token_ids=_tokens(rng, TURN_TOKENS),
-                                          append=True, max_tokens=1).usage)
+                    new = _tokens(rng, TURN_TOKENS)
+                    ram.append(_timed_turn(stack, stages_ram, lambda: c.generate(
+                        session_id=SESSION, token_ids=new, append=True, max_tokens=1).usage))
                     stack.wait_durable(SESSION, timeout_s=600)
                     c.release(SESSION)
                     prompt = list(c.get_session(SESSION).token_ids) + _tokens(rng, TURN_TOKENS)
                     floor_ssd.append(floor.sample(len(prompt) - TURN_TOKENS))
-                    ssd.append(c.generate(session_id=SESSION, token_ids=prompt,
-                                          max_tokens=1).usage)
+                    ssd.append(_timed_turn(stack, stages_ssd, lambda: c.generate(
+                        session_id=SESSION, token_ids=prompt, max_tokens=1).usage))
                 del floor
                 cold = c.generate(token_ids=prompt, max_tokens=1, no_cache=True).usage
         finally:
@@ -164,4 +195,12 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
         "ttft_floor_all_s": [round(f, 4) for f in floor_ram + floor_ssd],
         "ram_vs_floor": round(_paired_ratio(ram, floor_ram), 2),
         "ssd_vs_floor": round(_paired_ratio(ssd, floor_ssd), 2),
+        # where a turn's TTFT went, medians by stage: the worker's own (waiting, restore,
+        # first_token: its forward and sampling) and the rest
+        "stages_ram_s": _median_stages(stages_ram),
+        "stages_ssd_s": _median_stages(stages_ssd),
+        "stages_ram_all_s": stages_ram,
+        "stages_ssd_all_s": stages_ssd,
+        "ram_forward_vs_floor": round(_paired_ratio(
+            [{"ttft_s": s["first_token"]} for s in stages_ram], floor_ram), 2),
     }
