@@ -287,6 +287,7 @@ def run(*, model: str | None, scenario, budget_bytes: int, max_wall_s: float,
     counter = TokenCounter(model_dir)
     if prefetch and "kvbank_prefetch" not in sides:
         sides = (*sides, "kvbank_prefetch")
+    labels = dict(SIDES)
     results: list[dict] = []
     afters: list[dict] = []  # kvbank's sessions and peaks after each round
     with tempfile.TemporaryDirectory(prefix="kvbank-compare-") as tmpdir:
@@ -304,7 +305,6 @@ def run(*, model: str | None, scenario, budget_bytes: int, max_wall_s: float,
                 "mlx_lm_unlimited": lambda: _mlx_lm(model_dir, tmp, UNLIMITED_BYTES,
                                                     "mlx_lm_unlimited"),
             }
-            labels = dict(SIDES)
             this: dict = {}
             for name in side_order(sides, i):
                 label = labels[name] + (f" #{i + 1}" if rounds > 1 else "")
@@ -461,7 +461,8 @@ def run_cli(args: argparse.Namespace) -> int:
                            progress=not args.no_progress, names=args.session_ids,
                            prefetch=args.prefetch, memory_budget=args.memory_budget,
                            sides=tuple(args.sides.split(",")), rounds=args.rounds)
-    except (RuntimeError, ValueError) as e:  # a server that would not start: its log tail is in the message
+    except (RuntimeError, ValueError) as e:  # a bad --rounds, or a server that would not
+        # start (its log tail is in the message)
         sys.stderr.write(f"kvbank bench compare: {e}\n")
         return 2
     if args.plot_dir:

@@ -114,9 +114,9 @@ def _median_stages(stages: list[dict]) -> dict:
     return {k: round(float(np.median([s[k] for s in stages])), 4) for k in stages[0]}
 
 
-def _paired_ratio(turns: list[dict], floors: list[float]) -> float:
-    """The median over pairs of a turn's TTFT over the floor measured just before it."""
-    return float(np.median([u["ttft_s"] / f for u, f in zip(turns, floors)]))
+def _paired_ratio(seconds: list[float], floors: list[float]) -> float:
+    """The median over pairs of a turn's seconds over the floor measured just before it."""
+    return float(np.median([t / f for t, f in zip(seconds, floors)]))
 
 
 def longest_fit(model_dir: Path, repeats: int) -> int:
@@ -193,8 +193,8 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
         "ram_speedup": round(cold["ttft_s"] / ram_s, 2),
         "ttft_floor_s": round(floor_s, 4),
         "ttft_floor_all_s": [round(f, 4) for f in floor_ram + floor_ssd],
-        "ram_vs_floor": round(_paired_ratio(ram, floor_ram), 2),
-        "ssd_vs_floor": round(_paired_ratio(ssd, floor_ssd), 2),
+        "ram_vs_floor": round(_paired_ratio([u["ttft_s"] for u in ram], floor_ram), 2),
+        "ssd_vs_floor": round(_paired_ratio([u["ttft_s"] for u in ssd], floor_ssd), 2),
         # where a turn's TTFT went, medians by stage: the worker's own (waiting, restore,
         # first_token: its forward and sampling) and the rest
         "stages_ram_s": _median_stages(stages_ram),
@@ -202,5 +202,5 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
         "stages_ram_all_s": stages_ram,
         "stages_ssd_all_s": stages_ssd,
         "ram_forward_vs_floor": round(_paired_ratio(
-            [{"ttft_s": s["first_token"]} for s in stages_ram], floor_ram), 2),
+            [s["first_token"] for s in stages_ram], floor_ram), 2),
     }
