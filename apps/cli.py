@@ -226,7 +226,8 @@ def _run_up(args: argparse.Namespace) -> int:
 
     from worker.admission import SchedulerConfig
 
-    SchedulerConfig.from_flags(args.scheduler_mode, args.max_active_requests)  # refuse at start
+    SchedulerConfig.from_flags(args.scheduler_mode, args.max_active_requests,
+                               args.decode_wait_s)  # refuse at start
     from kvbank.models import prepare_model
 
     model = prepare_model(args.model)
@@ -328,7 +329,8 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     from worker.admission import SchedulerConfig
 
-    sched = SchedulerConfig.from_flags(args.scheduler_mode, args.max_active_requests)
+    sched = SchedulerConfig.from_flags(args.scheduler_mode, args.max_active_requests,
+                                       args.decode_wait_s)
     worker_main(args.model, Layout(args.data_dir), block_tokens=args.block_tokens,
                 bank_bytes=args.bank_bytes, staging_max_bytes=args.staging_max_bytes,
                 restore_via=args.restore_via, scheduler=sched,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvbank.config import (DEFAULT_BLOCK_TOKENS, DEFAULT_ROUTER_PORT, DEFAULT_SHIM_PORT,
-                           default_data_dir)
+from kvbank.config import (DEFAULT_BLOCK_TOKENS, DEFAULT_DECODE_WAIT_S, DEFAULT_ROUTER_PORT,
+                           DEFAULT_SHIM_PORT, default_data_dir)
 
 DEFAULT_BANK_BYTES = 4 << 30
 
@@ -121,6 +121,10 @@ def worker_flags(p: argparse.ArgumentParser) -> None:
                  "request, nothing shares the machine (default: %(default)s)")),
            (["--max-active-requests"], dict(type=int, default=None,
             help="requests the worker runs at once (default: 4 in batch, 1 otherwise)")),
+           (["--decode-wait-s"], dict(type=float, default=DEFAULT_DECODE_WAIT_S,
+            help="while prompts are read, answers already streaming pause at most this long "
+                 "between tokens, then all decode together (agents' turns end sooner); 0: "
+                 "they take a token every step, smoother streaming (default: %(default)s)")),
            (["--write-out-deadline-s"], dict(type=float, default=30.0,
             help="one release waits at most this long for all its conversations' KV to reach "
                  "SSD; what misses it is abandoned and reported `deadline` (default: "

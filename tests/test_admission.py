@@ -288,6 +288,14 @@ def test_hyper_refuses_a_flag_that_would_allow_more_at_start(tmp_path):
     assert "Traceback" not in out.stderr
 
 
+def test_a_negative_decode_wait_is_refused_at_start(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "apps.cli", "up", "--data-dir",
+                          str(tmp_path / "d"), "--decode-wait-s", "-1"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0
+    assert "--decode-wait-s -1" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_hyper_runs_exactly_one_request_at_a_time(tiny_model, tmp_path, cache_dir):
     s = _stack(tiny_model, tmp_path, cache_dir, "--scheduler", "hyper")
     try:

@@ -32,9 +32,9 @@ def _request(tokenizer, tokens: np.ndarray) -> Running:
                    decoding=Decoding(make_request_sampler(0.0, 0.0, None)))
 
 
-def _scheduler(model, tokenizer, chunk: int) -> BatchScheduler:
+def _scheduler(model, tokenizer, chunk: int, **kw) -> BatchScheduler:
     return BatchScheduler(model, max_active=4, eos_token_ids=[], decode=tokenizer.decode,
-                          prefill_step_tokens=chunk)
+                          prefill_step_tokens=chunk, **kw)
 
 
 def _drain(s: BatchScheduler) -> list[Running]:
@@ -125,6 +125,42 @@ def test_equal_prompts_admitted_together_are_read_through_one_after_another(mode
     assert first_at_step[0] == 2
     assert [first_at_step[i] for i in range(4)] == sorted(first_at_step.values())
     assert len(set(first_at_step.values())) == 4
+
+
+@pytest.mark.parametrize("wait_s, pause_s, pauses", [(60.0, 0.0, True), (0.0, 0.0, False),
+                                                     (0.05, 0.1, False)])
+def test_an_answer_pauses_while_a_prompt_is_read_at_most_decode_wait_s(
+        model_and_tokenizer, wait_s, pause_s, pauses):
+    """B answers; A's 300-token prompt comes (five 64-token forwards). With room to wait, B
+    takes no token while A is read, then both decode together and end in the same step; with
+    `decode_wait_s` 0, or once it has passed since B's last token, B takes one every step and
+    ends first. Both answer as alone."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = model_and_tokenizer
+    rng = np.random.default_rng(11)
+    a_tokens, b_tokens = _tokens(tokenizer, rng, 300), _tokens(tokenizer, rng, 20)
+    s = _scheduler(model, tokenizer, chunk=64, decode_wait_s=wait_s)
+    a, b = _request(tokenizer, a_tokens), _request(tokenizer, b_tokens)
+    s.add(b, make_prompt_cache(model), ANSWER)
+    s.step()
+    assert len(b.completion) == 1
+    s.add(a, make_prompt_cache(model), ANSWER)
+    b_during = []
+    while a.first_token_at is None:
+        time.sleep(pause_s)
+        s.step()
+        b_during.append(len(b.completion))
+    assert len(b_during) == 5
+    assert b_during == ([1] * 5 if pauses else [2, 3, 4, 5, 6])
+    ends = []  # the requests that ended, step by step
+    while s:
+        ends.append({id(r) for r, _ in s.step()})
+    ends = [e for e in ends if e]
+    # paused, B was as far as A: the two end in the same step; else B ends first
+    assert ends == ([{id(a), id(b)}] if pauses else [{id(b)}, {id(a)}])
+    assert a.completion == _alone(model, tokenizer, a_tokens)
+    assert b.completion == _alone(model, tokenizer, b_tokens)
 
 
 def test_a_cancelled_reader_leaves_and_the_others_go_on(model_and_tokenizer):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from kvbank.config import DEFAULT_DECODE_WAIT_S
 from kvbank.contracts.failures import Refused
 from kvbank.contracts.pricing import Pricing
 from kvbank.contracts.receipts import AdmissionReceipt
@@ -29,14 +30,19 @@ DEFAULT_BATCH_ACTIVE = 4
 class SchedulerConfig:
     mode: str = "batch"
     max_active: int = DEFAULT_BATCH_ACTIVE
+    decode_wait_s: float = DEFAULT_DECODE_WAIT_S  # see worker/scheduler.py
 
     @classmethod
-    def from_flags(cls, mode: str, max_active: int | None) -> "SchedulerConfig":
+    def from_flags(cls, mode: str, max_active: int | None,
+                   decode_wait_s: float = DEFAULT_DECODE_WAIT_S) -> "SchedulerConfig":
         """Checked at start: a flag that contradicts the mode stops the process, naming it."""
         if mode not in SCHEDULERS:
             raise SystemExit(f"--scheduler-mode {mode}: choose one of {', '.join(SCHEDULERS)}")
         if max_active is not None and max_active < 1:
             raise SystemExit(f"--max-active-requests {max_active}: must be at least 1")
+        if not decode_wait_s >= 0:
+            raise SystemExit(f"--decode-wait-s {decode_wait_s}: must be 0 (answers take a token "
+                             f"every step) or more")
         if mode == "hyper" and max_active not in (None, 1):
             raise SystemExit(f"--scheduler-mode hyper runs exactly one request at a time; "
                              f"--max-active-requests {max_active} would allow more: drop it "
@@ -47,7 +53,7 @@ class SchedulerConfig:
                              f"or use --scheduler-mode batch")
         if max_active is None:
             max_active = DEFAULT_BATCH_ACTIVE if mode == "batch" else 1
-        return cls(mode, max_active)
+        return cls(mode, max_active, decode_wait_s)
 
 
 # -- pricing (the list itself: kvbank/contracts/pricing.py) ---------------------------------------

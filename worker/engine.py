@@ -129,7 +129,8 @@ class Engine:
         self.batch = BatchScheduler(self.model, max_active=scheduler.max_active,
                                     eos_token_ids=self.eos_token_ids,
                                     decode=self.tokenizer.decode,
-                                    prefill_step_tokens=prefill_chunk_tokens)
+                                    prefill_step_tokens=prefill_chunk_tokens,
+                                    decode_wait_s=scheduler.decode_wait_s)
         self._warm_up(prefill_chunk_tokens)
         self.pricing.fixed_bytes = resident_bytes()
         self.memory_budget = memory_budget_bytes(memory_budget, self.pricing)

@@ -1,8 +1,10 @@
 """How admitted requests share the model: prompts read one chunk a step on their own caches,
 answers decoded together in mlx-lm's BatchGenerator.
 
-Each `step` decodes one token for every request past its prompt and reads one chunk
-(`prefill_step_tokens`) of one prompt: the one with the fewest forwards left, less the steps a
+Each `step` reads one chunk (`prefill_step_tokens`) of one prompt and decodes one token for
+every request past its prompt, unless those answers are pausing for the prompts being read
+(at most `decode_wait_s` between tokens: then all decode together, see `_answers_wait`).
+The prompt read is the one with the fewest forwards left, less the steps a
 later request was read instead (a short request that arrives during a long prefill gets its
 first token after one chunk; a long one is not starved; of equal prompts, the first to come
 is read through first, not all of them by turns). A prompt is read on the request's own cache, the
@@ -35,6 +37,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from kvbank.config import DEFAULT_DECODE_WAIT_S
 from kvbank.v1 import api_pb2, worker_pb2
 from worker import kv
 from worker.admission import drop_stale_buffers
@@ -87,13 +90,17 @@ class _Own:
 
 class BatchScheduler:
     def __init__(self, model, *, max_active: int, eos_token_ids: list[int], decode,
-                 prefill_step_tokens: int = PREFILL_STEP_TOKENS):
-        """`decode`: the tokenizer's ids -> text, for the tokens of log-probabilities."""
+                 prefill_step_tokens: int = PREFILL_STEP_TOKENS,
+                 decode_wait_s: float = DEFAULT_DECODE_WAIT_S):
+        """`decode`: the tokenizer's ids -> text, for the tokens of log-probabilities.
+        `decode_wait_s`: how long answers may pause for prompts being read (`_answers_wait`)."""
         from mlx_lm.generate import BatchGenerator
 
         self.max_active = max_active
         self.decode = decode
         self.model = model
+        self.decode_wait_s = decode_wait_s
+        self._decoded_at = 0.0  # when answers last took a step (or had none to take)
         self.prefill_step_tokens = prefill_step_tokens
         self.last_forward_tokens = min(LAST_FORWARD_TOKENS, prefill_step_tokens)
         self.eos = frozenset(eos_token_ids)
@@ -172,9 +179,11 @@ class BatchScheduler:
     def step(self) -> list[tuple[Running, list]]:
         """One decode token for each request past its prompt, one chunk of one prompt.
         Returns the requests that ended, each with its cache."""
-        done = self._batch_step() if self._in_batch() else []
-        if self._solo is not None:
-            done += self._own_step(self._solo)
+        done: list[tuple[Running, list]] = []
+        if not self._answers_wait():
+            done = self._batch_step() if self._in_batch() else []
+            if self._solo is not None:
+                done += self._own_step(self._solo)
         if self._readers:
             o = min(self._readers,  # min() keeps the first of equals: arrival order
                     key=lambda o: self._forwards_left(o) - o.passed)
@@ -182,6 +191,24 @@ class BatchScheduler:
                 other.passed += 1  # overtaken by a later one; the others wait their turn
             done += self._own_step(o)
         return done
+
+    def _answers_wait(self) -> bool:
+        """Whether requests past their prompt skip this step: while prompts are read, for at
+        most `decode_wait_s` since they last took one. A decode step costs about the same for
+        one request as for four (the weights are read once either way), so tokens taken one
+        at a time beside each prompt forward add steps that the batch, once every prompt is
+        read, would have taken together; and every answer that joins the batch alone copies
+        its caches in again. mlx-lm's own server reads every waiting prompt first, unbounded;
+        the bound keeps an answer streaming behind a stream of long prompts."""
+        now = time.monotonic()
+        answering = self._solo is not None or self._in_batch()
+        prompts_in_batch = any(r.first_token_at is None  # the batch reads them in its step
+                               for uid, r in self.running.items() if uid >= 0)
+        if (answering and self._readers and not prompts_in_batch
+                and now - self._decoded_at < self.decode_wait_s):
+            return True
+        self._decoded_at = now
+        return False
 
     def _forwards_left(self, o: _Own) -> int:
         """Forwards until `o`'s first token: its chunks, then the last one with logits."""

@@ -10,6 +10,7 @@ kvbank/contracts/failures.py's table.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import signal
@@ -205,6 +206,10 @@ async def serve(model: Path, layout: Layout, *, metrics_port: int = -1, **engine
     sock.unlink(missing_ok=True)
     server.add_insecure_port(layout.worker_address)
     await server.start()
+    # What start-up made (model, tokenizer, gRPC) lives as long as the process. Frozen, a full
+    # collection no longer walks it in the middle of a step (~50 ms each here, at random).
+    gc.collect()
+    gc.freeze()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     logger.info("worker serving on %s", layout.worker_address)
     stop = asyncio.Event()
