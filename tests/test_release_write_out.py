@@ -23,7 +23,7 @@ from tests.waiting import wait_until
 from worker import kv
 from worker.bank import SessionBank
 from worker.link import ColdstoreClient
-from worker.upkeep import keep_within_cap, pressure_trim
+from worker.upkeep import keep_within_cap, pressure_trim, write_ahead
 from worker.writer import KVWriter
 
 B = 16
@@ -315,6 +315,31 @@ def test_over_the_cap_with_only_unwritten_entries_the_bank_writes_out_and_releas
     last = rig.bank.eviction_log[-1]
     assert (last.session_id, last.reason, last.release_write_out) == ("older", "bank_budget",
                                                                        "written")
+
+
+def test_under_a_binding_cap_the_next_release_is_written_ahead_and_then_does_not_wait(rig):
+    """Three conversations' turns fill a cap of three: room for one more conversation beside
+    the two most recent leaves none for the oldest, so its write goes now, while the worker
+    is busy (nothing else would write it); the other two wait for a quiet window. The next
+    commit (a conversation back from SSD) then releases the oldest, on SSD already, without
+    writing anything out."""
+    old = rig.turn("old", 48, seed=41)
+    mid = rig.turn("mid", 48, seed=42)
+    newest = rig.turn("newest2", 48, seed=43)
+    rig.bank.max_bytes = 3 * newest.nbytes
+    assert keep_within_cap(rig.bank, protect_keys=(newest.key,)) is None  # all three fit
+    assert write_ahead(rig.bank) == 1
+    wait_until(lambda: rig.durable_on_disk("old") == 48,
+               "the oldest conversation to be written ahead", 20)
+    rig.bank.mark_durable(old.session, 48)  # as the engine does on the coldstore's word
+    assert mid.awaits_queued_write and newest.awaits_queued_write
+    assert rig.durable_on_disk("mid") == rig.durable_on_disk("newest2") == 0
+    back = rig.turn("back", 48, seed=44)
+    r = keep_within_cap(rig.bank, protect_keys=(back.key,))
+    assert rig.bank.total_nbytes <= rig.bank.max_bytes
+    assert r is None  # the LRU trim took the oldest, on SSD: no write-out, no wait
+    assert set(rig.bank.entries) == {mid.key, newest.key, back.key}
+    assert write_ahead(rig.bank) == 1 and mid.write_job is not None  # and again: the next
 
 
 def test_under_the_cap_nothing_is_written_out(rig):

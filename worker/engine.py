@@ -516,6 +516,7 @@ class Engine:
             entry.write_pending = True
         # Over --bank-bytes: entries on SSD leave first, unwritten ones are written out first.
         upkeep.keep_within_cap(self.bank, protect_keys=(entry.key,), keep_sessions=(session,))
+        upkeep.write_ahead(self.bank)  # what the next commit's release would wait for
         self._refresh_ram_bytes()
         return durable
 

@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 RETRY_WRITES_EVERY_S = 5.0
 RSS_SLACK = 0.05  # of the budget: resident memory beyond the ledger that is not yet "held"
 RECORD_TIMEOUT_S = 3.0
+WRITE_AHEAD_MAX_S = 120.0  # later than a release's own write-out deadline: those go first
 
 
 def reconcile_rss(pricing: Pricing, bank: SessionBank, budget: int, rss: int) -> None:
@@ -51,6 +52,33 @@ def keep_within_cap(bank: SessionBank, *, protect_keys=(),
         return None
     return bank.release_sessions(cap, reason=TrimReason.BANK_BUDGET, protect_keys=protect_keys,
                                  keep_sessions=keep_sessions, write_out_before_release=True)
+
+
+def write_ahead(bank: SessionBank) -> int:
+    """Under a cap that binds, the writes the next commit's release would wait for go now.
+
+    A commit may add a whole conversation (one back from SSD) to the bank; room for it is
+    then made from entries on SSD, and an unwritten one is written out first while the turn's
+    answer waits (`keep_within_cap`). So whatever unwritten KV would not fit beside one more
+    conversation the size of the largest entry, least recently used first, has its queued
+    write promoted to go now rather than at a quiet window or `--max-dirty-s`: the coldstore
+    writes it while the next prompts are read, and by the next commit it is on SSD and leaves
+    without a wait. The write happens either way; it only moves off the answer's path.
+    Returns how many writes were promoted."""
+    if bank.writer is None:
+        return 0
+    entries = list(bank.entries.values())
+    room = bank.effective_max_bytes - max((e.nbytes for e in entries), default=0)
+    kept, promoted = 0, 0
+    give_up_at = time.time() + WRITE_AHEAD_MAX_S
+    for e in sorted(entries, key=lambda e: e.last_used, reverse=True):
+        if not e.awaits_queued_write:
+            continue
+        if kept + e.nbytes <= room:
+            kept += e.nbytes
+        elif bank.writer.write_ahead(e, give_up_at):
+            promoted += 1
+    return promoted
 
 
 def apply_dynamic_ceiling(bank: SessionBank, pricing: Pricing, budget: int) -> None:

@@ -82,6 +82,7 @@ class KVWriter:
         self._job_durable: dict[int, int] = {}  # job -> the record's durable extent it reached
         self._superseded_by: dict[int, int] = {}
         self._unsent: set[int] = set()  # jobs still being encoded
+        self._ahead: dict[int, None] = {}  # jobs promoted by write_ahead (oldest first)
         self._outbox: queue.Queue = queue.Queue()
         threading.Thread(target=self._send_loop, name="kv-encode", daemon=True).start()
 
@@ -212,6 +213,20 @@ class KVWriter:
 
         self._outbox.put(send)
         return job
+
+    def write_ahead(self, entry, give_up_at: float) -> bool:
+        """The entry's queued write goes now, not at a quiet window or its deadline: a
+        release will want it soon (`upkeep.write_ahead`); nothing waits for it. False when it
+        has no queued job (nothing to write, or it waits to be sent again)."""
+        job = entry.write_job
+        if job is None:
+            return False
+        if job not in self._ahead:
+            self._ahead[job] = None
+            while len(self._ahead) > _KEEP_OUTCOMES:
+                self._ahead.pop(next(iter(self._ahead)))
+            self._send(promote=wire.pb.Promote(job=job, give_up_at=give_up_at))
+        return True
 
     def forget_lost_jobs(self, live: set[int]) -> None:
         """Jobs the coldstore no longer holds (it restarted) stop counting as staged."""
