@@ -323,7 +323,9 @@ def test_hyper_runs_exactly_one_request_at_a_time(tiny_model, tmp_path, cache_di
 
 def test_batch_short_request_during_a_long_prefill_finishes_first(tiny_model, tmp_path,
                                                                    cache_dir):
-    s = _stack(tiny_model, tmp_path, cache_dir, "--prefill-chunk-tokens", "32")
+    # --decode-wait-s 0: the short answer's second token must not pause for the long prompt
+    s = _stack(tiny_model, tmp_path, cache_dir, "--prefill-chunk-tokens", "32",
+               "--decode-wait-s", "0")
     try:
         done = {}
 

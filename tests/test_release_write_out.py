@@ -339,7 +339,9 @@ def test_under_a_binding_cap_the_next_release_is_written_ahead_and_then_does_not
     assert rig.bank.total_nbytes <= rig.bank.max_bytes
     assert r is None  # the LRU trim took the oldest, on SSD: no write-out, no wait
     assert set(rig.bank.entries) == {mid.key, newest.key, back.key}
-    assert write_ahead(rig.bank) == 1 and mid.write_job is not None  # and again: the next
+    assert write_ahead(rig.bank) == 1  # and again: the next one to go is written now
+    wait_until(lambda: rig.durable_on_disk("mid") == 48, "mid to be written ahead", 20)
+    assert rig.durable_on_disk("newest2") == 0
 
 
 def test_under_the_cap_nothing_is_written_out(rig):
@@ -374,3 +376,27 @@ def test_one_release_of_two_sessions_ends_at_its_deadline_and_counts_what_missed
     assert r.unwritten_dropped == 2
     assert [e.release_write_out for e in slow_rig.bank.eviction_log] == ["deadline"] * 2
     assert 0.9 <= r.write_out_s < 1.3
+
+
+def test_a_write_ahead_that_runs_out_of_time_keeps_the_entry_protected(slow_rig):
+    """A write promoted ahead (nothing waits for it) that misses its deadline on a slow disk:
+    the coldstore takes its blocks back, and the entry, RAM's only copy again, stays protected
+    from trims and is sent again, as the engine marks it on the coldstore's answer."""
+    from kvbank.contracts import coldstore_wire as wire
+
+    ended = {}
+    slow_rig.writer.on_message = lambda m: (m.WhichOneof("kind") == "done"
+                                            and ended.setdefault(m.done.job, m.done))
+    e = slow_rig.turn("ahead", 160, seed=51)
+    job = e.write_job
+    assert slow_rig.writer.write_ahead(e, give_up_at=time.time() + 1.0)
+    wait_until(lambda: slow_rig.writer.pump() is not None and job in ended,
+               "the promoted write to end", 20)
+    outcome = wire.outcome_of(ended[job])
+    assert outcome == "deadline"
+    slow_rig.bank.mark_durable(e.session, ended[job].durable_tokens, lowered=True)
+    slow_rig.bank.mark_write_done(e.session, job, outcome)
+    assert slow_rig.durable_on_disk("ahead") == 0  # all or nothing
+    assert e.awaits_queued_write and e.write_pending
+    r = slow_rig.bank.shrink_to_bytes(0, reason="test", protect_unwritten=True)
+    assert e.key in slow_rig.bank.entries and r.unwritten_kept == 1

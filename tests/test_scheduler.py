@@ -60,8 +60,8 @@ def _tokens(tokenizer, rng, n: int) -> np.ndarray:
 
 def test_a_short_prompt_that_arrives_during_a_long_one_is_read_first(model_and_tokenizer):
     """A reads a 300-token prompt in 64-token chunks; B (20 tokens) arrives after A's first
-    chunk and gets its first token at the next step, while A is still reading. B decodes
-    alone, A joins it in the batch when its prompt is read; both answer exactly as alone."""
+    chunk and gets its first token at the next step, while A is still reading. B's answer
+    waits for A's prompt, then both decode in the batch; both answer exactly as alone."""
     from mlx_lm.models.cache import make_prompt_cache
 
     model, tokenizer = model_and_tokenizer

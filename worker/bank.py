@@ -37,7 +37,7 @@ from kvbank import events, metrics
 from kvbank.blocks import BlockId, chain_block_ids, common_prefix_len
 from kvbank.contracts.receipts import (Eviction, ReleaseReceipt, ReleaseRow, ShedReceipt,
                                        ShrinkReceipt)
-from kvbank.contracts.vocabulary import Outcome
+from kvbank.contracts.vocabulary import RETRY_OUTCOMES, Outcome
 from worker.kv import Layers, layers_nbytes
 
 if TYPE_CHECKING:
@@ -335,12 +335,13 @@ class SessionBank:
             n = min(durable_tokens, e.n_tokens)
             e.durable_tokens = n if lowered else max(e.durable_tokens, n)
 
-    def mark_write_done(self, session: SessionKey, job_id: int, retry: bool = False) -> None:
-        """The job ended; with `retry` (refused, failed) its entries wait to be sent again."""
+    def mark_write_done(self, session: SessionKey, job_id: int, outcome: Outcome) -> None:
+        """The job ended; refused, failed or out of time (RETRY_OUTCOMES), its entries still
+        in RAM wait to be sent again, protected."""
         for e in self.session_entries(session):
             if e.write_job == job_id:
                 e.write_job = None
-                e.write_pending = retry and not e.durable
+                e.write_pending = outcome in RETRY_OUTCOMES and not e.durable
 
     # -- policies ---------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ from kvbank.config import Layout
 from kvbank.contracts import coldstore_wire as wire
 from kvbank.contracts.failures import ColdstoreUnavailable, InvalidRequest, Refused
 from kvbank.contracts.pricing import Pricing
-from kvbank.contracts.vocabulary import Decision, Outcome, RETRY_OUTCOMES, TrimReason
+from kvbank.contracts.vocabulary import Decision, Outcome, TrimReason
 from kvbank.v1 import api_pb2, worker_pb2
 from worker import commands as cmd
 from worker import kv, upkeep
@@ -559,7 +559,7 @@ class Engine:
         self.conversations.durable(key, d.durable_tokens, lowered=lowered)
         self.bank.mark_durable(key, d.durable_tokens, lowered=lowered)
         self._ssd_changed(key)
-        self.bank.mark_write_done(key, d.job, retry=outcome in RETRY_OUTCOMES)
+        self.bank.mark_write_done(key, d.job, outcome)
         if outcome == Outcome.WRITTEN:
             events.emit("kv_durable", tenant=key[0], session_id=key[1],
                         durable_tokens=d.durable_tokens)

@@ -177,8 +177,9 @@ class BatchScheduler:
             del self.running[r.uid]
 
     def step(self) -> list[tuple[Running, list]]:
-        """One decode token for each request past its prompt, one chunk of one prompt.
-        Returns the requests that ended, each with its cache."""
+        """One chunk of one prompt, and one decode token for each request past its prompt
+        unless answers wait for the prompts being read (`_answers_wait`). Returns the requests
+        that ended, each with its cache."""
         done: list[tuple[Running, list]] = []
         if not self._answers_wait():
             done = self._batch_step() if self._in_batch() else []

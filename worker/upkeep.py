@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 RETRY_WRITES_EVERY_S = 5.0
 RSS_SLACK = 0.05  # of the budget: resident memory beyond the ledger that is not yet "held"
 RECORD_TIMEOUT_S = 3.0
-WRITE_AHEAD_MAX_S = 120.0  # later than a release's own write-out deadline: those go first
+WRITE_AHEAD_MAX_S = 120.0  # later than a release's write-out (30 s) made soon after: it goes first
 
 
 def reconcile_rss(pricing: Pricing, bank: SessionBank, budget: int, rss: int) -> None:
@@ -63,8 +63,9 @@ def write_ahead(bank: SessionBank) -> int:
     conversation the size of the largest entry, least recently used first, has its queued
     write promoted to go now rather than at a quiet window or `--max-dirty-s`: the coldstore
     writes it while the next prompts are read, and by the next commit it is on SSD and leaves
-    without a wait. The write happens either way; it only moves off the answer's path.
-    Returns how many writes were promoted."""
+    without a wait. These are writes a quiet window, `--max-dirty-s` or the release would make
+    anyway; they only move off the answer's path. One that misses its deadline is sent again
+    (RETRY_OUTCOMES). Returns how many writes were promoted."""
     if bank.writer is None:
         return 0
     entries = list(bank.entries.values())

@@ -18,7 +18,8 @@ token ids (what a prompt says does not change its cost), each request with a fre
    restores one.
 3. interleave: a request decoding while the long prompt arrives: its interval between tokens
    during the other's prefill (each step decodes it once, then prefills one chunk), and the long
-   prompt's time to first token against the same prompt alone (1).
+   prompt's time to first token against the same prompt alone (1). This is the worker run with
+   `--decode-wait-s 0`; by default its answers pause while a prompt is read (up to 10 s).
 
 The machine is shared and noisy: compared runs alternate in order, repeat by repeat (the second
 repeat runs the chunks and modes backwards), and ratios are the median of the repeats' ratios.
@@ -92,8 +93,10 @@ class _Bench:
     def scheduler(self, chunk: int, max_active: int):
         from worker.scheduler import BatchScheduler
 
+        # decode_wait_s=0: answers step between chunks, what (3) measures
         return BatchScheduler(self.model, max_active=max_active, eos_token_ids=[],
-                              decode=self.tokenizer.decode, prefill_step_tokens=chunk)
+                              decode=self.tokenizer.decode, prefill_step_tokens=chunk,
+                              decode_wait_s=0.0)
 
     def add(self, s, r, max_tokens: int, history=None) -> None:
         from mlx_lm.models.cache import make_prompt_cache

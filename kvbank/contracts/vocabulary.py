@@ -69,7 +69,10 @@ class Outcome(StrEnum):
 
 FAILED_OUTCOMES = frozenset({Outcome.DEADLINE, Outcome.ERROR, Outcome.REFUSED, Outcome.STALE,
                              Outcome.UNKNOWN_JOB, Outcome.CANCELLED})
-RETRY_OUTCOMES = frozenset({Outcome.REFUSED, Outcome.ERROR})  # sent again by retry_writes
+# Sent again by retry_writes while the entry is still in RAM. A deadline too: the coldstore
+# took the job's blocks back, so RAM holds the only copy again (a write promoted ahead, or a
+# flush, that ran out of time must not leave the entry unprotected).
+RETRY_OUTCOMES = frozenset({Outcome.REFUSED, Outcome.ERROR, Outcome.DEADLINE})
 
 
 class PressureLevel(StrEnum):
