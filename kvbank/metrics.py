@@ -39,8 +39,10 @@ CACHED_TOKENS = Counter("kvbank_cached_tokens_total", "Prompt tokens restored, n
 PROMPT_TOKENS = Counter("kvbank_prompt_tokens_total", "Prompt tokens of admitted requests")
 PREFIX_WAITS = Counter("kvbank_prefix_waits_total",
                        "Requests that waited for a running request's prompt KV, not computing it")
-PREFIX_SHARED_TOKENS = Counter("kvbank_prefix_shared_tokens_total",
-                               "Prompt tokens put in the bank at prefill end for waiting requests")
+PREFIX_SHARED_TOKENS = Counter(
+    "kvbank_prefix_shared_tokens_total",
+    "Prompt tokens put in the bank for other requests: at prefill end for waiting ones, or "
+    "from an answering request for a newcomer")
 PREFETCHES = Counter("kvbank_prefetches_total", "Prefetch hints, by what they did", ["status"])
 PREFETCHED_TOKENS = Counter("kvbank_prefetched_tokens_total",
                             "Tokens of KV brought from SSD into RAM ahead of their return")

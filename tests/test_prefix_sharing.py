@@ -5,6 +5,7 @@ prefill in 16-token chunks so a long prompt takes many steps to read)."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import pytest
@@ -77,3 +78,32 @@ def test_a_few_held_tokens_do_not_hide_a_shared_prompt(big_blocks):
     assert 0 < one["cached_tokens"] < 64, one  # the opening, from the earlier conversation
     assert 256 < len(shared) // 4 and two["cache_source"] == "ram", two
     assert two["cached_tokens"] >= 256 + 32, two  # the shared prompt, not just the opening
+
+
+def test_a_request_takes_the_prefix_of_one_already_answering(slow_prefill):
+    """Agents whose first turns overlap: the second arrives after the first has read its
+    prompt, while it is still answering. The second computes only its own end, from the
+    first's prompt KV, rather than the shared system prompt again."""
+    shared = f"[{uuid.uuid4().hex}] You are a coding agent. " + "Follow the rules. " * 100
+    answers, answering, times = {}, threading.Event(), {}
+
+    def first() -> None:
+        with slow_prefill.client() as c:
+            answers["first"] = c.generate(prompt=shared + "Task one: fix the bug.",
+                                          max_tokens=1200, temperature=0.0,
+                                          on_text=lambda _: answering.set())
+        times["first_done"] = time.monotonic()
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert answering.wait(120), "the first request never answered"
+    times["second_sent"] = time.monotonic()
+    with slow_prefill.client() as c:
+        two = c.generate(prompt=shared + "Task two: write the docs.", max_tokens=4,
+                         temperature=0.0).usage
+    t.join(timeout=120)
+    one = answers["first"].usage
+    assert times["first_done"] > times["second_sent"], "the first ended before the second came"
+    assert one["cached_tokens"] == 0 and one["completion_tokens"] > 4
+    prompt_shared = one["prompt_tokens"] - 10
+    assert two["cache_source"] == "ram" and two["cached_tokens"] >= prompt_shared - 16, two

@@ -341,9 +341,13 @@ class Engine:
         decoding = self.decodings.for_request(req)  # a request the model cannot serve: refused
         tenant = req.tenant
         ids = chain_block_ids(tokens, self.root_for(tenant), self.block_tokens)  # hashed once
-        if not req.no_cache and sharing.wait_for_prefix(job, tokens, ids, self.batch,
-                                                        self.restorer, self.block_tokens):
-            return WAIT_PREFIX
+        if not req.no_cache:
+            if sharing.wait_for_prefix(job, tokens, ids, self.batch, self.restorer,
+                                       self.block_tokens):
+                return WAIT_PREFIX
+            if sharing.share_answered_prefix(tokens, ids, tenant, self.batch, self.bank,
+                                             self.restorer, self.block_tokens):
+                self._refresh_ram_bytes()
         session = self.conversations.resolve(
             tokens, ids, tenant, req.session_id, busy=self.bank.is_busy,
             in_ram=lambda k: bool(self.bank.session_entries(k)))

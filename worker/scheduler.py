@@ -241,6 +241,10 @@ class BatchScheduler:
         """Requests still reading their prompt (no first token yet)."""
         return [r for r in self.running.values() if r.first_token_at is None]
 
+    def answering(self) -> list[Running]:
+        """Requests past their prompt, still running."""
+        return [r for r in self.running.values() if r.first_token_at is not None]
+
     def take_prefix_ready(self) -> list[Running]:
         """Requests others wait for whose prompt was read by the last step (and still run)."""
         ready, self._prefix_ready = self._prefix_ready, []

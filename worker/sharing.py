@@ -8,6 +8,12 @@ has read its prompt, its prompt's KV goes into the bank as its conversation's en
 commit supersedes it), and the waiting request restores the shared part from RAM and computes
 only what is its own. Requests behind a waiting one in line may start meanwhile.
 
+A request that arrives after the other has read its prompt, while it is still answering (agents
+whose first turns overlap, one back from a tool call while another answers), does not wait: the
+answering request's prompt KV goes into the bank at once, and the newcomer restores from it.
+Without this the shared prompt is computed again whenever turns overlap, which is most of the
+time once the answers of a round pause for each other's prompts.
+
 Engine thread only.
 """
 
@@ -49,9 +55,26 @@ def wait_for_prefix(job, tokens: np.ndarray, ids: list[BlockId], batch: BatchSch
     return True
 
 
-def share_prefix(r: Running, batch: BatchScheduler, bank: SessionBank) -> None:
-    """`r` has read its prompt and others wait for it: its prompt's KV goes into the bank."""
+def share_answered_prefix(tokens: np.ndarray, ids: list[BlockId], tenant: str,
+                          batch: BatchScheduler, bank: SessionBank, restorer: Restorer,
+                          block_tokens: int) -> bool:
+    """A new request shares at least a block, beyond what RAM or SSD holds, with a request
+    that has read its prompt and is answering: that request's prompt KV goes into the bank now
+    (its commit supersedes it), for the new one's restore to find. Whether it did."""
+    shared = [(common_prefix_len(r.tokens, tokens), r.uid, r)
+              for r in batch.answering() if r.job.request.tenant == tenant]
+    n, _, source = max(shared, default=(0, 0, None), key=lambda x: x[:2])
+    if n < block_tokens or n - max(restorer.held(tokens, ids, tenant)) < block_tokens:
+        return False
+    share_prefix(source, batch, bank, takers=1)
+    return True
+
+
+def share_prefix(r: Running, batch: BatchScheduler, bank: SessionBank,
+                 takers: int | None = None) -> None:
+    """`r` has read its prompt and others want it (its followers, or `takers`): its prompt's
+    KV goes into the bank."""
     cache = batch.prompt_cache(r)
     n = min(len(r.tokens), *(c.offset for c in cache))
     bank.insert(r.session, r.tokens[:n], kv.freeze(cache, n))
-    metrics.PREFIX_SHARED_TOKENS.inc(n * len(r.followers))
+    metrics.PREFIX_SHARED_TOKENS.inc(n * (len(r.followers) if takers is None else takers))
