@@ -8,6 +8,7 @@ import threading
 import time
 import uuid
 
+import numpy as np
 import pytest
 
 from tests.conftest import start_stack
@@ -83,27 +84,60 @@ def test_a_few_held_tokens_do_not_hide_a_shared_prompt(big_blocks):
 def test_a_request_takes_the_prefix_of_one_already_answering(slow_prefill):
     """Agents whose first turns overlap: the second arrives after the first has read its
     prompt, while it is still answering. The second computes only its own end, from the
-    first's prompt KV, rather than the shared system prompt again."""
-    shared = f"[{uuid.uuid4().hex}] You are a coding agent. " + "Follow the rules. " * 100
-    answers, answering, times = {}, threading.Event(), {}
+    first's prompt KV, rather than the shared system prompt again, and answers as if it had
+    computed everything."""
+    shared = "[answering] You are a coding agent. " + "Follow the rules. " * 100
+    answers, answering, done = {}, threading.Event(), {}
 
     def first() -> None:
         with slow_prefill.client() as c:
             answers["first"] = c.generate(prompt=shared + "Task one: fix the bug.",
                                           max_tokens=1200, temperature=0.0,
                                           on_text=lambda _: answering.set())
-        times["first_done"] = time.monotonic()
+        done["first"] = time.monotonic()
 
     t = threading.Thread(target=first)
     t.start()
     assert answering.wait(120), "the first request never answered"
-    times["second_sent"] = time.monotonic()
     with slow_prefill.client() as c:
-        two = c.generate(prompt=shared + "Task two: write the docs.", max_tokens=4,
-                         temperature=0.0).usage
+        second = c.generate(prompt=shared + "Task two: write the docs.", max_tokens=4,
+                            temperature=0.0)
+        done["second"] = time.monotonic()
+        alone = c.generate(prompt=shared + "Task two: write the docs.", max_tokens=4,
+                           temperature=0.0, no_cache=True)
     t.join(timeout=120)
-    one = answers["first"].usage
-    assert times["first_done"] > times["second_sent"], "the first ended before the second came"
-    assert one["cached_tokens"] == 0 and one["completion_tokens"] > 4
+    one, two = answers["first"].usage, second.usage
+    assert done["second"] < done["first"], "the first had ended: nothing was shared mid-answer"
+    assert one["cached_tokens"] == 0
     prompt_shared = one["prompt_tokens"] - 10
     assert two["cache_source"] == "ram" and two["cached_tokens"] >= prompt_shared - 16, two
+    assert second.token_ids == alone.token_ids
+
+
+def test_a_cancelled_turn_takes_back_the_prompt_it_shared(slow_prefill):
+    """A returning turn is answering when another request takes the prefix it shares; then
+    its client goes away. The cancelled turn's prompt is not kept (the bank holds no more of
+    it than the other request's own conversation), and the conversation is as it was: its
+    next turn reads its whole history from RAM."""
+    from kvbank.v1 import api_pb2
+
+    rng = np.random.default_rng(5)
+    ids = lambda n: rng.integers(1000, 20000, n).tolist()  # noqa: E731
+    with slow_prefill.client() as c:
+        c.generate(session_id="a", token_ids=ids(400), append=True, max_tokens=2)
+        history = list(c.get_session("a").token_ids)
+        new = ids(300)
+        req = api_pb2.GenerateRequest(session_id="a", append=True, max_tokens=1200)
+        req.tokens.ids.extend(new)
+        call = c.generation.Generate(req)  # the stub's own call, so the test can cancel it
+        next(ev for ev in call if ev.token_ids)  # it is answering
+        other = c.generate(token_ids=history + new[:200] + ids(30), max_tokens=2).usage
+        assert other["cache_source"] == "ram", other
+        assert other["cached_tokens"] >= len(history) + 200 - 16, other
+        call.cancel()
+        wait_until(lambda: c.status().running_requests == 0, "the cancelled turn to leave")
+        assert list(c.get_session("a").token_ids) == history  # not committed
+        again = c.generate(token_ids=history + new + ids(10), max_tokens=1).usage
+        assert again["cached_tokens"] <= len(history) + 200, again  # the other's, no more
+        back = c.generate(session_id="a", token_ids=ids(5), append=True, max_tokens=1).usage
+        assert back["cache_source"] == "ram" and back["cached_tokens"] == len(history), back

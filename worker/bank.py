@@ -266,6 +266,13 @@ class SessionBank:
         deleted, or another entry covers it): its blocks leave RAM for the KV events."""
         self._unannounce(e)
 
+    def withdraw(self, e: BankEntry) -> None:
+        """An entry that was never its conversation's to keep (a running request's prompt,
+        shared with others, whose turn was not committed) leaves, if it is still here: no
+        eviction, nothing of it was the conversation's."""
+        if self.entries.get(e.key) is e:
+            self._remove(e)
+
     def sessions(self) -> list[SessionKey]:
         """The conversations with at least one entry in RAM."""
         return list(self._by_session)

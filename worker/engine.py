@@ -346,7 +346,8 @@ class Engine:
                                        self.block_tokens):
                 return WAIT_PREFIX
             if sharing.share_answered_prefix(tokens, ids, tenant, self.batch, self.bank,
-                                             self.restorer, self.block_tokens):
+                                             self.restorer, self.block_tokens,
+                                             self.kv_bytes_per_token):
                 self._refresh_ram_bytes()
         session = self.conversations.resolve(
             tokens, ids, tenant, req.session_id, busy=self.bank.is_busy,
@@ -393,6 +394,7 @@ class Engine:
     def _leave(self, r: Running) -> None:
         """A request is done with the bank (answered, failed or cancelled): a conversation's
         entry that it took and did not commit over comes back."""
+        sharing.withdraw_shared(r, self.bank)  # gone already when its commit superseded it
         if r.handed is not None:
             if self.conversations.deleted_since(r.bank_key, r.started):
                 self.bank.let_go(r.handed)

@@ -73,6 +73,7 @@ class Running:
     uid: int = -1
     followers: list = field(default_factory=list)  # jobs waiting for this prompt's KV
     handed: Any = None  # its conversation's bank entry, out of the bank while it runs
+    shared: Any = None  # its prompt's KV, put in the bank for others (worker/sharing.py)
     restore_s: float = 0.0  # of the time before `started`
 
 

@@ -57,14 +57,18 @@ def wait_for_prefix(job, tokens: np.ndarray, ids: list[BlockId], batch: BatchSch
 
 def share_answered_prefix(tokens: np.ndarray, ids: list[BlockId], tenant: str,
                           batch: BatchScheduler, bank: SessionBank, restorer: Restorer,
-                          block_tokens: int) -> bool:
+                          block_tokens: int, bytes_per_token: int) -> bool:
     """A new request shares at least a block, beyond what RAM or SSD holds, with a request
     that has read its prompt and is answering: that request's prompt KV goes into the bank now
-    (its commit supersedes it), for the new one's restore to find. Whether it did."""
+    (its commit supersedes it), for the new one's restore to find. Only into room the bank
+    has: a copy that pushed other conversations out, or made the new request wait for memory,
+    would cost more than computing the prefix. Whether it did."""
     shared = [(common_prefix_len(r.tokens, tokens), r.uid, r)
               for r in batch.answering() if r.job.request.tenant == tenant]
     n, _, source = max(shared, default=(0, 0, None), key=lambda x: x[:2])
     if n < block_tokens or n - max(restorer.held(tokens, ids, tenant)) < block_tokens:
+        return False
+    if bank.total_nbytes + len(source.tokens) * bytes_per_token > bank.effective_max_bytes:
         return False
     share_prefix(source, batch, bank, takers=1)
     return True
@@ -73,8 +77,21 @@ def share_answered_prefix(tokens: np.ndarray, ids: list[BlockId], tenant: str,
 def share_prefix(r: Running, batch: BatchScheduler, bank: SessionBank,
                  takers: int | None = None) -> None:
     """`r` has read its prompt and others want it (its followers, or `takers`): its prompt's
-    KV goes into the bank."""
+    KV goes into the bank as `r.shared`. Its commit supersedes the entry; a turn that ends
+    without one takes it out (`withdraw_shared`)."""
     cache = batch.prompt_cache(r)
     n = min(len(r.tokens), *(c.offset for c in cache))
-    bank.insert(r.session, r.tokens[:n], kv.freeze(cache, n))
+    durable = 0  # what LMDB holds of it: of the entry it continues, if it took one
+    if r.handed is not None:
+        durable = min(r.handed.durable_tokens, common_prefix_len(r.handed.tokens, r.tokens[:n]))
+    r.shared = bank.insert(r.session, r.tokens[:n], kv.freeze(cache, n), durable_tokens=durable)
     metrics.PREFIX_SHARED_TOKENS.inc(n * (len(r.followers) if takers is None else takers))
+
+
+def withdraw_shared(r: Running, bank: SessionBank) -> None:
+    """`r` ended without a commit over its shared prompt entry (failed, cancelled, or its
+    conversation was deleted meanwhile): the entry goes, so a turn the client never saw is not
+    kept, and the entry it restored from comes back whole (`take_back`)."""
+    if r.shared is not None:
+        bank.withdraw(r.shared)
+        r.shared = None
