@@ -226,6 +226,7 @@ class Link:
 
     def close(self) -> None:
         if self.client is not None:
+            self.writer.close()  # its thread sends no more before the link's sockets close
             self.client.close()
             self.client = None
 

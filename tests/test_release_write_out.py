@@ -122,6 +122,7 @@ class Rig:
 
     def close(self):
         if self.client is not None:
+            self.writer.close()  # its thread sends no more before the link's sockets close
             self.client.close()
 
 

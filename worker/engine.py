@@ -291,7 +291,7 @@ class Engine:
             self.ask(cmd.Stop(), timeout_s=5)
         except Exception:  # a step still running: the thread is a daemon, the process ends
             logger.warning("the engine did not stop within 5 s")
-        self.writer.drain(timeout_s=5)  # what was handed over leaves before the link closes
+        self.writer.close(timeout_s=5)  # what was handed over leaves before the link closes
         self.coldstore.close()
         if self.kv_events is not None:
             self.kv_events.publisher.close()

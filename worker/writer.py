@@ -84,7 +84,8 @@ class KVWriter:
         self._unsent: set[int] = set()  # jobs still being encoded
         self._ahead: dict[int, None] = {}  # jobs promoted by write_ahead (oldest first)
         self._outbox: queue.Queue = queue.Queue()
-        threading.Thread(target=self._send_loop, name="kv-encode", daemon=True).start()
+        self._thread = threading.Thread(target=self._send_loop, name="kv-encode", daemon=True)
+        self._thread.start()
 
     # -- any thread ---------------------------------------------------------------------------
 
@@ -99,9 +100,20 @@ class KVWriter:
         self._outbox.put(sent.set)
         return sent.wait(timeout_s)
 
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Send what was handed over, then stop the kv-encode thread: the link's sockets are
+        not thread-safe, and one closed under a send aborts the process. Call before the
+        link's `close`. Whether everything was sent in time."""
+        sent = self.drain(timeout_s)
+        self._outbox.put(None)
+        self._thread.join(timeout_s)
+        return sent
+
     def _send_loop(self) -> None:
         while True:
             send = self._outbox.get()
+            if send is None:  # close()
+                return
             try:
                 send()
             except Exception:  # the job is not lost: retry_writes sends it again
