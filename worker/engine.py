@@ -86,7 +86,7 @@ class Engine:
         self.eos_token_ids = sorted(self.tokenizer.eos_token_ids)
         self.vocab_size = int(self.config.get("vocab_size") or len(self.tokenizer.vocab))
         self.decodings = Decodings(self.tokenizer, self.vocab_size, self.model_path.name)
-        self.kv_bytes_per_token, self.kv_dtype = self._measure_kv()
+        self.kv_bytes_per_token, self.kv_dtype = kv.measure(self.model)
         self.fingerprint = self._fingerprint()
         logger.info("model %s loaded in %.1fs: %d KV bytes/token (%s), fingerprint %s",
                     self.model_path, time.monotonic() - t0, self.kv_bytes_per_token,
@@ -192,16 +192,6 @@ class Engine:
         mx.clear_cache()
 
     # -- identity ---------------------------------------------------------------------------
-
-    def _measure_kv(self) -> tuple[int, str]:
-        """KV bytes per token, measured from a one-token forward (works for any model)."""
-        from mlx_lm.models.cache import make_prompt_cache
-
-        cache = make_prompt_cache(self.model)
-        self.model(mx.array([[0]]), cache=cache)
-        mx.eval([c.keys for c in cache])
-        per_token = sum(int(c.keys[..., :1, :].nbytes + c.values[..., :1, :].nbytes) for c in cache)
-        return per_token, str(cache[0].keys.dtype).split(".")[-1]
 
     def _fingerprint(self) -> bytes:
         """Nothing restores across model, weights, KV dtype or block size."""
@@ -341,7 +331,7 @@ class Engine:
         decoding = self.decodings.for_request(req)  # a request the model cannot serve: refused
         tenant = req.tenant
         ids = chain_block_ids(tokens, self.root_for(tenant), self.block_tokens)  # hashed once
-        if not req.no_cache:
+        if not req.no_cache:  # a running request's prompt: wait for it, or take it
             if sharing.wait_for_prefix(job, tokens, ids, self.batch, self.restorer,
                                        self.block_tokens):
                 return WAIT_PREFIX
@@ -527,10 +517,7 @@ class Engine:
         return durable
 
     def _refresh_ram_bytes(self) -> None:
-        out: dict[SessionKey, int] = {}
-        for e in self.bank.entries.values():
-            out[e.session] = out.get(e.session, 0) + e.nbytes
-        self._ram_bytes = out
+        self._ram_bytes = {s: self.bank.session_nbytes(s) for s in self.bank.sessions()}
         metrics.BANK_BYTES.set(self.bank.total_nbytes)
         self._bank_peak = max(self._bank_peak, self.bank.total_nbytes)
         metrics.BANK_PEAK_BYTES.set(self._bank_peak)

@@ -39,6 +39,17 @@ _POOL: ThreadPoolExecutor | None = None
 _STREAMS = threading.local()
 
 
+def measure(model) -> tuple[int, str]:
+    """KV bytes per token and their dtype, from a one-token forward (works for any model)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    mx.eval([c.keys for c in cache])
+    per_token = sum(int(c.keys[..., :1, :].nbytes + c.values[..., :1, :].nbytes) for c in cache)
+    return per_token, str(cache[0].keys.dtype).split(".")[-1]
+
+
 def capacity(n_tokens: int) -> int:
     """The buffer size, in tokens, for a cache that must hold n_tokens and then grow."""
     return (n_tokens // ROOM_STEP + 1) * ROOM_STEP

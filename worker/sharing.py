@@ -33,6 +33,21 @@ from worker.scheduler import BatchScheduler, Running
 PREFIX_WAIT_MAX_S = 60.0  # past this a request computes the shared prefix itself
 
 
+def _best_source(requests: list[Running], tokens: np.ndarray, ids: list[BlockId], tenant: str,
+                 restorer: Restorer, block_tokens: int) -> Running | None:
+    """Of `requests` (one tenant's), the one sharing the longest prefix with `tokens`, if it
+    shares at least a block beyond what RAM or SSD holds. Counted in tokens, not whole blocks:
+    the taker restores the source's prompt entry token by token, and a bank that holds a few
+    tokens of it (a chat template's opening) must not hide a shared system prompt of 300
+    tokens behind block rounding."""
+    shared = [(common_prefix_len(r.tokens, tokens), r.uid, r)
+              for r in requests if r.job.request.tenant == tenant]
+    n, _, source = max(shared, default=(0, 0, None), key=lambda x: x[:2])
+    if n < block_tokens or n - max(restorer.held(tokens, ids, tenant)) < block_tokens:
+        return None
+    return source
+
+
 def wait_for_prefix(job, tokens: np.ndarray, ids: list[BlockId], batch: BatchScheduler,
                     restorer: Restorer, block_tokens: int) -> bool:
     """Whether `job` (a commands.Generate) should wait for a request still reading a prompt
@@ -40,14 +55,9 @@ def wait_for_prefix(job, tokens: np.ndarray, ids: list[BlockId], batch: BatchSch
     that request's follower."""
     if time.monotonic() - job.queued_at > PREFIX_WAIT_MAX_S:
         return False
-    tenant, B = job.request.tenant, block_tokens
-    shared = [(common_prefix_len(r.tokens, tokens), r.uid, r)
-              for r in batch.prefilling() if r.job.request.tenant == tenant]
-    n, _, leader = max(shared, default=(0, 0, None), key=lambda x: x[:2])
-    # Counted in tokens, not whole blocks: the follower restores the leader's prompt entry
-    # token by token, and a bank that holds a few tokens of it (a chat template's opening)
-    # must not hide a shared system prompt of 300 tokens behind block rounding.
-    if n < B or n - max(restorer.held(tokens, ids, tenant)) < B:
+    leader = _best_source(batch.prefilling(), tokens, ids, job.request.tenant, restorer,
+                          block_tokens)
+    if leader is None:
         return False
     if not any(j is job for j in leader.followers):
         leader.followers.append(job)
@@ -63,12 +73,9 @@ def share_answered_prefix(tokens: np.ndarray, ids: list[BlockId], tenant: str,
     (its commit supersedes it), for the new one's restore to find. Only into room the bank
     has: a copy that pushed other conversations out, or made the new request wait for memory,
     would cost more than computing the prefix. Whether it did."""
-    shared = [(common_prefix_len(r.tokens, tokens), r.uid, r)
-              for r in batch.answering() if r.job.request.tenant == tenant]
-    n, _, source = max(shared, default=(0, 0, None), key=lambda x: x[:2])
-    if n < block_tokens or n - max(restorer.held(tokens, ids, tenant)) < block_tokens:
-        return False
-    if bank.total_nbytes + len(source.tokens) * bytes_per_token > bank.effective_max_bytes:
+    source = _best_source(batch.answering(), tokens, ids, tenant, restorer, block_tokens)
+    if source is None or (bank.total_nbytes + len(source.tokens) * bytes_per_token
+                          > bank.effective_max_bytes):
         return False
     share_prefix(source, batch, bank, takers=1)
     return True
