@@ -12,12 +12,18 @@ def test_bench_turn_reports_the_floor_and_the_ratios_to_it(tiny_model, monkeypat
     assert out["cache_source_ssd"] == "ssd"
     assert out["cached_tokens_ram"] >= 300 and out["cached_tokens_ssd"] >= 300
     assert out["ttft_floor_s"] > 0
-    # Each returning turn is compared with the floor measured just before it.
+    # Each returning turn is compared with the floor timed just after it.
     assert out["repeats"] == 2 and len(out["ttft_ram_all_s"]) == len(out["ttft_ssd_all_s"]) == 2
     floors = out["ttft_floor_all_s"]
     assert len(floors) == 4 and min(floors) <= out["ttft_floor_s"] <= max(floors)
     for key, turns, paired in (("ram_vs_floor", out["ttft_ram_all_s"], floors[:2]),
                                ("ssd_vs_floor", out["ttft_ssd_all_s"], floors[2:])):
+        ratios = sorted(t / f for t, f in zip(turns, paired))
+        assert ratios[0] - 0.01 <= out[key] <= ratios[-1] + 0.01
+    warm = out["ttft_floor_warm_all_s"]  # the same floors timed again at once, RAM's first
+    assert len(warm) == 4 and min(warm) <= out["ttft_floor_warm_s"] <= max(warm)
+    for key, turns, paired in (("ram_vs_warm_floor", out["ttft_ram_all_s"], warm[::2]),
+                               ("ssd_vs_warm_floor", out["ttft_ssd_all_s"], warm[1::2])):
         ratios = sorted(t / f for t, f in zip(turns, paired))
         assert ratios[0] - 0.01 <= out[key] <= ratios[-1] + 0.01
     assert min(out["ttft_ram_all_s"]) <= out["ttft_ram_s"] <= max(out["ttft_ram_all_s"])

@@ -203,3 +203,43 @@ def test_a_request_whose_forward_fails_fails_alone(model_and_tokenizer):
         failed += s.take_failed()
     assert [(r, str(e)) for r, e in failed] == [(b, "sampler failed")]
     assert ended == [a] and a.completion == _alone(model, tokenizer, a_tokens)
+
+
+@pytest.mark.parametrize("max_tokens", [1, ANSWER])
+def test_a_first_token_is_sent_before_the_next_forward_starts(
+        model_and_tokenizer, monkeypatch, max_tokens):
+    """The first token leaves before the forward after it (the next decode token, or the one
+    that puts a one-token answer into the cache) takes the cores: the scheduler pauses
+    `HANDOFF_S` once per answer, after its first token, and not after the later ones."""
+    import worker.scheduler as scheduler
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = model_and_tokenizer
+    timeline: list[tuple[str, float]] = []
+
+    class Recorded:
+        def __call__(self, *args, **kwargs):
+            timeline.append(("forward", time.monotonic()))
+            return model(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+    pauses: list[float] = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(scheduler.time, "sleep", lambda s: (pauses.append(s), real_sleep(s)))
+    s = BatchScheduler(Recorded(), max_active=4, eos_token_ids=[], decode=tokenizer.decode,
+                       prefill_step_tokens=64)
+    tokens = _tokens(tokenizer, np.random.default_rng(3), 20)
+    r = _request(tokenizer, tokens)
+    r.job.emit = lambda ev: timeline.append(("token", time.monotonic()))
+    s.add(r, make_prompt_cache(model), max_tokens)
+    _drain(s)
+
+    kinds = [k for k, _ in timeline]
+    first = kinds.index("token")
+    assert kinds[first + 1] == "forward"  # a forward follows the first token in both cases
+    assert timeline[first + 1][1] - timeline[first][1] >= scheduler.HANDOFF_S
+    assert pauses == [scheduler.HANDOFF_S]
+    assert len(r.completion) == max_tokens
+    assert r.completion == _alone(model, tokenizer, tokens)[:max_tokens]

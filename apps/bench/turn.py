@@ -4,12 +4,15 @@ Builds an N-token conversation on a fresh stack, then times a returning turn's T
 in one run: restored from the RAM bank, restored from SSD (after the bank released it), and
 recomputed (cache off). The floor is mlx-lm itself, in this process, prefilling the same number
 of new tokens on a cache of the same length: what no server can beat. Each returning turn is
-paired with a floor measured just before it (this machine's speed moves by a third from one
-minute to the next), and `ram_vs_floor` / `ssd_vs_floor` are the medians of the pairs' ratios:
-what kvbank adds. Ratios, not absolute seconds, are what carry across machines. Each turn's TTFT
-is split by the worker's `kvbank_worker_stage_seconds` (`stages_*_s`): waiting, restore, the
-first token (`ram_forward_vs_floor` compares it with the floor), and what lies outside the
-worker (router, gRPC, client).
+paired with a floor timed just after it, on a cache grown just before it, so that each side's
+timed forward follows the other's work: a returning turn meets a worker that idled while
+others computed, and so does the floor. This machine's speed moves by a third from one minute
+to the next: `ram_vs_floor` / `ssd_vs_floor` are the medians of the pairs' ratios, what kvbank
+adds (`*_vs_warm_floor`: against the floor timed again at once, after its own forward). Ratios,
+not absolute seconds, are what carry across machines. Each turn's TTFT is split by the worker's
+`kvbank_worker_stage_seconds` (`stages_*_s`): waiting, restore, the first token
+(`ram_forward_vs_floor` compares it with the floor), and what lies outside the worker (router,
+gRPC, client).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 SESSION = "bench-turn"
 TURN_TOKENS = 16
-SETTLE_S = 0.5  # after a floor, before a turn: idle BLAS threads spin a while before they sleep
+SETTLE_S = 0.5  # between one side's forward and the other's: idle BLAS threads spin a while
 
 
 def _tokens(rng: np.random.Generator, n: int) -> list[int]:
@@ -36,9 +39,9 @@ def _tokens(rng: np.random.Generator, n: int) -> list[int]:
 
 
 class Floor:
-    """mlx-lm in this process on a cache of `context_tokens`, prefilled in chunks as the worker
-    does; `sample()` times prefilling `new_tokens` more and picking the next token, then trims
-    the cache back. The cache grows with the conversation it is compared with."""
+    """mlx-lm in this process on a cache of a conversation's length, prefilled in chunks as the
+    worker does: `grow` brings it to the conversation (untimed), `sample` times prefilling
+    `new_tokens` more and picking the next token, then trims the cache back."""
 
     def __init__(self, model_dir: Path, context_tokens: int, new_tokens: int, *, seed: int = 0,
                  chunk_tokens: int = 512):
@@ -54,9 +57,9 @@ class Floor:
         self.rng = np.random.default_rng(seed + 1)
         self.chunk_tokens = chunk_tokens
         self.cache = make_prompt_cache(self.model)
-        self._grow_to(context_tokens)
+        self.grow(context_tokens)
 
-    def _grow_to(self, context_tokens: int) -> None:
+    def grow(self, context_tokens: int) -> None:
         """The cache at `context_tokens`, with room for the new tokens (a forward that grows
         a cache copies all of it: not what a floor measures)."""
         from mlx_lm.models.cache import trim_prompt_cache
@@ -71,19 +74,17 @@ class Floor:
             mx.eval([c.state for c in self.cache])
             trim_prompt_cache(self.cache, self.new_tokens)
 
-    def sample(self, context_tokens: int) -> float:
-        """One floor on a cache of `context_tokens` (grown to it first, untimed)."""
+    def sample(self) -> float:
+        """Seconds to prefill `new_tokens` on the cache as it is and pick the next token."""
         from mlx_lm.models.cache import trim_prompt_cache
 
         mx = self.mx
-        self._grow_to(context_tokens)
         new = mx.array(_tokens(self.rng, self.new_tokens))[None]
         t0 = time.perf_counter()
         logits = self.model(new, cache=self.cache)
         mx.eval(mx.argmax(logits[:, -1, :], axis=-1))
         elapsed = time.perf_counter() - t0
         trim_prompt_cache(self.cache, self.new_tokens)
-        time.sleep(SETTLE_S)
         return elapsed
 
 
@@ -141,7 +142,8 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
                          f"SSD each (--repeats) the conversation would outgrow the model's "
                          f"context; use --tokens {fit} or less")
     rng = np.random.default_rng(seed)
-    ram, ssd, floor_ram, floor_ssd, stages_ram, stages_ssd = [], [], [], [], [], []
+    ram, ssd, floor_ram, floor_ssd, floor_warm = [], [], [], [], []
+    stages_ram, stages_ssd = [], []
     with tempfile.TemporaryDirectory(prefix="kvbank-bench-") as tmp:
         # No tail delay: the run waits for each turn to reach SSD, and measures restores.
         stack = LocalStack.start(model_dir, Path(tmp) / "data",
@@ -154,20 +156,33 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
                            max_tokens=1)
                 build_s = time.monotonic() - t0
                 floor = Floor(model_dir, tokens, TURN_TOKENS, seed=seed)  # the stack idles
-                # Turns alternate: one from RAM, then (released) one from SSD, `repeats` times,
-                # each just after a floor; each adds TURN_TOKENS + 1 to the conversation.
+                # Turns alternate: one from RAM, then (released) one from SSD, `repeats` times;
+                # each adds TURN_TOKENS + 1 to the conversation. The floor is grown to the
+                # turn's context before it and timed after it, so that each side's timed
+                # forward follows the other's: a returning turn reaches a worker that was idle
+                # while others computed, and so does the floor (`floor_warm`: timed again at
+                # once, after its own forward, for comparison).
                 for _ in range(repeats):
                     stack.wait_durable(SESSION, timeout_s=600)
-                    floor_ram.append(floor.sample(c.get_session(SESSION).token_count))
+                    floor.grow(c.get_session(SESSION).token_count)
+                    time.sleep(SETTLE_S)
                     new = _tokens(rng, TURN_TOKENS)
                     ram.append(_timed_turn(stack, stages_ram, lambda: c.generate(
                         session_id=SESSION, token_ids=new, append=True, max_tokens=1).usage))
                     stack.wait_durable(SESSION, timeout_s=600)
+                    time.sleep(SETTLE_S)
+                    floor_ram.append(floor.sample())
+                    floor_warm.append(floor.sample())
                     c.release(SESSION)
                     prompt = list(c.get_session(SESSION).token_ids) + _tokens(rng, TURN_TOKENS)
-                    floor_ssd.append(floor.sample(len(prompt) - TURN_TOKENS))
+                    floor.grow(len(prompt) - TURN_TOKENS)
+                    time.sleep(SETTLE_S)
                     ssd.append(_timed_turn(stack, stages_ssd, lambda: c.generate(
                         session_id=SESSION, token_ids=prompt, max_tokens=1).usage))
+                    stack.wait_durable(SESSION, timeout_s=600)
+                    time.sleep(SETTLE_S)
+                    floor_ssd.append(floor.sample())
+                    floor_warm.append(floor.sample())
                 del floor
                 cold = c.generate(token_ids=prompt, max_tokens=1, no_cache=True).usage
         finally:
@@ -193,8 +208,13 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
         "ram_speedup": round(cold["ttft_s"] / ram_s, 2),
         "ttft_floor_s": round(floor_s, 4),
         "ttft_floor_all_s": [round(f, 4) for f in floor_ram + floor_ssd],
+        "ttft_floor_warm_s": round(float(np.median(floor_warm)), 4),
+        "ttft_floor_warm_all_s": [round(f, 4) for f in floor_warm],
         "ram_vs_floor": round(_paired_ratio([u["ttft_s"] for u in ram], floor_ram), 2),
         "ssd_vs_floor": round(_paired_ratio([u["ttft_s"] for u in ssd], floor_ssd), 2),
+        # against the floor timed right after its own forward: a server that was just busy
+        "ram_vs_warm_floor": round(_paired_ratio([u["ttft_s"] for u in ram], floor_warm[::2]), 2),
+        "ssd_vs_warm_floor": round(_paired_ratio([u["ttft_s"] for u in ssd], floor_warm[1::2]), 2),
         # where a turn's TTFT went, medians by stage: the worker's own (waiting, restore,
         # first_token: its forward and sampling) and the rest
         "stages_ram_s": _median_stages(stages_ram),
