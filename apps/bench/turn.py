@@ -162,27 +162,28 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
                 # forward follows the other's: a returning turn reaches a worker that was idle
                 # while others computed, and so does the floor (`floor_warm`: timed again at
                 # once, after its own forward, for comparison).
-                for _ in range(repeats):
-                    stack.wait_durable(SESSION, timeout_s=600)
-                    floor.grow(c.get_session(SESSION).token_count)
+                def paired(context: int, turns: list, floors: list, stages: list, turn):
+                    """`turn`'s usage into `turns`, then the floor on `context` timed into
+                    `floors` and, at once again, into `floor_warm`."""
+                    floor.grow(context)
                     time.sleep(SETTLE_S)
-                    new = _tokens(rng, TURN_TOKENS)
-                    ram.append(_timed_turn(stack, stages_ram, lambda: c.generate(
-                        session_id=SESSION, token_ids=new, append=True, max_tokens=1).usage))
+                    turns.append(_timed_turn(stack, stages, turn))
                     stack.wait_durable(SESSION, timeout_s=600)
                     time.sleep(SETTLE_S)
-                    floor_ram.append(floor.sample())
+                    floors.append(floor.sample())
                     floor_warm.append(floor.sample())
+
+                stack.wait_durable(SESSION, timeout_s=600)
+                for _ in range(repeats):
+                    new = _tokens(rng, TURN_TOKENS)
+                    paired(c.get_session(SESSION).token_count, ram, floor_ram, stages_ram,
+                           lambda: c.generate(session_id=SESSION, token_ids=new, append=True,
+                                              max_tokens=1).usage)
                     c.release(SESSION)
                     prompt = list(c.get_session(SESSION).token_ids) + _tokens(rng, TURN_TOKENS)
-                    floor.grow(len(prompt) - TURN_TOKENS)
-                    time.sleep(SETTLE_S)
-                    ssd.append(_timed_turn(stack, stages_ssd, lambda: c.generate(
-                        session_id=SESSION, token_ids=prompt, max_tokens=1).usage))
-                    stack.wait_durable(SESSION, timeout_s=600)
-                    time.sleep(SETTLE_S)
-                    floor_ssd.append(floor.sample())
-                    floor_warm.append(floor.sample())
+                    paired(len(prompt) - TURN_TOKENS, ssd, floor_ssd, stages_ssd,
+                           lambda: c.generate(session_id=SESSION, token_ids=prompt,
+                                              max_tokens=1).usage)
                 del floor
                 cold = c.generate(token_ids=prompt, max_tokens=1, no_cache=True).usage
         finally:
