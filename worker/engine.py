@@ -40,8 +40,8 @@ from kvbank.v1 import api_pb2, worker_pb2
 from worker import commands as cmd
 from worker import kv, upkeep
 from worker.admission import (SchedulerConfig, calibrate, give_back_freed_memory, held_bytes,
-                              keep_large_buffers_off_the_heap, make_room, memory_budget_bytes,
-                              mlx_cache_limit, resident_bytes)
+                              make_room, memory_budget_bytes, mlx_cache_limit, resident_bytes,
+                              serve_buffers_from_the_heap)
 from worker.bank import SessionBank, SessionKey
 from worker.conversations import Conversations
 from worker.guard import Guard
@@ -74,7 +74,7 @@ class Engine:
         """Built on the caller's thread; once its thread starts, that thread owns it all."""
         from mlx_lm import load
 
-        keep_large_buffers_off_the_heap()
+        serve_buffers_from_the_heap()
         self.model_path = Path(model_path)
         self.layout = layout.ensure()
         self.block_tokens = block_tokens
@@ -142,6 +142,7 @@ class Engine:
         self._admissions: deque = deque(maxlen=1024)  # admission receipts, newest last
         self._retried_at = 0.0
         self._bank_peak = 0  # kvbank_bank_peak_bytes: a benchmark reads it once, not polls
+        self._held_seen = 0  # the ledger at the last _give_back_freed
         self._handlers = {
             cmd.DeleteSession: lambda c: self._delete_session(c.session),
             cmd.Release: lambda c: self.bank.release_sessions(
@@ -242,6 +243,7 @@ class Engine:
                     self._handle(item)
             self.coldstore.set_busy(bool(self.batch or self._pending))
             self._admit_pending()
+            self._give_back_freed()  # what acknowledged writes and evictions freed
             if self.batch:
                 self._step()
             self._publish()
@@ -256,6 +258,7 @@ class Engine:
             logger.exception("%s failed", type(command).__name__)
             result, error = None, e
         self._refresh_ram_bytes()
+        self._give_back_freed()
         self._publish()
         if error is None:
             command.reply.set_result(result)
@@ -441,7 +444,16 @@ class Engine:
                 r.job.emit(answer)
                 if not isinstance(answer, Exception):
                     r.job.emit(None)
+            self._give_back_freed(turn_ended=True)
+
+    def _give_back_freed(self, *, turn_ended: bool = False) -> None:
+        """The heap's free pages back to the OS (`serve_buffers_from_the_heap` keeps them):
+        after turns (their transients), and whenever the ledger fell since the last look (KV
+        evicted, released, or written and no longer staged), so RSS follows the ledger."""
+        held = self.bank.ledger()["held_bytes"]
+        if turn_ended or held < self._held_seen:
             give_back_freed_memory()
+        self._held_seen = held
 
     def _finish(self, r: Running, cache: list) -> worker_pb2.WorkerGenerateResponse:
         """Commit a finished turn; its last message, to send once the snapshot has it."""

@@ -262,10 +262,10 @@ def run(*, model: str | None, tokens: int = 8192, block_tokens: int = 256, turns
     from kvbank.blocks import chain_root
     from kvbank.models import prepare_model
     from worker import kv
-    from worker.admission import keep_large_buffers_off_the_heap
+    from worker.admission import serve_buffers_from_the_heap
     from worker.engine import MLX_CACHE_BYTES
 
-    keep_large_buffers_off_the_heap()  # the worker's allocator settings, for both sides
+    serve_buffers_from_the_heap()  # the worker's allocator settings, for both sides
     model_dir = prepare_model(model)
     conv, layers, recompute_s = _conversation_kv(model_dir, tokens, seed)
     payloads = [kv.encode_range(layers, s, min(s + block_tokens, tokens))
