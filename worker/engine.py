@@ -447,9 +447,8 @@ class Engine:
             self._give_back_freed(turn_ended=True)
 
     def _give_back_freed(self, *, turn_ended: bool = False) -> None:
-        """The heap's free pages back to the OS (`serve_buffers_from_the_heap` keeps them):
-        after turns (their transients), and whenever the ledger fell since the last look (KV
-        evicted, released, or written and no longer staged), so RSS follows the ledger."""
+        """The heap's free pages back to the OS (`serve_buffers_from_the_heap` keeps them),
+        after a turn and whenever the ledger fell since the last look: RSS follows it."""
         held = self.bank.ledger()["held_bytes"]
         if turn_ended or held < self._held_seen:
             give_back_freed_memory()

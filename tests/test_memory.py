@@ -1,0 +1,30 @@
+"""The worker's allocator settings: buffers come from glibc's heap, so a forward reuses what the
+last one freed, and the trim the engine makes hands freed KV back to the OS (RSS follows the
+ledger). Real MLX arrays in this process, with the worker's settings."""
+
+import mlx.core as mx
+
+from worker.admission import give_back_freed_memory, resident_bytes, serve_buffers_from_the_heap
+
+MB = 1 << 20
+
+
+def _kv_like(n: int) -> list:
+    """n buffers of 1.5 MB each: one layer's keys of a 2K conversation of the default model."""
+    arrays = [mx.ones((1, 3, 2048, 64), dtype=mx.float32) for _ in range(n)]
+    mx.eval(arrays)
+    return arrays
+
+
+def test_freed_kv_below_live_kv_leaves_the_process_at_the_trim():
+    serve_buffers_from_the_heap()
+    mx.set_cache_limit(0)  # what MLX frees goes to glibc at once, as after its cache empties
+    give_back_freed_memory()
+    before = resident_bytes()
+    released = _kv_like(100)  # a conversation the bank lets go of...
+    kept = _kv_like(4)  # ...below one it keeps: its pages are inside the heap, not at its top
+    assert resident_bytes() - before > 120 * MB
+    del released
+    give_back_freed_memory()
+    assert resident_bytes() - before < 40 * MB, "the released conversation's pages stayed"
+    assert float(kept[0][0, 0, 0, 0]) == 1.0
