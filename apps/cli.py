@@ -25,6 +25,7 @@ from kvbank.config import DEFAULT_BLOCK_TOKENS, DEFAULT_METRICS_PORT, DEFAULT_RO
 def _setup_logging(name: str) -> None:
     logging.basicConfig(level=os.environ.get("KVBANK_LOG_LEVEL", "INFO"), stream=sys.stderr,
                         format=f"%(asctime)s {name:9s} %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
 
 
 def build_parser() -> argparse.ArgumentParser:

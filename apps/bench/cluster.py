@@ -421,7 +421,6 @@ def run_cli(args) -> dict:
     """The result document for `kvbank bench cluster`'s arguments (ValueError: bad ones)."""
     import sys
 
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     return run(model=args.model, stacks=args.stacks, agents=args.agents, turns=args.turns,
                turn_tokens=args.turn_tokens, system_tokens=args.system_tokens,

@@ -444,8 +444,6 @@ def run_cli(args: argparse.Namespace) -> int:
     from apps.loadgen import report
     from apps.loadgen.scenarios import build, params
 
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
-
     try:
         p = params(args.scenario, seed=args.seed, turns=args.turns,
                    turn_tokens=args.turn_tokens, max_tokens=args.max_tokens,
