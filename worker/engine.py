@@ -243,7 +243,7 @@ class Engine:
                     self._handle(item)
             self.coldstore.set_busy(bool(self.batch or self._pending))
             self._admit_pending()
-            self._give_back_freed()  # what acknowledged writes and evictions freed
+            self._give_back_freed()  # what commands, acknowledged writes and evictions freed
             if self.batch:
                 self._step()
             self._publish()
@@ -258,7 +258,6 @@ class Engine:
             logger.exception("%s failed", type(command).__name__)
             result, error = None, e
         self._refresh_ram_bytes()
-        self._give_back_freed()
         self._publish()
         if error is None:
             command.reply.set_result(result)
