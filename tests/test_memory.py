@@ -18,13 +18,16 @@ def _kv_like(n: int) -> list:
 
 def test_freed_kv_below_live_kv_leaves_the_process_at_the_trim():
     serve_buffers_from_the_heap()
-    mx.set_cache_limit(0)  # what MLX frees goes to glibc at once, as after its cache empties
-    give_back_freed_memory()
-    before = resident_bytes()
-    released = _kv_like(100)  # a conversation the bank lets go of...
-    kept = _kv_like(4)  # ...below one it keeps: its pages are inside the heap, not at its top
-    assert resident_bytes() - before > 120 * MB
-    del released
-    give_back_freed_memory()
-    assert resident_bytes() - before < 40 * MB, "the released conversation's pages stayed"
-    assert float(kept[0][0, 0, 0, 0]) == 1.0
+    cache_limit = mx.set_cache_limit(0)  # what MLX frees goes to glibc at once, as after its
+    try:                                 # cache empties
+        give_back_freed_memory()
+        before = resident_bytes()
+        released = _kv_like(100)  # a conversation the bank lets go of...
+        kept = _kv_like(4)  # ...below one it keeps: its pages are inside the heap, not its top
+        assert resident_bytes() - before > 120 * MB
+        del released
+        give_back_freed_memory()
+        assert resident_bytes() - before < 40 * MB, "the released conversation's pages stayed"
+        assert float(kept[0][0, 0, 0, 0]) == 1.0
+    finally:
+        mx.set_cache_limit(cache_limit)  # the tests after this one run as they would alone
