@@ -18,8 +18,9 @@ def _kv_like(n: int) -> list:
 
 def test_freed_kv_below_live_kv_leaves_the_process_at_the_trim():
     serve_buffers_from_the_heap()
-    cache_limit = mx.set_cache_limit(0)  # what MLX frees goes to glibc at once, as after its
-    try:                                 # cache empties
+    # What MLX frees goes to glibc at once, as after the worker empties MLX's cache.
+    cache_limit = mx.set_cache_limit(0)
+    try:
         give_back_freed_memory()
         before = resident_bytes()
         released = _kv_like(100)  # a conversation the bank lets go of...
