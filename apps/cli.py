@@ -332,14 +332,21 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     sched = SchedulerConfig.from_flags(args.scheduler_mode, args.max_active_requests,
                                        args.decode_wait_s)
-    worker_main(args.model, Layout(args.data_dir), block_tokens=args.block_tokens,
-                bank_bytes=args.bank_bytes, staging_max_bytes=args.staging_max_bytes,
-                restore_via=args.restore_via, scheduler=sched,
-                memory_budget=args.memory_budget, active_pin_s=args.active_pin_s,
-                admission_chain_shed=args.admission_chain_shed,
-                prefill_chunk_tokens=args.prefill_chunk_tokens,
-                write_out_deadline_s=args.write_out_deadline_s,
-                kv_events=_kv_events(args), metrics_port=args.metrics_port)
+    from worker.cache_kinds import UnsupportedModel
+
+    try:
+        worker_main(args.model, Layout(args.data_dir), block_tokens=args.block_tokens,
+                    bank_bytes=args.bank_bytes, staging_max_bytes=args.staging_max_bytes,
+                    restore_via=args.restore_via, scheduler=sched,
+                    memory_budget=args.memory_budget, active_pin_s=args.active_pin_s,
+                    admission_chain_shed=args.admission_chain_shed,
+                    prefill_chunk_tokens=args.prefill_chunk_tokens,
+                    write_out_deadline_s=args.write_out_deadline_s,
+                    max_checkpoints=args.max_checkpoints,
+                    checkpoint_every=args.checkpoint_every,
+                    kv_events=_kv_events(args), metrics_port=args.metrics_port)
+    except UnsupportedModel as e:  # never served wrong: refused, with what to do
+        raise SystemExit(f"kvbank worker: refused to serve {args.model}: {e}") from None
     return 0
 
 

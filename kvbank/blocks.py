@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import NewType, Sequence
 
 import numpy as np
+import xxhash
 
 BlockId = NewType("BlockId", bytes)
 
@@ -37,7 +38,6 @@ def is_anonymous(session_id: str) -> bool:
 
 CHAIN_SEED = b"kvbank/block-chain/v1"
 ID_BYTES = 16
-_MAGIC = b"KVB1"
 _ALIGN = 16
 
 
@@ -89,86 +89,145 @@ def tail_block_id(parent: BlockId, tail_tokens: Sequence[int] | np.ndarray) -> B
     return _h(parent, b"\0tail:", struct.pack("<I", len(arr)), arr.tobytes())
 
 
+FORMAT_VERSION = 2  # of a stored block: KVB1 (one K/V shape for every layer) still reads
+_MAGIC_V1, _MAGIC = b"KVB1", b"KVB2"
+
+
+class CorruptBlock(ValueError):
+    """A stored block whose bytes are not what was written: never used, always recomputed."""
+
+
 @dataclass(frozen=True, slots=True)
 class BlockHeader:
-    """What a stored block says about itself, so a reader needs nothing else to rebuild it."""
+    """What a stored block says about itself, so a reader needs nothing else to rebuild it.
 
-    dtype: str  # MLX dtype name, e.g. "float32", "bfloat16"
-    n_layers: int
+    A block holds, for tokens [start, start + n_tokens) of a conversation, the K and V of each
+    full-attention cache (`kv_shapes`, token-major: (n_tokens, kv_heads, head_dim)), and, when
+    a checkpoint stands at its last token, that checkpoint's window and recurrent arrays
+    (`state`: dtype and shape per array, None for one the model had not written). `layout`
+    names the model's cache kinds (worker/cache_kinds.py). `checksum` is the xxh3-64 of
+    everything after the header."""
+
+    dtype: str  # MLX dtype name of the K/V arrays, e.g. "float32", "bfloat16"
     n_tokens: int
-    k_shape: tuple[int, ...]  # one layer's keys: (kv_heads, n_tokens, head_dim)
-    v_shape: tuple[int, ...]
+    kv_shapes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+    state: tuple[tuple[str, tuple[int, ...]] | None, ...] = ()
+    layout: str = ""
+    checksum: int | None = None  # None: a KVB1 block, written before checksums
 
     @property
-    def k_nbytes(self) -> int:
-        return math.prod(self.k_shape) * _itemsize(self.dtype)
+    def n_layers(self) -> int:
+        return len(self.kv_shapes)
 
     @property
-    def v_nbytes(self) -> int:
-        return math.prod(self.v_shape) * _itemsize(self.dtype)
+    def has_state(self) -> bool:
+        return bool(self.state)
+
+    def array_specs(self) -> list[tuple[str, tuple[int, ...]] | None]:
+        """Every array of the payload in order: each layer's K and V, then the state's."""
+        return [(self.dtype, s) for pair in self.kv_shapes for s in pair] + list(self.state)
+
+    @property
+    def data_nbytes(self) -> int:
+        return sum(math.prod(s) * _itemsize(d) for d, s in filter(None, self.array_specs()))
 
 
 def _itemsize(dtype: str) -> int:
-    return {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}[dtype]
+    return {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32": 4,
+            "uint32": 4, "int64": 8, "uint16": 2, "int8": 1, "uint8": 1}[dtype]
 
 
-def encode_block(header: BlockHeader,
-                 layers: Sequence[tuple[np.ndarray, np.ndarray]]) -> bytearray:
-    """One value holding every layer's K and V: magic, header length, JSON header, data.
+def _np_dtype(dtype: str) -> np.dtype:
+    return np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(dtype)  # bf16 as its bits
 
-    Each array is copied once, straight into the value (strided views welcome)."""
-    meta = json.dumps(
-        {
-            "dtype": header.dtype,
-            "n_layers": header.n_layers,
-            "n_tokens": header.n_tokens,
-            "k_shape": list(header.k_shape),
-            "v_shape": list(header.v_shape),
-        }
-    ).encode()
+
+def checksum(data: bytes | memoryview | bytearray) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def encode_block(header: BlockHeader, arrays: Sequence[np.ndarray | None]) -> bytearray:
+    """One value holding every array of `header.array_specs()` (its `checksum` is computed
+    here): magic, header length, JSON header, data. Each array is copied once, straight into
+    the value (strided views welcome)."""
+    out = bytearray(header.data_nbytes)
+    at = 0
+    for a in arrays:
+        if a is None:
+            continue
+        a = np.asarray(a)
+        np.frombuffer(out, dtype=a.dtype, count=a.size, offset=at).reshape(a.shape)[...] = a
+        at += a.nbytes
+    if at != len(out):
+        raise ValueError(f"bug: arrays of {at} bytes for a header of {len(out)}")
+    meta = json.dumps({
+        "dtype": header.dtype, "n_tokens": header.n_tokens, "layout": header.layout,
+        "kv": [[list(k), list(v)] for k, v in header.kv_shapes],
+        "state": [None if s is None else [s[0], list(s[1])] for s in header.state],
+        "xxh3": f"{checksum(out):016x}",  # fixed width: equal blocks have equal sizes
+    }).encode()
     pad = (-(len(_MAGIC) + 4 + len(meta))) % _ALIGN
-    head = _MAGIC + struct.pack("<I", len(meta) + pad) + meta + b" " * pad
-    out = bytearray(len(head) + header.n_layers * (header.k_nbytes + header.v_nbytes))
-    out[: len(head)] = head
-    at = len(head)
-    for k, v in layers:
-        for a in (k, v):
-            a = np.asarray(a)
-            np.frombuffer(out, dtype=a.dtype, count=a.size, offset=at).reshape(a.shape)[...] = a
-            at += a.nbytes
-    return out
+    return bytearray(_MAGIC + struct.pack("<I", len(meta) + pad) + meta + b" " * pad) + out
 
 
 def decode_header(buf: bytes | memoryview) -> tuple[BlockHeader, int]:
-    """The header of a stored block and the offset where its data starts."""
+    """The header of a stored block and the offset where its data starts (KVB1 or KVB2)."""
     mv = memoryview(buf)
-    if bytes(mv[:4]) != _MAGIC:
-        raise ValueError("not a kvbank block (bad magic)")
+    magic = bytes(mv[:4])
+    if magic not in (_MAGIC, _MAGIC_V1):
+        raise CorruptBlock("not a kvbank block (bad magic)")
     (meta_len,) = struct.unpack("<I", mv[4:8])
-    meta = json.loads(bytes(mv[8 : 8 + meta_len]))
-    header = BlockHeader(
-        dtype=meta["dtype"],
-        n_layers=meta["n_layers"],
-        n_tokens=meta["n_tokens"],
-        k_shape=tuple(meta["k_shape"]),
-        v_shape=tuple(meta["v_shape"]),
-    )
+    try:
+        meta = json.loads(bytes(mv[8 : 8 + meta_len]))
+        if magic == _MAGIC_V1:
+            header = BlockHeader(dtype=meta["dtype"], n_tokens=meta["n_tokens"],
+                                 kv_shapes=((tuple(meta["k_shape"]),
+                                             tuple(meta["v_shape"])),) * meta["n_layers"])
+        else:
+            header = BlockHeader(
+                dtype=meta["dtype"], n_tokens=meta["n_tokens"], layout=meta["layout"],
+                kv_shapes=tuple((tuple(k), tuple(v)) for k, v in meta["kv"]),
+                state=tuple(None if s is None else (s[0], tuple(s[1])) for s in meta["state"]),
+                checksum=int(meta["xxh3"], 16))
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptBlock(f"unreadable block header: {e}") from None
     data_start = 8 + meta_len
-    expected = data_start + header.n_layers * (header.k_nbytes + header.v_nbytes)
+    expected = data_start + header.data_nbytes
     if len(mv) != expected:
-        raise ValueError(f"truncated block: {len(mv)} bytes, header says {expected}")
+        raise CorruptBlock(f"truncated block: {len(mv)} bytes, header says {expected}")
     return header, data_start
 
 
-def decode_block(buf: bytes | memoryview) -> tuple[BlockHeader, list[tuple[np.ndarray, np.ndarray]]]:
-    """Numpy views (no copy) of each layer's K and V; bfloat16 comes back as uint16 bits."""
+def verify_block(buf: bytes | memoryview) -> tuple[BlockHeader, int]:
+    """`decode_header`, once the payload's checksum matches (CorruptBlock otherwise)."""
     header, off = decode_header(buf)
-    np_dtype = np.uint16 if header.dtype == "bfloat16" else np.dtype(header.dtype)
-    k_count, v_count = math.prod(header.k_shape), math.prod(header.v_shape)
-    data = np.frombuffer(buf, dtype=np_dtype, offset=off)  # one view, sliced per layer
-    layers = []
-    for i in range(header.n_layers):
-        k0 = i * (k_count + v_count)
-        layers.append((data[k0:k0 + k_count].reshape(header.k_shape),
-                       data[k0 + k_count:k0 + k_count + v_count].reshape(header.v_shape)))
-    return header, layers
+    if header.checksum is not None and checksum(memoryview(buf)[off:]) != header.checksum:
+        raise CorruptBlock("block checksum mismatch")
+    return header, off
+
+
+def decode_block(buf: bytes | memoryview, *, verify: bool = True
+                 ) -> tuple[BlockHeader, list[tuple[np.ndarray, np.ndarray]]]:
+    """NumPy views (no copy) of each layer's K and V; bfloat16 comes back as uint16 bits.
+    The state's arrays: `decode_state`."""
+    header, arrays = _decode_arrays(buf, verify)
+    return header, [(arrays[2 * i], arrays[2 * i + 1]) for i in range(header.n_layers)]
+
+
+def decode_state(buf: bytes | memoryview, *, verify: bool = True) -> list[np.ndarray | None]:
+    """The checkpoint stored with a block (empty: none), as NumPy views."""
+    header, arrays = _decode_arrays(buf, verify)
+    return arrays[2 * header.n_layers:] if header.has_state else []
+
+
+def _decode_arrays(buf, verify: bool) -> tuple[BlockHeader, list[np.ndarray | None]]:
+    header, at = verify_block(buf) if verify else decode_header(buf)
+    out: list[np.ndarray | None] = []
+    for spec in header.array_specs():
+        if spec is None:
+            out.append(None)
+            continue
+        dtype, shape = _np_dtype(spec[0]), spec[1]
+        count = math.prod(shape)
+        out.append(np.frombuffer(buf, dtype=dtype, count=count, offset=at).reshape(shape))
+        at += count * dtype.itemsize
+    return header, out

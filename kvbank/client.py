@@ -54,6 +54,7 @@ class Turn:
     token_ids: list[int]
     finish_reason: str
     usage: dict = field(default_factory=dict)
+    logprobs: list[float] = field(default_factory=list)  # of each token, when asked
 
 
 class Client:
@@ -79,22 +80,24 @@ class Client:
                  append: bool = False, max_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 0.0, seed: int | None = None, stop: Iterable[str] = (),
                  no_cache: bool = False, on_text: Callable[[str], None] | None = None,
-                 timeout_s: float | None = None) -> Turn:
+                 timeout_s: float | None = None, logprobs: bool = False) -> Turn:
         req = _request(session_id=session_id, messages=messages, prompt=prompt,
                        token_ids=token_ids, append=append, max_tokens=max_tokens,
                        temperature=temperature, top_p=top_p, seed=seed, stop=stop,
                        no_cache=no_cache)
-        text, ids, finish, usage = [], [], "", {}
+        req.sampling.logprobs = logprobs
+        text, ids, finish, usage, lps = [], [], "", {}, []
         for ev in self.generation.Generate(req, timeout=timeout_s):
             if ev.text:
                 text.append(ev.text)
                 if on_text:
                     on_text(ev.text)
             ids.extend(ev.token_ids)
+            lps.extend(lp.logprob for lp in ev.logprobs)
             if ev.HasField("usage"):
                 usage = usage_dict(ev.usage)
                 finish = FINISH_REASONS.get(ev.finish_reason, "")
-        return Turn("".join(text), ids, finish, usage)
+        return Turn("".join(text), ids, finish, usage, lps)
 
     def render(self, *, session_id: str = "", messages: Iterable[dict] | None = None,
                prompt: str | None = None, token_ids: Iterable[int] | None = None,

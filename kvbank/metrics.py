@@ -52,6 +52,11 @@ WORKER_STAGE = Histogram("kvbank_worker_stage_seconds",
                          "(prompt forwards and the first token)", ["stage"],
                          buckets=LATENCY_BUCKETS)
 GENERATION_TOKENS = Counter("kvbank_generation_tokens_total", "Tokens generated")
+CORRUPT_BLOCKS = Counter("kvbank_corrupt_blocks_total",
+                         "Stored blocks that failed their checksum on a restore (recomputed)")
+PREFIX_LOST = Counter("kvbank_prefix_lost_tokens_total",
+                      "Prompt tokens held as KV but recomputed: no checkpoint stood there",
+                      ["reason"])
 RECOMPUTED_TOKENS = Counter("kvbank_recomputed_tokens_total",
                             "Prompt tokens of a session's own history computed again")
 BANK_BYTES = Gauge("kvbank_bank_bytes", "KV bytes held in the worker's RAM bank")

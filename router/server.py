@@ -170,6 +170,11 @@ class Backend:
                 f"the prompt or lower max_tokens")
         return full
 
+    def checkpoints(self, v: ValidRequest, tokens: list[int], info) -> list[int]:
+        """Where the worker keeps checkpoints of a model with window or recurrent caches."""
+        if v.kind != "chat" or not info.checkpointed:
+            return []
+        return self.tokenizer.checkpoints(list(v.messages), tokens, tools=list(v.tools) or None)
 
     def tenant(self, context) -> str:
         return tenant_for(self.keys, context.invocation_metadata())
@@ -226,7 +231,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 metrics.QUEUE_WAIT.observe(queue_s)
                 started = time.monotonic()
                 try:
-                    async for out in self._relay(v, tokens, tenant, received_at, t0, queue_s):
+                    async for out in self._relay(v, tokens, tenant, received_at, t0, queue_s,
+                                                 self.b.checkpoints(v, tokens, info)):
                         yield out
                 finally:
                     gate.release(time.monotonic() - started)
@@ -299,14 +305,15 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             kv_cache_usage=min(1.0, w.kv_bytes / w.kv_capacity_bytes) if w.kv_capacity_bytes else 0.0)
 
     async def _relay(self, v: ValidRequest, tokens: list[int], tenant: str, received_at: float,
-                     t0: float, queue_s: float):
+                     t0: float, queue_s: float, checkpoint_at: list[int] = ()):
         """The worker's stream, with the router's view of TTFT and queueing added."""
         wreq = worker_pb2.WorkerGenerateRequest(
             request_id=uuid.uuid4().hex, session_id=v.session_id, token_ids=tokens,
             sampling=v.sampling, max_tokens=v.max_tokens, no_cache=v.no_cache,
             received_at=received_at, stop=v.stop, tenant=tenant,
             tools_json=json.dumps(list(v.tools)) if v.tools else "",
-            tool_choice=v.tool_choice, response_format=v.response_format)
+            tool_choice=v.tool_choice, response_format=v.response_format,
+            checkpoint_at=checkpoint_at)
         first_at = last_at = None
         texts: list[str] = []
         ids: list[int] = []
@@ -341,9 +348,16 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                          calls: list[tuple[str, str]], ids: list[int]) -> None:
         """So the next turn can send this answer back (text and tool calls) and still hit its
         KV. Only an answer that is all of its tokens is kept: no stop string cut it, and its
-        text is its tokens' unless tool calls were parsed out of them."""
-        if ids and (calls or (text and self.b.tokenizer.decode(ids) == text)):
+        text is its tokens' unless tool calls were parsed out of them. mlx-lm's detokenizer
+        drops the space an answer's first token begins with, so its tokens may say more
+        whitespace at the start than the text the client got."""
+        if ids and (calls or (text and _same_answer(self.b.tokenizer.decode(ids), text))):
             self.b.answers.put(tenant, prompt, answer_key(text, calls), ids)
+
+
+def _same_answer(decoded: str, text: str) -> bool:
+    """The answer's tokens say `text`, but for leading whitespace the client never saw."""
+    return decoded.endswith(text) and not decoded[:len(decoded) - len(text)].strip()
 
 
 class SessionsServicer(api_pb2_grpc.SessionsServicer):

@@ -121,6 +121,36 @@ class PromptTokenizer:
         return self.tok.apply_chat_template(messages, tools=tools or None,
                                             add_generation_prompt=True, tokenize=False)
 
+    def checkpoints(self, messages: list[dict], prompt: list[int],
+                    tools: list[dict] | None = None) -> list[int]:
+        """Where in `prompt` (the whole rendered conversation) its next turns come back to:
+        the end of the system and tools part, and the end of the prompt before the
+        generation prompt (a template that strips earlier reasoning changes the history
+        right after it). Positions the renders do not confirm token for token are left out."""
+        out = []
+        try:
+            with_gen = self.render(messages, tools)
+            without = self._render_open(messages, tools)
+        except Exception:  # a template that cannot render a partial conversation
+            return out
+        if with_gen.startswith(without) and len(with_gen) > len(without):
+            gen = self.encode(with_gen[len(without):])
+            if gen and len(gen) < len(prompt) and prompt[len(prompt) - len(gen):] == gen:
+                out.append(len(prompt) - len(gen))
+        n_system = next((i for i, m in enumerate(messages) if m["role"] != "system"), 0)
+        if n_system:
+            try:
+                head = self.encode(self._render_open(messages[:n_system], tools))
+            except Exception:
+                head = []
+            if 0 < len(head) < len(prompt) and prompt[:len(head)] == head:
+                out.append(len(head))
+        return sorted(set(out))
+
+    def _render_open(self, messages: list[dict], tools: list[dict] | None) -> str:
+        return self.tok.apply_chat_template(messages, tools=tools or None,
+                                            add_generation_prompt=False, tokenize=False)
+
     def chat(self, messages: list[dict],
              answer_tokens: Callable[[str, Callable[[], list[int]]], list[int] | None]
              | None = None,

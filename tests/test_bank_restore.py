@@ -96,6 +96,7 @@ def test_returning_turn_takes_its_entry_and_writes_in_place(model_and_tokenizer,
     see it unchanged; the answers are exact either way."""
     from mlx_lm.models.cache import make_prompt_cache
 
+    from worker.cache_kinds import CacheKinds
     from worker.restore import Restorer
 
     model, tokenizer = model_and_tokenizer
@@ -114,7 +115,7 @@ def test_returning_turn_takes_its_entry_and_writes_in_place(model_and_tokenizer,
     entry = bank.insert((TENANT, "s"), prompt, layers)
     snap = _snapshot([(k[..., :n, :], v[..., :n, :]) for k, v in entry.layers])
     reference = _last_logits(model, full, make_prompt_cache(model))
-    restorer = Restorer(model=model, bank=bank, client=None, store_dir=tmp_path,
+    restorer = Restorer(kinds=CacheKinds.of(model), bank=bank, client=None, store_dir=tmp_path,
                         root_for=root_for, block_tokens=4)
 
     def restore(tokens, session):

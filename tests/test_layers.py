@@ -11,6 +11,11 @@ functions, under TYPE_CHECKING alike), found with `ast`, never by importing anyt
 and, across all of them:
   * no module imports a private name (`_x`, dunders excepted) from another package;
   * every import of one of our packages names a module (or a name in a module) that exists;
+  * every `from x import a, b` in the packages pyproject ships (kvbank, apps, router, worker,
+    coldstore, deploy), at any depth, names what x has: an attribute of module x or a
+    submodule x.a. x (ours, or installed) is imported to see; the module holding the statement
+    is not, and no function is called: an import inside a function is checked without
+    running it;
   * no cycle between top-level packages, none between the applications of apps/ (apps.cli,
     apps.loadgen, apps.bench, ... each one package), none in the module graph of apps/;
   * no module of apps imports apps.cli (the command line is the top; nothing builds on it).
@@ -24,6 +29,11 @@ Every failure lists every violation as path:line.
 from __future__ import annotations
 
 import ast
+import importlib
+import importlib.util
+import json
+import subprocess
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import cache
@@ -37,6 +47,7 @@ PROCESSES = ("router", "worker", "coldstore", "deploy")
 APPS = "apps"
 TESTS = "tests"
 OURS = (FLOOR, *PROCESSES, APPS, TESTS)
+SHIPPED = (FLOOR, *PROCESSES, APPS)  # pyproject's [tool.setuptools.packages.find]
 
 
 @dataclass(frozen=True)
@@ -177,6 +188,63 @@ def test_every_import_of_ours_exists():
     _fail("imports of modules that do not exist", bad)
 
 
+# -- names ---------------------------------------------------------------------------------------
+
+
+def _has(module, name: str) -> bool:
+    """What `from module import name` finds: an attribute, else a submodule (imported then)."""
+    if hasattr(module, name):
+        return True
+    if not hasattr(module, "__path__"):  # not a package: no submodules
+        return False
+    try:
+        return importlib.util.find_spec(f"{module.__name__}.{name}") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _missing_names(checks: list[tuple[str, list[str], str]]) -> list[str]:
+    """For each (module, names, where): the names the module lacks, or why it did not import.
+    A module that is not ours and not installed is skipped (an optional dependency)."""
+    bad = []
+    for written, names, where in checks:
+        try:
+            module = importlib.import_module(written)
+        except ModuleNotFoundError as e:
+            absent = e.name is not None and (written + ".").startswith(e.name + ".")
+            if not absent or _ours(written):  # ours, or one that is there but broken
+                bad.append(f"{where}: from {written} import ...: {type(e).__name__}: {e}")
+            continue
+        except Exception as e:  # noqa: BLE001 - whatever breaks the import is the finding
+            bad.append(f"{where}: from {written} import ...: {type(e).__name__}: {e}")
+            continue
+        bad += [f"{where}: {written} has no {name}" for name in names
+                if name != "*" and not _has(module, name)]
+    return bad
+
+
+CHILD = """
+import json, sys
+from kvbank.config import preload_openblas
+preload_openblas()  # before anything imports mlx, as every entry point does
+from tests.test_layers import _missing_names
+json.dump(_missing_names(json.load(sys.stdin)), sys.stdout)
+"""
+
+
+def test_every_name_imported_exists():
+    """A name that moved or was renamed leaves no `from x import name` behind, not even one
+    inside a function that only a rarely run command reaches. The modules are imported in a
+    child process, so what they do on import stays out of this test session."""
+    checks = [(imp.written, list(imp.names), imp.where) for imp in _imports()
+              if _top(imp.importer) in SHIPPED and imp.names]
+    assert checks
+    out = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(checks), cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    _fail("imports of names that do not exist", json.loads(out.stdout))
+
+
 # -- cycles --------------------------------------------------------------------------------------
 
 
@@ -306,6 +374,19 @@ def test_the_walk_sees_imports_inside_functions_and_every_package():
     assert ("tests.conftest", "kvbank.models") in found
     assert _resolve_relative("apps.loadgen.run", False, 1, "targets") == "apps.loadgen.targets"
     assert _resolve_relative("apps.loadgen", True, 2, "bench") == "apps.bench"
+
+
+def test_the_name_check_on_names_it_knows():
+    assert _missing_names([
+        ("os", ["path", "sep"], "a.py:1"),  # attributes
+        ("xml", ["dom"], "a.py:2"),  # a submodule the package does not import itself
+        ("os", ["no_such_name"], "a.py:3"),
+        ("kvbank", ["no_such_module"], "a.py:4"),
+        ("kvbank.no_such_module", ["x"], "a.py:5"),  # ours: reported
+        ("no_such_dependency_xyz", ["x"], "a.py:6"),  # not installed: an optional one
+    ]) == ["a.py:3: os has no no_such_name", "a.py:4: kvbank has no no_such_module",
+           "a.py:5: from kvbank.no_such_module import ...: ModuleNotFoundError: "
+           "No module named 'kvbank.no_such_module'"]
 
 
 def test_the_layer_rule_on_imports_it_knows():

@@ -220,7 +220,7 @@ def make_room(*, bank, pricing: Pricing, budget: int, need: int, solo_need: int,
         r.free_after = free()
         return r
     target = lambda: max(0, bank.total_nbytes - (need - free()))  # noqa: E731
-    hit = bank.lookup(tokens, tenant)
+    hit = bank.lookup(tokens, tenant, limit=len(tokens) - 1)
     source = (hit.entry.key,) if hit else ()
     # 3. idle LRU entries; active sessions and the prompt's own restore source stay
     r.lru_evicted = bank.shrink_to_bytes(target(), reason=TrimReason.ADMISSION_LRU,

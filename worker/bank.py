@@ -28,7 +28,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
@@ -38,6 +38,7 @@ from kvbank.blocks import BlockId, chain_block_ids, common_prefix_len
 from kvbank.contracts.receipts import (Eviction, ReleaseReceipt, ReleaseRow, ShedReceipt,
                                        ShrinkReceipt)
 from kvbank.contracts.vocabulary import RETRY_OUTCOMES, Outcome
+from worker.cache_kinds import Checkpoint
 from worker.kv import Layers, layers_nbytes
 
 if TYPE_CHECKING:
@@ -47,6 +48,12 @@ logger = logging.getLogger(__name__)
 
 SessionKey = tuple[str, str]  # (tenant, session_id)
 MAX_TAIL_CANDIDATES = 256
+MAX_CHECKPOINTS = 8  # an entry's checkpoints (its end always among them): --max-checkpoints
+
+
+def any_prefix(checkpoints, n_tokens: int) -> int:
+    """The restore point of a model with full-attention caches only: any prefix."""
+    return n_tokens
 
 
 @dataclass(eq=False)
@@ -55,9 +62,10 @@ class BankEntry:
     session: SessionKey
     tokens: np.ndarray  # uint32, the prefix this KV covers
     block_ids: list[BlockId]  # chained ids of its full blocks
-    layers: Layers
+    layers: Layers  # K and V of its full-attention caches (worker/cache_kinds.py)
     nbytes: int
     last_used: float
+    checkpoints: dict[int, Checkpoint] = field(default_factory=dict)  # position -> the rest
     durable_tokens: int = 0  # KV committed in LMDB up to here
     write_job: int | None = None  # id of its queued coldstore write, if any
     write_pending: bool = False  # its write must be sent again (refused, lost, no record)
@@ -79,6 +87,19 @@ class BankEntry:
         return self.durable_tokens >= self.n_tokens
 
 
+def _inherit(into: dict[int, Checkpoint], old: BankEntry, shared: int) -> None:
+    """`old`'s checkpoints that stand on the `shared` tokens, where `into` has none."""
+    for p, c in old.checkpoints.items():
+        if p <= shared:
+            into.setdefault(p, c)
+
+
+def _newest(checkpoints: dict[int, Checkpoint], end: int, cap: int) -> dict[int, Checkpoint]:
+    """At most `cap` checkpoints: the one at `end`, then the newest."""
+    order = sorted(checkpoints, key=lambda p: (p != end, -p))[:max(1, cap)]
+    return {p: checkpoints[p] for p in sorted(order)}
+
+
 @dataclass(frozen=True, slots=True)
 class Hit:
     entry: BankEntry
@@ -89,7 +110,13 @@ class SessionBank:
     def __init__(self, *, block_tokens: int, root_for: Callable[[str], BlockId],
                  max_bytes: int, active_pin_s: float = 600.0, log_size: int = 1024,
                  writer: "KVWriter | None" = None,
+                 restore_point: Callable[[Iterable[int], int], int] = any_prefix,
+                 max_checkpoints: int = MAX_CHECKPOINTS,
                  clock: Callable[[], float] = time.monotonic):
+        """`restore_point(checkpoint positions, n)`: the longest prefix <= n an entry with
+        those checkpoints restores (CacheKinds.restore_point; any prefix without one)."""
+        self.restore_point = restore_point
+        self.max_checkpoints = max_checkpoints
         self.clock = clock  # monotonic seconds: recency and the active pin (tests inject one)
         self.listener = None  # told of every entry added and removed (worker/kv_events.py)
         self.block_tokens = block_tokens
@@ -125,12 +152,12 @@ class SessionBank:
     # -- lookup -----------------------------------------------------------------------------
 
     def lookup(self, tokens: np.ndarray, tenant: str,
-               ids: list[BlockId] | None = None) -> Hit | None:
-        """The entry sharing the longest token-verified prefix with `tokens` (`ids`: their
-        chained block ids, when the caller has them already).
+               ids: list[BlockId] | None = None, limit: int | None = None) -> Hit | None:
+        """The entry that restores the longest token-verified prefix of `tokens`, at most
+        `limit` tokens (`ids`: their chained block ids, when the caller has them already).
 
-        A full hit is returned as such; the caller leaves the last token to compute (the
-        model needs one input to produce the next token's logits).
+        Without a limit a full hit is returned as such; a restore leaves the last token to
+        compute (the model needs one input to produce the next token's logits).
         """
         root = self.root_for(tenant)
         if ids is None:
@@ -153,6 +180,7 @@ class SessionBank:
         for key in itertools.islice(level, MAX_TAIL_CANDIDATES):
             e = self.entries[key]
             n = base + common_prefix_len(e.tokens[base:end], query)
+            n = self.restore_point(e.checkpoints, n if limit is None else min(n, limit))
             if n > best_n or (n == best_n and best is not None and e.last_used > best.last_used):
                 best, best_n = e, n
         if best is None or best_n == 0:
@@ -199,7 +227,8 @@ class SessionBank:
     # -- commit -----------------------------------------------------------------------------
 
     def insert(self, session: SessionKey, tokens: np.ndarray, layers: Layers,
-               *, durable_tokens: int = 0, supersede_slack: int = 0,
+               *, checkpoints: dict[int, Checkpoint] | None = None,
+               durable_tokens: int = 0, supersede_slack: int = 0,
                prefetched: bool = False, handed: BankEntry | None = None) -> BankEntry:
         """Add a finished turn's KV. Entries of the same session that are a prefix of it are
         superseded (the new entry serves every prefix of its own) and leave; entries of a
@@ -208,26 +237,35 @@ class SessionBank:
         end of the previous answer differently continues, not branches). A `prefetched`
         entry (read back from SSD on a hint) does not make its session active. `handed`: the
         entry this turn took out of the bank when it started (`hand_over`): what LMDB held of
-        it counts as for a superseded one."""
+        it counts as for a superseded one.
+
+        `checkpoints`: the entry's window and recurrent caches at its end and wherever else
+        its request stood (worker/cache_kinds.py). Those of the entries it supersedes that
+        stand on its tokens come along, newest first, up to `max_checkpoints`."""
         tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
         now = self.clock()
         superseded = []
+        checkpoints = dict(checkpoints or {})
         if handed is not None:
             shared = common_prefix_len(handed.tokens, tokens)
             durable_tokens = max(durable_tokens, min(handed.durable_tokens, shared))
+            _inherit(checkpoints, handed, shared)
         for old in self.session_entries(session):
             shared = common_prefix_len(old.tokens, tokens)
             if shared == old.n_tokens or (supersede_slack and old.n_tokens <= len(tokens)
                                           and shared >= old.n_tokens - supersede_slack):
                 durable_tokens = max(durable_tokens, min(old.durable_tokens, shared))
                 superseded.append(old)
+                _inherit(checkpoints, old, shared)
+        checkpoints = _newest(checkpoints, len(tokens), self.max_checkpoints)
         e = BankEntry(
             key=next(self._ids),
             session=session,
             tokens=tokens,
             block_ids=chain_block_ids(tokens, self.root_for(session[0]), self.block_tokens),
             layers=layers,
-            nbytes=layers_nbytes(layers),
+            checkpoints=checkpoints,
+            nbytes=layers_nbytes(layers) + sum(c.nbytes for c in checkpoints.values()),
             last_used=now,
             durable_tokens=min(durable_tokens, len(tokens)),
             prefetched=prefetched,
@@ -442,7 +480,8 @@ class SessionBank:
         release step writes those out first)."""
         protected: set[int] = set()
         if protect_tokens is not None and len(protect_tokens):
-            hit = self.lookup(np.asarray(protect_tokens, dtype=np.uint32), tenant)
+            protect_tokens = np.asarray(protect_tokens, dtype=np.uint32)
+            hit = self.lookup(protect_tokens, tenant, limit=len(protect_tokens) - 1)
             if hit is not None:
                 protected.add(hit.entry.key)
         keep = set(protect_sessions)

@@ -42,7 +42,8 @@ from worker import kv, upkeep
 from worker.admission import (SchedulerConfig, calibrate, give_back_freed_memory, held_bytes,
                               make_room, memory_budget_bytes, mlx_cache_limit, resident_bytes,
                               serve_buffers_from_the_heap)
-from worker.bank import SessionBank, SessionKey
+from worker.bank import MAX_CHECKPOINTS, SessionBank, SessionKey
+from worker.cache_kinds import CacheKinds
 from worker.conversations import Conversations
 from worker.guard import Guard
 from worker.kv_events import EventsConfig, KVEvents, Publisher, held_conversations
@@ -70,6 +71,7 @@ class Engine:
                  admission_chain_shed: bool = False,
                  prefill_chunk_tokens: int = PREFILL_STEP_TOKENS,
                  write_out_deadline_s: float | None = None,
+                 max_checkpoints: int = MAX_CHECKPOINTS, checkpoint_every: int = 0,
                  kv_events: EventsConfig | None = None):
         """Built on the caller's thread; once its thread starts, that thread owns it all."""
         from mlx_lm import load
@@ -86,23 +88,30 @@ class Engine:
         self.eos_token_ids = sorted(self.tokenizer.eos_token_ids)
         self.vocab_size = int(self.config.get("vocab_size") or len(self.tokenizer.vocab))
         self.decodings = Decodings(self.tokenizer, self.vocab_size, self.model_path.name)
-        self.kv_bytes_per_token, self.kv_dtype = kv.measure(self.model)
+        self.kinds = CacheKinds(self.model, model_type(self.config))  # UnsupportedModel
+        self.kv_bytes_per_token, self.checkpoint_bytes, self.kv_dtype = self.kinds.measure()
         self.fingerprint = self._fingerprint()
-        logger.info("model %s loaded in %.1fs: %d KV bytes/token (%s), fingerprint %s",
-                    self.model_path, time.monotonic() - t0, self.kv_bytes_per_token,
-                    self.kv_dtype, self.fingerprint.hex()[:12])
+        logger.info("model %s loaded in %.1fs: %d KV bytes/token, %d bytes a checkpoint (%s), "
+                    "caches %s, fingerprint %s", self.model_path, time.monotonic() - t0,
+                    self.kv_bytes_per_token, self.checkpoint_bytes, self.kv_dtype,
+                    self.kinds.layout, self.fingerprint.hex()[:12])
         self._queue: queue.Queue = queue.Queue()
         self.coldstore = ColdstoreClient(layout, on_event=lambda msg: self.writer.deliver(msg))
         self.writer = KVWriter(self.coldstore, block_tokens=block_tokens, root_for=self.root_for,
+                               kinds=self.kinds,
                                staging_max_bytes=staging_max_bytes,
                                on_message=self._on_coldstore_message, wake=self._wake)
         self.coldstore.start()
         self.bank = SessionBank(block_tokens=block_tokens, root_for=self.root_for,
                                 max_bytes=bank_bytes, writer=self.writer,
-                                active_pin_s=active_pin_s)
+                                active_pin_s=active_pin_s,
+                                restore_point=self.kinds.restore_point,
+                                max_checkpoints=max_checkpoints)
+        # On block ends, so a checkpoint there goes to SSD with its block.
+        self.checkpoint_every = -(-checkpoint_every // block_tokens) * block_tokens
         self.bank.write_out_deadline_s = write_out_deadline_s
         self.conversations = Conversations(root_for=self.root_for, block_tokens=block_tokens)
-        self.restorer = Restorer(model=self.model, bank=self.bank, client=self.coldstore,
+        self.restorer = Restorer(kinds=self.kinds, bank=self.bank, client=self.coldstore,
                                  store_dir=self.layout.store_dir, root_for=self.root_for,
                                  block_tokens=block_tokens, restore_via=restore_via)
         self.conversations.load(self.restorer.store())
@@ -124,9 +133,10 @@ class Engine:
             self.kv_events.announce_all()
         mx.set_cache_limit(0)  # until the budget is known (below)
         self.pricing = calibrate(self.model, Pricing(self.kv_bytes_per_token, 0,
-                                                     prefill_chunk_tokens))
+                                                     prefill_chunk_tokens,
+                                                     state_bytes=2 * self.checkpoint_bytes))
         self.admission_chain_shed = admission_chain_shed
-        self.batch = BatchScheduler(self.model, max_active=scheduler.max_active,
+        self.batch = BatchScheduler(self.model, kinds=self.kinds, max_active=scheduler.max_active,
                                     eos_token_ids=self.eos_token_ids,
                                     decode=self.tokenizer.decode,
                                     prefill_step_tokens=prefill_chunk_tokens,
@@ -185,9 +195,7 @@ class Engine:
                     # first-use buffers belong in the fixed part too (not the solo path)
                     decoding=Decoding(make_request_sampler(0.0, 0.0, None),
                                       processors=[lambda tokens, logits: logits]))
-        from mlx_lm.models.cache import make_prompt_cache
-
-        self.batch.add(r, make_prompt_cache(self.model), 2)
+        self.batch.add(r, self.kinds.new_cache(), 2)
         while self.batch:
             self.batch.step()
         mx.clear_cache()
@@ -195,7 +203,7 @@ class Engine:
     # -- identity ---------------------------------------------------------------------------
 
     def _fingerprint(self) -> bytes:
-        """Nothing restores across model, weights, KV dtype or block size."""
+        """Nothing restores across model, weights, KV dtype, cache kinds or block size."""
         h = hashlib.blake2b(digest_size=16)
         h.update(json.dumps(self.config, sort_keys=True).encode())
         for f in sorted(self.model_path.glob("*.safetensors")):
@@ -203,6 +211,8 @@ class Engine:
             h.update(f"{f.name}:{st.st_size}".encode())
         h.update(f"{self.kv_dtype}:{self.kv_bytes_per_token}:{self.block_tokens}".encode())
         h.update(kv.BLOCK_LAYOUT.encode())
+        if self.kinds.checkpointed:  # a full-attention model's stores from before still read
+            h.update(f"caches:{self.kinds.layout}".encode())
         return h.digest()
 
     def root_for(self, tenant: str) -> BlockId:
@@ -373,7 +383,8 @@ class Engine:
                         cached=cached, source=source,
                         known=common_prefix_len(info.tokens, tokens) if info is not None else 0,
                         started=time.monotonic(), stops=list(req.stop),
-                        detok=self.tokenizer.detokenizer, decoding=decoding, handed=handed)
+                        detok=self.tokenizer.detokenizer, decoding=decoding, handed=handed,
+                        split_at=self._splits(cached, len(tokens), req.checkpoint_at))
             r.restore_s = r.started - t0
             self.batch.add(r, cache, req.max_tokens)
         except Exception:
@@ -382,6 +393,16 @@ class Engine:
             self.bank.end_request(session)
             raise
         return STARTED
+
+    def _splits(self, cached: int, n_tokens: int, marks) -> tuple[int, ...]:
+        """Where a prompt's read stops to keep a checkpoint (a model with window or recurrent
+        caches): where the router says the conversation comes back to, and every
+        `checkpoint_every` tokens past what was restored."""
+        if not self.kinds.checkpointed:
+            return ()
+        step = self.checkpoint_every
+        every = range((cached // step + 1) * step, n_tokens, step) if step else ()
+        return tuple(sorted({p for p in (*every, *marks) if cached < p < n_tokens}))
 
     def _leave(self, r: Running) -> None:
         """A request is done with the bank (answered, failed or cancelled): a conversation's
@@ -456,7 +477,8 @@ class Engine:
     def _finish(self, r: Running, cache: list) -> worker_pb2.WorkerGenerateResponse:
         """Commit a finished turn; its last message, to send once the snapshot has it."""
         full = np.concatenate([r.tokens, np.asarray(r.completion, dtype=np.uint32)])
-        durable = self._commit(r.session, full, cache, r.started, handed=r.handed)
+        durable = self._commit(r.session, full, cache, r.started, handed=r.handed,
+                               checkpoints=r.checkpoints)
         r.handed = None  # superseded by the turn, or gone with its deleted conversation
         usage = api_pb2.Usage(
             prompt_tokens=len(r.tokens),
@@ -491,8 +513,9 @@ class Engine:
     # -- commit -----------------------------------------------------------------------------
 
     def _commit(self, session: SessionKey, full: np.ndarray, cache: list,
-                started: float = 0.0, handed=None) -> bool:
+                started: float = 0.0, handed=None, checkpoints=None) -> bool:
         """The conversation's record (durable), then the bank entry, then the write-behind job.
+        `checkpoints`: those its request took on the way (prompt splits, the prompt's end).
 
         A conversation deleted while its turn ran stays deleted: the turn is answered, not
         kept."""
@@ -500,7 +523,10 @@ class Engine:
             if handed is not None:
                 self.bank.let_go(handed)
             return False
-        layers = kv.freeze(cache, len(full))
+        layers, end = self.kinds.freeze(cache, len(full))
+        checkpoints = dict(checkpoints or {})
+        if end is not None:
+            checkpoints[len(full)] = end
         durable, durable_tokens = False, 0
         try:
             durable_tokens = upkeep.put_record(self.coldstore, session, full, self.block_tokens)
@@ -509,7 +535,7 @@ class Engine:
             logger.warning("session %s: turn not durable: %s", session[1], e)
         anonymous = is_anonymous(session[1])
         entry = self.bank.insert(
-            session, full, layers, durable_tokens=durable_tokens,
+            session, full, layers, checkpoints=checkpoints, durable_tokens=durable_tokens,
             supersede_slack=self.conversations.lineages.slack if anonymous else 0,
             handed=handed)
         self.conversations.committed(session, full, durable_tokens, durable, entry.block_ids)
@@ -599,6 +625,10 @@ class Engine:
         if self.prefetcher.live and self.prefetcher.retry():
             self._refresh_ram_bytes()
         metrics.MEMORY_HELD.set(held_bytes(self.pricing, self.bank))
+
+
+def model_type(config: dict) -> str:
+    return str(config.get("model_type") or config.get("text_config", {}).get("model_type", "?"))
 
 
 _WAKE = object()  # a turn of the loop, nothing else (the writer's inbox has mail)

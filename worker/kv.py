@@ -28,7 +28,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from kvbank.blocks import BlockHeader, decode_block, encode_block
+from kvbank.blocks import BlockHeader, decode_block, decode_header, encode_block, verify_block
+from kvbank.blocks import decode_state as decode_state_views
 
 Layers = list[tuple[mx.array, mx.array]]
 BLOCK_LAYOUT = "kv-block-layout:token-major"  # part of the model fingerprint: never mixed
@@ -37,17 +38,6 @@ ROOM_STEP = 256  # tokens; mlx-lm's KVCache grows by as many
 KEEP_ROOM = 8  # an entry keeps its turn's buffer when the room is at most 1/KEEP_ROOM of it
 _POOL: ThreadPoolExecutor | None = None
 _STREAMS = threading.local()
-
-
-def measure(model) -> tuple[int, str]:
-    """KV bytes per token and their dtype, from a one-token forward (works for any model)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=cache)
-    mx.eval([c.keys for c in cache])
-    per_token = sum(int(c.keys[..., :1, :].nbytes + c.values[..., :1, :].nbytes) for c in cache)
-    return per_token, str(cache[0].keys.dtype).split(".")[-1]
 
 
 def capacity(n_tokens: int) -> int:
@@ -105,42 +95,65 @@ def layers_nbytes(layers: Layers) -> int:
     return sum(int(k.nbytes) + int(v.nbytes) for k, v in layers)
 
 
-def layer_views(layers: Layers) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Zero-copy NumPy views of an entry's K and V (bf16 as its uint16 bits). Take them on the
-    engine thread; reading them is then plain NumPy, safe on any thread.
+def numpy_view(a: mx.array) -> np.ndarray:
+    """A zero-copy NumPy view of an MLX array (bf16 as its uint16 bits: NumPy has no bf16).
 
-    Each view is of a new array over the same buffer: that array keeps the buffer alive (a
+    The view is of a new array over the same buffer: that array keeps the buffer alive (a
     NumPy view keeps only its Python object), and while it lives a borrower's write copies
     rather than writes into the buffer being read."""
-    def view(a: mx.array) -> np.ndarray:
-        a = a.view(mx.uint16 if a.dtype == mx.bfloat16 else a.dtype)  # numpy has no bf16
-        mx.eval(a)
-        return np.array(a, copy=False)
+    a = a.view(mx.uint16 if a.dtype == mx.bfloat16 else a.dtype)
+    mx.eval(a)
+    return np.array(a, copy=False)
 
-    return [(view(k), view(v)) for k, v in layers]
+
+def layer_views(layers: Layers) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Zero-copy NumPy views of an entry's K and V. Take them on the engine thread; reading
+    them is then plain NumPy, safe on any thread."""
+    return [(numpy_view(k), numpy_view(v)) for k, v in layers]
+
+
+StateViews = list[tuple[str, np.ndarray] | None]  # a checkpoint's arrays: (dtype name, view)
 
 
 def encode_views(views: list[tuple[np.ndarray, np.ndarray]], dtype: str, start: int,
-                 end: int) -> bytearray:
-    """The stored form of tokens [start, end) of an entry: one block, one copy.
+                 end: int, *, layout: str = "", state: StateViews | None = None) -> bytearray:
+    """The stored form of tokens [start, end) of an entry: one block, one copy; with `state`,
+    the checkpoint that stands at `end` goes in it too.
 
     Each layer's K and V are stored token-major, (n, kv_heads, head_dim), so the blocks of a
     conversation concatenate by appending bytes: a restore makes one contiguous copy."""
     parts = [(k[0, :, start:end, :].transpose(1, 0, 2), v[0, :, start:end, :].transpose(1, 0, 2))
              for k, v in views]
-    k0, v0 = parts[0]
-    header = BlockHeader(dtype=dtype, n_layers=len(parts), n_tokens=end - start,
-                         k_shape=tuple(k0.shape), v_shape=tuple(v0.shape))
-    return encode_block(header, parts)
+    state = state or []
+    header = BlockHeader(dtype=dtype, n_tokens=end - start, layout=layout,
+                         kv_shapes=tuple((tuple(k.shape), tuple(v.shape)) for k, v in parts),
+                         state=tuple(None if s is None else (s[0], tuple(s[1].shape))
+                                     for s in state))
+    arrays = [a for pair in parts for a in pair] + [None if s is None else s[1] for s in state]
+    return encode_block(header, arrays)
 
 
 def dtype_name(layers: Layers) -> str:
-    return str(layers[0][0].dtype).split(".")[-1]
+    return str(layers[0][0].dtype).split(".")[-1] if layers else "float32"
 
 
 def encode_range(layers: Layers, start: int, end: int) -> bytearray:
     """`encode_views` of an entry's arrays (engine thread)."""
     return encode_views(layer_views(layers), dtype_name(layers), start, end)
+
+
+def decode_state(payload: bytes | memoryview) -> list[mx.array | None]:
+    """The checkpoint a block carries (empty: none), as MLX arrays of their own."""
+    header = decode_header(payload)[0]
+    out = []
+    for spec, a in zip(header.state, decode_state_views(payload)):
+        if a is None:
+            out.append(None)
+            continue
+        m = mx.array(a)
+        out.append(m.view(mx.bfloat16) if spec[0] == "bfloat16" else m)
+    mx.eval([a for a in out if a is not None])
+    return out
 
 
 def _restore_lanes() -> tuple[ThreadPoolExecutor, list]:
@@ -164,11 +177,11 @@ def decode_blocks(payloads: list[bytes], capacity: int = 0) -> Layers:
 
     MLX copies outside memory in (it refuses a CPU buffer without a copy), so each layer's K
     and V is allocated by MLX and filled through a NumPy view of it (documented: writing to the
-    view writes the array). The lanes
-    take every n-th block, so a cold read still moves front to back through the file. The
+    view writes the array). The lanes take every n-th block, so a cold read still moves front
+    to back through the file, and check each block's checksum before they copy it. The
     arrays are head-major, as a request's cache is, with room for `capacity` tokens: the
     request that restores them (`restore(..., owned=True)`) appends in place, no second copy."""
-    decoded = [decode_block(raw) for raw in payloads]
+    decoded = [decode_block(raw, verify=False) for raw in payloads]
     header = decoded[0][0]
     starts = list(itertools.accumulate((h.n_tokens for h, _ in decoded), initial=0))
     bf16 = header.dtype == "bfloat16"  # filled as its uint16 bits, viewed as bf16 after
@@ -177,13 +190,14 @@ def decode_blocks(payloads: list[bytes], capacity: int = 0) -> Layers:
     cap = max(starts[-1], capacity)
     arrays = [tuple(mx.zeros((shape[1], cap, *shape[2:]), dtype=alloc,
                              stream=streams[i % len(streams)])
-                    for shape in (header.k_shape, header.v_shape))
-              for i in range(header.n_layers)]
+                    for shape in pair)
+              for i, pair in enumerate(header.kv_shapes)]
     mx.eval(arrays)
     targets = [tuple(np.array(a, copy=False) for a in pair) for pair in arrays]
 
     def fill(blocks: range) -> None:
         for b in blocks:
+            verify_block(payloads[b])  # beside the copy, block by block: CorruptBlock
             s, e = starts[b], starts[b + 1]
             for (k, v), (tk, tv) in zip(decoded[b][1], targets):
                 tk[:, s:e] = k.transpose(1, 0, 2)

@@ -115,14 +115,16 @@ class Prefetcher:
         if room is None or (need > room and not self._displace(key, h, need - room,
                                                                      give_up_at)):
             return PrefetchReport("no_room", ram, ssd)
-        found = self.restorer.ssd_prefix(h.tokens, h.ids, tenant, key, better_than=ram)
+        found = self.restorer.ssd_prefix(h.tokens, h.ids, tenant, key, better_than=ram,
+                                         limit=len(h.tokens))
         if found is None:
             return PrefetchReport("in_ram" if ram else "not_held", ram, ssd)
-        layers, n = found
+        layers, checkpoint, n = found
         layers = [(mx.contiguous(k[..., :n, :]), mx.contiguous(v[..., :n, :]))
                   for k, v in layers]  # the bank keeps tight arrays
         mx.eval(layers)
-        self.bank.insert(key, h.tokens[:n], layers, durable_tokens=n, prefetched=True)
+        self.bank.insert(key, h.tokens[:n], layers, durable_tokens=n, prefetched=True,
+                         checkpoints={n: checkpoint} if checkpoint is not None else None)
         metrics.PREFETCHED_TOKENS.inc(n)
         return PrefetchReport("restored", ram, ssd, n)
 

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import numpy as np
 
-from kvbank.blocks import BlockId, tail_block_id
+from kvbank import events, metrics
+from kvbank.blocks import BlockId, CorruptBlock, decode_header, tail_block_id
 from kvbank.contracts.store_layout import StoreReader
 from kvbank.v1 import api_pb2
 from worker import kv
 from worker.bank import BankEntry, SessionBank, SessionKey
+from worker.cache_kinds import CacheKinds, Checkpoint
 from worker.link import ColdstoreClient
 
 logger = logging.getLogger(__name__)
@@ -22,9 +24,9 @@ RAM = api_pb2.CACHE_SOURCE_RAM
 
 
 class Restorer:
-    def __init__(self, *, model, bank: SessionBank, client: ColdstoreClient, store_dir: Path,
+    def __init__(self, *, kinds: CacheKinds, bank: SessionBank, client: ColdstoreClient, store_dir: Path,
                  root_for, block_tokens: int, restore_via: str = "direct"):
-        self.model, self.bank, self.client = model, bank, client
+        self.kinds, self.bank, self.client = kinds, bank, client
         self.store_dir = store_dir
         self.root_for = root_for
         self.block_tokens = block_tokens
@@ -44,14 +46,12 @@ class Restorer:
                 session: SessionKey, no_cache: bool) -> tuple[list, int, int, BankEntry | None]:
         """The request's own cache over the longest known prefix: (cache, tokens, source, the
         bank entry handed over to it, which its commit supersedes or its failure gives back)."""
-        from mlx_lm.models.cache import make_prompt_cache
-
-        none = (make_prompt_cache(self.model), 0, api_pb2.CACHE_SOURCE_NONE, None)
+        none = (self.kinds.new_cache(), 0, api_pb2.CACHE_SOURCE_NONE, None)
         if no_cache:
             return none
         limit = len(tokens) - 1  # leave one token to compute: its logits give the next token
-        hit = self.bank.lookup(tokens, tenant, ids)
-        ram_n = min(hit.n_tokens, limit) if hit else 0
+        hit = self.bank.lookup(tokens, tenant, ids, limit=limit)
+        ram_n = hit.n_tokens if hit else 0
         # SSD can only add when RAM leaves something to restore: skip its reads.
         # Room for the rest of the prompt and the first answer tokens (as a cache grows): the
         # request appends in place to the arrays it reads from SSD, no second copy.
@@ -59,18 +59,19 @@ class Restorer:
                                capacity=kv.capacity(len(tokens)))
                if ram_n < limit else None)
         if ssd is not None:
-            layers, n = ssd
-            n = min(n, limit)
-            return kv.restore(layers, n, owned=True), n, api_pb2.CACHE_SOURCE_SSD, None
+            layers, checkpoint, n = ssd
+            return (self.kinds.restore(layers, checkpoint, n, owned=True), n,
+                    api_pb2.CACHE_SOURCE_SSD, None)
         if ram_n > 0:
             e = hit.entry
             self.bank.touch(e)
+            checkpoint = e.checkpoints.get(ram_n)
             if e.session == session and ram_n == e.n_tokens:
                 # The conversation's next turn: its KV goes with the request, which writes its
                 # new tokens in place when the buffer has room (no copy of the history).
                 self.bank.hand_over(e)
-                return kv.restore(e.layers, ram_n, owned=True), ram_n, RAM, e
-            return kv.restore(e.layers, ram_n), ram_n, RAM, None
+                return self.kinds.restore(e.layers, checkpoint, ram_n, owned=True), ram_n, RAM, e
+            return self.kinds.restore(e.layers, checkpoint, ram_n), ram_n, RAM, None
         return none
 
     def held(self, tokens: np.ndarray, ids: list[BlockId], tenant: str) -> tuple[int, int]:
@@ -83,10 +84,12 @@ class Restorer:
         return (hit.n_tokens if hit else 0), n_full * self.block_tokens
 
     def ssd_prefix(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
-                    session: SessionKey, better_than: int,
-                    capacity: int = 0) -> tuple[kv.Layers, int] | None:
-        """The longest prefix whose blocks are committed in LMDB, if it beats `better_than`
-        (arrays with room for `capacity` tokens; 0: tight)."""
+                   session: SessionKey, better_than: int, capacity: int = 0,
+                   limit: int | None = None
+                   ) -> tuple[kv.Layers, Checkpoint | None, int] | None:
+        """The longest prefix LMDB can restore, up to `limit` (None: short of the prompt's
+        last token, whose logits a request needs), if it beats `better_than`: its blocks (arrays with room for `capacity` tokens; 0: tight) and, for a
+        model with checkpoints, the one stored with the last of them."""
         store = self.store()
         if store is None:
             return None
@@ -105,21 +108,49 @@ class Restorer:
                 if tail_block_id(parent, tokens[n : n + meta.tail_tokens]).hex() == meta.tail:
                     want.append(BlockId(bytes.fromhex(meta.tail)))
                     n += meta.tail_tokens
-        if min(n, len(tokens) - 1) <= better_than:
+        limit = len(tokens) - 1 if limit is None else limit
+        if min(n, limit) <= better_than:
             return None
-        layers = self._read_blocks(store, want, capacity)
-        if layers is None:  # collected since we looked: fall back
+        try:
+            got = self._read_blocks(store, want, limit, better_than, capacity)
+        except CorruptBlock as e:  # never restored from: the prefix is computed again
+            metrics.CORRUPT_BLOCKS.inc()
+            events.emit("kv_corrupt_block", tenant=tenant, session_id=session[1], error=str(e))
+            logger.error("session %s: a stored block failed its check (%s); recomputing",
+                         session[1], e)
             return None
-        return layers, n
+        return got  # None: a block was collected since we looked, or no checkpoint beats it
 
-    def _read_blocks(self, store: StoreReader, ids: list[BlockId],
-                     capacity: int = 0) -> kv.Layers | None:
-        """The blocks' KV: decoded straight from the read-only LMDB map (zero-copy; the
-        default, `kvbank bench coldstore` measured it faster), or fetched through the coldstore
-        process. None when a block is missing."""
+    def _read_blocks(self, store: StoreReader, ids: list[BlockId], limit: int,
+                     better_than: int, capacity: int = 0
+                     ) -> tuple[kv.Layers, Checkpoint | None, int] | None:
+        """The blocks' KV up to the last restore point <= `limit`: decoded straight from the
+        read-only LMDB map (zero-copy; the default, `kvbank bench coldstore` measured it
+        faster), or fetched through the coldstore process. None when a block is missing."""
+        decode = lambda views: self._decode(views, limit, better_than, capacity)  # noqa: E731
         if self.restore_via == "direct":
-            return store.get_blocks(ids, decode=lambda views: kv.decode_blocks(views, capacity))
+            return store.get_blocks(ids, decode=decode)
         frames = self.client.get_blocks([bytes(b) for b in ids], timeout_s=READ_TIMEOUT_S)
         if len(frames) != len(ids) or not all(len(f) for f in frames):
             return None
-        return kv.decode_blocks(frames, capacity)
+        return decode(frames)
+
+    def _decode(self, payloads: list, limit: int, better_than: int, capacity: int
+                ) -> tuple[kv.Layers, Checkpoint | None, int] | None:
+        """Blocks up to the restore point: the last block end <= limit (any token, for a model
+        without checkpoints: the request writes past it) that carries a checkpoint."""
+        ends, n = [], 0
+        for p in payloads:
+            n += decode_header(p)[0].n_tokens
+            ends.append(n)
+        if not self.kinds.checkpointed:
+            n = min(n, limit)
+            return (kv.decode_blocks(payloads, capacity), None, n) if n > better_than else None
+        for i in range(len(payloads) - 1, -1, -1):
+            if ends[i] <= better_than:
+                return None
+            if ends[i] <= limit and decode_header(payloads[i])[0].has_state:
+                layers = kv.decode_blocks(payloads[:i + 1], capacity) if self.kinds.full else []
+                state = self.kinds.checkpoint_from_arrays(kv.decode_state(payloads[i]))
+                return layers, state, ends[i]
+        return None

@@ -41,8 +41,8 @@ import mlx.core as mx
 
 from kvbank.config import DEFAULT_DECODE_WAIT_S
 from kvbank.v1 import api_pb2, worker_pb2
-from worker import kv
 from worker.admission import drop_stale_buffers
+from worker.cache_kinds import CacheKinds
 from worker.decoding import Decoding, token_logprob
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,8 @@ class Running:
     handed: Any = None  # its conversation's bank entry, out of the bank while it runs
     shared: Any = None  # its prompt's KV, put in the bank for others (worker/sharing.py)
     restore_s: float = 0.0  # of the time before `started`
+    split_at: tuple[int, ...] = ()  # prompt positions a forward stops at, for a checkpoint
+    checkpoints: dict = field(default_factory=dict)  # position -> cache_kinds.Checkpoint
 
 
 @dataclass
@@ -94,6 +96,7 @@ class _Own:
 
 class BatchScheduler:
     def __init__(self, model, *, max_active: int, eos_token_ids: list[int], decode,
+                 kinds: CacheKinds | None = None,
                  prefill_step_tokens: int = PREFILL_STEP_TOKENS,
                  decode_wait_s: float = DEFAULT_DECODE_WAIT_S):
         """`decode`: the tokenizer's ids -> text, for the tokens of log-probabilities.
@@ -103,6 +106,7 @@ class BatchScheduler:
         self.max_active = max_active
         self.decode = decode
         self.model = model
+        self.kinds = kinds or CacheKinds.of(model)  # what the caches hold
         self.decode_wait_s = decode_wait_s
         self._decoded_at = 0.0  # when answers last took a step (or had none to take)
         self.prefill_step_tokens = prefill_step_tokens
@@ -128,7 +132,7 @@ class BatchScheduler:
         if r.decoding.processors:
             self._insert(r, prompt, cache, max_tokens)
             return
-        kv.with_room(cache, len(r.tokens))  # a buffer of a size MLX has kept
+        self.kinds.with_room(cache, len(r.tokens))  # a buffer of a size MLX has kept
         r.uid = next(self._own_uids)
         self._readers.append(_Own(r, cache, prompt, max_tokens))
         self.running[r.uid] = r
@@ -270,7 +274,7 @@ class BatchScheduler:
         """A running request's cache as it is now (a copy, without the batch's padding)."""
         for o in self._readers + ([self._solo] if self._solo is not None else []):
             if o.r is r:  # views: MLX copies on write
-                return [_view(c) for c in o.cache]
+                return self.kinds.view(o.cache)
         return self.gen.extract_cache([r.uid])[r.uid][0]
 
     def _take(self, r: Running, resp) -> bool:
@@ -302,15 +306,17 @@ class BatchScheduler:
                 drop_stale_buffers()
             with mx.stream(self.gen.stream):
                 # A chunk without logits: a long last chunk's would cost more than one forward.
-                last = self.last_forward_tokens
-                if len(o.prompt) > last:
-                    n = min(self.prefill_step_tokens, len(o.prompt) - last)
+                n = self._chunk(o)
+                if n:
                     chunk, o.prompt = o.prompt[:n], o.prompt[n:]
                     self.model(mx.array(chunk)[None], cache=o.cache)
                     mx.eval([c.state for c in o.cache])
+                    self._checkpoint(o, len(r.tokens) - len(o.prompt))
                     return []
                 x, o.prompt = (o.prompt or r.completion[-1:]), []
                 logits = self.model(mx.array(x)[None], cache=o.cache)[:, -1, :]
+                if not r.completion:
+                    self._checkpoint(o, len(r.tokens), always=True)
                 logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
                 token = r.decoding.sampler(logprobs)
                 mx.eval(token, logprobs)
@@ -336,6 +342,22 @@ class BatchScheduler:
         self._forget([r])
         self._flush_text(r)
         return [(r, o.cache)]
+
+    def _chunk(self, o: _Own) -> int:
+        """How many prompt tokens the next forward reads without logits (0: the rest, with
+        them): a step's worth, short of the last forward's, and never past a split."""
+        r, last = o.r, self.last_forward_tokens
+        pos = len(r.tokens) - len(o.prompt)
+        n = min(self.prefill_step_tokens, len(o.prompt) - last) if len(o.prompt) > last else 0
+        split = next((p for p in r.split_at if pos < p < len(r.tokens)), None)
+        if split is not None and (n == 0 or split < pos + n):
+            n = split - pos
+        return n
+
+    def _checkpoint(self, o: _Own, position: int, always: bool = False) -> None:
+        """The window and recurrent caches, standing at `position`, kept for the commit."""
+        if self.kinds.checkpointed and (always or position in o.r.split_at):
+            o.r.checkpoints[position] = self.kinds.snapshot(o.cache)
 
     def drop(self, r: Running) -> None:
         """Take a request out without a commit (it failed)."""
@@ -386,17 +408,6 @@ class BatchScheduler:
         msg.text = text
         if msg.text or msg.token_ids or msg.tool_calls:
             r.job.emit(msg)
-
-
-def _view(c):
-    """A new KVCache over the first `offset` tokens of `c`'s arrays (new array objects: a
-    write to either copies first)."""
-    from mlx_lm.models.cache import KVCache
-
-    out = KVCache()
-    out.keys, out.values = c.keys[..., :c.offset, :], c.values[..., :c.offset, :]
-    out.offset = c.offset
-    return out
 
 
 def stop_cut(text: str, stops: list[str]) -> tuple[int, str]:

@@ -92,6 +92,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             prefill_chunk_tokens=e.pricing.chunk_tokens,
             transient_base_bytes=e.pricing.transient_base,
             transient_per_context_token=e.pricing.transient_per_context_token,
+            checkpointed=e.kinds.checkpointed, cache_layout=e.kinds.layout,
             **_tool_calling(e.tokenizer))
 
     @staticmethod

@@ -25,7 +25,6 @@ import numpy as np
 
 from kvbank import metrics
 from kvbank.blocks import BlockId, common_prefix_len
-from worker import kv
 from worker.bank import SessionBank
 from worker.restore import Restorer
 from worker.scheduler import BatchScheduler, Running
@@ -86,12 +85,20 @@ def share_prefix(r: Running, batch: BatchScheduler, bank: SessionBank,
     """`r` has read its prompt and others want it (its followers, or `takers`): its prompt's
     KV goes into the bank as `r.shared`. Its commit supersedes the entry; a turn that ends
     without one takes it out (`withdraw_shared`)."""
+    kinds = batch.kinds
+    checkpoints = {}
+    if kinds.checkpointed:  # only where the prompt's read ended, if a checkpoint stands there
+        n = len(r.tokens)
+        if n not in r.checkpoints:
+            return
+        checkpoints[n] = r.checkpoints[n]
     cache = batch.prompt_cache(r)
-    n = min(len(r.tokens), *(c.offset for c in cache))
+    n = min(len(r.tokens), kinds.position(cache) or len(r.tokens))
     durable = 0  # what LMDB holds of it: of the entry it continues, if it took one
     if r.handed is not None:
         durable = min(r.handed.durable_tokens, common_prefix_len(r.handed.tokens, r.tokens[:n]))
-    r.shared = bank.insert(r.session, r.tokens[:n], kv.freeze(cache, n), durable_tokens=durable)
+    r.shared = bank.insert(r.session, r.tokens[:n], kinds.full_layers(cache, n),
+                           checkpoints=checkpoints, durable_tokens=durable)
     metrics.PREFIX_SHARED_TOKENS.inc(n * (len(r.followers) if takers is None else takers))
 
 

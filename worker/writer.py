@@ -65,10 +65,11 @@ class KVWriter:
     """
 
     def __init__(self, client: ColdstoreClient, *, block_tokens: int, root_for,
-                 staging_max_bytes: int | None = None,
+                 kinds=None, staging_max_bytes: int | None = None,
                  on_message: Callable[[object], None] = lambda msg: None,
                  wake: Callable[[], None] = lambda: None):
         self.client = client
+        self.kinds = kinds  # worker/cache_kinds.py (None: full-attention caches only)
         self.staging_max_bytes = staging_max_bytes or default_staging_max_bytes()
         self.staging_deferred = 0  # hand-overs put off because staging was at its cap
         self.block_tokens = block_tokens
@@ -212,6 +213,10 @@ class KVWriter:
         if give_up_at is not None:
             write.give_up_at = give_up_at
         views, dtype = layer_views(entry.layers), dtype_name(entry.layers)
+        # A checkpoint standing where a block ends goes into that block.
+        states = ({e: self.kinds.checkpoint_views(entry.checkpoints[e])
+                   for _, e in ranges if e in entry.checkpoints} if self.kinds else {})
+        layout = self.kinds.layout if self.kinds else ""
         job = write.job = self.client.next_id()
         entry.write_job = job
         entry.write_pending = False
@@ -219,7 +224,8 @@ class KVWriter:
         self._unsent.add(job)
 
         def send() -> None:
-            frames = [encode_views(views, dtype, s, e) for s, e in ranges]
+            frames = [encode_views(views, dtype, s, e, layout=layout, state=states.get(e))
+                      for s, e in ranges]
             self.deliver(Encoded(job, sum(len(f) for f in frames)))
             self.client.send_write(write, frames)
 

@@ -262,8 +262,8 @@ def run(*, model: str | None, tokens: int = 8192, block_tokens: int = 256, turns
     from kvbank.blocks import chain_root
     from kvbank.models import prepare_model
     from worker import kv
-    from worker.admission import serve_buffers_from_the_heap
-    from worker.engine import MLX_CACHE_BYTES
+    from worker.admission import (default_memory_budget, mlx_cache_limit, resident_bytes,
+                                  serve_buffers_from_the_heap)
 
     serve_buffers_from_the_heap()  # the worker's allocator settings, for both sides
     model_dir = prepare_model(model)
@@ -272,7 +272,9 @@ def run(*, model: str | None, tokens: int = 8192, block_tokens: int = 256, turns
                 for s in range(0, tokens, block_tokens)]
     nbytes = sum(map(len, payloads))
     del layers
-    mx.set_cache_limit(MLX_CACHE_BYTES)
+    # MLX's cache limit as the worker sets it at its default --memory-budget, with what this
+    # process holds now as the fixed part (the worker measures its own after a warm-up).
+    mx.set_cache_limit(mlx_cache_limit(default_memory_budget(), resident_bytes()))
     with tempfile.TemporaryDirectory(prefix="kvbank-bench-") as tmp:
         tmp = Path(tmp)
         cs = _Coldstore(tmp / "cs")

@@ -26,9 +26,12 @@ class Pricing:
     # Resident memory the ledger does not explain (allocator caches, fragmentation), measured
     # against RSS every guard tick and counted as held, so the budget is the real one.
     unaccounted_bytes: int = 0
+    # A request's window and recurrent caches (worker/cache_kinds.py), whatever its length,
+    # and the checkpoints it takes of them: twice their largest size.
+    state_bytes: int = 0
 
     def cache_bytes(self, tokens: int) -> int:
-        return 2 * self.kv_bytes_per_token * tokens
+        return 2 * self.kv_bytes_per_token * tokens + self.state_bytes
 
     def prefill_transient(self, context_tokens: int) -> int:
         return int(self.transient_base + self.transient_per_context_token * context_tokens)
@@ -36,12 +39,12 @@ class Pricing:
     def max_fit_tokens(self, budget: int, prompt_tokens: int | None = None) -> int:
         """The longest prompt + max_tokens that fits the budget with nothing else held
         (for a prompt of `prompt_tokens`; None: a prompt as long as the whole request)."""
-        room = budget - self.fixed_bytes - self.transient_base
+        room = budget - self.fixed_bytes - self.transient_base - self.state_bytes
         if prompt_tokens is None:
             per_token = 2 * self.kv_bytes_per_token + self.transient_per_context_token
-            return max(0, int(room / per_token))
+            return max(0, int(room / max(per_token, 1)))
         room -= self.transient_per_context_token * prompt_tokens
-        return max(0, int(room / (2 * self.kv_bytes_per_token)))
+        return max(0, int(room / max(2 * self.kv_bytes_per_token, 1)))
 
     def request_bytes(self, prompt_tokens: int, max_tokens: int, *, batch_len: int = 0,
                       batch_size: int = 0) -> int:

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "token_ids", "sampling", "max_tokens", "no_cache", "received_at", "stop", "tenant", "tools_json", "tool_choice", "response_format")
+    __slots__ = ("request_id", "session_id", "token_ids", "sampling", "max_tokens", "no_cache", "received_at", "stop", "tenant", "tools_json", "tool_choice", "response_format", "checkpoint_at")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class WorkerGenerateRequest(_message.Message):
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_AT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -33,7 +34,8 @@ class WorkerGenerateRequest(_message.Message):
     tools_json: str
     tool_choice: str
     response_format: _api_pb2.ResponseFormat
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., no_cache: _Optional[bool] = ..., received_at: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., tenant: _Optional[str] = ..., tools_json: _Optional[str] = ..., tool_choice: _Optional[str] = ..., response_format: _Optional[_Union[_api_pb2.ResponseFormat, _Mapping]] = ...) -> None: ...
+    checkpoint_at: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., no_cache: _Optional[bool] = ..., received_at: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., tenant: _Optional[str] = ..., tools_json: _Optional[str] = ..., tool_choice: _Optional[str] = ..., response_format: _Optional[_Union[_api_pb2.ResponseFormat, _Mapping]] = ..., checkpoint_at: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "logprobs", "tool_calls", "stop_sequence")
@@ -58,7 +60,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_path", "fingerprint", "max_context_tokens", "kv_bytes_per_token", "block_tokens", "eos_token_ids", "scheduler", "max_active_requests", "memory_budget_bytes", "fixed_bytes", "max_fit_tokens", "prefill_chunk_tokens", "transient_base_bytes", "transient_per_context_token", "tool_parser", "tool_call_start", "tool_call_end")
+    __slots__ = ("model_path", "fingerprint", "max_context_tokens", "kv_bytes_per_token", "block_tokens", "eos_token_ids", "scheduler", "max_active_requests", "memory_budget_bytes", "fixed_bytes", "max_fit_tokens", "prefill_chunk_tokens", "transient_base_bytes", "transient_per_context_token", "tool_parser", "tool_call_start", "tool_call_end", "checkpointed", "cache_layout")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +78,8 @@ class InfoResponse(_message.Message):
     TOOL_PARSER_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_START_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_END_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     fingerprint: str
     max_context_tokens: int
@@ -93,7 +97,9 @@ class InfoResponse(_message.Message):
     tool_parser: str
     tool_call_start: str
     tool_call_end: str
-    def __init__(self, model_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., block_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., scheduler: _Optional[str] = ..., max_active_requests: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., fixed_bytes: _Optional[int] = ..., max_fit_tokens: _Optional[int] = ..., prefill_chunk_tokens: _Optional[int] = ..., transient_base_bytes: _Optional[int] = ..., transient_per_context_token: _Optional[float] = ..., tool_parser: _Optional[str] = ..., tool_call_start: _Optional[str] = ..., tool_call_end: _Optional[str] = ...) -> None: ...
+    checkpointed: bool
+    cache_layout: str
+    def __init__(self, model_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., block_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., scheduler: _Optional[str] = ..., max_active_requests: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., fixed_bytes: _Optional[int] = ..., max_fit_tokens: _Optional[int] = ..., prefill_chunk_tokens: _Optional[int] = ..., transient_base_bytes: _Optional[int] = ..., transient_per_context_token: _Optional[float] = ..., tool_parser: _Optional[str] = ..., tool_call_start: _Optional[str] = ..., tool_call_end: _Optional[str] = ..., checkpointed: _Optional[bool] = ..., cache_layout: _Optional[str] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ("tenant", "token_ids")

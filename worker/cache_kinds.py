@@ -1,0 +1,260 @@
+"""The cache-kind seam: the one place that knows what a model's per-layer caches hold.
+
+`mlx_lm`'s `make_prompt_cache(model)` returns one cache per attention-like layer (some models
+share or skip layers, so this is never the layer count). Each is of a kind:
+
+- FULL (`KVCache`): K and V of every token. An entry serves any prefix of its tokens; its
+  arrays are cut at any token and stored as blocks (worker/kv.py).
+- WINDOW (`RotatingKVCache`, W = `max_size`): a ring of the last W tokens' K and V. What
+  continues a conversation at token p is the window before p and nothing else.
+- STATE (`ArraysCache`: Gated DeltaNet, Mamba, conv states): a fixed-size state that exists
+  only where a forward stopped.
+
+WINDOW and STATE slots are kept as *checkpoints*: their arrays at one position p, taken when a
+request's cache stood exactly there (a forward split there, the end of a prompt, the end of a
+turn). A conversation's state at token p is its FULL blocks up to p plus the checkpoint at p,
+so a model with any such slot is restored only at a checkpoint (`restore_point`). A window
+checkpoint holds at most W tokens per layer, so a long answer never costs more than W there.
+
+Everything else in the worker asks this seam: the bank, restore, sharing, prefetch, the
+scheduler and the writer hand it caches and get back arrays, or the other way round; none of
+them looks inside a cache. A model whose caches include a kind this module does not know is
+refused at start (`UnsupportedModel`), never served wrong.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Iterable
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
+from worker import kv
+
+MLX_LM_VERSION = "0.32.2"  # the caches' internals read here (pyproject pins it)
+
+
+class Kind(enum.StrEnum):
+    FULL = "full"
+    WINDOW = "window"
+    STATE = "state"
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One cache of the model's list: its kind and the numbers that fix its shape."""
+
+    kind: Kind
+    size: int = 0  # WINDOW: max_size (W); STATE: how many arrays
+    keep: int = 0  # WINDOW: leading tokens the ring never drops
+
+    @property
+    def tag(self) -> str:
+        """How the slot is named in the model fingerprint and a block's header."""
+        if self.kind is Kind.FULL:
+            return "full"
+        return f"{self.kind}:{self.size}" + (f":{self.keep}" if self.kind is Kind.WINDOW else "")
+
+
+class UnsupportedModel(RuntimeError):
+    """A model with a cache kind kvbank cannot restore exactly: refused at start."""
+
+
+@dataclass(frozen=True, eq=False)
+class Checkpoint:
+    """The WINDOW and STATE slots' arrays at one position, in slot order (None: a state array
+    the model has not written yet). Never written in place: a restore copies on first write."""
+
+    arrays: tuple[tuple[mx.array | None, ...], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for slot in self.arrays for a in slot if a is not None)
+
+    def flat(self) -> list[mx.array | None]:
+        return [a for slot in self.arrays for a in slot]
+
+
+def classify(c, model_type: str) -> Slot:
+    """The kind of one of `make_prompt_cache`'s caches (exact classes: a subclass may keep
+    more, or less, than its base)."""
+    if type(c) is KVCache:
+        return Slot(Kind.FULL)
+    if type(c) is RotatingKVCache:
+        return Slot(Kind.WINDOW, size=int(c.max_size), keep=int(c.keep))
+    if type(c) is ArraysCache:
+        return Slot(Kind.STATE, size=len(c.cache))
+    raise UnsupportedModel(
+        f"model_type {model_type!r} uses the cache class {type(c).__name__}, which kvbank "
+        f"cannot restore exactly yet (it serves {', '.join(sorted(k.value for k in Kind))} "
+        f"caches: KVCache, RotatingKVCache, ArraysCache). Serve another model, or open an "
+        f"issue naming the model_type.")
+
+
+class CacheKinds:
+    """A model's mix of cache kinds, and every move between its caches and kvbank's arrays."""
+
+    def __init__(self, model, model_type: str):
+        self.model = model
+        self.model_type = model_type
+        self.slots = tuple(classify(c, model_type) for c in make_prompt_cache(model))
+        if not self.slots:
+            raise UnsupportedModel(f"model_type {model_type!r} returns no caches")
+        self.full = [i for i, s in enumerate(self.slots) if s.kind is Kind.FULL]
+        self.other = [i for i, s in enumerate(self.slots) if s.kind is not Kind.FULL]
+
+    @classmethod
+    def of(cls, model) -> "CacheKinds":
+        """For a model loaded without its config at hand (tests, benchmarks)."""
+        return cls(model, str(getattr(getattr(model, "args", None), "model_type", "?")))
+
+    @property
+    def layout(self) -> str:
+        """The slots in order (`full,window:128:0,...`): part of the model fingerprint."""
+        return ",".join(s.tag for s in self.slots)
+
+    @property
+    def checkpointed(self) -> bool:
+        """Whether restores need a checkpoint (any WINDOW or STATE slot)."""
+        return bool(self.other)
+
+    def new_cache(self) -> list:
+        return make_prompt_cache(self.model)
+
+    # -- sizes ------------------------------------------------------------------------------
+
+    def measure(self) -> tuple[int, int, str]:
+        """(bytes per token of FULL slots, bytes of one checkpoint at its largest, dtype),
+        from a one-token forward. A window slot's checkpoint is priced at W tokens."""
+        cache = self.new_cache()
+        self.model(mx.array([[0]]), cache=cache)
+        mx.eval([c.state for c in cache])
+        per_token, checkpoint, dtype = 0, 0, None
+        for slot, c in zip(self.slots, cache):
+            if slot.kind is Kind.STATE:
+                checkpoint += sum(int(a.nbytes) for a in c.cache if a is not None)
+                dtype = dtype or next(a.dtype for a in c.cache if a is not None)
+                continue
+            one = int(c.keys[..., :1, :].nbytes + c.values[..., :1, :].nbytes)
+            dtype = c.keys.dtype if slot.kind is Kind.FULL or dtype is None else dtype
+            if slot.kind is Kind.FULL:
+                per_token += one
+            else:
+                checkpoint += one * (slot.size + slot.keep)
+        return per_token, checkpoint, str(dtype).split(".")[-1]
+
+    # -- a running request's cache -> the bank ------------------------------------------------
+
+    def snapshot(self, cache: list) -> Checkpoint | None:
+        """The WINDOW and STATE slots as they stand now (None for a model without them).
+        Take it when the cache stands exactly at the position it will be filed under."""
+        if not self.other:
+            return None
+        arrays = []
+        for i in self.other:
+            c, slot = cache[i], self.slots[i]
+            if slot.kind is Kind.STATE:
+                arrays.append(tuple(c.cache))
+            else:
+                arrays.append(_window_tail(c))
+        out = Checkpoint(tuple(arrays))
+        mx.eval([a for a in out.flat() if a is not None])
+        return out
+
+    def freeze(self, cache: list, n_tokens: int) -> tuple[kv.Layers, Checkpoint | None]:
+        """A finished turn's cache, standing at `n_tokens`, as the bank keeps it: the FULL
+        slots' first n_tokens, and the checkpoint at n_tokens."""
+        position = self.position(cache)
+        if position is not None and position != n_tokens and self.other:
+            raise RuntimeError(f"bug: cache stands at {position}, checkpoint wants {n_tokens}")
+        return self.full_layers(cache, n_tokens), self.snapshot(cache)
+
+    def full_layers(self, cache: list, n_tokens: int) -> kv.Layers:
+        """The FULL slots' first n_tokens (a cache that may stand past them)."""
+        return kv.freeze([cache[i] for i in self.full], n_tokens)
+
+    def position(self, cache: list) -> int | None:
+        """Where a cache stands, when a slot can say (a STATE slot cannot)."""
+        for slot, c in zip(self.slots, cache):
+            if slot.kind is not Kind.STATE:
+                return int(c.offset)
+        return None
+
+    # -- the bank -> a request's own cache ----------------------------------------------------
+
+    def restore(self, layers: kv.Layers, checkpoint: Checkpoint | None, n_tokens: int,
+                owned: bool = False) -> list:
+        """A request's own cache at `n_tokens`: the FULL slots over `layers` (`owned`: write in
+        place past n_tokens, see kv.restore), the others from `checkpoint`, which must stand at
+        n_tokens. A checkpoint's arrays are never handed over: the request's writes copy."""
+        if self.other and checkpoint is None and n_tokens:
+            raise RuntimeError("bug: a restore past 0 tokens without its checkpoint")
+        cache = self.new_cache()
+        for i, c in zip(self.full, kv.restore(layers, n_tokens, owned=owned)):
+            cache[i] = c
+        if checkpoint is None:
+            return cache
+        for i, arrays in zip(self.other, checkpoint.arrays):
+            c = cache[i]
+            if self.slots[i].kind is Kind.STATE:
+                c.cache = [None if a is None else a[...] for a in arrays]
+            else:
+                k, v = arrays
+                c.keys, c.values = k[...], v[...]
+                c.offset, c._idx = n_tokens, int(k.shape[2])
+        return cache
+
+    def view(self, cache: list) -> list:
+        """A running request's cache as it stands, as a new cache that copies on write."""
+        snap = self.snapshot(cache)
+        n = self.position(cache)
+        layers = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :])
+                  for c in (cache[i] for i in self.full)]
+        return self.restore(layers, snap, n if n is not None else 0)
+
+    def with_room(self, cache: list, n_tokens: int) -> None:
+        kv.with_room([cache[i] for i in self.full], n_tokens)
+
+    # -- which prefixes an entry serves ------------------------------------------------------
+
+    def restore_point(self, checkpoints: Iterable[int], n_tokens: int) -> int:
+        """The longest prefix <= n_tokens that an entry can restore: any, for FULL slots alone;
+        else its newest checkpoint at or before n_tokens (0: none)."""
+        if not self.other:
+            return n_tokens
+        return max((p for p in checkpoints if p <= n_tokens), default=0)
+
+    # -- on SSD -----------------------------------------------------------------------------
+
+    def checkpoint_views(self, checkpoint: Checkpoint) -> kv.StateViews:
+        """Zero-copy NumPy views of a checkpoint's arrays, for a block's payload (engine
+        thread; reading them is plain NumPy after)."""
+        return [None if a is None else (str(a.dtype).split(".")[-1], kv.numpy_view(a))
+                for a in checkpoint.flat()]
+
+    def checkpoint_from_arrays(self, arrays: list[mx.array | None]) -> Checkpoint:
+        """A checkpoint decoded from a block, in `checkpoint_views`' order."""
+        out, it = [], iter(arrays)
+        for i in self.other:
+            slot = self.slots[i]
+            out.append(tuple(next(it) for _ in range(slot.size if slot.kind is Kind.STATE
+                                                       else 2)))
+        return Checkpoint(tuple(out))
+
+
+def _window_tail(c: RotatingKVCache) -> tuple[mx.array, mx.array]:
+    """A window cache's tokens in order: its `keep` first, then the last W - keep (after a
+    multi-token forward the ring holds W - 1 + S; before it fills, fewer than W)."""
+    keys, values, offset, keep, max_size, _ = c.state
+    if keys is None:
+        raise RuntimeError("bug: a window checkpoint of an empty cache")
+    held = min(offset, max_size)
+    out = []
+    for a in (c._temporal_order(keys), c._temporal_order(values)):
+        if a.shape[2] > held:
+            a = (mx.concatenate([a[..., :keep, :], a[..., a.shape[2] - (held - keep):, :]],
+                                axis=2) if keep else a[..., a.shape[2] - held:, :])
+        out.append(mx.contiguous(a))
+    return out[0], out[1]
