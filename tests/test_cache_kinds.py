@@ -1,0 +1,222 @@
+"""The cache-kind seam on its own: a fake model (a test seam, not a real architecture) whose
+caches are one of each kind kvbank serves, and the bank, restore and store around it, with no
+stack and no weights.
+
+`Fake` computes in plain MLX what a real layer would keep: a full-attention cache (K/V of
+every token), a sliding window of 4 tokens and a recurrent state, and logits that read all
+three. Any slip in what a checkpoint holds (the ring's order, the window's length, the state at
+the wrong position) changes its logits.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+from kvbank.blocks import CorruptBlock, chain_block_ids, tail_block_id
+from tests.test_bank import TENANT, make_bank, root_for
+from worker import kv
+from worker.cache_kinds import CacheKinds, Kind, UnsupportedModel
+
+VOCAB, WINDOW, B = 50, 4, 4
+
+
+class Fake:
+    """A model with a FULL, a WINDOW and a STATE cache (mlx-lm's own cache classes)."""
+
+    def __init__(self, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.emb = mx.array(rng.standard_normal((VOCAB, 2)).astype(np.float32))
+        self.out = mx.array(rng.standard_normal((6, VOCAB)).astype(np.float32))
+
+    def make_cache(self):
+        return [KVCache(), RotatingKVCache(max_size=WINDOW), ArraysCache(1)]
+
+    def __call__(self, x, cache):
+        e = self.emb[x[0]][None, None]  # (1, 1, S, 2)
+        S = e.shape[2]
+        full_k, _ = cache[0].update_and_fetch(e, e)
+        mask = cache[1].make_mask(S, window_size=WINDOW)
+        win_k, _ = cache[1].update_and_fetch(e * 2, e * 2)
+        state = cache[2][0] if cache[2][0] is not None else mx.zeros((1, 2))
+        rows = []
+        for i in range(S):  # every position reads what its caches show it
+            n_full = full_k.shape[2] - S + i + 1
+            L = win_k.shape[2]
+            if isinstance(mask, mx.array):
+                w = (mask[i] if mask.ndim == 2 else mask).astype(mx.float32)
+            elif mask == "causal":
+                w = (mx.arange(L) <= L - S + i).astype(mx.float32)
+            else:
+                w = mx.ones((L,))
+            seen = (win_k[0, 0] * w[:, None]).sum(0)[None]
+            state = state * 0.5 + e[0, 0, i][None]
+            rows.append(mx.concatenate([full_k[0, 0, :n_full].mean(0)[None], seen, state],
+                                       axis=1))
+        cache[2][0] = state
+        return (mx.concatenate(rows)[None] @ self.out)
+
+
+def _continues(kinds, cache, tokens, suffix) -> bool:
+    """`cache`, standing before `suffix`, gives the logits recomputation of `tokens` (which end
+    with it) gives at every position of the suffix."""
+    got = _logits(kinds.model, cache, list(suffix), last=len(suffix))
+    want = _logits(kinds.model, kinds.new_cache(), list(tokens), last=len(suffix))
+    return bool(mx.allclose(got, want, atol=1e-5))
+
+
+def _logits(model, cache, tokens, chunk=3, last=1):
+    """The logits of the last `last` positions (each reads the window as it stands there),
+    read in forwards of `chunk` tokens and then one token at a time."""
+    out = []
+    for s in range(0, len(tokens) - 1, chunk):
+        part = tokens[s:min(s + chunk, len(tokens) - 1)]
+        out.append(model(mx.array(part)[None], cache)[0])
+    out.append(model(mx.array(tokens[-1:])[None], cache)[0])
+    return mx.concatenate(out)[-last:]
+
+
+@pytest.fixture
+def kinds():
+    return CacheKinds(Fake(), "fake")
+
+
+def _run(kinds, tokens):
+    cache = kinds.new_cache()
+    for t in tokens:  # one token at a time: decode, the ring wraps
+        kinds.model(mx.array([int(t)])[None], cache)
+    return cache
+
+
+def test_the_seam_names_each_kind_and_refuses_what_it_does_not_know(kinds):
+    assert [s.kind for s in kinds.slots] == [Kind.FULL, Kind.WINDOW, Kind.STATE]
+    assert kinds.layout == "full,window:4:0,state:1" and kinds.checkpointed
+
+    class Other(Fake):
+        def make_cache(self):
+            from mlx_lm.models.cache import ChunkedKVCache
+
+            return [KVCache(), ChunkedKVCache(8)]
+
+    with pytest.raises(UnsupportedModel, match="'other'.*ChunkedKVCache"):
+        CacheKinds(Other(), "other")
+
+
+@pytest.mark.parametrize("n", [3, 4, 9])  # before the window fills, at it, past it (wrapped)
+def test_a_checkpoint_restores_what_recomputation_gives(kinds, n):
+    tokens = list(range(1, n + 1))
+    layers, checkpoint = kinds.freeze(_run(kinds, tokens), n)
+    more = [7, 8, 9, 10, 11]
+    assert _continues(kinds, kinds.restore(layers, checkpoint, n), tokens + more, more)
+    # the restored cache's writes never reach the checkpoint the bank keeps
+    assert _continues(kinds, kinds.restore(layers, checkpoint, n), tokens + more, more)
+
+
+def test_the_bank_restores_only_at_a_checkpoint(kinds):
+    bank = make_bank(block_tokens=B)
+    bank.restore_point = kinds.restore_point
+    tokens = np.arange(1, 13, dtype=np.uint32)
+    cache = _run(kinds, tokens[:5])
+    at5 = kinds.snapshot(cache)
+    for t in tokens[5:]:
+        kinds.model(mx.array([int(t)])[None], cache)
+    layers, end = kinds.freeze(cache, 12)
+    e = bank.insert((TENANT, "s"), tokens, layers, checkpoints={5: at5, 12: end})
+    assert e.nbytes == kv.layers_nbytes(layers) + at5.nbytes + end.nbytes
+
+    diverges_at_9 = np.concatenate([tokens[:9], [40, 41]]).astype(np.uint32)
+    assert bank.lookup(diverges_at_9, TENANT).n_tokens == 5  # not 9: no state stands there
+    diverges_at_3 = np.concatenate([tokens[:3], [40, 41]]).astype(np.uint32)
+    assert bank.lookup(diverges_at_3, TENANT) is None
+    whole = np.concatenate([tokens, [40]]).astype(np.uint32)
+    assert bank.lookup(whole, TENANT).n_tokens == 12
+    assert bank.lookup(tokens, TENANT, limit=11).n_tokens == 5  # the last token is computed
+
+    hit = bank.lookup(diverges_at_9, TENANT)
+    restored = kinds.restore(hit.entry.layers, hit.entry.checkpoints[5], 5)
+    assert _continues(kinds, restored, diverges_at_9.tolist(), diverges_at_9[5:].tolist())
+
+
+def test_a_longer_turn_keeps_the_checkpoints_it_supersedes_up_to_the_cap(kinds):
+    bank = make_bank(block_tokens=B)
+    bank.restore_point, bank.max_checkpoints = kinds.restore_point, 3
+    tokens = np.arange(1, 30, dtype=np.uint32)
+    cache = kinds.new_cache()
+    snaps = {}
+    for i, t in enumerate(tokens, 1):
+        kinds.model(mx.array([int(t)])[None], cache)
+        snaps[i] = kinds.snapshot(cache)
+    layers = kv.freeze([cache[0]], 29)
+    for n in (6, 12, 18, 24):  # turns of one conversation, each superseding the last
+        bank.insert((TENANT, "s"), tokens[:n], [(k[..., :n, :], v[..., :n, :])
+                                                for k, v in layers],
+                    checkpoints={n - 3: snaps[n - 3], n: snaps[n]})
+    (e,) = bank.session_entries((TENANT, "s"))
+    assert sorted(e.checkpoints) == [18, 21, 24]  # its end, then the newest
+    assert e.nbytes == kv.layers_nbytes(e.layers) + sum(c.nbytes for c in e.checkpoints.values())
+    assert bank.total_nbytes == e.nbytes
+
+
+def test_blocks_carry_the_checkpoint_at_their_end_and_refuse_a_flipped_byte(kinds):
+    n = 10
+    tokens = list(range(1, n + 1))
+    layers, end = kinds.freeze(_run(kinds, tokens), n)
+    views = kv.layer_views(layers)
+    frames = [kv.encode_views(views, "float32", s, min(s + B, n), layout=kinds.layout,
+                              state=kinds.checkpoint_views(end) if min(s + B, n) == n else None)
+              for s in range(0, n, B)]
+    state = kinds.checkpoint_from_arrays(kv.decode_state(frames[-1]))
+    assert kv.decode_state(frames[0]) == []
+    restored = kinds.restore(kv.decode_blocks(frames, capacity=16), state, n, owned=True)
+    more = [3, 1, 4]
+    assert _continues(kinds, restored, tokens + more, more)
+
+    bad = bytearray(frames[1])
+    bad[-5] ^= 0x40
+    with pytest.raises(CorruptBlock, match="checksum"):
+        kv.decode_blocks([frames[0], bytes(bad), frames[2]])
+
+
+def test_a_restore_from_lmdb_stands_at_the_last_block_that_carries_a_checkpoint(
+        kinds, tmp_path):
+    """Real LMDB: blocks through the coldstore's own writes, read back by the Restorer."""
+    from coldstore.store import ColdStore
+    from worker.restore import Restorer
+
+    n, root = 10, root_for(TENANT)
+    tokens = np.arange(1, n + 1, dtype=np.uint32)
+    cache = _run(kinds, tokens[:8])
+    at8 = kinds.snapshot(cache)
+    for t in tokens[8:]:
+        kinds.model(mx.array([int(t)])[None], cache)
+    layers, end = kinds.freeze(cache, n)
+    states = {8: at8, 10: end}
+    store = ColdStore(tmp_path)
+    store.put_session_tokens(TENANT, "s", tokens, B)
+    ids = chain_block_ids(tokens, root, B)
+    views = kv.layer_views(layers)
+    for s in range(0, n, B):
+        e = min(s + B, n)
+        bid = ids[s // B] if e - s == B else tail_block_id(ids[-1], tokens[s:e])
+        frame = kv.encode_views(views, "float32", s, e, layout=kinds.layout,
+                                state=kinds.checkpoint_views(states[e]) if e in states else None)
+        assert store.commit_block(TENANT, "s", root, bid, s, frame) is not None
+    store.close()
+
+    restorer = Restorer(kinds=kinds, bank=make_bank(block_tokens=B), client=None,
+                        store_dir=tmp_path, root_for=root_for, block_tokens=B)
+    for prompt, at in ((np.concatenate([tokens, [5, 6]]), 10),  # the tail's checkpoint
+                       (np.concatenate([tokens[:9], [5, 6]]), 8),  # the full block's
+                       (np.concatenate([tokens[:6], [5, 6]]), None)):  # none stands before
+        prompt = prompt.astype(np.uint32)
+        got = restorer.ssd_prefix(prompt, chain_block_ids(prompt, root, B), TENANT,
+                                  (TENANT, "s"), better_than=0)
+        if at is None:
+            assert got is None
+            continue
+        got_layers, checkpoint, got_n = got
+        assert got_n == at
+        restored = kinds.restore(got_layers, checkpoint, at, owned=True)
+        assert _continues(kinds, restored, prompt.tolist(), prompt[at:].tolist())
