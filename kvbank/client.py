@@ -27,6 +27,7 @@ def usage_dict(u: api_pb2.Usage) -> dict:
         "cached_tokens": u.cached_tokens,
         "cache_source": CACHE_SOURCES[u.cache_source],
         "recomputed_tokens": u.recomputed_tokens,
+        "prefix_lost_tokens": u.prefix_lost_tokens,
         "ttft_s": round(u.ttft_s, 4),
         "queue_s": round(u.queue_s, 4),
         "durable": u.durable,

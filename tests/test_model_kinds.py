@@ -148,6 +148,7 @@ def test_a_conversation_continues_exactly_from_ram_ssd_and_after_kill_9(
             marks = ref.prompts.checkpoints(messages, prompt)
             assert got.usage["cache_source"] == ("none" if turn == 0 else where.split()[0])
             assert got.usage["cached_tokens"] >= previous, got.usage  # all of the last turn
+            assert got.usage["prefix_lost_tokens"] == 0, got.usage
             _check(ref, got, prompt, marks, checkpointed, f"{arch} turn {turn} ({where})")
             previous = len(prompt) + got.usage["completion_tokens"]
             messages += [{"role": "assistant", "content": got.text},
@@ -178,6 +179,8 @@ def test_a_template_that_strips_reasoning_still_restores_the_previous_prompt(
                     gen = len(ref.prompts.encode("<|im_start|>assistant\n<think>\n"))
                     assert got.usage["cached_tokens"] >= last_prompt - gen, got.usage
                     assert got.usage["recomputed_tokens"] == 0, got.usage
+                    # what lies between that checkpoint and where the prompts part is counted
+                    assert 0 < got.usage["prefix_lost_tokens"] <= gen, got.usage
                 _check(ref, got, prompt, marks, True, f"{arch} turn {turn}")
                 last_prompt = len(prompt)
                 messages += [{"role": "assistant",

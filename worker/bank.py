@@ -152,12 +152,14 @@ class SessionBank:
     # -- lookup -----------------------------------------------------------------------------
 
     def lookup(self, tokens: np.ndarray, tenant: str,
-               ids: list[BlockId] | None = None, limit: int | None = None) -> Hit | None:
+               ids: list[BlockId] | None = None, limit: int | None = None,
+               restore_point: Callable[[Iterable[int], int], int] | None = None) -> Hit | None:
         """The entry that restores the longest token-verified prefix of `tokens`, at most
         `limit` tokens (`ids`: their chained block ids, when the caller has them already).
 
         Without a limit a full hit is returned as such; a restore leaves the last token to
         compute (the model needs one input to produce the next token's logits).
+        `restore_point=any_prefix`: what the bank holds, restorable or not.
         """
         root = self.root_for(tenant)
         if ids is None:
@@ -180,7 +182,8 @@ class SessionBank:
         for key in itertools.islice(level, MAX_TAIL_CANDIDATES):
             e = self.entries[key]
             n = base + common_prefix_len(e.tokens[base:end], query)
-            n = self.restore_point(e.checkpoints, n if limit is None else min(n, limit))
+            n = (restore_point or self.restore_point)(e.checkpoints,
+                                                       n if limit is None else min(n, limit))
             if n > best_n or (n == best_n and best is not None and e.last_used > best.last_used):
                 best, best_n = e, n
         if best is None or best_n == 0:

@@ -386,6 +386,9 @@ class Engine:
                         detok=self.tokenizer.detokenizer, decoding=decoding, handed=handed,
                         split_at=self._splits(cached, len(tokens), req.checkpoint_at))
             r.restore_s = r.started - t0
+            if not req.no_cache:
+                r.prefix_lost = self.restorer.lost(tokens, ids, tenant, cached)
+                metrics.PREFIX_LOST.labels("no_checkpoint").inc(r.prefix_lost)
             self.batch.add(r, cache, req.max_tokens)
         except Exception:
             if handed is not None:
@@ -491,6 +494,7 @@ class Engine:
             durable=durable,
             session_id=r.session[1],
             max_tokens=r.job.request.max_tokens,
+            prefix_lost_tokens=r.prefix_lost,
         )
         for stage, seconds in (("waiting", usage.queue_s - r.restore_s),
                                ("restore", r.restore_s), ("first_token", usage.ttft_s)):

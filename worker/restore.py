@@ -13,7 +13,7 @@ from kvbank.blocks import BlockId, CorruptBlock, decode_header, tail_block_id
 from kvbank.contracts.store_layout import StoreReader
 from kvbank.v1 import api_pb2
 from worker import kv
-from worker.bank import BankEntry, SessionBank, SessionKey
+from worker.bank import BankEntry, SessionBank, SessionKey, any_prefix
 from worker.cache_kinds import CacheKinds, Checkpoint
 from worker.link import ColdstoreClient
 
@@ -73,6 +73,16 @@ class Restorer:
                 return self.kinds.restore(e.layers, checkpoint, ram_n, owned=True), ram_n, RAM, e
             return self.kinds.restore(e.layers, checkpoint, ram_n), ram_n, RAM, None
         return none
+
+    def lost(self, tokens: np.ndarray, ids: list[BlockId], tenant: str, cached: int) -> int:
+        """Prompt tokens RAM or LMDB hold past `cached` that no checkpoint let a restore reach
+        (0 for a model without window or recurrent caches: any prefix restores)."""
+        if not self.kinds.checkpointed:
+            return 0
+        limit = len(tokens) - 1
+        hit = self.bank.lookup(tokens, tenant, ids, limit=limit, restore_point=any_prefix)
+        ssd = min(self.held(tokens, ids, tenant)[1], limit)
+        return max(0, max(hit.n_tokens if hit else 0, ssd) - cached)
 
     def held(self, tokens: np.ndarray, ids: list[BlockId], tenant: str) -> tuple[int, int]:
         """How much of `tokens` RAM and LMDB hold (whole blocks on SSD), nothing restored."""

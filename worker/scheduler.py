@@ -80,6 +80,7 @@ class Running:
     restore_s: float = 0.0  # of the time before `started`
     split_at: tuple[int, ...] = ()  # prompt positions a forward stops at, for a checkpoint
     checkpoints: dict = field(default_factory=dict)  # position -> cache_kinds.Checkpoint
+    prefix_lost: int = 0  # prompt tokens held but not restorable (no checkpoint there)
 
 
 @dataclass

@@ -23,7 +23,8 @@ def usage_body(u: api_pb2.Usage) -> dict:
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
         "kvbank": {"cache_source": CACHE_SOURCES[u.cache_source],
-                   "recomputed_tokens": u.recomputed_tokens, "ttft_s": round(u.ttft_s, 4),
+                   "recomputed_tokens": u.recomputed_tokens,
+                   "prefix_lost_tokens": u.prefix_lost_tokens, "ttft_s": round(u.ttft_s, 4),
                    "queue_s": round(u.queue_s, 4), "durable": u.durable,
                    "session_id": u.session_id},
     }
