@@ -373,11 +373,16 @@ def _run_coldstore(args: argparse.Namespace) -> int:
                     free_disk_floor_bytes=args.free_disk_floor_bytes,
                     store_max_bytes=args.store_max_bytes,
                     entry_max_bytes=args.entry_max_bytes)
-    coldstore_main(Layout(args.data_dir), quiet_grace_s=args.quiet_grace_s,
-                   max_dirty_s=args.max_dirty_s, tail_delay_s=args.tail_delay_s,
-                   payload_stall_s=args.payload_stall_s,
-                   limits=limits, metrics_port=args.metrics_port,
-                   anonymous_ttl_s=args.anonymous_ttl_s)
+    from kvbank.contracts.store_layout import StoreFormatError
+
+    try:
+        coldstore_main(Layout(args.data_dir), quiet_grace_s=args.quiet_grace_s,
+                       max_dirty_s=args.max_dirty_s, tail_delay_s=args.tail_delay_s,
+                       payload_stall_s=args.payload_stall_s,
+                       limits=limits, metrics_port=args.metrics_port,
+                       anonymous_ttl_s=args.anonymous_ttl_s)
+    except StoreFormatError as e:
+        raise SystemExit(f"kvbank coldstore: refused: {e}") from None
     return 0
 
 

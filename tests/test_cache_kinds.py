@@ -220,3 +220,37 @@ def test_a_restore_from_lmdb_stands_at_the_last_block_that_carries_a_checkpoint(
         assert got_n == at
         restored = kinds.restore(got_layers, checkpoint, at, owned=True)
         assert _continues(kinds, restored, prompt.tolist(), prompt[at:].tolist())
+
+
+def test_a_store_from_an_older_kvbank_reads_and_one_from_a_newer_is_refused(tmp_path):
+    """KVB1 blocks (one K/V shape for every layer, no checksum) still decode; a store stamped
+    with a newer format than this kvbank knows is never opened."""
+    import json
+    import struct
+
+    import lmdb
+
+    from coldstore.store import ColdStore
+    from kvbank.contracts.store_layout import (FORMAT_KEY, STORE_FORMAT, StoreFormatError,
+                                               StoreReader)
+
+    k = np.arange(2 * 3 * 4, dtype=np.float32).reshape(3, 2, 4)  # (tokens, heads, dim)
+    meta = json.dumps({"dtype": "float32", "n_layers": 2, "n_tokens": 3,
+                       "k_shape": [3, 2, 4], "v_shape": [3, 2, 4]}).encode()
+    pad = (-(8 + len(meta))) % 16
+    v1 = (b"KVB1" + struct.pack("<I", len(meta) + pad) + meta + b" " * pad
+          + (k.tobytes() + (k + 100).tobytes()) * 2)
+    (keys, values), _ = kv.decode_blocks([v1])
+    assert np.array_equal(np.array(keys[0]).transpose(1, 0, 2), k)
+    assert np.array_equal(np.array(values[0]).transpose(1, 0, 2), k + 100)
+
+    ColdStore(tmp_path / "s").close()  # a new store is stamped with this kvbank's format
+    reader = StoreReader(tmp_path / "s", readonly=True)
+    assert reader.format_version == STORE_FORMAT
+    reader.close()
+    env = lmdb.open(str(tmp_path / "s"), max_dbs=8)
+    with env.begin(write=True) as txn:
+        txn.put(FORMAT_KEY, struct.pack("<I", STORE_FORMAT + 1), db=env.open_db(b"meta", txn=txn))
+    env.close()
+    with pytest.raises(StoreFormatError, match="newer than this kvbank.*another --data-dir"):
+        ColdStore(tmp_path / "s")

@@ -6,6 +6,8 @@ Named databases:
     sessions  tenant \\0 session id     -> JSON meta (block list, durable extent, timestamps)
     tokens    tenant \\0 session id     -> committed token ids, uint32 little-endian
     meta      b"block_bytes"           -> u64 total bytes of stored blocks (the size cap's measure)
+              b"format_version"        -> u32 STORE_FORMAT (none: a store from before it, whose
+                                          blocks are KVB1 and still read as they are)
 
 Only the coldstore process writes (coldstore/store.py: `ColdStore`, which adds the writes and
 the durability rule). The worker reads with a `StoreReader` (`readonly=True`): LMDB serves
@@ -27,6 +29,13 @@ from kvbank.blocks import BlockId
 INITIAL_MAP_BYTES = 1 << 30
 DBS = (b"blocks", b"refs", b"sessions", b"tokens", b"meta")
 BLOCK_BYTES_KEY = b"block_bytes"  # meta: total size of stored blocks, kept in the same txns
+FORMAT_KEY = b"format_version"
+STORE_FORMAT = 2  # blocks with per-layer shapes, checkpoints and checksums (kvbank/blocks.py)
+
+
+class StoreFormatError(RuntimeError):
+    """A store written by a newer kvbank: never read, so never misread."""
+
 
 def session_key(tenant: str, session_id: str) -> bytes:
     return tenant.encode() + b"\0" + session_id.encode()
@@ -84,6 +93,27 @@ class StoreReader:
             create=not readonly,
         )
         self._db = {name: self.env.open_db(name, create=not readonly) for name in DBS}
+        try:
+            self.format_version = self._check_format()
+        except StoreFormatError:
+            self.env.close()
+            raise
+
+    def _check_format(self) -> int:
+        """The store's format; a newer one than this kvbank knows is refused. A writer stamps
+        a store that has none (new, or from before formats were stamped: its KVB1 blocks
+        read as they are, and new blocks are written in the current format beside them)."""
+        with self._read_txn() as txn:
+            raw = txn.get(FORMAT_KEY, db=self._db[b"meta"])
+        version = struct.unpack("<I", raw)[0] if raw else 1
+        if version > STORE_FORMAT:
+            raise StoreFormatError(
+                f"the store in {self.path} has format {version}, newer than this kvbank's "
+                f"{STORE_FORMAT}: upgrade kvbank, or start with another --data-dir")
+        if not self.readonly and version < STORE_FORMAT:
+            with self.env.begin(write=True) as txn:
+                txn.put(FORMAT_KEY, struct.pack("<I", STORE_FORMAT), db=self._db[b"meta"])
+        return version
 
     def close(self) -> None:
         self.env.close()
