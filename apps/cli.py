@@ -20,6 +20,7 @@ from pathlib import Path
 from apps.flags import (FLAG_GROUPS, address_flag, coldstore_flags, data_dir_flag, forward,
                         metrics_flag, model_flag, router_flags, shim_flags, worker_flags)
 from kvbank.config import DEFAULT_BLOCK_TOKENS, DEFAULT_METRICS_PORT, DEFAULT_ROUTER_PORT, Layout
+from kvbank.tiny import ARCHS
 
 
 def _setup_logging(name: str) -> None:
@@ -153,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
     bt.add_argument("--repeats", type=int, default=3,
                     help="returning turns from RAM and from SSD, each; the medians count")
+    bt.add_argument("--arch", choices=ARCHS, default=None,
+                    help="a random-weight model of the default model's size with this "
+                         "architecture, instead of --model")
     bt.add_argument("--json", action="store_true")
     bt.set_defaults(func=_run_bench_turn)
     bb = bsub.add_parser("bank", help="SessionBank.lookup latency on a full bank")
@@ -470,7 +474,7 @@ def _run_bench_turn(args: argparse.Namespace) -> int:
         return 2
     try:
         result = run(model=args.model, tokens=args.tokens, block_tokens=args.block_tokens,
-                     repeats=args.repeats)
+                     repeats=args.repeats, arch=args.arch)
     except ValueError as e:
         print(f"kvbank bench turn: {e}", file=sys.stderr)
         return 2

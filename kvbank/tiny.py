@@ -234,6 +234,22 @@ def make_arch_model(out_dir: Path, arch: str, *, seed: int = 0, context: int = 8
     return out_dir
 
 
+def bench_model(arch: str, cache_dir: Path | None = None) -> Path:
+    """A random-weight ``arch`` model of the default model's size (`kvbank bench --arch`),
+    built once into kvbank's cache dir, in a child process: the caller holds no MLX."""
+    import subprocess
+    import sys
+
+    from kvbank.models import default_cache_dir
+
+    _check(arch, "default")
+    out = (cache_dir or default_cache_dir()) / "bench-models" / f"{arch}-default"
+    if not (out / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "kvbank.tiny", arch, str(out), "--size", "default"],
+                       check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     from kvbank.config import preload_openblas
 

@@ -45,6 +45,8 @@ class Floor:
 
     def __init__(self, model_dir: Path, context_tokens: int, new_tokens: int, *, seed: int = 0,
                  chunk_tokens: int = 512):
+        """A model with window or recurrent caches cannot trim them: its floor restores the
+        cache from a checkpoint of it (worker/cache_kinds.py) before each timed forward."""
         from kvbank.config import preload_openblas
 
         preload_openblas()
@@ -52,8 +54,12 @@ class Floor:
         from mlx_lm import load
         from mlx_lm.models.cache import make_prompt_cache
 
+        from worker.cache_kinds import CacheKinds
+
         self.mx, self.new_tokens = mx, new_tokens
         self.model, _ = load(str(model_dir))
+        self.kinds = CacheKinds.of(self.model)
+        self.frozen = None  # (layers, checkpoint, tokens) for a checkpointed model
         self.rng = np.random.default_rng(seed + 1)
         self.chunk_tokens = chunk_tokens
         self.cache = make_prompt_cache(self.model)
@@ -64,11 +70,16 @@ class Floor:
         a cache copies all of it: not what a floor measures)."""
         from mlx_lm.models.cache import trim_prompt_cache
 
-        mx, have = self.mx, self.cache[0].offset
+        mx, have = self.mx, self.kinds.position(self.cache)
+        if have is None:  # recurrent caches alone: the floor counts what it read
+            have = self.frozen[2] if self.frozen else 0
         context = mx.array(_tokens(self.rng, context_tokens - have))
         for s in range(0, context_tokens - have, self.chunk_tokens):
             self.model(context[s:s + self.chunk_tokens][None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
+        if self.kinds.checkpointed:
+            self.frozen = (*self.kinds.freeze(self.cache, context_tokens), context_tokens)
+            return
         if self.cache[0].keys.shape[2] < context_tokens + self.new_tokens:
             self.model(mx.array(_tokens(self.rng, self.new_tokens))[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
@@ -80,11 +91,18 @@ class Floor:
 
         mx = self.mx
         new = mx.array(_tokens(self.rng, self.new_tokens))[None]
+        cache = self.cache
+        if self.frozen is not None:  # restored, with room, before the clock starts
+            layers, checkpoint, n = self.frozen
+            cache = self.kinds.restore(layers, checkpoint, n)
+            self.kinds.with_room(cache, n + self.new_tokens)
+            mx.eval([c.state for c in cache])
         t0 = time.perf_counter()
-        logits = self.model(new, cache=self.cache)
+        logits = self.model(new, cache=cache)
         mx.eval(mx.argmax(logits[:, -1, :], axis=-1))
         elapsed = time.perf_counter() - t0
-        trim_prompt_cache(self.cache, self.new_tokens)
+        if self.frozen is None:
+            trim_prompt_cache(self.cache, self.new_tokens)
         return elapsed
 
 
@@ -131,12 +149,14 @@ def longest_fit(model_dir: Path, repeats: int) -> int:
 
 
 def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
-        repeats: int = 3) -> dict:
+        repeats: int = 3, arch: str | None = None) -> dict:
     """Raises ValueError, before any stack starts, when the conversation would outgrow the
-    model's context."""
+    model's context. `arch`: a random-weight model of the default model's size with that
+    architecture (kvbank/tiny.py) instead of `model`."""
     from kvbank.models import prepare_model
+    from kvbank.tiny import bench_model
 
-    model_dir = prepare_model(model)
+    model_dir = bench_model(arch) if arch else prepare_model(model)
     if tokens > (fit := longest_fit(model_dir, repeats)):
         raise ValueError(f"--tokens {tokens}: with {repeats} returning turns from RAM and from "
                          f"SSD each (--repeats) the conversation would outgrow the model's "
@@ -193,6 +213,7 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
     floor_s = float(np.median(floor_ram + floor_ssd))
     return {
         "model": str(model_dir),
+        "arch": arch or "",
         "tokens": tokens,
         "block_tokens": block_tokens,
         "repeats": repeats,
