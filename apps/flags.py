@@ -147,11 +147,12 @@ def worker_flags(p: argparse.ArgumentParser) -> None:
             help="models with sliding-window or recurrent layers: checkpoints of those layers "
                  "a conversation keeps in RAM (its last turn's end always among them; older "
                  "ones go first) (default: %(default)s)")),
-           (["--checkpoint-every"], dict(type=int, default=2048, metavar="TOKENS",
+           (["--checkpoint-every"], dict(type=int, default=None, metavar="TOKENS",
             help="models with sliding-window or recurrent layers: a long prompt's read also "
-                 "stops every this many tokens (a multiple of --block-tokens) to keep a "
+                 "stops every this many tokens (rounded up to --block-tokens) to keep a "
                  "checkpoint, so a prompt that diverges inside it restores most of it; 0: off "
-                 "(default: %(default)s)")),
+                 "(default: 2048, or more where a checkpoint outweighs a quarter of the KV "
+                 "between two of them)")),
            (["--kv-events-endpoint"], dict(default=None, metavar="tcp://HOST:PORT",
             help="publish which KV blocks this machine holds (RAM, SSD) in vLLM's KV-event "
                  "format on this ZeroMQ endpoint, for `vllm-router --policy kv_aware "

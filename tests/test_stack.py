@@ -146,7 +146,8 @@ def test_a_cancelled_turn_gives_its_conversation_back_to_ram(stack):
     with stack.client() as c:
         t1 = _ask(c, "agent-c", "List three prime numbers.")
         history = len(c.get_session("agent-c").token_ids)
-        req = api_pb2.GenerateRequest(session_id="agent-c", append=True, max_tokens=400)
+        # An answer that cannot end before its cancel arrives: most of the context.
+        req = api_pb2.GenerateRequest(session_id="agent-c", append=True, max_tokens=1500)
         req.chat.messages.add(role="user", content="Now count to 500.")
         call = c.generation.Generate(req)  # the stub's own call, so the test can cancel it
         next(ev for ev in call if ev.token_ids)  # it is answering

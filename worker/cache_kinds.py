@@ -34,6 +34,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 from worker import kv
 
 MLX_LM_VERSION = "0.32.2"  # the caches' internals read here (pyproject pins it)
+CHECKPOINT_EVERY = 2048  # tokens between a long prompt's checkpoints, at least
 
 
 class Kind(enum.StrEnum):

@@ -43,7 +43,7 @@ from worker.admission import (SchedulerConfig, calibrate, give_back_freed_memory
                               make_room, memory_budget_bytes, mlx_cache_limit, resident_bytes,
                               serve_buffers_from_the_heap)
 from worker.bank import MAX_CHECKPOINTS, SessionBank, SessionKey
-from worker.cache_kinds import CacheKinds
+from worker.cache_kinds import CHECKPOINT_EVERY, CacheKinds
 from worker.conversations import Conversations
 from worker.guard import Guard
 from worker.kv_events import EventsConfig, KVEvents, Publisher, held_conversations
@@ -71,7 +71,7 @@ class Engine:
                  admission_chain_shed: bool = False,
                  prefill_chunk_tokens: int = PREFILL_STEP_TOKENS,
                  write_out_deadline_s: float | None = None,
-                 max_checkpoints: int = MAX_CHECKPOINTS, checkpoint_every: int = 0,
+                 max_checkpoints: int = MAX_CHECKPOINTS, checkpoint_every: int | None = None,
                  kv_events: EventsConfig | None = None):
         """Built on the caller's thread; once its thread starts, that thread owns it all."""
         from mlx_lm import load
@@ -107,6 +107,9 @@ class Engine:
                                 active_pin_s=active_pin_s,
                                 restore_point=self.kinds.restore_point,
                                 max_checkpoints=max_checkpoints)
+        if checkpoint_every is None:
+            checkpoint_every = auto_checkpoint_every(self.kv_bytes_per_token,
+                                                     self.checkpoint_bytes)
         # On block ends, so a checkpoint there goes to SSD with its block.
         self.checkpoint_every = -(-checkpoint_every // block_tokens) * block_tokens
         self.bank.write_out_deadline_s = write_out_deadline_s
@@ -629,6 +632,14 @@ class Engine:
         if self.prefetcher.live and self.prefetcher.retry():
             self._refresh_ram_bytes()
         metrics.MEMORY_HELD.set(held_bytes(self.pricing, self.bank))
+
+
+def auto_checkpoint_every(kv_bytes_per_token: int, checkpoint_bytes: int) -> int:
+    """Every 2048 tokens, or further apart where one checkpoint would outweigh a quarter of
+    the KV between two of them (a Qwen3.6-27B checkpoint is ~150 MiB: ~9.6K tokens)."""
+    if not kv_bytes_per_token:
+        return CHECKPOINT_EVERY
+    return max(CHECKPOINT_EVERY, 4 * checkpoint_bytes // kv_bytes_per_token)
 
 
 def model_type(config: dict) -> str:
