@@ -16,8 +16,6 @@ new KV blocks.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import queue
 import threading
@@ -38,12 +36,12 @@ from kvbank.contracts.pricing import Pricing
 from kvbank.contracts.vocabulary import Decision, Outcome, TrimReason
 from kvbank.v1 import api_pb2, worker_pb2
 from worker import commands as cmd
-from worker import kv, upkeep
+from worker import upkeep
 from worker.admission import (SchedulerConfig, calibrate, give_back_freed_memory, held_bytes,
                               make_room, memory_budget_bytes, mlx_cache_limit, resident_bytes,
                               serve_buffers_from_the_heap)
 from worker.bank import MAX_CHECKPOINTS, SessionBank, SessionKey
-from worker.cache_kinds import CHECKPOINT_EVERY, CacheKinds
+from worker.served_model import load_served_model
 from worker.conversations import Conversations
 from worker.guard import Guard
 from worker.kv_events import EventsConfig, KVEvents, Publisher, held_conversations
@@ -74,27 +72,20 @@ class Engine:
                  max_checkpoints: int = MAX_CHECKPOINTS, checkpoint_every: int | None = None,
                  kv_events: EventsConfig | None = None):
         """Built on the caller's thread; once its thread starts, that thread owns it all."""
-        from mlx_lm import load
-
         serve_buffers_from_the_heap()
-        self.model_path = Path(model_path)
         self.layout = layout.ensure()
         self.block_tokens = block_tokens
         self.scheduler = scheduler
-        t0 = time.monotonic()
-        self.model, self.tokenizer = load(str(self.model_path))
-        self.config = json.loads((self.model_path / "config.json").read_text())
-        self.max_context_tokens = int(self.config.get("max_position_embeddings", 8192))
+        served = load_served_model(Path(model_path), block_tokens)  # UnsupportedModel
+        self.model_path, self.model, self.tokenizer = served.path, served.model, served.tokenizer
+        self.config, self.kinds, self.fingerprint = served.config, served.kinds, served.fingerprint
+        self.max_context_tokens = served.max_context_tokens
         self.eos_token_ids = sorted(self.tokenizer.eos_token_ids)
-        self.vocab_size = int(self.config.get("vocab_size") or len(self.tokenizer.vocab))
+        self.vocab_size = served.vocab_size
+        self.kv_bytes_per_token, self.kv_dtype = served.kv_bytes_per_token, served.kv_dtype
+        self.checkpoint_bytes = served.checkpoint_bytes
+        self.checkpoint_every = served.checkpoint_every(checkpoint_every, block_tokens)
         self.decodings = Decodings(self.tokenizer, self.vocab_size, self.model_path.name)
-        self.kinds = CacheKinds(self.model, model_type(self.config))  # UnsupportedModel
-        self.kv_bytes_per_token, self.checkpoint_bytes, self.kv_dtype = self.kinds.measure()
-        self.fingerprint = self._fingerprint()
-        logger.info("model %s loaded in %.1fs: %d KV bytes/token, %d bytes a checkpoint (%s), "
-                    "caches %s, fingerprint %s", self.model_path, time.monotonic() - t0,
-                    self.kv_bytes_per_token, self.checkpoint_bytes, self.kv_dtype,
-                    self.kinds.layout, self.fingerprint.hex()[:12])
         self._queue: queue.Queue = queue.Queue()
         self.coldstore = ColdstoreClient(layout, on_event=lambda msg: self.writer.deliver(msg))
         self.writer = KVWriter(self.coldstore, block_tokens=block_tokens, root_for=self.root_for,
@@ -107,11 +98,6 @@ class Engine:
                                 active_pin_s=active_pin_s,
                                 restore_point=self.kinds.restore_point,
                                 max_checkpoints=max_checkpoints)
-        if checkpoint_every is None:
-            checkpoint_every = auto_checkpoint_every(self.kv_bytes_per_token,
-                                                     self.checkpoint_bytes)
-        # On block ends, so a checkpoint there goes to SSD with its block.
-        self.checkpoint_every = -(-checkpoint_every // block_tokens) * block_tokens
         self.bank.write_out_deadline_s = write_out_deadline_s
         self.conversations = Conversations(root_for=self.root_for, block_tokens=block_tokens)
         self.restorer = Restorer(kinds=self.kinds, bank=self.bank, client=self.coldstore,
@@ -204,19 +190,6 @@ class Engine:
         mx.clear_cache()
 
     # -- identity ---------------------------------------------------------------------------
-
-    def _fingerprint(self) -> bytes:
-        """Nothing restores across model, weights, KV dtype, cache kinds or block size."""
-        h = hashlib.blake2b(digest_size=16)
-        h.update(json.dumps(self.config, sort_keys=True).encode())
-        for f in sorted(self.model_path.glob("*.safetensors")):
-            st = f.stat()
-            h.update(f"{f.name}:{st.st_size}".encode())
-        h.update(f"{self.kv_dtype}:{self.kv_bytes_per_token}:{self.block_tokens}".encode())
-        h.update(kv.BLOCK_LAYOUT.encode())
-        if self.kinds.checkpointed:  # a full-attention model's stores from before still read
-            h.update(f"caches:{self.kinds.layout}".encode())
-        return h.digest()
 
     def root_for(self, tenant: str) -> BlockId:
         return chain_root(self.fingerprint, tenant)
@@ -632,18 +605,6 @@ class Engine:
         if self.prefetcher.live and self.prefetcher.retry():
             self._refresh_ram_bytes()
         metrics.MEMORY_HELD.set(held_bytes(self.pricing, self.bank))
-
-
-def auto_checkpoint_every(kv_bytes_per_token: int, checkpoint_bytes: int) -> int:
-    """Every 2048 tokens, or further apart where one checkpoint would outweigh a quarter of
-    the KV between two of them (a Qwen3.6-27B checkpoint is ~150 MiB: ~9.6K tokens)."""
-    if not kv_bytes_per_token:
-        return CHECKPOINT_EVERY
-    return max(CHECKPOINT_EVERY, 4 * checkpoint_bytes // kv_bytes_per_token)
-
-
-def model_type(config: dict) -> str:
-    return str(config.get("model_type") or config.get("text_config", {}).get("model_type", "?"))
 
 
 _WAKE = object()  # a turn of the loop, nothing else (the writer's inbox has mail)

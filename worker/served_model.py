@@ -1,0 +1,84 @@
+"""The model the worker serves: its weights and tokenizer, its cache kinds and their sizes,
+and the fingerprint that keeps its KV apart from every other model's."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from worker import kv
+from worker.cache_kinds import CHECKPOINT_EVERY, CacheKinds
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServedModel:
+    path: Path
+    model: object
+    tokenizer: object
+    config: dict
+    kinds: CacheKinds
+    kv_bytes_per_token: int  # full-attention caches' K and V
+    checkpoint_bytes: int  # window and recurrent caches at one position, at their largest
+    kv_dtype: str
+    fingerprint: bytes
+
+    @property
+    def max_context_tokens(self) -> int:
+        return int(self.config.get("max_position_embeddings", 8192))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.get("vocab_size") or len(self.tokenizer.vocab))
+
+    def checkpoint_every(self, tokens: int | None, block_tokens: int) -> int:
+        """Tokens between a long prompt's checkpoints, on block ends (a checkpoint there goes
+        to SSD with its block). None: every 2048 tokens, or further apart where one
+        checkpoint would outweigh a quarter of the KV between two of them (a Qwen3.6-27B
+        checkpoint is ~150 MiB: ~9.6K tokens)."""
+        if tokens is None:
+            tokens = CHECKPOINT_EVERY
+            if self.kv_bytes_per_token:
+                tokens = max(tokens, 4 * self.checkpoint_bytes // self.kv_bytes_per_token)
+        return -(-tokens // block_tokens) * block_tokens
+
+
+def load_served_model(path: Path, block_tokens: int) -> ServedModel:
+    """Load and measure; UnsupportedModel for a cache kind kvbank cannot restore exactly."""
+    from mlx_lm import load
+
+    t0 = time.monotonic()
+    model, tokenizer = load(str(path))
+    config = json.loads((path / "config.json").read_text())
+    kinds = CacheKinds(model, model_type(config))
+    per_token, checkpoint, dtype = kinds.measure()
+    served = ServedModel(path, model, tokenizer, config, kinds, per_token, checkpoint, dtype,
+                         fingerprint(path, config, kinds, dtype, per_token, block_tokens))
+    logger.info("model %s loaded in %.1fs: %d KV bytes/token, %d bytes a checkpoint (%s), "
+                "caches %s, fingerprint %s", path, time.monotonic() - t0, per_token,
+                checkpoint, dtype, kinds.layout, served.fingerprint.hex()[:12])
+    return served
+
+
+def fingerprint(path: Path, config: dict, kinds: CacheKinds, dtype: str, per_token: int,
+                block_tokens: int) -> bytes:
+    """Nothing restores across model, weights, KV dtype, cache kinds or block size."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps(config, sort_keys=True).encode())
+    for f in sorted(path.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}".encode())
+    h.update(f"{dtype}:{per_token}:{block_tokens}".encode())
+    h.update(kv.BLOCK_LAYOUT.encode())
+    if kinds.checkpointed:  # a full-attention model's stores from before still read
+        h.update(f"caches:{kinds.layout}".encode())
+    return h.digest()
+
+
+def model_type(config: dict) -> str:
+    return str(config.get("model_type") or config.get("text_config", {}).get("model_type", "?"))
