@@ -266,7 +266,8 @@ def test_ledger_counts_entries_running_requests_and_staged_bytes(rig):
     assert rig.bank.ledger()["active_bytes"] == 1000
     rig.bank.end_request(("", "busy"))
     rig.let_idle_lane_write(e)
-    wait_until(lambda: not rig.bank.ledger()["staged_bytes"],
+    # the rig's thread owns the writer: it applies the acknowledgements, as the engine's loop
+    wait_until(lambda: rig.writer.pump() >= 0 and not rig.bank.ledger()["staged_bytes"],
                "the staged bytes to be released after the commit", 10)
     assert rig.bank.ledger() == {"entries_bytes": e.nbytes, "active_bytes": 0,
                                  "staged_bytes": 0, "held_bytes": e.nbytes}
@@ -292,7 +293,7 @@ def test_staging_at_its_cap_puts_the_hand_over_off_and_keeps_the_entry_protected
     assert second.key in rig.bank.entries and receipt.unwritten_kept == 2
 
     rig.let_idle_lane_write(first)  # the coldstore drains: room again
-    wait_until(lambda: rig.writer.has_room(second.nbytes),
+    wait_until(lambda: rig.writer.pump() >= 0 and rig.writer.has_room(second.nbytes),
                "the staged bytes to be released after the commit", 10)
     assert rig.writer.write_behind(second) is not None  # what Engine.retry_writes does
     rig.let_idle_lane_write(second)

@@ -16,6 +16,7 @@ new KV blocks.
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import threading
@@ -56,9 +57,14 @@ from worker.writer import KVWriter
 
 logger = logging.getLogger(__name__)
 
-# What `_start` says of a request: running now, or still waiting, for memory held by requests
-# in flight (it stops the line) or for a prefix a running request is computing (it does not).
-STARTED, WAIT_MEMORY, WAIT_PREFIX = "started", "wait_memory", "wait_prefix"
+class Start(enum.Enum):
+    """What `_start` says of a request: running now, or still waiting, for memory held by
+    requests in flight (it stops the line) or for a prefix a running request is computing (it
+    does not)."""
+
+    STARTED = "started"
+    WAIT_MEMORY = "wait_memory"
+    WAIT_PREFIX = "wait_prefix"
 
 
 class Engine:
@@ -298,9 +304,9 @@ class Engine:
                 del self._pending[i]
                 job.emit(e)
                 continue
-            if started is WAIT_MEMORY:
+            if started is Start.WAIT_MEMORY:
                 return  # waits for memory held by requests in flight
-            if started is WAIT_PREFIX:
+            if started is Start.WAIT_PREFIX:
                 i += 1
                 continue
             del self._pending[i]
@@ -322,7 +328,7 @@ class Engine:
         if not req.no_cache:  # a running request's prompt: wait for it, or take it
             if sharing.wait_for_prefix(job, tokens, ids, self.batch, self.restorer,
                                        self.block_tokens):
-                return WAIT_PREFIX
+                return Start.WAIT_PREFIX
             if sharing.share_answered_prefix(tokens, ids, tenant, self.batch, self.bank,
                                              self.restorer, self.block_tokens,
                                              self.kv_bytes_per_token):
@@ -343,7 +349,7 @@ class Engine:
         finally:
             self._refresh_ram_bytes()
         if receipt.decision == Decision.WAIT:
-            return WAIT_MEMORY
+            return Start.WAIT_MEMORY
         reports.log_admission(self._admissions, req, session, receipt)
         info = self.conversations.get(session)
         self.prefetcher.started(session)
@@ -371,7 +377,7 @@ class Engine:
                 self.bank.take_back(handed)
             self.bank.end_request(session)
             raise
-        return STARTED
+        return Start.STARTED
 
     def _splits(self, cached: int, n_tokens: int, marks) -> tuple[int, ...]:
         """Where a prompt's read stops to keep a checkpoint (a model with window or recurrent

@@ -21,6 +21,7 @@ bank gives back what running requests need, never taking an active conversation.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from dataclasses import asdict
@@ -45,27 +46,29 @@ def _rank(level: str) -> int:
 
 def ledger_level(held: int, budget: int) -> str:
     frac = held / max(1, budget)
-    return "critical" if frac >= 0.98 else "warning" if frac >= 0.90 else "normal"
+    return (PressureLevel.CRITICAL if frac >= 0.98 else PressureLevel.WARNING if frac >= 0.90
+            else PressureLevel.NORMAL)
 
 
 def system_level() -> str:
     vm = psutil.virtual_memory()
     frac = vm.available / max(1, vm.total)
-    return "critical" if frac < 0.05 else "warning" if frac < 0.10 else "normal"
+    return (PressureLevel.CRITICAL if frac < 0.05 else PressureLevel.WARNING if frac < 0.10
+            else PressureLevel.NORMAL)
 
 
 def psi_level(path: Path = PSI_PATH) -> str:
     try:
         lines = path.read_text().splitlines()
     except OSError:
-        return "normal"
+        return PressureLevel.NORMAL
     avg10 = {}
     for line in lines:
         kind, *fields = line.split()
         avg10[kind] = float(dict(f.split("=") for f in fields).get("avg10", 0))
     if avg10.get("full", 0) >= 10:
-        return "critical"
-    return "warning" if avg10.get("some", 0) >= 10 else "normal"
+        return PressureLevel.CRITICAL
+    return PressureLevel.WARNING if avg10.get("some", 0) >= 10 else PressureLevel.NORMAL
 
 
 class Guard:
@@ -79,9 +82,10 @@ class Guard:
         self.tick_s = tick_s
         self.act_every_s = act_every_s
         self.warning_wait_s = warning_wait_s
-        self.injected: str | None = None
-        self.level, self.source = "normal", "none"
-        self._acted_level = "normal"
+        self.injected: str | None = None  # the guard thread's: others post to `_injections`
+        self._injections: queue.SimpleQueue = queue.SimpleQueue()
+        self.level, self.source = PressureLevel.NORMAL, "none"
+        self._acted_level = PressureLevel.NORMAL
         self._acted_at = 0.0
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -96,22 +100,30 @@ class Guard:
         self._wake.set()
 
     def inject(self, level: str) -> tuple[str, str]:
-        """`auto` goes back to measuring. Returns the level and source now."""
+        """Any thread (the Admin RPC): the guard takes it at its next tick. `auto` goes back to
+        measuring. Returns the level and source that tick will find."""
         if level not in (*LEVELS, "auto"):
             raise ValueError(f"pressure level {level!r}: use one of {', '.join(LEVELS)} or auto")
-        self.injected = None if level == "auto" else level
+        self._injections.put(None if level == "auto" else PressureLevel(level))
         self._wake.set()
-        return self.measure()
+        return (PressureLevel(level), "injected") if level != "auto" else self._machine_level()
 
     def measure(self) -> tuple[str, str]:
+        while not self._injections.empty():  # the guard thread's own, applied in order
+            self.injected = self._injections.get()
         if self.injected is not None:
             return self.injected, "injected"
+        return self._machine_level()
+
+    def _machine_level(self) -> tuple[str, str]:
+        """The worst of the ledger, the system's free memory and PSI (reads published state
+        only: safe on any thread)."""
         snap = self.engine.snapshot
         found = [(ledger_level(snap.held_bytes, self.engine.memory_budget), "ledger"),
                  (system_level(), "system"), (psi_level(), "psi")]
         # On a tie the machine's own reading names the source: it decides what a trim drops.
         level, source = max(found, key=lambda f: (_rank(f[0]), f[1] != "ledger"))
-        return level, source if level != "normal" else "none"
+        return level, source if level != PressureLevel.NORMAL else "none"
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -129,15 +141,15 @@ class Guard:
 
     def _maybe_act(self, now: float) -> None:
         level, source = self.level, self.source
-        if level == "normal":
-            self._acted_level = "normal"
+        if level == PressureLevel.NORMAL:
+            self._acted_level = PressureLevel.NORMAL
             return
         rising = _rank(level) > _rank(self._acted_level)
         if not rising and now - self._acted_at < self.act_every_s:
             return
         self._acted_level, self._acted_at = level, now
         deferred = 0.0
-        if level == "warning":
+        if level == PressureLevel.WARNING:
             t0 = time.monotonic()
             while not self.engine.snapshot.idle and time.monotonic() - t0 < self.warning_wait_s:
                 if self._stop.wait(0.1):

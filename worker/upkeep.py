@@ -143,7 +143,7 @@ def flush(bank: SessionBank, writer: KVWriter) -> FlushReceipt:
             written += 1
         else:
             failed += 1
-    r = FlushReceipt(reason="admin_flush", written_entries=written, failed_entries=failed,
+    r = FlushReceipt(reason=TrimReason.ADMIN_FLUSH, written_entries=written, failed_entries=failed,
                      seconds=round(time.monotonic() - t0, 4))
     if written or failed:
         bank.record(r)

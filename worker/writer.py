@@ -174,8 +174,9 @@ class KVWriter:
 
     @property
     def staged_bytes(self) -> int:
-        """KV bytes the coldstore holds for us in memory until it commits them."""
-        self.pump()
+        """KV bytes the coldstore holds for us in memory until it commits them, as of the
+        last `pump` (the owner pumps at every turn of its loop; a reading never applies
+        messages, so a ledger taken mid-admission stands still)."""
         return sum(self._staged.values())
 
     def has_room(self, nbytes: int) -> bool:

@@ -50,6 +50,7 @@ class TrimReason(StrEnum):
     ADMISSION_RELEASE = "admission_release"  # step 5
     ADMIN_TRIM = "admin_trim"
     ADMIN_RELEASE = "admin_release"
+    ADMIN_FLUSH = "admin_flush"  # nothing leaves: every conversation is written now
     PREFETCH = "prefetch"  # a hinted conversation, back sooner, took the place of one on SSD
     SESSION_DELETED = "session_deleted"
 
