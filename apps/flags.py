@@ -117,8 +117,9 @@ def worker_flags(p: argparse.ArgumentParser) -> None:
            (["--scheduler-mode", "--scheduler"], dict(choices=("batch", "serial", "hyper"),
                                                        default="batch",
             help="batch: admitted requests progress together (prefill chunks interleaved, "
-                 "decode batched); serial: one at a time, FIFO; hyper: exactly one admitted "
-                 "request, nothing shares the machine (default: %(default)s)")),
+                 "decode batched); hyper: exactly one admitted "
+                 "request, nothing shares the machine; serial: hyper's alias (default: "
+                 "%(default)s)")),
            (["--max-active-requests"], dict(type=int, default=None,
             help="requests the worker runs at once (default: 4 in batch, 1 otherwise)")),
            (["--decode-wait-s"], dict(type=float, default=DEFAULT_DECODE_WAIT_S,

@@ -344,3 +344,14 @@ def test_batch_short_request_during_a_long_prefill_finishes_first(tiny_model, tm
         assert done["short"] < done["long"], "the short request waited for the whole prefill"
     finally:
         s.stop()
+
+
+def test_serial_is_hypers_alias():
+    """The two single-request modes were one policy under two names: serial now says so."""
+    from worker.admission import SchedulerConfig
+
+    assert SchedulerConfig.from_flags("serial", None) == SchedulerConfig.from_flags("hyper", None)
+    assert SchedulerConfig.from_flags("serial", None).max_active == 1
+    for mode in ("serial", "hyper"):
+        with pytest.raises(SystemExit, match="hyper runs exactly one request.*--max-active"):
+            SchedulerConfig.from_flags(mode, 2)

@@ -43,12 +43,9 @@ class SchedulerConfig:
         if not decode_wait_s >= 0:
             raise SystemExit(f"--decode-wait-s {decode_wait_s}: must be 0 (answers take a token "
                              f"every step) or more")
+        mode = "hyper" if mode == "serial" else mode  # its alias (docs/decisions.md)
         if mode == "hyper" and max_active not in (None, 1):
             raise SystemExit(f"--scheduler-mode hyper runs exactly one request at a time; "
-                             f"--max-active-requests {max_active} would allow more: drop it "
-                             f"or use --scheduler-mode batch")
-        if mode == "serial" and max_active not in (None, 1):
-            raise SystemExit(f"--scheduler-mode serial runs one request at a time (FIFO); "
                              f"--max-active-requests {max_active} would allow more: drop it "
                              f"or use --scheduler-mode batch")
         if max_active is None:

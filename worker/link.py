@@ -52,7 +52,8 @@ class ColdstoreClient:
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._busy = False
+        self._said_busy = False  # the caller's of set_busy (the engine thread's)
+        self._busy = False  # the I/O thread's: what it publishes
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="coldstore-io", daemon=True)
 
@@ -155,9 +156,10 @@ class ColdstoreClient:
             self.send(payload=pb.Payload(job=write.job), frames=chunk)
 
     def set_busy(self, busy: bool) -> None:
-        if busy != self._busy:
-            self._busy = busy
-            self._send_raw([b"wake"])
+        """One thread's (the engine's): whether it is computing; the I/O thread publishes it."""
+        if busy != self._said_busy:
+            self._said_busy = busy
+            self._send_raw([b"busy", b"1" if busy else b"0"])
 
     def _post(self, request: pb.Request, frames: Sequence) -> None:
         self._send_raw([b"msg", *wire.encode(request, frames)])
@@ -214,6 +216,8 @@ class ColdstoreClient:
                 return
             if parts[0].bytes == b"msg":
                 dealer.send_multipart(parts[1:], copy=False)
+            elif parts[0].bytes == b"busy":
+                self._busy = parts[1].bytes == b"1"
 
     def _receive(self, dealer: zmq.Socket) -> None:
         while True:

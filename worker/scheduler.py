@@ -15,7 +15,7 @@ split), and hand each token out one step after computing it; on this CPU four 51
 prompts on 1,600-token histories read together ran at 0.85 of one after another
 (docs/decisions.md). A request whose prompt is read decodes alone on its own cache while
 nothing else decodes, and joins the batch when a second one would (the batch is then worth
-its copies). `serial` and `hyper` use the same path with one request at a time. After a
+its copies). `hyper` (and `serial`, its alias) use the same path with one request at a time. After a
 request's first token the next forward waits 5 ms, so the token reaches its client before the
 forward takes the cores (`_hand_off`).
 
