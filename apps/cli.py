@@ -130,6 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--no-write-out", action="store_true",
                     help="drop its KV from RAM even if it is not on SSD yet")
 
+    sto = sub.add_parser("store", help="the SSD store, offline")
+    ssub = sto.add_subparsers(dest="store", required=True)
+    sv = ssub.add_parser("verify", help="check every stored block's checksum; exit 1 if one "
+                                        "failed")
+    data_dir_flag(sv)
+    sv.add_argument("--json", action="store_true")
+    sv.set_defaults(func=_run_store_verify)
+
     rs = sub.add_parser("resilience", help="SIGKILL processes under load; check nothing "
                                            "acknowledged is lost (make resilience)")
     rs.add_argument("--model", default=None, help="default: the tiny test model")
@@ -417,6 +425,12 @@ def _run_status(args: argparse.Namespace) -> int:
 
     return run_status(args.address, watch=args.watch, every_s=args.every, as_json=args.json,
                       show_evictions=args.evictions)
+
+
+def _run_store_verify(args: argparse.Namespace) -> int:
+    from apps.store_verify import run_verify
+
+    return run_verify(args.data_dir, args.json)
 
 
 def _run_admin(args: argparse.Namespace) -> int:

@@ -94,7 +94,12 @@ _MAGIC_V1, _MAGIC = b"KVB1", b"KVB2"
 
 
 class CorruptBlock(ValueError):
-    """A stored block whose bytes are not what was written: never used, always recomputed."""
+    """A stored block whose bytes are not what was written: never used, always recomputed.
+    `index`: its place among the blocks being read, where the reader knows it."""
+
+    def __init__(self, message: str, index: int | None = None):
+        super().__init__(message)
+        self.index = index
 
 
 @dataclass(frozen=True, slots=True)

@@ -254,3 +254,65 @@ def test_a_store_from_an_older_kvbank_reads_and_one_from_a_newer_is_refused(tmp_
     env.close()
     with pytest.raises(StoreFormatError, match="newer than this kvbank.*another --data-dir"):
         ColdStore(tmp_path / "s")
+
+
+def test_a_flipped_byte_costs_the_blocks_from_it_on_and_store_verify_finds_it(kinds, tmp_path):
+    """A restore reads the blocks before a corrupt one and recomputes from it; `kvbank store
+    verify` names the block and the conversation offline."""
+    import lmdb
+
+    from apps.store_verify import verify
+    from coldstore.store import ColdStore
+    from kvbank import metrics
+    from kvbank.config import Layout
+    from worker.restore import Restorer
+
+    n, root = 12, root_for(TENANT)
+    tokens = np.arange(1, n + 1, dtype=np.uint32)
+    cache, states = kinds.new_cache(), {}
+    for i, t in enumerate(tokens, 1):
+        kinds.model(mx.array([int(t)])[None], cache)
+        if i % B == 0:
+            states[i] = kinds.snapshot(cache)
+    layers = kv.freeze([cache[0]], n)
+    layout = Layout(tmp_path)
+    store = ColdStore(layout.store_dir)
+    store.put_session_tokens(TENANT, "s", tokens, B)
+    ids = chain_block_ids(tokens, root, B)
+    for s in range(0, n, B):
+        frame = kv.encode_views(kv.layer_views(layers), "float32", s, s + B, layout=kinds.layout,
+                                state=kinds.checkpoint_views(states[s + B]))
+        store.commit_block(TENANT, "s", root, ids[s // B], s, frame)
+    store.close()
+    env = lmdb.open(str(layout.store_dir), max_dbs=8)
+    with env.begin(write=True) as txn:  # one byte of the third block's payload, as a disk might
+        db = env.open_db(b"blocks", txn=txn)
+        raw = bytearray(txn.get(ids[2], db=db))
+        raw[-3] ^= 0x10
+        txn.put(ids[2], bytes(raw), db=db)
+    env.close()
+
+    before = metrics.CORRUPT_BLOCKS._value.get()
+    restorer = Restorer(kinds=kinds, bank=make_bank(block_tokens=B), client=None,
+                        store_dir=layout.store_dir, root_for=root_for, block_tokens=B)
+    prompt = np.concatenate([tokens, [5, 6]]).astype(np.uint32)
+    got_layers, checkpoint, at = restorer.ssd_prefix(prompt, chain_block_ids(prompt, root, B),
+                                                     TENANT, (TENANT, "s"), better_than=0)
+    assert at == 8  # the two blocks before it, not the third
+    assert metrics.CORRUPT_BLOCKS._value.get() == before + 1
+    assert _continues(kinds, kinds.restore(got_layers, checkpoint, at, owned=True),
+                      prompt.tolist(), prompt[at:].tolist())
+    restorer.store().close()
+
+    report = verify(layout)
+    assert (report["blocks_ok"], report["blocks_corrupt"]) == (2, 1)
+    assert list(report["corrupt"]) == [ids[2].hex()]
+    assert report["sessions_affected"] == [f"{TENANT}/s"]
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "apps.cli", "store", "verify", "--data-dir",
+                          str(tmp_path), "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr  # a corrupt block: the command says so
+    assert json.loads(out.stdout)["blocks_corrupt"] == 1

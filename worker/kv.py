@@ -28,7 +28,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from kvbank.blocks import BlockHeader, decode_block, decode_header, encode_block, verify_block
+from kvbank.blocks import (BlockHeader, CorruptBlock, decode_block, decode_header, encode_block,
+                           verify_block)
 from kvbank.blocks import decode_state as decode_state_views
 
 Layers = list[tuple[mx.array, mx.array]]
@@ -197,7 +198,10 @@ def decode_blocks(payloads: list[bytes], capacity: int = 0) -> Layers:
 
     def fill(blocks: range) -> None:
         for b in blocks:
-            verify_block(payloads[b])  # beside the copy, block by block: CorruptBlock
+            try:  # beside the copy, block by block
+                verify_block(payloads[b])
+            except CorruptBlock as e:
+                raise CorruptBlock(f"block {b}: {e}", index=b) from None
             s, e = starts[b], starts[b + 1]
             for (k, v), (tk, tv) in zip(decoded[b][1], targets):
                 tk[:, s:e] = k.transpose(1, 0, 2)

@@ -121,15 +121,20 @@ class Restorer:
         limit = len(tokens) - 1 if limit is None else limit
         if min(n, limit) <= better_than:
             return None
-        try:
-            got = self._read_blocks(store, want, limit, better_than, capacity)
-        except CorruptBlock as e:  # never restored from: the prefix is computed again
-            metrics.CORRUPT_BLOCKS.inc()
-            events.emit("kv_corrupt_block", tenant=tenant, session_id=session[1], error=str(e))
-            logger.error("session %s: a stored block failed its check (%s); recomputing",
-                         session[1], e)
-            return None
-        return got  # None: a block was collected since we looked, or no checkpoint beats it
+        while True:
+            try:
+                # None: a block was collected since we looked, or no checkpoint beats it
+                return self._read_blocks(store, want, limit, better_than, capacity)
+            except CorruptBlock as e:  # never restored from: computed again from there on
+                metrics.CORRUPT_BLOCKS.inc()
+                events.emit("kv_corrupt_block", tenant=tenant, session_id=session[1],
+                            block_id=bytes(want[e.index]).hex() if e.index is not None else "",
+                            error=str(e))
+                logger.error("session %s: a stored block failed its check (%s); what follows "
+                             "it is recomputed", session[1], e)
+                if not e.index:
+                    return None
+                want = want[:e.index]
 
     def _read_blocks(self, store: StoreReader, ids: list[BlockId], limit: int,
                      better_than: int, capacity: int = 0
@@ -150,8 +155,11 @@ class Restorer:
         """Blocks up to the restore point: the last block end <= limit (any token, for a model
         without checkpoints: the request writes past it) that carries a checkpoint."""
         ends, n = [], 0
-        for p in payloads:
-            n += decode_header(p)[0].n_tokens
+        for i, p in enumerate(payloads):
+            try:
+                n += decode_header(p)[0].n_tokens
+            except CorruptBlock as e:
+                raise CorruptBlock(str(e), index=i) from None
             ends.append(n)
         if not self.kinds.checkpointed:
             n = min(n, limit)
@@ -160,7 +168,10 @@ class Restorer:
             if ends[i] <= better_than:
                 return None
             if ends[i] <= limit and decode_header(payloads[i])[0].has_state:
+                try:
+                    state = self.kinds.checkpoint_from_arrays(kv.decode_state(payloads[i]))
+                except CorruptBlock as e:
+                    raise CorruptBlock(str(e), index=i) from None
                 layers = kv.decode_blocks(payloads[:i + 1], capacity) if self.kinds.full else []
-                state = self.kinds.checkpoint_from_arrays(kv.decode_state(payloads[i]))
                 return layers, state, ends[i]
         return None

@@ -150,6 +150,13 @@ class StoreReader:
                 return None if any(v is None for v in views) else decode(views)
             return [None if v is None else bytes(v) for v in views]
 
+    def iter_blocks(self):
+        """(block id, payload view) of every stored block, in key order, in one read
+        snapshot (views are valid until the generator ends)."""
+        with self._read_txn() as txn:
+            for key, value in txn.cursor(db=self._db[b"blocks"]):
+                yield BlockId(bytes(key)), value
+
     def block_bytes(self) -> int:
         with self._read_txn() as txn:
             raw = txn.get(BLOCK_BYTES_KEY, db=self._db[b"meta"])
