@@ -403,3 +403,20 @@ def test_the_layer_rule_on_imports_it_knows():
                ("apps.bench.compare", "apps.loadgen.run"), ("tests.test_bank", "worker.bank")]
     assert [p for p in refused if _layer_violation(imp(*p)) is None] == []
     assert [(p, _layer_violation(imp(*p))) for p in allowed if _layer_violation(imp(*p))] == []
+
+
+def test_every_worker_thread_is_in_the_owners_table():
+    """docs/architecture.md's table of who owns each piece of state names every thread the
+    worker starts (by the name it gives the thread), and no thread that does not exist."""
+    import re
+
+    table = (ROOT / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"\| worker: `([a-z-]+)`", table))
+    started = set()
+    for path in (ROOT / "worker").glob("*.py"):
+        text = path.read_text()
+        started |= set(re.findall(r'threading\.Thread\([^)]*name="([a-z-]+)"', text))
+        started |= set(re.findall(r'thread_name_prefix="([a-z-]+)"', text))
+    assert started, "no worker thread found: the pattern is stale"
+    assert started <= named, f"threads missing from the owners table: {started - named}"
+    assert named <= started, f"the owners table names threads the worker has not: {named - started}"
