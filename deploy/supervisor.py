@@ -1,7 +1,8 @@
 """`kvbank up`: start coldstore, worker, router and shim, keep them running, stop them in order.
 
-Start order is coldstore -> worker -> router -> shim (each waits for the one before it to be
-healthy); stop order is the reverse: shim and router first (no new requests), then the worker
+Start order is the coldstore, then (once it is healthy) the worker, the router and the shim at
+once: the router asks the worker for its Info only when a request comes; stop order is the
+reverse: shim and router first (no new requests), then the worker
 (finishes and hands its last writes over), then the coldstore (bounded flush).
 A process that dies is restarted with a short backoff, and the restart is logged.
 """
@@ -90,13 +91,18 @@ class Supervisor:
         signal.signal(signal.SIGTERM, lambda *_: self._request_stop())
         signal.signal(signal.SIGINT, lambda *_: self._request_stop())
         try:
-            for c in self.children:
-                self._spawn(c)
-                if not self._wait_healthy(c, timeout_s=300):
-                    if self.stopping:
-                        return 0
-                    logger.error("%s did not become healthy; stopping", c.name)
-                    return 1
+            # The coldstore first (the worker's store and link need it), then the others at
+            # once: the router and the shim load no model, and start while the worker does.
+            first, rest = self.children[:1], self.children[1:]
+            for group in (first, rest):
+                for c in group:
+                    self._spawn(c)
+                for c in group:
+                    if not self._wait_healthy(c, timeout_s=300):
+                        if self.stopping:
+                            return 0
+                        logger.error("%s did not become healthy; stopping", c.name)
+                        return 1
             logger.info("kvbank is up: router on %s:%d, OpenAI API on %s, worker on %s, "
                         "coldstore on %s, store %s", self.host, self.port,
                         f"http://{self.shim_address}/v1" if self.shim_address else "(off)",

@@ -76,7 +76,8 @@ def run(*, model: str | None, prompt_tokens: int, max_tokens: int, rounds: int =
     mlx_model, tokenizer = load(str(model_dir))
     served, local = [], []
     with tempfile.TemporaryDirectory(prefix="kvbank-bench-") as tmp:
-        stack = LocalStack.start(model_dir, Path(tmp) / "data")
+        # No tail delay: each round waits for its turn to reach SSD (below), not 30 s more.
+        stack = LocalStack.start(model_dir, Path(tmp) / "data", extra=["--tail-delay-s", "0"])
         try:
             _through_kvbank(stack.shim_url, prompt, max_tokens)  # warm-up: both paths once
             _in_process(mlx_model, tokenizer, prompt, max_tokens)
