@@ -24,10 +24,12 @@ THINK_S = 0.3  # an agent's tool call between turns
 STACK_FLAGS = ["--block-tokens", "16", "--quiet-grace-s", "0.1", "--tail-delay-s", "0"]
 
 
-@pytest.fixture
-def three_stacks(tiny_model, cache_dir, tmp_path):
+@pytest.fixture(scope="module")
+def three_stacks(tiny_model, cache_dir, tmp_path_factory):
+    """One cluster for the module: each test's agents have tasks of their own (a test that
+    kills a worker waits for it to be back)."""
     cluster.find_router_bin()  # the test extra installs it; missing, this fails and says so
-    c = cluster.ClusterStack.start(tiny_model, tmp_path / "cluster", stacks=3,
+    c = cluster.ClusterStack.start(tiny_model, tmp_path_factory.mktemp("cluster"), stacks=3,
                                    extra=STACK_FLAGS, timeout_s=240,
                                    router_extra=["--log-level", "debug"],  # its decisions
                                    env={"KVBANK_CACHE_DIR": str(cache_dir)})
@@ -126,7 +128,7 @@ def test_a_killed_worker_fails_no_request_and_its_conversations_go_on(three_stac
     turns: list = []
     errors: list = []
     threads = [threading.Thread(target=agent, args=(c.base_url, i, 6, turns, errors))
-               for i in range(3)]
+               for i in (6, 8, 9)]  # agents of this test alone (7 is the next test's)
     for t in threads:
         t.start()
     wait_until(lambda: len(turns) >= 5, "a few turns before the kill")
