@@ -10,7 +10,7 @@ ARGS ?=
 # (macOS: metal). KVBANK_MLX_BACKEND=cpu (or cuda12, cuda13) chooses instead.
 MLX_BACKEND := $(shell deploy/mlx-backend)
 
-.PHONY: install run cluster test resilience proto clean
+.PHONY: install run cluster test test-fast resilience proto clean
 
 $(STAMP): pyproject.toml
 	@echo "MLX backend: $(MLX_BACKEND)"
@@ -36,6 +36,13 @@ cluster: install
 
 test: install
 	$(PY) -m pytest -q tests $(ARGS)
+
+# The unit tier for the edit-test loop (under a minute): no stack, no gateway. `make test`
+# runs these too, with everything else.
+FAST_TESTS := bank bank_restore cache_kinds layers scheduler memory bench_bank coldstore \
+	coldstore_streaming coldstore_budgets release_write_out grammar models
+test-fast: install
+	$(PY) -m pytest -q $(FAST_TESTS:%=tests/test_%.py) $(ARGS)
 
 # Kill processes under load (seeded, bounded); writes resilience-report.json.
 resilience: install

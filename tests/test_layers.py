@@ -420,3 +420,18 @@ def test_every_worker_thread_is_in_the_owners_table():
     assert started, "no worker thread found: the pattern is stale"
     assert started <= named, f"threads missing from the owners table: {started - named}"
     assert named <= started, f"the owners table names threads the worker has not: {named - started}"
+
+
+def test_make_test_fast_names_unit_test_files_that_exist_and_start_no_stack():
+    """`make test-fast` stays the unit tier: its files exist and none starts a stack."""
+    import re
+
+    text = (ROOT / "Makefile").read_text()
+    block = re.search(r"FAST_TESTS := ((?:.*\\\n)*.*)", text).group(1)
+    names = block.replace("\\", " ").split()
+    assert len(names) >= 10
+    for name in names:
+        path = ROOT / "tests" / f"test_{name}.py"
+        assert path.exists(), path
+        assert not re.search(r"start_stack\(|LocalStack\.start|ClusterStack\.start",
+                             path.read_text()), f"{path.name} starts a stack"
