@@ -213,3 +213,43 @@ def test_a_model_with_an_unknown_cache_kind_is_refused_at_start(tmp_path, cache_
     last = out.stderr.strip().splitlines()[-1]
     assert "refused to serve" in last and "'llama'" in last and "ChunkedKVCache" in last, last
     assert "Traceback" not in out.stderr
+
+
+def test_the_seed_policies_hold_for_checkpoints(tmp_path_factory, cache_dir):
+    """A hybrid model's entries carry checkpoints (every 64 tokens here): a warning trim keeps
+    an unwritten one and takes one on SSD, a release writes out first and the next turn
+    restores from SSD, a critical trim takes what is idle and counts what was unwritten."""
+    from tests.test_admission import NO_IDLE_WRITES, _sessions, _turn, _wait_receipt
+
+    model = _model(tmp_path_factory, cache_dir, "qwen3_5", None)
+    s = start_stack(model, tmp_path_factory.mktemp("qwen3_5-policies"), cache_dir=cache_dir,
+                    shim=False, extra=[*NO_IDLE_WRITES, "--checkpoint-every", "64"])
+    try:
+        with s.client() as c:
+            _turn(c, "on-ssd", 200, seed=1)
+            assert c.flush().written_entries == 1
+            _turn(c, "unwritten", 300, seed=2)
+            c.set_pressure("warning")
+            r = _wait_receipt(c, "pressure_trim")
+            assert (r["bank_entries_evicted"], r["bank_unwritten_kept"]) == (1, 1), r
+            assert r["bank_unwritten_dropped"] == 0
+            assert _sessions(c)["unwritten"].state == "resident-dirty"
+            c.set_pressure("auto")
+            back = _turn(c, "on-ssd", 8, seed=3)
+            assert back.usage["cache_source"] == "ssd" and back.usage["cached_tokens"] >= 200
+            assert back.usage["recomputed_tokens"] == 0, back.usage
+
+            released = c.release("unwritten")
+            assert released.written_out_entries == 1, released
+            again = _turn(c, "unwritten", 8, seed=4)
+            assert again.usage["cache_source"] == "ssd", again.usage
+            assert again.usage["cached_tokens"] >= 300 and again.usage["recomputed_tokens"] == 0
+
+            _turn(c, "dropped", 150, seed=5)
+            c.set_pressure("critical")
+            r = _wait_receipt(c, "pressure_trim", n=2)
+            assert r["level"] == "critical" and r["bank_unwritten_dropped"] >= 1, r
+            assert r["bytes_after"] == 0
+            assert _sessions(c)["dropped"].state == "gone"
+    finally:
+        s.stop()
