@@ -205,7 +205,11 @@ def shim_flags(p: argparse.ArgumentParser) -> None:
            (["--default-max-tokens"], dict(type=positive_int, default=4096, metavar="N",
             help="max_tokens of an OpenAI request that sends neither max_tokens nor "
                  "max_completion_tokens, lowered to the room its prompt leaves in the model's "
-                 "context and under --max-request-tokens (default: %(default)s)")))
+                 "context and under --max-request-tokens (default: %(default)s)")),
+           (["--keep-attribution-line"], dict(action="store_true",
+            help="keep the per-request line Claude Code puts first in its system prompt "
+                 "(`x-anthropic-billing-header: ...`): it differs on every request, so kept, "
+                 "no turn finds its conversation's KV (default: removed before rendering)")))
     auth_flags(p, "shim")
 
 

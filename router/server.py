@@ -26,8 +26,8 @@ from grpc_reflection.v1alpha import reflection
 
 from kvbank import metrics
 from kvbank.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
-from kvbank.contracts.failures import (RELAYED_METADATA, KvbankError, WorkerUnavailable,
-                                      grpc_status)
+from kvbank.contracts.failures import (RELAYED_METADATA, ContextTooLong, KvbankError,
+                                      WorkerUnavailable, grpc_status)
 from router.admission import AdmissionQueue, Ceilings, check_ceilings, worker_pricing
 from router.auth import tenant_for
 from router.tokenizer import AnswerTokens, PromptTokenizer, answer_key
@@ -152,9 +152,10 @@ class Backend:
         if v.kind == "chat":
             if v.append:
                 new = tok.chat_append(history, list(v.messages), set(info.eos_token_ids),
-                                      tools=tools)
+                                      tools=tools, template=v.template)
             else:
-                new = tok.chat(list(v.messages), tools=tools, answer_tokens=lambda key, prompt:
+                new = tok.chat(list(v.messages), tools=tools, template=v.template,
+                               answer_tokens=lambda key, prompt:
                                self.answers.get(tenant, key, prompt))
         elif v.kind == "prompt":
             new = tok.encode(v.prompt)
@@ -163,18 +164,17 @@ class Backend:
         if not new:
             raise InvalidRequest("the input tokenizes to nothing: send some text")
         full = history + new
-        if len(full) + (1 if v.fit_max_tokens else v.max_tokens) > info.max_context_tokens:
-            raise InvalidRequest(
-                f"the prompt is {len(full)} tokens and max_tokens is {v.max_tokens}: together "
-                f"they exceed the model's context of {info.max_context_tokens} tokens; shorten "
-                f"the prompt or lower max_tokens")
+        answer = 1 if v.fit_max_tokens else v.max_tokens  # fit: lowered to the room left
+        if len(full) + answer > info.max_context_tokens:
+            raise ContextTooLong(len(full), answer, info.max_context_tokens)
         return full
 
     def checkpoints(self, v: ValidRequest, tokens: list[int], info) -> list[int]:
         """Where the worker keeps checkpoints of a model with window or recurrent caches."""
         if v.kind != "chat" or not info.checkpointed:
             return []
-        return self.tokenizer.checkpoints(list(v.messages), tokens, tools=list(v.tools) or None)
+        return self.tokenizer.checkpoints(list(v.messages), tokens, tools=list(v.tools) or None,
+                                          template=v.template)
 
     def tenant(self, context) -> str:
         return tenant_for(self.keys, context.invocation_metadata())

@@ -117,20 +117,23 @@ class PromptTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None,
+               template: dict | None = None) -> str:
+        """`template`: the template's own switches (`enable_thinking`)."""
         return self.tok.apply_chat_template(messages, tools=tools or None,
-                                            add_generation_prompt=True, tokenize=False)
+                                            add_generation_prompt=True, tokenize=False,
+                                            **(template or {}))
 
     def checkpoints(self, messages: list[dict], prompt: list[int],
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, template: dict | None = None) -> list[int]:
         """Where in `prompt` (the whole rendered conversation) its next turns come back to:
         the end of the system and tools part, and the end of the prompt before the
         generation prompt (a template that strips earlier reasoning changes the history
         right after it). Positions the renders do not confirm token for token are left out."""
         out = []
         try:
-            with_gen = self.render(messages, tools)
-            without = self._render_open(messages, tools)
+            with_gen = self.render(messages, tools, template)
+            without = self._render_open(messages, tools, template)
         except Exception:  # a template that cannot render a partial conversation
             return out
         if with_gen.startswith(without) and len(with_gen) > len(without):
@@ -140,33 +143,36 @@ class PromptTokenizer:
         n_system = next((i for i, m in enumerate(messages) if m["role"] != "system"), 0)
         if n_system:
             try:
-                head = self.encode(self._render_open(messages[:n_system], tools))
+                head = self.encode(self._render_open(messages[:n_system], tools, template))
             except Exception:
                 head = []
             if 0 < len(head) < len(prompt) and prompt[:len(head)] == head:
                 out.append(len(head))
         return sorted(set(out))
 
-    def _render_open(self, messages: list[dict], tools: list[dict] | None) -> str:
+    def _render_open(self, messages: list[dict], tools: list[dict] | None,
+                     template: dict | None = None) -> str:
         return self.tok.apply_chat_template(messages, tools=tools or None,
-                                            add_generation_prompt=False, tokenize=False)
+                                            add_generation_prompt=False, tokenize=False,
+                                            **(template or {}))
 
     def chat(self, messages: list[dict],
              answer_tokens: Callable[[str, Callable[[], list[int]]], list[int] | None]
              | None = None,
-             tools: list[dict] | None = None) -> list[int]:
+             tools: list[dict] | None = None, template: dict | None = None) -> list[int]:
         """A whole conversation, ready for the assistant's next turn. An assistant message
         whose generated tokens `answer_tokens(message_key, prompt)` knows, as the answer to
         the tokens before it, goes in as those tokens, tool calls and all; the text around
         the spliced answers is tokenized in pieces, as each turn's prompt was."""
-        plain = self.render(messages, tools)
+        plain = self.render(messages, tools, template)
         answers = [m for m in messages if m["role"] == "assistant"]
         if answer_tokens is None or not answers:
             return self.encode(plain)
         marks = [f"\ue000kvbank-answer-{i}\ue000" for i in range(len(answers))]
         it = iter(marks)
         marked = self.render([{"role": "assistant", "content": next(it)}
-                              if m["role"] == "assistant" else m for m in messages], tools)
+                              if m["role"] == "assistant" else m for m in messages], tools,
+                             template)
         # The template's text between answers (`pieces`), and each answer as the plain render
         # has it (`rendered`), by aligning the two renders.
         pieces, rest = [], marked
@@ -206,18 +212,19 @@ class PromptTokenizer:
         return out + self.encode(pending)
 
     def chat_append(self, history: list[int], messages: list[dict],
-                    eos_token_ids: set[int], tools: list[dict] | None = None) -> list[int]:
+                    eos_token_ids: set[int], tools: list[dict] | None = None,
+                    template: dict | None = None) -> list[int]:
         """Tokens to append to `history` (which ends after an assistant turn) for `messages`.
         With tools, the first turn renders them (a template puts them in the system turn);
         later turns' deltas follow an assistant message, after that part."""
         if not history:
-            return self.chat(messages, tools=tools)
+            return self.chat(messages, tools=tools, template=template)
         probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
-        text = self.render(probe + messages, tools)
+        text = self.render(probe + messages, tools, template)
         at = text.find(_MARK)
         if at < 0:  # a template that rewrites assistant content: fall back to the messages
             logger.warning("chat template hides assistant content; appending messages alone")
-            return self.chat(messages, tools=tools)
+            return self.chat(messages, tools=tools, template=template)
         delta = text[at + len(_MARK):]
         if history[-1] in eos_token_ids:  # the model already generated the end-of-turn token
             eos_text = self.tok.decode([history[-1]])

@@ -41,6 +41,12 @@ class ValidRequest:
     tools: tuple[dict, ...] = ()       # OpenAI's tools array, for the chat template
     tool_choice: str = ""              # auto | none | required | function:NAME ("" : auto)
     response_format: api_pb2.ResponseFormat = field(default_factory=api_pb2.ResponseFormat)
+    enable_thinking: bool | None = None  # the template's reasoning switch (None: its default)
+
+    @property
+    def template(self) -> dict:
+        """What the chat template is rendered with beyond the messages and tools."""
+        return {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
 
 
 def validate(req: api_pb2.GenerateRequest, *, vocab_size: int) -> ValidRequest:
@@ -100,8 +106,9 @@ def validate(req: api_pb2.GenerateRequest, *, vocab_size: int) -> ValidRequest:
     return ValidRequest(
         session_id=sid, kind=kind, messages=messages, prompt=req.prompt,
         token_ids=tuple(req.tokens.ids), append=req.append, max_tokens=req.max_tokens,
-        stop=tuple(req.stop), no_cache=req.no_cache, fit_max_tokens=req.fit_max_tokens, sampling=s, tools=tools, tool_choice=choice,
-        response_format=fmt,
+        stop=tuple(req.stop), no_cache=req.no_cache, fit_max_tokens=req.fit_max_tokens,
+        sampling=s, tools=tools, tool_choice=choice, response_format=fmt,
+        enable_thinking=req.enable_thinking if req.HasField("enable_thinking") else None,
     )
 
 

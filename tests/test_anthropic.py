@@ -164,7 +164,9 @@ BAD = [  # (what replaces a good body's fields, what the 400's message must name
     ({"max_tokens": 0}, "max_tokens"),
     ({"extra_body": {"temperature": 1.5}}, "temperature"),
     ({"extra_body": {"top_k": -1}}, "top_k"),
-    ({"output_config": {"effort": "low"}}, "output_config"),
+    # output_config is Claude Code's and accepted (the Claude Code test below); a thinking
+    # switch kvbank cannot map is refused
+    ({"extra_body": {"thinking": {"type": "sometimes"}}}, "thinking.type"),
     # this stack's model has no tools in its chat template (tests/test_agent_api.py's has)
     ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "no tool calling"),
     ({"extra_body": {"frobnicate": True}}, "frobnicate"),
@@ -315,3 +317,49 @@ def test_the_router_fits_max_tokens_to_the_room_the_prompt_leaves():
     check_ceilings(Ceilings(), prompt_tokens=1000, max_tokens=room, info=budget)  # it fits
     with pytest.raises(Refused):
         check_ceilings(Ceilings(), prompt_tokens=1000, max_tokens=room + 50, info=budget)
+
+def test_claude_codes_requests_are_taken_as_sent_and_its_turns_read_the_whole_history(keyed):
+    """Claude Code's fields (thinking, context_management, output_config) are accepted, and
+    the attribution line it puts first in the system prompt, different on every request,
+    is kept out of the prompt: the second request reads all of the first from cache."""
+    import random
+
+    c = _client(keyed)
+
+    def system():  # a new nonce each request, as Claude Code sends it
+        nonce = "".join(random.choices("0123456789abcdef", k=5))
+        return [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.328; "
+                                         f"cc_entrypoint=cli; cch={nonce};"},
+                {"type": "text", "text": "You are Claude Code. " * 20,
+                 "cache_control": {"type": "ephemeral"}}]
+
+    fields = {"thinking": {"type": "enabled", "budget_tokens": 1024},
+              "context_management": {"edits": [{"type": "clear_thinking_20251015",
+                                                "keep": "all"}]},
+              "output_config": {"effort": "high"}, "temperature": 0}
+    messages = _user("List the files here.")
+    first = c.messages.create(model="claude-sonnet-4-5", max_tokens=MAX_TOKENS,
+                              system=system(), messages=messages, extra_body=fields)
+    assert first.model == "kvbank"  # any model name a client sends maps to the served model
+    messages += [{"role": "assistant", "content": first.content[0].text or "."},
+                 {"role": "user", "content": "Now read README.md."}]
+    second = c.messages.create(model="claude-sonnet-4-5", max_tokens=MAX_TOKENS,
+                               system=system(), messages=messages, extra_body=fields)
+    assert second.usage.cache_read_input_tokens >= _prompt(first.usage), second.usage
+
+
+def test_a_prompt_longer_than_the_context_gets_the_error_clients_compact_on(keyed):
+    """Anthropic's `prompt is too long: N tokens > M maximum`; OpenAI's
+    `context_length_exceeded` code."""
+    import re
+
+    long = _user("word " * (CONTEXT + 100))
+    with pytest.raises(anthropic.BadRequestError) as info:
+        _client(keyed).messages.create(model="kvbank", max_tokens=MAX_TOKENS, messages=long)
+    err = info.value.body["error"]
+    assert err["type"] == "invalid_request_error"
+    assert re.match(r"prompt is too long: \d+ tokens > \d+ maximum", err["message"]), err
+    oa = openai.OpenAI(base_url=f"{keyed.shim_url}/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        oa.chat.completions.create(model="kvbank", messages=long, max_tokens=MAX_TOKENS)
+    assert info.value.code == "context_length_exceeded", info.value.body

@@ -37,13 +37,17 @@ from kvbank.v1 import api_pb2
 
 DEFAULT_TEMPERATURE = 1.0  # Anthropic's default
 SUPPORTED = ("model", "max_tokens", "messages", "system", "stop_sequences", "temperature",
-             "top_p", "top_k", "stream", "metadata", "tools", "tool_choice")
-# Accepted, and without effect on one local machine that caches every prompt.
-NO_EFFECT = ("cache_control", "service_tier", "speed", "inference_geo")
+             "top_p", "top_k", "stream", "metadata", "tools", "tool_choice", "thinking")
+# Accepted, and without effect on one local machine that caches every prompt and keeps every
+# conversation whole: prompt caching is always on; `context_management` (server-side clearing
+# of old tool results) and `output_config` (effort, output format hints) ask for nothing the
+# answer's tokens depend on here.
+NO_EFFECT = ("cache_control", "service_tier", "speed", "inference_geo", "context_management",
+             "output_config")
 # Why a known field is refused; any other unknown field is refused as unknown.
-NOT_SUPPORTED = {
-    "thinking": "extended thinking is not supported",
-}
+NOT_SUPPORTED: dict[str, str] = {}
+# Claude Code's first system block: a per-request nonce (`cch=`), never part of a prefix.
+ATTRIBUTION = "x-anthropic-billing-header:"
 # HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
@@ -68,7 +72,7 @@ class MessagesRequest:
 
 
 def parse(body: object, *, session_header: str | None,
-          count_only: bool = False) -> MessagesRequest:
+          count_only: bool = False, keep_attribution: bool = False) -> MessagesRequest:
     """A decoded JSON body of /v1/messages (or, `count_only`, /v1/messages/count_tokens, which
     needs no max_tokens). The session name is the `x-session-id` (or `x-smg-routing-key`)
     header, else `metadata.user_id`, else none (the worker finds the conversation by its
@@ -84,11 +88,14 @@ def parse(body: object, *, session_header: str | None,
                                               + ", ".join(f"metadata.{k}" for k in extra))
     user = _optional(metadata, "user_id", str, "a string", param="metadata.user_id")
     req = api_pb2.GenerateRequest(session_id=session_header or user or "", append=False)
-    system = _system(body.get("system"))
+    system = _system(body.get("system"), keep_attribution)
     if system:
         req.chat.messages.append(api_pb2.ChatMessage(role="system", content=system))
     req.chat.messages.extend(_messages(body))
     _tools(body, req.chat)
+    thinking = _thinking(body.get("thinking"))
+    if thinking is not None:
+        req.enable_thinking = thinking
     max_tokens = _int(body, "max_tokens", lo=1, hi=MAX_INT32)
     if max_tokens is None and not count_only:
         raise invalid("max_tokens", "max_tokens is required (the most tokens the answer may "
@@ -110,10 +117,21 @@ def parse(body: object, *, session_header: str | None,
 
 
 def _absent(name: str, value: object) -> bool:
-    """null, and the values that ask for nothing (no tools, thinking disabled), are absent."""
-    return (value is None or (name == "tools" and value == [])
-            or (name == "thinking" and isinstance(value, dict)
-                and value.get("type") == "disabled"))
+    """null, and the values that ask for nothing (no tools), are absent."""
+    return value is None or (name == "tools" and value == [])
+
+
+def _thinking(value: object) -> bool | None:
+    """`thinking` as the chat template's reasoning switch (`enable_thinking`): on for
+    `enabled` and `adaptive`, off for `disabled`; a template without one ignores it, and
+    `budget_tokens` is not enforced (the answer's max_tokens bounds it)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise invalid("thinking.type", f'thinking.type must be "enabled", "adaptive" or '
+                                       f'"disabled"; given {kind!r}')
+    return kind != "disabled"
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -127,9 +145,15 @@ def _refuse_unsupported(body: dict) -> None:
                             f"{', '.join(SUPPORTED)}")
 
 
-def _system(system: object) -> str:
+def _system(system: object, keep_attribution: bool = False) -> str:
+    """The system prompt's text. Claude Code's attribution block (`ATTRIBUTION`) differs on
+    every request; it is left out unless the shim runs with --keep-attribution-line."""
     if system is None or isinstance(system, str):
         return system or ""
+    if (not keep_attribution and isinstance(system, list) and system
+            and isinstance(system[0], dict)
+            and str(system[0].get("text", "")).startswith(ATTRIBUTION)):
+        system = system[1:]
     return _text(system, "system")
 
 

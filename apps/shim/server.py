@@ -94,11 +94,12 @@ class Shim:
     an OpenAI request that sends none."""
 
     def __init__(self, router_address: str, keys: dict[str, str], model_name: str | None,
-                 default_max_tokens: int = DEFAULT_MAX_TOKENS):
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS, keep_attribution: bool = False):
         self.router_address = router_address
         self.keys = keys
         self.model_name = model_name or DEFAULT_MODEL_NAME
         self.default_max_tokens = default_max_tokens
+        self.keep_attribution = keep_attribution  # Claude Code's per-request system line
         self.started_at = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -320,7 +321,8 @@ class Shim:
         try:
             metadata = self.authorize_anthropic(request)
             req = anthropic_format.parse(await _json(request),
-                                         session_header=_session_header(request))
+                                         session_header=_session_header(request),
+                                         keep_attribution=self.keep_attribution)
             started = await self._start(request, req.generate, metadata, fit=True)
             if started is HUNG_UP:
                 return Response(status_code=499)
@@ -340,7 +342,8 @@ class Shim:
             metadata = self.authorize_anthropic(request)
             req = anthropic_format.parse(await _json(request),
                                          session_header=_session_header(request),
-                                         count_only=True)
+                                         count_only=True,
+                                         keep_attribution=self.keep_attribution)
             req.generate.max_tokens = 1  # only a prompt that fills the context is refused
             try:
                 out = await self.generation.Render(req.generate, metadata=metadata,
@@ -464,8 +467,9 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 
 def create_app(router_address: str, keys: dict[str, str] | None = None,
                model_name: str | None = None,
-               default_max_tokens: int = DEFAULT_MAX_TOKENS) -> Starlette:
-    shim = Shim(router_address, keys or {}, model_name, default_max_tokens)
+               default_max_tokens: int = DEFAULT_MAX_TOKENS,
+               keep_attribution: bool = False) -> Starlette:
+    shim = Shim(router_address, keys or {}, model_name, default_max_tokens, keep_attribution)
     return Starlette(
         routes=[
             Route("/health", shim.health),
@@ -488,8 +492,9 @@ def create_app(router_address: str, keys: dict[str, str] | None = None,
 
 
 def main(router_address: str, host: str, port: int, keys: dict[str, str],
-         model_name: str | None, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
-    app = create_app(router_address, keys, model_name, default_max_tokens)
+         model_name: str | None, default_max_tokens: int = DEFAULT_MAX_TOKENS,
+         keep_attribution: bool = False) -> None:
+    app = create_app(router_address, keys, model_name, default_max_tokens, keep_attribution)
     # log_config=None keeps the process's logging (set up by the CLI); loop="asyncio" because
     # grpc.aio wants the standard event loop.
     config = uvicorn.Config(app, host=host, port=port, loop="asyncio", log_config=None,

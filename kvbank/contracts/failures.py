@@ -38,6 +38,22 @@ class InvalidRequest(KvbankError, ValueError):
         self.param = param
 
 
+class ContextTooLong(InvalidRequest):
+    """A prompt the model's context cannot hold with room for its answer. The message begins
+    the way clients that compact their history look for (`prompt is too long: N tokens > M
+    maximum`, Anthropic's); the reason is OpenAI's code for it."""
+
+    reason = "context_length_exceeded"
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, context_tokens: int):
+        room = max(0, context_tokens - max_tokens)
+        super().__init__(
+            f"prompt is too long: {prompt_tokens} tokens > {room} maximum: the prompt and "
+            f"max_tokens ({max_tokens}) together exceed the model's context of "
+            f"{context_tokens} tokens; shorten the prompt (or compact the conversation) or "
+            f"lower max_tokens", param="messages")
+
+
 class Unauthenticated(KvbankError):
     """No key, or one the server does not know."""
 

@@ -113,7 +113,7 @@ class ResponseFormat(_message.Message):
     def __init__(self, type: _Optional[str] = ..., json_schema: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "chat", "prompt", "tokens", "append", "sampling", "max_tokens", "stop", "no_cache", "fit_max_tokens", "response_format")
+    __slots__ = ("session_id", "chat", "prompt", "tokens", "append", "sampling", "max_tokens", "stop", "no_cache", "fit_max_tokens", "response_format", "enable_thinking")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class GenerateRequest(_message.Message):
     NO_CACHE_FIELD_NUMBER: _ClassVar[int]
     FIT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_THINKING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     chat: ChatMessages
     prompt: str
@@ -136,7 +137,8 @@ class GenerateRequest(_message.Message):
     no_cache: bool
     fit_max_tokens: bool
     response_format: ResponseFormat
-    def __init__(self, session_id: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., append: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., no_cache: _Optional[bool] = ..., fit_max_tokens: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
+    enable_thinking: bool
+    def __init__(self, session_id: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., append: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., no_cache: _Optional[bool] = ..., fit_max_tokens: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., enable_thinking: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cache_source", "recomputed_tokens", "ttft_s", "queue_s", "durable", "session_id", "max_tokens", "prefix_lost_tokens")
