@@ -302,3 +302,93 @@ def test_tool_calls_are_parsed_out_of_the_text_however_it_streams():
         assert [(c.name, json.loads(c.arguments)) for c in calls] == [
             ("get_weather", {"city": "Oslo", "unit": "c"}), ("get_time", {"tz": 9})]
         assert len({c.id for c in calls}) == 2 and split.made_calls
+
+
+# -- OpenAI's Responses API (Codex, the Agents SDK) ------------------------------------------
+
+RESPONSES_TOOLS = [{"type": "function", **WEATHER["function"]},
+                   {"type": "custom", "name": "apply_patch",
+                    "description": "Apply a patch to the files."}]
+
+
+def test_responses_a_tool_loop_reads_its_history_from_cache(agent_stack):
+    """Codex's shape: instructions, function and custom tools, store false, the whole
+    history sent back as items each turn; the second turn reads the first from cache."""
+    c = _openai(agent_stack)
+    ask = f"[{uuid.uuid4().hex}] What is the weather in Oslo?"
+    first = dict(model="gpt-5-codex", instructions="You are a coding agent.",
+                 tools=RESPONSES_TOOLS, store=False, temperature=0,
+                 max_output_tokens=MAX_TOKENS, prompt_cache_key=None,
+                 reasoning={"effort": "medium"}, include=[], parallel_tool_calls=False)
+    r1 = c.responses.create(input=ask, tool_choice={"type": "function", "name": "get_weather"},
+                            **first)
+    assert r1.object == "response" and r1.status == "completed" and r1.id.startswith("resp_")
+    [call] = [o for o in r1.output if o.type == "function_call"]
+    assert call.name == "get_weather"
+    assert json.loads(call.arguments)["city"] in ("Paris", "Oslo", "Lima")
+    items = [{"role": "user", "content": ask},
+             {"type": "reasoning", "id": "rs_1", "summary": []},
+             {"type": "function_call", "call_id": call.call_id, "name": call.name,
+              "arguments": call.arguments},
+             {"type": "function_call_output", "call_id": call.call_id, "output": "12 C, rain"}]
+    r2 = c.responses.create(input=items, tool_choice="none", **{**first, "max_output_tokens": 8})
+    u1, u2 = r1.usage, r2.usage
+    assert u2.input_tokens_details.cached_tokens >= u1.input_tokens, u2
+    assert u2.model_extra["kvbank"]["recomputed_tokens"] == 0, u2
+    assert r2.output_text == "".join(p.text for o in r2.output if o.type == "message"
+                                     for p in o.content)
+
+
+def test_responses_stream_the_standard_events(agent_stack):
+    c = _openai(agent_stack)
+    with c.responses.stream(model="kvbank", input=_user("Say hi.")[0]["content"],
+                            max_output_tokens=8, temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == final.output_text and final.usage.output_tokens > 0
+    assert final.status in ("completed", "incomplete")
+    if deltas:
+        assert "response.output_item.added" in kinds and "response.output_item.done" in kinds
+
+
+def test_responses_refuse_what_they_cannot_honour_in_openais_shape(agent_stack):
+    c = _openai(agent_stack)
+    with pytest.raises(openai.BadRequestError) as info:
+        c.responses.create(model="kvbank", input="hi", previous_response_id="resp_123")
+    assert info.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as info:
+        c.responses.create(model="kvbank", input="hi",
+                           tools=[{"type": "web_search_preview"}])
+    assert "tools[0].type" in info.value.body["param"]
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve("resp_unknown")
+
+
+def test_a_custom_tool_call_comes_back_as_one_and_goes_back_to_the_model():
+    """The shim's side alone (no model would call a freeform tool of its own accord, and a
+    forced string never has to end): a call of a custom tool is a `custom_tool_call` whose
+    input is the string, and one in the next input is a call the template renders."""
+    from apps.shim import responses_format
+    from kvbank.v1 import api_pb2
+
+    answer = responses_format.ResponseAnswer("kvbank", frozenset({"apply_patch"}), {})
+    answer.add(api_pb2.GenerateResponse(tool_calls=[api_pb2.ToolCall(
+        id="call_1", name="apply_patch", arguments='{"input": "*** Begin Patch"}')]))
+    answer.add(api_pb2.GenerateResponse(finish_reason=api_pb2.FINISH_REASON_TOOL_CALLS,
+                                        usage=api_pb2.Usage(prompt_tokens=5)))
+    [item] = answer.body()["output"]
+    assert item["type"] == "custom_tool_call" and item["input"] == "*** Begin Patch"
+    req = responses_format.parse({"input": [
+        {"role": "user", "content": "fix it"},
+        {"type": "custom_tool_call", "call_id": "call_1", "name": "apply_patch",
+         "input": "*** Begin Patch"},
+        {"type": "custom_tool_call_output", "call_id": "call_1", "output": "done"}],
+        "tools": RESPONSES_TOOLS}, session_header=None, default_max_tokens=16)
+    msgs = req.chat.generate.chat.messages
+    assert [m.role for m in msgs] == ["user", "assistant", "tool"]
+    assert json.loads(msgs[1].tool_calls[0].arguments) == {"input": "*** Begin Patch"}

@@ -94,16 +94,18 @@ def parse(kind: str, body: object, *, session_header: str | None,
     """A decoded JSON body of /v1/chat/completions (kind "chat") or /v1/completions.
 
     The session name is the `x-session-id` header, else `x-smg-routing-key` (what SMG-style
-    gateways send), else the body's `user`, else none: most clients send none, and the worker
-    then finds the conversation by its tokens. The input is always the whole conversation
-    (append=False), as OpenAI clients send it.
+    gateways send), else the body's `user`, else `prompt_cache_key` (chat), else none: most
+    clients send none, and the worker then finds the conversation by its tokens. The input is
+    always the whole conversation (append=False), as OpenAI clients send it.
     """
     if not isinstance(body, dict):
         raise invalid(None, f"the body must be a JSON object; given {type(body).__name__}")
     _optional(body, "model", str, "a string")
     user = _optional(body, "user", str, "a string")
     _refuse_unsupported(kind, body)
-    req = api_pb2.GenerateRequest(session_id=session_header or user or "", append=False)
+    cache_key = _optional(body, "prompt_cache_key", str, "a string") if kind == "chat" else None
+    req = api_pb2.GenerateRequest(session_id=session_header or user or cache_key or "",
+                                  append=False)
     if kind == "chat":
         req.chat.messages.extend(_messages(body))
     else:

@@ -37,7 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from apps.shim import anthropic_format
+from apps.shim import anthropic_format, responses_format
 from apps.shim.openai_answer import Answer
 from apps.shim.openai_format import DEFAULT_MAX_TOKENS, ApiError, invalid, parse, parse_render
 from kvbank.contracts.failures import HTTP_STATUS, Unauthenticated, failure_for
@@ -315,6 +315,34 @@ class Shim:
             raise error_for(e) from None
         return HUNG_UP if first is HUNG_UP else (call, first)
 
+    # -- OpenAI's Responses API --------------------------------------------------------------
+
+    async def responses(self, request: Request):
+        try:
+            metadata = self.authorize(request)
+            req = responses_format.parse(await _json(request),
+                                         session_header=_session_header(request),
+                                         default_max_tokens=self.default_max_tokens)
+            started = await self._start(request, req.chat.generate, metadata,
+                                        fit=req.chat.fit_max_tokens)
+            if started is HUNG_UP:
+                return Response(status_code=499)
+            call, first = started
+            answer = responses_format.ResponseAnswer(self.model_name, req.custom_tools, req.echo)
+            if req.chat.stream:
+                return EventSourceResponse(_responses_events(call, first, answer), sep="\n")
+            body = await _unless_hung_up(request, call, _collect(call, first, answer))
+            return Response(status_code=499) if body is HUNG_UP else JSONResponse(body)
+        except ApiError as e:
+            return error_response(e)
+
+    async def stored_response(self, request: Request) -> JSONResponse:
+        """GET or DELETE /v1/responses/{id}: kvbank keeps no responses yet."""
+        self.authorize(request)
+        return error_response(ApiError(404, f"no response {request.path_params['id']}: "
+                                            f"kvbank stores no responses yet",
+                                       code="not_found", type="invalid_request_error"))
+
     # -- Anthropic's Messages API -----------------------------------------------------------
 
     async def messages(self, request: Request):
@@ -421,6 +449,22 @@ async def _events(call, msg, answer: Answer):
         call.cancel()  # a no-op once the call is done; stops the worker if the client left
 
 
+async def _responses_events(call, msg, answer: responses_format.ResponseAnswer):
+    """Responses events, each as `event: TYPE` and its JSON; a failure once the stream has
+    started is an `error` event that ends it."""
+    try:
+        for event in answer.opening():
+            yield _sse(event)
+        while msg is not grpc.aio.EOF:
+            for event in answer.events(msg):
+                yield _sse(event)
+            msg = await _read(call)
+    except ApiError as e:
+        yield _sse({"type": "error", **e.body()["error"]})
+    finally:
+        call.cancel()
+
+
 async def _anthropic_events(call, msg, message: anthropic_format.Message):
     """Anthropic's events, each as `event: TYPE` and `data: {"type": TYPE, ...}`; a failure
     once the stream has started is an `error` event that ends it."""
@@ -483,6 +527,8 @@ def create_app(router_address: str, keys: dict[str, str] | None = None,
             Route("/v1/chat/completions/render", shim.chat_render, methods=["POST"]),
             Route("/v1/completions/render", shim.completions_render, methods=["POST"]),
             Route("/v1/kvbank/prefetch", shim.prefetch, methods=["POST"]),
+            Route("/v1/responses", shim.responses, methods=["POST"]),
+            Route("/v1/responses/{id}", shim.stored_response, methods=["GET", "DELETE"]),
             Route("/v1/messages", shim.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", shim.count_tokens, methods=["POST"]),
         ],
