@@ -101,8 +101,9 @@ def validate(req: api_pb2.GenerateRequest, *, vocab_size: int) -> ValidRequest:
                              param="response_format")
     forced_call = choice == "required" or choice.startswith("function:")
     if fmt.type in ("json_object", "json_schema") and forced_call:
-        raise InvalidRequest("response_format and a required tool call both constrain the "
-                             "answer: send one of them", param="response_format")
+        # The answer is the call, as OpenAI's is: the format is for text answers (an agent
+        # framework sends its output schema with every request, a forced call's too).
+        fmt = api_pb2.ResponseFormat()
     return ValidRequest(
         session_id=sid, kind=kind, messages=messages, prompt=req.prompt,
         token_ids=tuple(req.tokens.ids), append=req.append, max_tokens=req.max_tokens,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from typing import Literal
 
 import anthropic
 import openai
@@ -392,3 +393,49 @@ def test_a_custom_tool_call_comes_back_as_one_and_goes_back_to_the_model():
     msgs = req.chat.generate.chat.messages
     assert [m.role for m in msgs] == ["user", "assistant", "tool"]
     assert json.loads(msgs[1].tool_calls[0].arguments) == {"input": "*** Begin Patch"}
+
+
+def test_the_openai_agents_sdk_runs_a_tool_loop_on_its_default_responses_model(agent_stack):
+    """The Agents SDK as its users run it (its Responses model, tracing off): a run that calls
+    a function tool (forced once: a random model calls none of its own accord), then a second
+    run on the first's history, which reads that history from cache. Its answers are a
+    structured output (a JSON schema the worker's grammar holds), so that a random model ends
+    them: the SDK takes an answer cut by max_output_tokens for an error."""
+    import asyncio
+
+    from agents import (Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool,
+                        set_tracing_disabled)
+    from pydantic import BaseModel
+
+    class Done(BaseModel):
+        done: bool
+
+    set_tracing_disabled(True)
+    calls = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Oslo", "Lima"]) -> str:  # a call that must end
+        """The weather in a city now."""
+        calls.append(city)
+        return f"12 C and rain in {city}"
+
+    client = openai.AsyncOpenAI(base_url=agent_stack.shim_url + "/v1", api_key="none",
+                                max_retries=0)
+    agent = Agent(name="coder", instructions="You are a coding agent.", tools=[get_weather],
+                  model=OpenAIResponsesModel("gpt-4.1", client), output_type=Done,
+                  model_settings=ModelSettings(tool_choice="get_weather", temperature=0,
+                                               max_tokens=MAX_TOKENS))
+
+    async def runs():
+        first = await Runner.run(agent, f"[{uuid.uuid4().hex}] Weather in Oslo?", max_turns=4)
+        history = first.to_input_list() + [{"role": "user", "content": "And tomorrow?"}]
+        again = agent.clone(model_settings=ModelSettings(tool_choice="none", temperature=0,
+                                                         max_tokens=MAX_TOKENS))
+        return first, await Runner.run(again, history, max_turns=2)
+
+    first, second = asyncio.run(runs())
+    assert len(calls) == 1 and len(first.raw_responses) == 2  # the call, then its answer
+    assert isinstance(first.final_output, Done) and isinstance(second.final_output, Done)
+    before = first.raw_responses[-1].usage
+    after = second.raw_responses[0].usage
+    assert after.input_tokens_details.cached_tokens >= before.input_tokens, after
