@@ -316,3 +316,12 @@ def test_a_flipped_byte_costs_the_blocks_from_it_on_and_store_verify_finds_it(ki
                           str(tmp_path), "--json"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1, out.stderr  # a corrupt block: the command says so
     assert json.loads(out.stdout)["blocks_corrupt"] == 1
+
+
+def test_a_prompt_read_stops_where_the_router_says_and_every_interval(kinds):
+    assert kinds.splits(0, 5000, [100, 4999, 6000], 2048) == (100, 2048, 4096, 4999)
+    assert kinds.splits(2100, 5000, [100, 3000], 2048) == (3000, 4096)  # past the restore
+    assert kinds.splits(0, 5000, [100], 0) == (100,)  # the interval off
+    full_only = CacheKinds(type("M", (Fake,), {"make_cache": lambda self: [KVCache()]})(),
+                           "llama")
+    assert full_only.splits(0, 5000, [100], 2048) == ()  # any prefix restores: no stops

@@ -227,6 +227,15 @@ class CacheKinds:
             return n_tokens
         return max((p for p in checkpoints if p <= n_tokens), default=0)
 
+    def splits(self, cached: int, n_tokens: int, marks, every: int) -> tuple[int, ...]:
+        """Where a prompt's read stops to keep a checkpoint (none for a model without window
+        or recurrent caches): where the router says the conversation comes back to (`marks`),
+        and every `every` tokens past what was restored."""
+        if not self.other:
+            return ()
+        steps = range((cached // every + 1) * every, n_tokens, every) if every else ()
+        return tuple(sorted({p for p in (*steps, *marks) if cached < p < n_tokens}))
+
     # -- on SSD -----------------------------------------------------------------------------
 
     def checkpoint_views(self, checkpoint: Checkpoint) -> kv.StateViews:

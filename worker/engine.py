@@ -366,7 +366,8 @@ class Engine:
                         known=common_prefix_len(info.tokens, tokens) if info is not None else 0,
                         started=time.monotonic(), stops=list(req.stop),
                         detok=self.tokenizer.detokenizer, decoding=decoding, handed=handed,
-                        split_at=self._splits(cached, len(tokens), req.checkpoint_at))
+                        split_at=self.kinds.splits(cached, len(tokens), req.checkpoint_at,
+                                                   self.checkpoint_every))
             r.restore_s = r.started - t0
             if not req.no_cache:
                 r.prefix_lost = self.restorer.lost(tokens, ids, tenant, cached)
@@ -378,16 +379,6 @@ class Engine:
             self.bank.end_request(session)
             raise
         return Start.STARTED
-
-    def _splits(self, cached: int, n_tokens: int, marks) -> tuple[int, ...]:
-        """Where a prompt's read stops to keep a checkpoint (a model with window or recurrent
-        caches): where the router says the conversation comes back to, and every
-        `checkpoint_every` tokens past what was restored."""
-        if not self.kinds.checkpointed:
-            return ()
-        step = self.checkpoint_every
-        every = range((cached // step + 1) * step, n_tokens, step) if step else ()
-        return tuple(sorted({p for p in (*every, *marks) if cached < p < n_tokens}))
 
     def _leave(self, r: Running) -> None:
         """A request is done with the bank (answered, failed or cancelled): a conversation's
