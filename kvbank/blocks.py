@@ -202,6 +202,13 @@ def decode_header(buf: bytes | memoryview) -> tuple[BlockHeader, int]:
     return header, data_start
 
 
+def kv_data_end(buf: bytes | memoryview, header: BlockHeader) -> int:
+    """Where a block's K/V arrays end in `buf` (its checkpoint's arrays follow)."""
+    itemsize = _itemsize(header.dtype)
+    kv = sum(math.prod(s) * itemsize for pair in header.kv_shapes for s in pair)
+    return len(buf) - (header.data_nbytes - kv)
+
+
 def verify_block(buf: bytes | memoryview) -> tuple[BlockHeader, int]:
     """`decode_header`, once the payload's checksum matches (CorruptBlock otherwise)."""
     header, off = decode_header(buf)
