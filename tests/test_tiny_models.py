@@ -137,3 +137,17 @@ def test_options_and_cli(tmp_path, cache_dir, capsys):
     assert (config["max_position_embeddings"], config["sliding_window"]) == (2048, 8)
     with pytest.raises(ValueError, match="unknown arch"):
         make_arch_model(tmp_path / "bad", "gpt2", cache_dir=cache_dir)
+
+
+def test_the_routers_render_passes_the_reasoning_switch(tmp_path, cache_dir):
+    """`thinking` on /v1/messages becomes GenerateRequest.enable_thinking, which the router
+    hands the chat template on every render (here its prompt tokenizer, directly)."""
+    from router.tokenizer import PromptTokenizer
+
+    path = make_arch_model(tmp_path / "llama", "llama", cache_dir=cache_dir)
+    tok = PromptTokenizer(path)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert tok.render(messages).endswith("assistant\n<think>\n")
+    off = tok.render(messages, template={"enable_thinking": False})
+    assert off.endswith("assistant\n<think>\n\n</think>\n\n")
+    assert tok.chat(messages, template={"enable_thinking": False}) == tok.encode(off)
