@@ -98,11 +98,11 @@ def test_a_stopped_coldstore_does_not_stop_serving_and_writes_resume(tiny_model,
 
 def test_a_slow_disk_makes_a_release_give_up_at_its_deadline(tiny_model, tmp_path, cache_dir):
     s = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir, shim=False,
-                    slow_disk_s=0.5, extra=["--quiet-grace-s", "3600", "--max-dirty-s", "3600",
+                    slow_disk_s=0.2, extra=["--quiet-grace-s", "3600", "--max-dirty-s", "3600",
                                             "--write-out-deadline-s", "1"])
     try:
         with s.client() as c:
-            _turn(c, "big", 300, seed=8)  # ~19 blocks of 16 tokens: ~10 s on this disk
+            _turn(c, "big", 300, seed=8)  # ~19 blocks of 16 tokens: ~4 s on this disk
             r = c.release("big")
             assert r.written_out_entries == 0 and r.dropped_unwritten_entries == 1
             events = [json.loads(x) for x in s.layout.events_path.read_text().splitlines()]
