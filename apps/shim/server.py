@@ -449,9 +449,18 @@ async def _events(call, msg, answer: Answer):
         call.cancel()  # a no-op once the call is done; stops the worker if the client left
 
 
-async def _responses_events(call, msg, answer: responses_format.ResponseAnswer):
-    """Responses events, each as `event: TYPE` and its JSON; a failure once the stream has
-    started is an `error` event that ends it."""
+def _responses_events(call, msg, answer: responses_format.ResponseAnswer):
+    return _typed_events(call, msg, answer, lambda e: {"type": "error", **e.body()["error"]})
+
+
+def _anthropic_events(call, msg, message: anthropic_format.Message):
+    return _typed_events(call, msg, message, anthropic_format.error_body)
+
+
+async def _typed_events(call, msg, answer, error_event):
+    """Events that name their type (Anthropic's, Responses'), each as `event: TYPE` and
+    `data: {"type": TYPE, ...}`; a failure once the stream has started is an error event
+    (`error_event(e)`) that ends it."""
     try:
         for event in answer.opening():
             yield _sse(event)
@@ -460,23 +469,7 @@ async def _responses_events(call, msg, answer: responses_format.ResponseAnswer):
                 yield _sse(event)
             msg = await _read(call)
     except ApiError as e:
-        yield _sse({"type": "error", **e.body()["error"]})
-    finally:
-        call.cancel()
-
-
-async def _anthropic_events(call, msg, message: anthropic_format.Message):
-    """Anthropic's events, each as `event: TYPE` and `data: {"type": TYPE, ...}`; a failure
-    once the stream has started is an `error` event that ends it."""
-    try:
-        for event in message.opening():
-            yield _sse(event)
-        while msg is not grpc.aio.EOF:
-            for event in message.events(msg):
-                yield _sse(event)
-            msg = await _read(call)
-    except ApiError as e:
-        yield _sse(anthropic_format.error_body(e))
+        yield _sse(error_event(e))
     finally:
         call.cancel()
 
