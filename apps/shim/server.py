@@ -290,18 +290,26 @@ class Shim:
             metadata = self.authorize(request)
             req = parse(kind, await _json(request), session_header=_session_header(request),
                         default_max_tokens=self.default_max_tokens)
-            started = await self._start(request, req.generate, metadata,
-                                        fit=req.fit_max_tokens)
-            if started is HUNG_UP:
-                return Response(status_code=499)  # nginx's "client closed request"; unsent
-            call, first = started
             answer = Answer(kind, self.model_name, include_usage=req.include_usage)
-            if req.stream:  # from here on, sse-starlette cancels the stream on a hang-up
-                return EventSourceResponse(_events(call, first, answer), sep="\n")
-            body = await _unless_hung_up(request, call, _collect(call, first, answer))
-            return Response(status_code=499) if body is HUNG_UP else JSONResponse(body)
+            return await self._answer(request, req.generate, metadata, req.fit_max_tokens,
+                                      answer, _events if req.stream else None)
         except ApiError as e:
             return error_response(e)
+
+    async def _answer(self, request: Request, generate: api_pb2.GenerateRequest, metadata,
+                      fit: bool, answer, events) -> Response:
+        """Run the request and answer with `answer`'s body, or with the stream `events(call,
+        first, answer)` makes of it; 499 (nginx's "client closed request") if the client left
+        before anything was sent. Once a stream starts, sse-starlette cancels it on a
+        hang-up."""
+        started = await self._start(request, generate, metadata, fit=fit)
+        if started is HUNG_UP:
+            return Response(status_code=499)
+        call, first = started
+        if events is not None:
+            return EventSourceResponse(events(call, first, answer), sep="\n")
+        body = await _unless_hung_up(request, call, _collect(call, first, answer))
+        return Response(status_code=499) if body is HUNG_UP else JSONResponse(body)
 
     async def _start(self, request: Request, generate: api_pb2.GenerateRequest, metadata, *,
                      fit: bool):
@@ -323,16 +331,10 @@ class Shim:
             req = responses_format.parse(await _json(request),
                                          session_header=_session_header(request),
                                          default_max_tokens=self.default_max_tokens)
-            started = await self._start(request, req.chat.generate, metadata,
-                                        fit=req.chat.fit_max_tokens)
-            if started is HUNG_UP:
-                return Response(status_code=499)
-            call, first = started
             answer = responses_format.ResponseAnswer(self.model_name, req.custom_tools, req.echo)
-            if req.chat.stream:
-                return EventSourceResponse(_responses_events(call, first, answer), sep="\n")
-            body = await _unless_hung_up(request, call, _collect(call, first, answer))
-            return Response(status_code=499) if body is HUNG_UP else JSONResponse(body)
+            return await self._answer(request, req.chat.generate, metadata,
+                                      req.chat.fit_max_tokens, answer,
+                                      _responses_events if req.chat.stream else None)
         except ApiError as e:
             return error_response(e)
 
@@ -351,16 +353,10 @@ class Shim:
             req = anthropic_format.parse(await _json(request),
                                          session_header=_session_header(request),
                                          keep_attribution=self.keep_attribution)
-            started = await self._start(request, req.generate, metadata, fit=True)
-            if started is HUNG_UP:
-                return Response(status_code=499)
-            call, first = started
             message = anthropic_format.Message(self.model_name,
                                                asked_max_tokens=req.generate.max_tokens)
-            if req.stream:
-                return EventSourceResponse(_anthropic_events(call, first, message), sep="\n")
-            body = await _unless_hung_up(request, call, _collect(call, first, message))
-            return Response(status_code=499) if body is HUNG_UP else JSONResponse(body)
+            return await self._answer(request, req.generate, metadata, True, message,
+                                      _anthropic_events if req.stream else None)
         except ApiError as e:
             return anthropic_error_response(e)
 
