@@ -56,6 +56,7 @@ class Turn:
     finish_reason: str
     usage: dict = field(default_factory=dict)
     logprobs: list[float] = field(default_factory=list)  # of each token, when asked
+    reasoning: str = ""  # what the model wrote between its think markers (chat input)
 
 
 class Client:
@@ -87,8 +88,9 @@ class Client:
                        temperature=temperature, top_p=top_p, seed=seed, stop=stop,
                        no_cache=no_cache)
         req.sampling.logprobs = logprobs
-        text, ids, finish, usage, lps = [], [], "", {}, []
+        text, ids, finish, usage, lps, reasoning = [], [], "", {}, [], []
         for ev in self.generation.Generate(req, timeout=timeout_s):
+            reasoning.append(ev.reasoning)
             if ev.text:
                 text.append(ev.text)
                 if on_text:
@@ -98,7 +100,7 @@ class Client:
             if ev.HasField("usage"):
                 usage = usage_dict(ev.usage)
                 finish = FINISH_REASONS.get(ev.finish_reason, "")
-        return Turn("".join(text), ids, finish, usage, lps)
+        return Turn("".join(text), ids, finish, usage, lps, "".join(reasoning))
 
     def render(self, *, session_id: str = "", messages: Iterable[dict] | None = None,
                prompt: str | None = None, token_ids: Iterable[int] | None = None,

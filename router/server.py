@@ -313,7 +313,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             received_at=received_at, stop=v.stop, tenant=tenant,
             tools_json=json.dumps(list(v.tools)) if v.tools else "",
             tool_choice=v.tool_choice, response_format=v.response_format,
-            checkpoint_at=checkpoint_at)
+            checkpoint_at=checkpoint_at, split_reasoning=v.kind == "chat")
         first_at = last_at = None
         texts: list[str] = []
         ids: list[int] = []
@@ -336,7 +336,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             out = api_pb2.GenerateResponse(text=ev.text, token_ids=ev.token_ids,
                                            finish_reason=ev.finish_reason,
                                            logprobs=ev.logprobs, tool_calls=ev.tool_calls,
-                                           stop_sequence=ev.stop_sequence)
+                                           stop_sequence=ev.stop_sequence, reasoning=ev.reasoning)
             if ev.HasField("usage"):
                 out.usage.CopyFrom(ev.usage)
                 out.usage.ttft_s = first_at - t0

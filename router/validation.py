@@ -127,6 +127,10 @@ def _message(i: int, m: api_pb2.ChatMessage) -> dict:
              "function": {"name": c.name, "arguments": _arguments(c.arguments, f"{where}."
                                                                   f"tool_calls[{j}]")}}
             for j, c in enumerate(m.tool_calls)]
+    if m.reasoning:
+        if m.role != "assistant":
+            raise InvalidRequest(f"{where}.reasoning: only assistant messages carry reasoning")
+        out["reasoning_content"] = m.reasoning
     if m.role == "tool":
         if m.tool_call_id:
             out["tool_call_id"] = m.tool_call_id

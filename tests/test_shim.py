@@ -187,7 +187,10 @@ BAD_CHAT = [  # (what replaces a good body's fields, the field the 400 must name
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
-    ({"reasoning_effort": "high"}, "reasoning_effort"),
+    # an effort is the template's reasoning switch (tests/test_reasoning.py); not this one
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"extra_body": {"chat_template_kwargs": {"add_generation_prompt": False}}},
+     "chat_template_kwargs.add_generation_prompt"),
     ({"extra_body": {"min_p": 1.5}}, "min_p"),
 ]
 

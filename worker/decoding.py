@@ -1,5 +1,5 @@
 """What one request asks of decoding: its sampler, its logits processors (logit_bias,
-penalties, a grammar), the log-probabilities it wants back, and its tool calls.
+penalties, a grammar), the log-probabilities it wants back, its reasoning and its tool calls.
 
 All of it is mlx-lm's where mlx-lm has it (samplers, `make_logits_processors`, the model's
 tool parser); what is ours is the per-request shape: a seeded sampler that draws from its own
@@ -76,6 +76,55 @@ def token_logprob(logprobs: mx.array, token: int, top_n: int, decode) -> api_pb2
             if lp > -math.inf:  # a token a grammar or a bias of -inf ruled out is no choice
                 out.top.append(api_pb2.TokenLogprob(token_id=t, token=decode([t]), logprob=lp))
     return out
+
+
+class ReasoningText:
+    """Splits an answer's text, as it streams, into the model's reasoning (between its think
+    markers, mlx-lm's `think_start` / `think_end`) and the text the client reads. An answer
+    whose prompt ends inside an open think marker (a template that starts the reasoning for
+    the model) begins as reasoning, as mlx-lm's server decides it. The blank lines a model
+    writes after its end marker are not text."""
+
+    def __init__(self, start: str, end: str, reasoning: bool):
+        self.start, self.end, self.in_reasoning = start, end, reasoning
+        self.buf = ""
+        self.after_end = False  # strip the whitespace that follows an end marker
+
+    @classmethod
+    def after_prompt(cls, tokenizer, prompt: list[int]) -> "ReasoningText":
+        opened = tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt)
+        return cls(tokenizer.think_start, tokenizer.think_end, opened)
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """(reasoning, text) of what can be told apart so far."""
+        self.buf += text
+        reasoning, out = [], []
+        while self.buf:
+            marker = self.end if self.in_reasoning else self.start
+            at = self.buf.find(marker)
+            if at < 0:
+                keep = _partial_suffix(self.buf, marker)
+                piece, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+            else:
+                piece, self.buf = self.buf[:at], self.buf[at + len(marker):]
+            if self.in_reasoning:
+                reasoning.append(piece)
+            else:
+                if self.after_end:
+                    piece = piece.lstrip()
+                    self.after_end = not piece
+                out.append(piece)
+            if at < 0:
+                break
+            self.in_reasoning = not self.in_reasoning
+            self.after_end = not self.in_reasoning
+        return "".join(reasoning), "".join(out)
+
+    def finish(self) -> tuple[str, str]:
+        rest, self.buf = self.buf, ""
+        if self.in_reasoning:
+            return rest, ""
+        return "", rest.lstrip() if self.after_end else rest
 
 
 class ToolCallText:
@@ -158,6 +207,7 @@ class Decoding:
     logprobs: bool = False
     top_logprobs: int = 0
     tools: ToolCallText | None = None
+    reasoning: ReasoningText | None = None
     grammar: Any = None  # the constraint's matcher, when the answer is constrained
 
     @classmethod
@@ -173,13 +223,17 @@ class Decoding:
         if req.tools_json and req.tool_choice != "none":
             tools = ToolCallText(tokenizer.tool_call_start, tokenizer.tool_call_end,
                                  tokenizer.tool_parser, json.loads(req.tools_json))
+        reasoning = None
+        if req.split_reasoning and getattr(tokenizer, "has_thinking", False):
+            reasoning = ReasoningText.after_prompt(tokenizer, list(req.token_ids))
         if s.top_k >= vocab_size:
             raise InvalidRequest(f"top_k must be below the vocabulary size {vocab_size}; given "
                                  f"{s.top_k}", param="top_k")
         return cls(sampler=make_request_sampler(s.temperature, s.top_p, seed, top_k=s.top_k,
                                                 min_p=s.min_p),
                    processors=processors, logprobs=s.logprobs or s.top_logprobs > 0,
-                   top_logprobs=s.top_logprobs, tools=tools, grammar=constraint)
+                   top_logprobs=s.top_logprobs, tools=tools, reasoning=reasoning,
+                   grammar=constraint)
 
 
 class Decodings:

@@ -398,7 +398,14 @@ class BatchScheduler:
 
     @staticmethod
     def _send(r: Running, msg, text: str, final: bool = False) -> None:
-        """Text through the tool-call parser (when the request has tools), then out."""
+        """Text through the reasoning split (chat input, a model with think markers), the
+        rest through the tool-call parser (when the request has tools), then out."""
+        reasoning = r.decoding.reasoning
+        if reasoning is not None:
+            msg.reasoning, text = reasoning.feed(text)
+            if final:
+                more, rest = reasoning.finish()
+                msg.reasoning, text = msg.reasoning + more, text + rest
         tools = r.decoding.tools
         if tools is not None:
             text, calls = tools.feed(text)
@@ -407,7 +414,7 @@ class BatchScheduler:
                 text, calls = text + rest, calls + more
             msg.tool_calls.extend(calls)
         msg.text = text
-        if msg.text or msg.token_ids or msg.tool_calls:
+        if msg.text or msg.reasoning or msg.token_ids or msg.tool_calls:
             r.job.emit(msg)
 
 

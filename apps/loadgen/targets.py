@@ -194,10 +194,11 @@ class OpenAITarget:
                         return Reply("error", total_s=time.monotonic() - t0, reason="stream",
                                      message=_error_message(event))
                     for choice in event.get("choices") or ():
-                        piece = (choice.get("delta") or {}).get("content") or ""
-                        if piece:
+                        delta = choice.get("delta") or {}
+                        piece = delta.get("content") or ""
+                        if piece or delta.get("reasoning_content"):
                             first = first or time.monotonic()
-                            text.append(piece)
+                        text.append(piece)
                     if event.get("usage"):
                         usage = event["usage"]
         except httpx.TimeoutException as e:

@@ -188,12 +188,16 @@ def _turn(role: str, content: object, where: str) -> list[api_pb2.ChatMessage]:
     if not isinstance(content, list):
         raise invalid(where, f"{where} must be a string or an array of content blocks; given "
                              f"{type(content).__name__}")
-    texts, calls, results = [], [], []
+    texts, calls, results, thinking = [], [], [], []
     for j, block in enumerate(content):
         at = f"{where}[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "tool_use" and role == "assistant":
             calls.append(_tool_use(block, at))
+        elif kind == "thinking" and role == "assistant":
+            thinking.append(_str(block, "thinking", at))
+        elif kind == "redacted_thinking" and role == "assistant":
+            continue  # another server's encrypted reasoning: nothing a template can render
         elif kind == "tool_result" and role == "user":
             results.append(api_pb2.ChatMessage(
                 role="tool", tool_call_id=_str(block, "tool_use_id", at),
@@ -206,7 +210,8 @@ def _turn(role: str, content: object, where: str) -> list[api_pb2.ChatMessage]:
             texts.append(_text([block], at.rsplit("[", 1)[0], first=j))
     out = results
     if texts or not results:
-        msg = api_pb2.ChatMessage(role=role, content="\n".join(texts))
+        msg = api_pb2.ChatMessage(role=role, content="\n".join(texts),
+                                  reasoning="\n".join(thinking))
         msg.tool_calls.extend(calls)
         out = out + [msg]
     return out
@@ -318,9 +323,10 @@ def usage_body(u: api_pb2.Usage) -> dict:
 class Message:
     """One request's answer as the router streams it: a message, or its stream events.
 
-    Content blocks: the text first (index 0, opened at the start of the stream), then one
-    `tool_use` block per call, each sent whole: start, its input as one `input_json_delta`,
-    stop."""
+    Content blocks in the order the answer made them: the model's reasoning as a `thinking`
+    block (its signature empty: kvbank signs nothing, and takes the block back unchecked),
+    the text, then one `tool_use` block per call, each sent whole: start, its input as one
+    `input_json_delta`, stop. The first block opens with the stream."""
 
     model: str
     # What the client asked for; when the router lowered it to the room the prompt left in
@@ -329,14 +335,19 @@ class Message:
     asked_max_tokens: int = 0
     id: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
     text: list[str] = field(default_factory=list)
+    thinking: list[str] = field(default_factory=list)
     tool_calls: list[api_pb2.ToolCall] = field(default_factory=list)
     stop_reason: str | None = None
     stop_sequence: str | None = None
     usage: dict | None = None
+    _open: tuple[int, str] | None = None  # the streamed block still open: (index, type)
+    _blocks: int = 0                      # blocks streamed so far
 
     def add(self, msg: api_pb2.GenerateResponse) -> None:
         if msg.text:
             self.text.append(msg.text)
+        if msg.reasoning:
+            self.thinking.append(msg.reasoning)
         self.tool_calls.extend(msg.tool_calls)
         if msg.HasField("usage"):
             self.usage = usage_body(msg.usage)
@@ -353,43 +364,69 @@ class Message:
 
     def body(self) -> dict:
         text = "".join(self.text)
-        content = [{"type": "text", "text": text}] if text or not self.tool_calls else []
+        content = ([{"type": "thinking", "thinking": "".join(self.thinking), "signature": ""}]
+                   if self.thinking else [])
+        content += ([{"type": "text", "text": text}]
+                    if text or not (self.tool_calls or self.thinking) else [])
         content += [_tool_use_block(c) for c in self.tool_calls]
         return self._message(content, self.usage)
 
-    def opening(self) -> list[dict]:
-        """The events before the first text: the usage is not known yet (kvbank counts the
-        prompt and what it restored as it runs); message_delta carries all of it."""
+    def opening(self, first: api_pb2.GenerateResponse | None = None) -> list[dict]:
+        """The events before the first delta: the usage is not known yet (kvbank counts the
+        prompt and what it restored as it runs); message_delta carries all of it. `first`,
+        the router's first message, says whether the answer opens with reasoning."""
+        kind = "thinking" if first is not None and first.reasoning else "text"
         return [_event("message_start", message=self._message([], dict(ZERO_USAGE))),
-                _event("content_block_start", index=0,
-                       content_block={"type": "text", "text": ""}),
-                _event("ping")]
+                *self._switch(kind), _event("ping")]
 
     def events(self, msg: api_pb2.GenerateResponse) -> list[dict]:
-        """The events one router message becomes (a text delta; tool_use blocks; the end)."""
-        calls_before = len(self.tool_calls)
+        """The events one router message becomes (thinking and text deltas; tool_use blocks;
+        the end)."""
         self.add(msg)
         out = []
+        if msg.reasoning:
+            out += self._switch("thinking")
+            out.append(_event("content_block_delta", index=self._open[0],
+                              delta={"type": "thinking_delta", "thinking": msg.reasoning}))
         if msg.text:
-            out.append(_event("content_block_delta", index=0,
+            out += self._switch("text")
+            out.append(_event("content_block_delta", index=self._open[0],
                               delta={"type": "text_delta", "text": msg.text}))
-        for i, call in enumerate(msg.tool_calls, start=calls_before + 1):
-            if i == 1:
-                out.append(_event("content_block_stop", index=0))
+        for call in msg.tool_calls:
+            out += self._switch(None)
             block = _tool_use_block(call)
+            i, self._blocks = self._blocks, self._blocks + 1
             out += [_event("content_block_start", index=i, content_block={**block, "input": {}}),
                     _event("content_block_delta", index=i,
                            delta={"type": "input_json_delta",
                                   "partial_json": json.dumps(block["input"])}),
                     _event("content_block_stop", index=i)]
         if msg.HasField("usage"):
-            if not self.tool_calls:
-                out.append(_event("content_block_stop", index=0))
+            out += self._switch(None)
             out += [_event("message_delta",
                            delta={"stop_reason": self.stop_reason,
                                   "stop_sequence": self.stop_sequence},
                            usage=self.usage),
                     _event("message_stop")]
+        return out
+
+    def _switch(self, kind: str | None) -> list[dict]:
+        """Close the open block unless it is of `kind`; open one of `kind` (None: none)."""
+        if self._open is not None and self._open[1] == kind:
+            return []
+        out = []
+        if self._open is not None:
+            i, was = self._open
+            if was == "thinking":
+                out.append(_event("content_block_delta", index=i,
+                                  delta={"type": "signature_delta", "signature": ""}))
+            out.append(_event("content_block_stop", index=i))
+            self._open = None
+        if kind is not None:
+            self._open, self._blocks = (self._blocks, kind), self._blocks + 1
+            block = ({"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking"
+                     else {"type": "text", "text": ""})
+            out.append(_event("content_block_start", index=self._open[0], content_block=block))
         return out
 
     def _message(self, content: list, usage: dict | None) -> dict:

@@ -2,7 +2,9 @@
 
 A tool call arrives parsed (the worker ran the model's tool parser) and goes out whole, in
 one delta per call: `index`, `id`, `type`, the function's name and all of its arguments, which
-is how OpenAI's own stream opens a call and what the SDKs' stream helpers accumulate.
+is how OpenAI's own stream opens a call and what the SDKs' stream helpers accumulate. The
+model's reasoning, split off by the worker, is the message's `reasoning_content` (as vLLM,
+SGLang and DeepSeek's API name it) and present only when there is some.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Answer:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     tool_calls: list[api_pb2.ToolCall] = field(default_factory=list)
     logprobs: list[api_pb2.TokenLogprob] | None = None  # None: not asked for
     finish_reason: str | None = None
@@ -60,6 +63,8 @@ class Answer:
     def add(self, msg: api_pb2.GenerateResponse) -> None:
         if msg.text:
             self.text.append(msg.text)
+        if msg.reasoning:
+            self.reasoning.append(msg.reasoning)
         self.tool_calls.extend(msg.tool_calls)
         if msg.logprobs:
             self.logprobs = (self.logprobs or []) + list(msg.logprobs)
@@ -72,6 +77,8 @@ class Answer:
         if self.kind == "chat":
             message = {"role": "assistant", "content": text or (None if self.tool_calls else ""),
                        "refusal": None}
+            if self.reasoning:
+                message["reasoning_content"] = "".join(self.reasoning)
             if self.tool_calls:
                 message["tool_calls"] = [tool_call_body(c) for c in self.tool_calls]
             choice = {"index": 0, "message": message}
@@ -93,6 +100,8 @@ class Answer:
         calls_before = len(self.tool_calls)
         self.add(msg)
         out = []
+        if msg.reasoning and self.kind == "chat":
+            out.append(self._chunk({"reasoning_content": msg.reasoning}, None))
         if msg.text or msg.logprobs:
             logprobs = self._logprobs(list(msg.logprobs)) if msg.logprobs else None
             delta = {"content": msg.text} if self.kind == "chat" else msg.text

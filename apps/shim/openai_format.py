@@ -125,6 +125,9 @@ def parse(kind: str, body: object, *, session_header: str | None,
     _sampling_controls(kind, body, req.sampling)
     if kind == "chat":
         _tools(body, req.chat)
+        thinking = _thinking_switch(body)
+        if thinking is not None:
+            req.enable_thinking = thinking
     _response_format(body, req)
     stream = bool(_optional(body, "stream", bool, "true or false"))
     options = _optional(body, "stream_options", dict, "an object") or {}
@@ -136,6 +139,34 @@ def parse(kind: str, body: object, *, session_header: str | None,
                        code="request_too_large", retry=False)
     return OpenAIRequest(kind, req, stream, bool(include_usage),
                          fit_max_tokens=max_tokens is None)
+
+
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def reasoning_switch(effort: object, param: str) -> bool | None:
+    """A reasoning effort as the chat template's reasoning switch (`enable_thinking`): off
+    for "none", on for any other; None (the template's default) when absent. A template
+    without a switch ignores it, and no effort bounds the reasoning's length (max_tokens
+    does)."""
+    if effort is not None and effort not in EFFORTS:
+        raise invalid(param, f"{param} must be one of {', '.join(EFFORTS)}; given {effort!r}")
+    return None if effort is None else effort != "none"
+
+
+def _thinking_switch(body: dict) -> bool | None:
+    """`chat_template_kwargs.enable_thinking` (vLLM's and SGLang's spelling), else
+    `reasoning_effort`. No other template keyword is taken: the template is the model's."""
+    kwargs = _optional(body, "chat_template_kwargs", dict, "an object") or {}
+    other = sorted(k for k in kwargs if k != "enable_thinking")
+    if other:
+        raise invalid(f"chat_template_kwargs.{other[0]}",
+                      f"chat_template_kwargs.{other[0]} is not supported: chat_template_kwargs "
+                      f"takes enable_thinking only")
+    switch = _optional(kwargs, "enable_thinking", bool, "true or false",
+                       param="chat_template_kwargs.enable_thinking")
+    effort = reasoning_switch(body.get("reasoning_effort"), "reasoning_effort")
+    return switch if switch is not None else effort
 
 
 def parse_render(kind: str, body: object, *, session_header: str | None) -> OpenAIRequest:
@@ -157,7 +188,6 @@ REFUSED = {
     "audio": "audio output is not supported (kvbank serves a text model)",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
-    "reasoning_effort": "reasoning effort is not supported (the model does not reason apart)",
 }
 
 
@@ -210,6 +240,9 @@ def _messages(body: dict) -> list[api_pb2.ChatMessage]:
         msg = api_pb2.ChatMessage(role=ROLES[role], content=_content(m.get("content"), where))
         if role == "assistant":
             msg.tool_calls.extend(_tool_calls(m.get("tool_calls"), where))
+            # what this server (or another) answered as reasoning, sent back with the turn
+            msg.reasoning = next((r for key in ("reasoning_content", "reasoning")
+                                  if isinstance(r := m.get(key), str)), "")
         if role == "tool":
             msg.tool_call_id = _optional(m, "tool_call_id", str, "a string",
                                          param=f"{where}.tool_call_id") or ""

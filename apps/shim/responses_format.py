@@ -23,16 +23,15 @@ import uuid
 from dataclasses import dataclass, field
 
 from apps.shim.openai_answer import usage_body as openai_usage
-from apps.shim.openai_format import OpenAIRequest, invalid, parse as parse_chat
+from apps.shim.openai_format import OpenAIRequest, invalid, parse as parse_chat, reasoning_switch
 from kvbank.v1 import api_pb2
 
 # Handled here: each becomes a chat-completions field, or is read below.
 FIELDS = ("model", "input", "instructions", "tools", "tool_choice", "max_output_tokens",
-          "temperature", "top_p", "text", "stream", "prompt_cache_key", "user")
+          "temperature", "top_p", "text", "stream", "prompt_cache_key", "user", "reasoning")
 # Accepted, and without effect: nothing is stored (store), no background runs, and these
 # describe OpenAI's service or its bookkeeping, not the answer's tokens.
-NO_EFFECT = ("store", "metadata", "parallel_tool_calls", "include", "truncation", "reasoning",
-             "service_tier", "background", "safety_identifier", "prompt_cache_retention",
+NO_EFFECT = ("store", "metadata", "parallel_tool_calls", "include", "truncation", "service_tier", "background", "safety_identifier", "prompt_cache_retention",
              "stream_options", "top_logprobs")
 CUSTOM_ARG = "input"
 
@@ -75,9 +74,21 @@ def parse(body: object, *, session_header: str | None, default_max_tokens: int
     name = session_header or body.get("prompt_cache_key") or None
     echo = {k: body.get(k) for k in ("instructions", "max_output_tokens", "temperature",
                                      "top_p", "tool_choice", "tools", "metadata")}
-    return ResponsesRequest(parse_chat("chat", chat, session_header=name,
-                                       default_max_tokens=default_max_tokens),
-                            frozenset(custom), echo)
+    parsed = parse_chat("chat", chat, session_header=name, default_max_tokens=default_max_tokens)
+    thinking = _reasoning(body.get("reasoning"))
+    if thinking is not None:
+        parsed.generate.enable_thinking = thinking
+    return ResponsesRequest(parsed, frozenset(custom), echo)
+
+
+def _reasoning(value: object) -> bool | None:
+    """`reasoning.effort` as the template's reasoning switch (`reasoning_switch`). `summary`
+    is accepted: the reasoning comes back whole, as a reasoning item."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise invalid("reasoning", f"reasoning must be an object; given {type(value).__name__}")
+    return reasoning_switch(value.get("effort"), "reasoning.effort")
 
 
 def _text(content, where: str) -> str:
@@ -116,8 +127,12 @@ def _messages(instructions, items, custom: set[str]) -> list[dict]:
             if role not in ("system", "user", "assistant"):
                 raise invalid(f"{where}.role", f"{where}.role must be user, assistant, system "
                                                f"or developer; given {item.get('role')!r}")
-            out.append({"role": role, "content": _text(item.get("content", ""),
-                                                       f"{where}.content")})
+            content = _text(item.get("content", ""), f"{where}.content")
+            if role == "assistant" and out and out[-1].get("pending_reasoning"):
+                out[-1]["content"] = content  # the answer its reasoning item came before
+                del out[-1]["pending_reasoning"]
+            else:
+                out.append({"role": role, "content": content})
         elif kind in ("function_call", "custom_tool_call"):
             args = (item.get("arguments", "{}") if kind == "function_call"
                     else json.dumps({CUSTOM_ARG: item.get("input", "")}))
@@ -125,19 +140,25 @@ def _messages(instructions, items, custom: set[str]) -> list[dict]:
                     "function": {"name": item.get("name"), "arguments": args}}
             if not out or out[-1]["role"] != "assistant":
                 out.append({"role": "assistant", "content": ""})
+            out[-1].pop("pending_reasoning", None)
             out[-1].setdefault("tool_calls", []).append(call)
         elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output", "")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"),
                         "content": output if isinstance(output, str)
                         else _text(output, f"{where}.output")})
-        elif kind == "reasoning":
-            continue  # the template renders no earlier reasoning
+        elif kind == "reasoning":  # the next answer's reasoning, for the template to render
+            parts = item.get("content") or item.get("summary") or []
+            text = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            out.append({"role": "assistant", "content": "", "reasoning_content": text,
+                        "pending_reasoning": True})
         else:
             raise invalid(f"{where}.type", f"{where}.type {kind!r} is not supported: kvbank "
                                            f"takes message, function_call, "
                                            f"function_call_output, custom_tool_call, "
                                            f"custom_tool_call_output and reasoning items")
+    for m in out:
+        m.pop("pending_reasoning", None)
     return out
 
 
@@ -204,10 +225,19 @@ def usage_body(u: api_pb2.Usage) -> dict:
             "kvbank": openai_usage(u)["kvbank"]}
 
 
+_PART = {"message": "output_text", "reasoning": "reasoning_text"}
+
+
+def _part(kind: str) -> dict:
+    return ({"type": "output_text", "text": "", "annotations": []} if kind == "message"
+            else {"type": "reasoning_text", "text": ""})
+
+
 @dataclass
 class ResponseAnswer:
     """One request's answer: the response object, or its stream of events. Output items in
-    the order they came: a message for the text, one item per tool call."""
+    the order they came: a reasoning item for the model's reasoning, a message for the
+    text, one item per tool call."""
 
     model: str
     custom_tools: frozenset[str]
@@ -236,34 +266,21 @@ class ResponseAnswer:
     def add(self, msg: api_pb2.GenerateResponse) -> None:
         self.events(msg)
 
-    def opening(self) -> list[dict]:
+    def opening(self, first: api_pb2.GenerateResponse | None = None) -> list[dict]:
         return [self._event("response.created", response=self.body()),
                 self._event("response.in_progress", response=self.body())]
 
     def events(self, msg: api_pb2.GenerateResponse) -> list[dict]:
         out = []
+        if msg.reasoning:
+            out += self._delta("reasoning", msg.reasoning)
         if msg.text:
-            item = self.items[-1] if self.items and self.items[-1]["type"] == "message" else None
-            if item is None:
-                item = {"type": "message", "id": "msg_" + uuid.uuid4().hex,
-                        "status": "in_progress", "role": "assistant", "content": []}
-                self.items.append(item)
-                out.append(self._event("response.output_item.added",
-                                       output_index=len(self.items) - 1, item=dict(item)))
-                item["content"].append({"type": "output_text", "text": "", "annotations": []})
-                out.append(self._event("response.content_part.added", item_id=item["id"],
-                                       output_index=len(self.items) - 1, content_index=0,
-                                       part={"type": "output_text", "text": "",
-                                             "annotations": []}))
-            item["content"][0]["text"] += msg.text
-            out.append(self._event("response.output_text.delta", item_id=item["id"],
-                                   output_index=len(self.items) - 1, content_index=0,
-                                   delta=msg.text))
+            out += self._delta("message", msg.text)
         for call in msg.tool_calls:
-            out += self._close_message()
+            out += self._close_open()
             out += self._tool_call(call)
         if msg.HasField("usage"):
-            out += self._close_message()
+            out += self._close_open()
             self.usage = usage_body(msg.usage)
             self.status = "completed"
             if msg.finish_reason == api_pb2.FINISH_REASON_LENGTH:
@@ -273,15 +290,40 @@ class ResponseAnswer:
             out.append(self._event("response.completed", response=self.body()))
         return out
 
-    def _close_message(self) -> list[dict]:
-        if not self.items or self.items[-1]["type"] != "message" \
+    def _delta(self, kind: str, text: str) -> list[dict]:
+        """`text` added to the open item of `kind` ("message" or "reasoning"), which opens
+        (closing the one before) if the answer has just turned to it."""
+        out = []
+        last = self.items[-1] if self.items else None
+        if last is None or last["type"] != kind or last["status"] == "completed":
+            out += self._close_open()
+            if kind == "message":
+                last = {"type": "message", "id": "msg_" + uuid.uuid4().hex,
+                        "status": "in_progress", "role": "assistant", "content": []}
+            else:
+                last = {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "summary": [],
+                        "status": "in_progress", "content": []}
+            self.items.append(last)
+            i = len(self.items) - 1
+            out.append(self._event("response.output_item.added", output_index=i, item=last))
+            last["content"].append(_part(kind))
+            out.append(self._event("response.content_part.added", item_id=last["id"],
+                                   output_index=i, content_index=0, part=_part(kind)))
+        last["content"][0]["text"] += text
+        out.append(self._event(f"response.{_PART[kind]}.delta", item_id=last["id"],
+                               output_index=len(self.items) - 1, content_index=0, delta=text))
+        return out
+
+    def _close_open(self) -> list[dict]:
+        """The end of the message or reasoning item still open, if one is."""
+        if not self.items or self.items[-1]["type"] not in _PART \
                 or self.items[-1]["status"] == "completed":
             return []
         item, i = self.items[-1], len(self.items) - 1
         item["status"] = "completed"
         part = item["content"][0]
-        return [self._event("response.output_text.done", item_id=item["id"], output_index=i,
-                            content_index=0, text=part["text"]),
+        return [self._event(f"response.{_PART[item['type']]}.done", item_id=item["id"],
+                            output_index=i, content_index=0, text=part["text"]),
                 self._event("response.content_part.done", item_id=item["id"], output_index=i,
                             content_index=0, part=part),
                 self._event("response.output_item.done", output_index=i, item=item)]

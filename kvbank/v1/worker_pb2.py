@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvbank.v1 import api_pb2 as kvbank_dot_v1_dot_api__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvbank/v1/worker.proto\x12\tkvbank.v1\x1a\x13kvbank/v1/api.proto\"\xcc\x02\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvbank.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x10\n\x08no_cache\x18\x06 \x01(\x08\x12\x13\n\x0breceived_at\x18\x07 \x01(\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x0e\n\x06tenant\x18\t \x01(\t\x12\x12\n\ntools_json\x18\n \x01(\t\x12\x13\n\x0btool_choice\x18\x0b \x01(\t\x12\x32\n\x0fresponse_format\x18\x0c \x01(\x0b\x32\x19.kvbank.v1.ResponseFormat\x12\x15\n\rcheckpoint_at\x18\r \x03(\r\"\xf5\x01\n\x16WorkerGenerateResponse\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.kvbank.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.kvbank.v1.Usage\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.kvbank.v1.TokenLogprob\x12\'\n\ntool_calls\x18\x06 \x03(\x0b\x32\x13.kvbank.v1.ToolCall\x12\x15\n\rstop_sequence\x18\x07 \x01(\t\"\r\n\x0bInfoRequest\"\xe8\x03\n\x0cInfoResponse\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x03 \x01(\r\x12\x1a\n\x12kv_bytes_per_token\x18\x04 \x01(\x04\x12\x14\n\x0c\x62lock_tokens\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x11\n\tscheduler\x18\x07 \x01(\t\x12\x1b\n\x13max_active_requests\x18\x08 \x01(\r\x12\x1b\n\x13memory_budget_bytes\x18\t \x01(\x04\x12\x13\n\x0b\x66ixed_bytes\x18\n \x01(\x04\x12\x16\n\x0emax_fit_tokens\x18\x0b \x01(\x04\x12\x1c\n\x14prefill_chunk_tokens\x18\x0c \x01(\x04\x12\x1c\n\x14transient_base_bytes\x18\r \x01(\x04\x12#\n\x1btransient_per_context_token\x18\x0e \x01(\x01\x12\x13\n\x0btool_parser\x18\x0f \x01(\t\x12\x17\n\x0ftool_call_start\x18\x10 \x01(\t\x12\x15\n\rtool_call_end\x18\x11 \x01(\t\x12\x14\n\x0c\x63heckpointed\x18\x12 \x01(\x08\x12\x14\n\x0c\x63\x61\x63he_layout\x18\x13 \x01(\t\"1\n\x0cProbeRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"7\n\rProbeResponse\x12\x12\n\nram_tokens\x18\x01 \x01(\r\x12\x12\n\nssd_tokens\x18\x02 \x01(\r\"H\n\x0fPrefetchRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"\x13\n\x11WorkerLoadRequest\"c\n\x12WorkerLoadResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x04\x12\x19\n\x11kv_capacity_bytes\x18\x04 \x01(\x04\x32\xfd\x06\n\x06Worker\x12Q\n\x08Generate\x12 .kvbank.v1.WorkerGenerateRequest\x1a!.kvbank.v1.WorkerGenerateResponse0\x01\x12:\n\x05Probe\x12\x17.kvbank.v1.ProbeRequest\x1a\x18.kvbank.v1.ProbeResponse\x12\x43\n\x08Prefetch\x12\x1a.kvbank.v1.PrefetchRequest\x1a\x1b.kvbank.v1.PrefetchResponse\x12\x43\n\x04Load\x12\x1c.kvbank.v1.WorkerLoadRequest\x1a\x1d.kvbank.v1.WorkerLoadResponse\x12\x37\n\x04Info\x12\x16.kvbank.v1.InfoRequest\x1a\x17.kvbank.v1.InfoResponse\x12O\n\x0cListSessions\x12\x1e.kvbank.v1.ListSessionsRequest\x1a\x1f.kvbank.v1.ListSessionsResponse\x12>\n\nGetSession\x12\x1c.kvbank.v1.GetSessionRequest\x1a\x12.kvbank.v1.Session\x12R\n\rDeleteSession\x12\x1f.kvbank.v1.DeleteSessionRequest\x1a .kvbank.v1.DeleteSessionResponse\x12@\n\x07Release\x12\x19.kvbank.v1.ReleaseRequest\x1a\x1a.kvbank.v1.ReleaseResponse\x12\x46\n\x0bSetPressure\x12\x1a.kvbank.v1.PressureRequest\x1a\x1b.kvbank.v1.PressureResponse\x12\x37\n\x04Trim\x12\x16.kvbank.v1.TrimRequest\x1a\x17.kvbank.v1.TrimResponse\x12:\n\x05\x46lush\x12\x17.kvbank.v1.FlushRequest\x1a\x18.kvbank.v1.FlushResponse\x12=\n\x06Status\x12\x18.kvbank.v1.StatusRequest\x1a\x19.kvbank.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvbank/v1/worker.proto\x12\tkvbank.v1\x1a\x13kvbank/v1/api.proto\"\xe5\x02\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvbank.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x10\n\x08no_cache\x18\x06 \x01(\x08\x12\x13\n\x0breceived_at\x18\x07 \x01(\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x0e\n\x06tenant\x18\t \x01(\t\x12\x12\n\ntools_json\x18\n \x01(\t\x12\x13\n\x0btool_choice\x18\x0b \x01(\t\x12\x32\n\x0fresponse_format\x18\x0c \x01(\x0b\x32\x19.kvbank.v1.ResponseFormat\x12\x15\n\rcheckpoint_at\x18\r \x03(\r\x12\x17\n\x0fsplit_reasoning\x18\x0e \x01(\x08\"\x88\x02\n\x16WorkerGenerateResponse\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.kvbank.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.kvbank.v1.Usage\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.kvbank.v1.TokenLogprob\x12\'\n\ntool_calls\x18\x06 \x03(\x0b\x32\x13.kvbank.v1.ToolCall\x12\x15\n\rstop_sequence\x18\x07 \x01(\t\x12\x11\n\treasoning\x18\x08 \x01(\t\"\r\n\x0bInfoRequest\"\xe8\x03\n\x0cInfoResponse\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x03 \x01(\r\x12\x1a\n\x12kv_bytes_per_token\x18\x04 \x01(\x04\x12\x14\n\x0c\x62lock_tokens\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x11\n\tscheduler\x18\x07 \x01(\t\x12\x1b\n\x13max_active_requests\x18\x08 \x01(\r\x12\x1b\n\x13memory_budget_bytes\x18\t \x01(\x04\x12\x13\n\x0b\x66ixed_bytes\x18\n \x01(\x04\x12\x16\n\x0emax_fit_tokens\x18\x0b \x01(\x04\x12\x1c\n\x14prefill_chunk_tokens\x18\x0c \x01(\x04\x12\x1c\n\x14transient_base_bytes\x18\r \x01(\x04\x12#\n\x1btransient_per_context_token\x18\x0e \x01(\x01\x12\x13\n\x0btool_parser\x18\x0f \x01(\t\x12\x17\n\x0ftool_call_start\x18\x10 \x01(\t\x12\x15\n\rtool_call_end\x18\x11 \x01(\t\x12\x14\n\x0c\x63heckpointed\x18\x12 \x01(\x08\x12\x14\n\x0c\x63\x61\x63he_layout\x18\x13 \x01(\t\"1\n\x0cProbeRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"7\n\rProbeResponse\x12\x12\n\nram_tokens\x18\x01 \x01(\r\x12\x12\n\nssd_tokens\x18\x02 \x01(\r\"H\n\x0fPrefetchRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"\x13\n\x11WorkerLoadRequest\"c\n\x12WorkerLoadResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x04\x12\x19\n\x11kv_capacity_bytes\x18\x04 \x01(\x04\x32\xfd\x06\n\x06Worker\x12Q\n\x08Generate\x12 .kvbank.v1.WorkerGenerateRequest\x1a!.kvbank.v1.WorkerGenerateResponse0\x01\x12:\n\x05Probe\x12\x17.kvbank.v1.ProbeRequest\x1a\x18.kvbank.v1.ProbeResponse\x12\x43\n\x08Prefetch\x12\x1a.kvbank.v1.PrefetchRequest\x1a\x1b.kvbank.v1.PrefetchResponse\x12\x43\n\x04Load\x12\x1c.kvbank.v1.WorkerLoadRequest\x1a\x1d.kvbank.v1.WorkerLoadResponse\x12\x37\n\x04Info\x12\x16.kvbank.v1.InfoRequest\x1a\x17.kvbank.v1.InfoResponse\x12O\n\x0cListSessions\x12\x1e.kvbank.v1.ListSessionsRequest\x1a\x1f.kvbank.v1.ListSessionsResponse\x12>\n\nGetSession\x12\x1c.kvbank.v1.GetSessionRequest\x1a\x12.kvbank.v1.Session\x12R\n\rDeleteSession\x12\x1f.kvbank.v1.DeleteSessionRequest\x1a .kvbank.v1.DeleteSessionResponse\x12@\n\x07Release\x12\x19.kvbank.v1.ReleaseRequest\x1a\x1a.kvbank.v1.ReleaseResponse\x12\x46\n\x0bSetPressure\x12\x1a.kvbank.v1.PressureRequest\x1a\x1b.kvbank.v1.PressureResponse\x12\x37\n\x04Trim\x12\x16.kvbank.v1.TrimRequest\x1a\x17.kvbank.v1.TrimResponse\x12:\n\x05\x46lush\x12\x17.kvbank.v1.FlushRequest\x1a\x18.kvbank.v1.FlushResponse\x12=\n\x06Status\x12\x18.kvbank.v1.StatusRequest\x1a\x19.kvbank.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvbank.v1.worker_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERGENERATEREQUEST']._serialized_start=59
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=391
-  _globals['_WORKERGENERATERESPONSE']._serialized_start=394
-  _globals['_WORKERGENERATERESPONSE']._serialized_end=639
-  _globals['_INFOREQUEST']._serialized_start=641
-  _globals['_INFOREQUEST']._serialized_end=654
-  _globals['_INFORESPONSE']._serialized_start=657
-  _globals['_INFORESPONSE']._serialized_end=1145
-  _globals['_PROBEREQUEST']._serialized_start=1147
-  _globals['_PROBEREQUEST']._serialized_end=1196
-  _globals['_PROBERESPONSE']._serialized_start=1198
-  _globals['_PROBERESPONSE']._serialized_end=1253
-  _globals['_PREFETCHREQUEST']._serialized_start=1255
-  _globals['_PREFETCHREQUEST']._serialized_end=1327
-  _globals['_WORKERLOADREQUEST']._serialized_start=1329
-  _globals['_WORKERLOADREQUEST']._serialized_end=1348
-  _globals['_WORKERLOADRESPONSE']._serialized_start=1350
-  _globals['_WORKERLOADRESPONSE']._serialized_end=1449
-  _globals['_WORKER']._serialized_start=1452
-  _globals['_WORKER']._serialized_end=2345
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=416
+  _globals['_WORKERGENERATERESPONSE']._serialized_start=419
+  _globals['_WORKERGENERATERESPONSE']._serialized_end=683
+  _globals['_INFOREQUEST']._serialized_start=685
+  _globals['_INFOREQUEST']._serialized_end=698
+  _globals['_INFORESPONSE']._serialized_start=701
+  _globals['_INFORESPONSE']._serialized_end=1189
+  _globals['_PROBEREQUEST']._serialized_start=1191
+  _globals['_PROBEREQUEST']._serialized_end=1240
+  _globals['_PROBERESPONSE']._serialized_start=1242
+  _globals['_PROBERESPONSE']._serialized_end=1297
+  _globals['_PREFETCHREQUEST']._serialized_start=1299
+  _globals['_PREFETCHREQUEST']._serialized_end=1371
+  _globals['_WORKERLOADREQUEST']._serialized_start=1373
+  _globals['_WORKERLOADREQUEST']._serialized_end=1392
+  _globals['_WORKERLOADRESPONSE']._serialized_start=1394
+  _globals['_WORKERLOADRESPONSE']._serialized_end=1493
+  _globals['_WORKER']._serialized_start=1496
+  _globals['_WORKER']._serialized_end=2389
 # @@protoc_insertion_point(module_scope)

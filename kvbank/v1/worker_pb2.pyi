@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "token_ids", "sampling", "max_tokens", "no_cache", "received_at", "stop", "tenant", "tools_json", "tool_choice", "response_format", "checkpoint_at")
+    __slots__ = ("request_id", "session_id", "token_ids", "sampling", "max_tokens", "no_cache", "received_at", "stop", "tenant", "tools_json", "tool_choice", "response_format", "checkpoint_at", "split_reasoning")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class WorkerGenerateRequest(_message.Message):
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_AT_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_REASONING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -35,10 +36,11 @@ class WorkerGenerateRequest(_message.Message):
     tool_choice: str
     response_format: _api_pb2.ResponseFormat
     checkpoint_at: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., no_cache: _Optional[bool] = ..., received_at: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., tenant: _Optional[str] = ..., tools_json: _Optional[str] = ..., tool_choice: _Optional[str] = ..., response_format: _Optional[_Union[_api_pb2.ResponseFormat, _Mapping]] = ..., checkpoint_at: _Optional[_Iterable[int]] = ...) -> None: ...
+    split_reasoning: bool
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., no_cache: _Optional[bool] = ..., received_at: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., tenant: _Optional[str] = ..., tools_json: _Optional[str] = ..., tool_choice: _Optional[str] = ..., response_format: _Optional[_Union[_api_pb2.ResponseFormat, _Mapping]] = ..., checkpoint_at: _Optional[_Iterable[int]] = ..., split_reasoning: _Optional[bool] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "usage", "logprobs", "tool_calls", "stop_sequence")
+    __slots__ = ("text", "token_ids", "finish_reason", "usage", "logprobs", "tool_calls", "stop_sequence", "reasoning")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +48,7 @@ class WorkerGenerateResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     STOP_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _api_pb2.FinishReason
@@ -53,7 +56,8 @@ class WorkerGenerateResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[_api_pb2.TokenLogprob]
     tool_calls: _containers.RepeatedCompositeFieldContainer[_api_pb2.ToolCall]
     stop_sequence: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_api_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_api_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_api_pb2.TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[_api_pb2.ToolCall, _Mapping]]] = ..., stop_sequence: _Optional[str] = ...) -> None: ...
+    reasoning: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_api_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_api_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_api_pb2.TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[_api_pb2.ToolCall, _Mapping]]] = ..., stop_sequence: _Optional[str] = ..., reasoning: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
