@@ -351,6 +351,7 @@ class Engine:
         if receipt.decision == Decision.WAIT:
             return Start.WAIT_MEMORY
         reports.log_admission(self._admissions, req, session, receipt)
+        job.emit(worker_pb2.WorkerGenerateResponse())  # admitted: a client's stream may open
         info = self.conversations.get(session)
         self.prefetcher.started(session)
         self.bank.begin_request(session)

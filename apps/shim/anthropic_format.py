@@ -371,13 +371,13 @@ class Message:
         content += [_tool_use_block(c) for c in self.tool_calls]
         return self._message(content, self.usage)
 
-    def opening(self, first: api_pb2.GenerateResponse | None = None) -> list[dict]:
-        """The events before the first delta: the usage is not known yet (kvbank counts the
-        prompt and what it restored as it runs); message_delta carries all of it. `first`,
-        the router's first message, says whether the answer opens with reasoning."""
-        kind = "thinking" if first is not None and first.reasoning else "text"
-        return [_event("message_start", message=self._message([], dict(ZERO_USAGE))),
-                *self._switch(kind), _event("ping")]
+    def opening(self) -> list[dict]:
+        """The stream's start, sent once the worker admits the request: the usage is not
+        known yet (kvbank counts the prompt and what it restored as it runs); message_delta
+        carries all of it. The first block opens with the first delta, when its kind is
+        known, and a `ping` follows it; while the prompt is read, the stream's keep-alive
+        comments hold the connection."""
+        return [_event("message_start", message=self._message([], dict(ZERO_USAGE)))]
 
     def events(self, msg: api_pb2.GenerateResponse) -> list[dict]:
         """The events one router message becomes (thinking and text deltas; tool_use blocks;
@@ -411,10 +411,13 @@ class Message:
         return out
 
     def _switch(self, kind: str | None) -> list[dict]:
-        """Close the open block unless it is of `kind`; open one of `kind` (None: none)."""
+        """Close the open block unless it is of `kind`; open one of `kind` (None: none). An
+        answer's content opens with a block, text if nothing else came first."""
         if self._open is not None and self._open[1] == kind:
             return []
         out = []
+        if not self._blocks and kind is None:
+            out += self._switch("text")
         if self._open is not None:
             i, was = self._open
             if was == "thinking":
@@ -427,6 +430,8 @@ class Message:
             block = ({"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking"
                      else {"type": "text", "text": ""})
             out.append(_event("content_block_start", index=self._open[0], content_block=block))
+            if self._blocks == 1:
+                out.append(_event("ping"))
         return out
 
     def _message(self, content: list, usage: dict | None) -> dict:

@@ -266,7 +266,7 @@ class ResponseAnswer:
     def add(self, msg: api_pb2.GenerateResponse) -> None:
         self.events(msg)
 
-    def opening(self, first: api_pb2.GenerateResponse | None = None) -> list[dict]:
+    def opening(self) -> list[dict]:
         return [self._event("response.created", response=self.body()),
                 self._event("response.in_progress", response=self.body())]
 

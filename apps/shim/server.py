@@ -458,7 +458,7 @@ async def _typed_events(call, msg, answer, error_event):
     `data: {"type": TYPE, ...}`; a failure once the stream has started is an error event
     (`error_event(e)`) that ends it."""
     try:
-        for event in answer.opening(msg):
+        for event in answer.opening():
             yield _sse(event)
         while msg is not grpc.aio.EOF:
             for event in answer.events(msg):
