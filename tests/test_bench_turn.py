@@ -45,6 +45,29 @@ def test_bench_turn_reports_the_floor_and_the_ratios_to_it(tiny_model, monkeypat
             assert 0 < split["first_token"] <= ttft
             assert abs(sum(split.values()) - ttft) < 0.002
     assert out["ram_forward_vs_floor"] > 0
+    assert out["checkpoints"] == {}  # full attention: a restore stands anywhere
+
+
+def test_a_hybrid_models_checkpoints_are_reported_from_the_banks_ledger(
+        tmp_path, monkeypatch, cache_dir):
+    """qwen3_5 (recurrent state + full attention): the conversation holds checkpoints in the
+    bank (its end's at least, at most --max-checkpoints) and its first returning turn adds
+    some (where its prompt and its answer end)."""
+    from kvbank.tiny import make_arch_model
+
+    monkeypatch.setenv("KVBANK_CACHE_DIR", str(cache_dir))
+    model = make_arch_model(tmp_path / "qwen3_5", "qwen3_5", seed=2, context=2048,
+                            cache_dir=cache_dir)
+    out = run(model=str(model), tokens=300, block_tokens=16, repeats=1)
+    ck = out["checkpoints"]
+    assert out["cached_tokens_ram"] >= 300 and out["cache_source_ssd"] == "ssd"
+    assert ck["checkpoint_bytes"] > 0 and ck["kv_bytes_per_token"] > 0
+    assert 1 <= ck["per_conversation"] <= 8
+    assert ck["per_conversation"] == round(ck["per_conversation_bytes"] / ck["checkpoint_bytes"], 2)
+    assert ck["first_turn_added"] >= 1
+    big = ck["qwen36_27b"]
+    assert big["per_conversation_bytes"] == round(ck["per_conversation_bytes"]
+                                                  / ck["checkpoint_bytes"] * big["checkpoint_bytes"])
 
 
 def test_a_conversation_longer_than_the_context_is_refused_before_anything_starts(

@@ -13,6 +13,10 @@ not absolute seconds, are what carry across machines. Each turn's TTFT is split 
 `kvbank_worker_stage_seconds` (`stages_*_s`): waiting, restore, the first token
 (`ram_forward_vs_floor` compares it with the floor), and what lies outside the worker (router,
 gRPC, client).
+
+A model with window or recurrent caches also reports its checkpoints (`checkpoints`): one's
+bytes, what the conversation holds in the bank and what its first returning turn added, read
+from the bank's own ledger, and the same counts at Qwen3.6-27B's size.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ logger = logging.getLogger(__name__)
 SESSION = "bench-turn"
 TURN_TOKENS = 16
 SETTLE_S = 0.5  # between one side's forward and the other's: idle BLAS threads spin a while
+# Qwen3.6-27B in bf16: one checkpoint of its 48 Gated DeltaNet layers (llama.cpp logs 149.626
+# MiB for it), and the KV per token of its 16 full-attention layers (4 KV heads of 256).
+QWEN36_27B_CHECKPOINT_BYTES = int(149.626 * 2**20)
+QWEN36_27B_KV_BYTES_PER_TOKEN = 16 * 2 * 4 * 256 * 2
 
 
 def _tokens(rng: np.random.Generator, n: int) -> list[int]:
@@ -138,6 +146,29 @@ def _paired_ratio(seconds: list[float], floors: list[float]) -> float:
     return float(np.median([t / f for t, f in zip(seconds, floors)]))
 
 
+def _checkpoints(kinds, held: list) -> dict:
+    """Checkpoint bytes from the bank's ledger (a session's RAM bytes less its KV) in the bank
+    after the build (`held[0]`) and after the first returning turn (`held[1]`)."""
+    per_token, one, _ = kinds.measure()
+
+    def in_bank(s) -> int:
+        return max(0, s.ram_bytes - s.token_count * per_token)
+
+    conversation, before = in_bank(held[1]), in_bank(held[0])
+    count, added = conversation / one, (conversation - before) / one
+    return {
+        "checkpoint_bytes": one, "kv_bytes_per_token": per_token,
+        "per_conversation_bytes": conversation, "per_conversation": round(count, 2),
+        "first_turn_added_bytes": conversation - before, "first_turn_added": round(added, 2),
+        "tokens": held[1].token_count,
+        "qwen36_27b": {  # the same counts at Qwen3.6-27B's size (bf16)
+            "checkpoint_bytes": QWEN36_27B_CHECKPOINT_BYTES,
+            "per_conversation_bytes": round(count * QWEN36_27B_CHECKPOINT_BYTES),
+            "first_turn_added_bytes": round(added * QWEN36_27B_CHECKPOINT_BYTES),
+            "kv_bytes_at_tokens": held[1].token_count * QWEN36_27B_KV_BYTES_PER_TOKEN},
+    }
+
+
 def longest_fit(model_dir: Path, repeats: int) -> int:
     """The longest `--tokens` the model's context holds: the conversation grows by a turn of
     TURN_TOKENS and a one-token answer twice per repeat, after its own one-token answer."""
@@ -194,16 +225,20 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
                     floor_warm.append(floor.sample())
 
                 stack.wait_durable(SESSION, timeout_s=600)
+                held = [c.get_session(SESSION)]  # the bank's bytes for it: before, after a turn
                 for _ in range(repeats):
                     new = _tokens(rng, TURN_TOKENS)
                     paired(c.get_session(SESSION).token_count, ram, floor_ram, stages_ram,
                            lambda: c.generate(session_id=SESSION, token_ids=new, append=True,
                                               max_tokens=1).usage)
+                    if len(held) == 1:
+                        held.append(c.get_session(SESSION))
                     c.release(SESSION)
                     prompt = list(c.get_session(SESSION).token_ids) + _tokens(rng, TURN_TOKENS)
                     paired(len(prompt) - TURN_TOKENS, ssd, floor_ssd, stages_ssd,
                            lambda: c.generate(session_id=SESSION, token_ids=prompt,
                                               max_tokens=1).usage)
+                checkpoints = _checkpoints(floor.kinds, held) if floor.kinds.checkpointed else {}
                 del floor
                 cold = c.generate(token_ids=prompt, max_tokens=1, no_cache=True).usage
         finally:
@@ -245,4 +280,5 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
         "stages_ssd_all_s": stages_ssd,
         "ram_forward_vs_floor": round(_paired_ratio(
             [s["first_token"] for s in stages_ram], floor_ram), 2),
+        "checkpoints": checkpoints,
     }
