@@ -21,6 +21,8 @@ worker sends a `Request` whose `op` is one of:
                    (empty: not stored)
     ping           Ping             -> Reply{ping: PingReply}: store stats, worker state, the
                    queued jobs, staged and written bytes, budgets
+    drop_blocks    DropBlocks{ids}  blocks a restore found corrupt: deleted, every record
+                   naming one cut short of it (a `retired`, reason corrupt_block, for each)
 A request with `req` > 0 is answered with a `Reply` carrying that number; one that fails (a
 header that does not parse included) is answered `Reply{ok: false, error}` and the loop goes
 on. Block ids and roots travel as bytes.
@@ -28,8 +30,9 @@ To the worker, unasked (each a `Message`):
     progress       Progress{job, tenant, session_id, durable_tokens}
     done           Done{job, outcome, tenant, session_id, durable_tokens, error, reason,
                    taken_back, by?}   (outcome: kvbank.contracts.vocabulary.Outcome)
-    retired        Retired{tenant, session_id, reason, removed, at}   a record was retired
-                   (`anonymous_ttl`, `store_cap`); also an event in the event log
+    retired        Retired{tenant, session_id, reason, removed, at, durable_tokens}   a
+                   record was retired (`anonymous_ttl`, `store_cap`) or cut short of a corrupt
+                   block (`corrupt_block`); also an event in the event log
 """
 
 from __future__ import annotations
@@ -103,13 +106,16 @@ class ColdstoreServer:
         """Each retirement: an event, a metric, and word to the worker (its list of sessions)."""
         for m in metas:
             gone = "record" if is_anonymous(m.session_id) else "kv"
+            kept = 0
+            if reason == "corrupt_block":  # the record stays, short of the block
+                gone, kept = "kv", m.durable_tokens
             events.emit("conversation_retired", tenant=m.tenant, session_id=m.session_id,
                         reason=reason, removed=gone, tokens=m.token_count,
                         durable_tokens=m.durable_tokens, updated_at=m.updated_at)
             metrics.CS_RETIRED.labels(reason).inc()
             self._send(WORKER_PEER, pb.Message(retired=pb.Retired(
                 tenant=m.tenant, session_id=m.session_id, reason=reason, removed=gone,
-                at=time.time())))
+                at=time.time(), durable_tokens=kept)))
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -232,6 +238,15 @@ class ColdstoreServer:
                                                    get_blocks=pb.BlocksFollow())),
                    [p if p is not None else b"" for p in payloads])
         return None
+
+    def _op_drop_blocks(self, peer, req, drop: pb.DropBlocks, frames):
+        """Blocks a restore found corrupt: deleted, and the records naming them cut short."""
+        for bid in drop.ids:
+            cut = self.store.drop_block(BlockId(bid))
+            logger.error("block %s failed its checksum: deleted; %d records keep what comes "
+                         "before it", bytes(bid).hex(), len(cut))
+            self._retired(cut, "corrupt_block")
+        return pb.Reply(req=req, ok=True) if req else None
 
     def _op_put_session(self, peer, req, put: pb.PutSession, frames):
         if len(frames) != 1:

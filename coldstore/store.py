@@ -174,6 +174,34 @@ class ColdStore(StoreReader):
             retired.append(meta)
         return retired
 
+    def drop_block(self, block_id: BlockId) -> list[SessionMeta]:
+        """A block that failed its checksum goes, in one transaction: every record naming it
+        keeps only the blocks before it, and the block's value is deleted whatever its count
+        says. Returns those records as they are now. A rare event: records are scanned."""
+        hexid = bytes(block_id).hex()
+
+        def fn(txn):
+            cut = []
+            for _, raw in txn.cursor(db=self._db[b"sessions"]):
+                meta = SessionMeta.from_json(bytes(raw))
+                if hexid in meta.blocks:
+                    self._truncate_blocks(txn, meta, meta.blocks.index(hexid) * meta.block_tokens)
+                elif meta.tail == hexid:
+                    self._truncate_blocks(txn, meta, len(meta.blocks) * meta.block_tokens)
+                else:
+                    continue
+                txn.put(session_key(meta.tenant, meta.session_id), meta.to_json(),
+                        db=self._db[b"sessions"])
+                cut.append(meta)
+            old = txn.get(block_id, db=self._db[b"blocks"])
+            if old is not None:
+                self._add_block_bytes(txn, -len(old))
+                txn.delete(block_id, db=self._db[b"blocks"])
+            txn.delete(block_id, db=self._db[b"refs"])
+            return cut
+
+        return self._write(fn)
+
     def expire_anonymous(self, before: float) -> list[SessionMeta]:
         """Delete the anonymous conversations last used before `before` (unix s)."""
         expired = [m for m in self.list_sessions()

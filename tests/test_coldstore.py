@@ -334,6 +334,30 @@ def test_blocks_shared_by_two_sessions_are_stored_once(start):
     assert st["blocks"] == 0 and st["sessions"] == 0, f"after deleting both: {st}"
 
 
+def test_a_corrupt_block_shared_by_two_sessions_is_dropped_from_both(start):
+    """DropBlocks (a restore found the block's checksum wrong): the block goes, and each
+    record that names it keeps only what comes before it; the others' blocks stay."""
+    _, link = start()
+    prefix_t, prefix_kv = tokens(3 * B, seed=1), make_kv(3 * B, seed=1)
+    a_t = np.concatenate([prefix_t, tokens(B + 5, seed=2)])
+    b_t = np.concatenate([prefix_t, tokens(7, seed=3)])
+    link.turn("a", a_t, concat_kv(prefix_kv, make_kv(B + 5, seed=2)))
+    link.turn("b", b_t, concat_kv(prefix_kv, make_kv(7, seed=3)))
+    link.set_busy(False)
+    link.wait_durable("a", len(a_t))
+    link.wait_durable("b", len(b_t))
+    shared = [bid.hex() for bid in chain_block_ids(prefix_t, root_for(TENANT), B)]
+
+    link.client.send(drop_blocks=pb.DropBlocks(ids=[bytes.fromhex(shared[1])]))
+    wait_until(lambda: len(link.disk.record("a")[0].blocks) == 1
+               and len(link.disk.record("b")[0].blocks) == 1, "both records cut short")
+    for name in ("a", "b"):
+        meta = link.disk.record(name)[0]
+        assert meta.blocks == shared[:1] and meta.tail is None and meta.durable_tokens == B
+    st = link.disk.stats()
+    assert st["blocks"] == 1 and st["sessions"] == 2, st  # the first shared block alone
+
+
 # -- 2. a second turn writes only what is new ----------------------------------------------------
 
 def test_second_turn_writes_only_its_new_blocks(start):

@@ -118,3 +118,62 @@ def test_a_slow_disk_makes_a_release_give_up_at_its_deadline(tiny_model, tmp_pat
             assert t.usage["completion_tokens"] > 0
     finally:
         s.stop()
+
+
+def test_a_block_corrupted_on_disk_is_recomputed_deleted_and_written_again(
+        tiny_model, tmp_path, cache_dir):
+    """One byte of a stored block flips while the stack is stopped (a disk's fault). The next
+    turn restores the blocks before it, recomputes from it and answers as from scratch; the
+    coldstore deletes the block and cuts the record short of it; the turn's write-behind
+    writes the conversation whole again, so the store verifies clean."""
+    import httpx
+    import lmdb
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from apps.store_verify import verify
+    from kvbank.contracts.store_layout import StoreReader
+
+    data = tmp_path / "data"
+    s = start_stack(tiny_model, data, cache_dir=cache_dir, shim=False)
+    try:
+        with s.client() as c:
+            _turn(c, "flip", 80, seed=5)
+            s.wait_durable("flip")
+    finally:
+        s.stop()
+    reader = StoreReader(s.layout.store_dir, readonly=True)
+    meta, _ = reader.get_session("", "flip")
+    reader.close()
+    bad = bytes.fromhex(meta.blocks[2])
+    env = lmdb.open(str(s.layout.store_dir), max_dbs=8)
+    with env.begin(write=True) as txn:
+        db = env.open_db(b"blocks", txn=txn)
+        raw = bytearray(txn.get(bad, db=db))
+        raw[-5] ^= 0x40
+        txn.put(bad, bytes(raw), db=db)
+    env.close()
+    assert verify(s.layout)["blocks_corrupt"] == 1
+
+    s = start_stack(tiny_model, data, cache_dir=cache_dir, shim=False)
+    try:
+        with s.client() as c:
+            t = _turn(c, "flip", 8, seed=6)
+            assert (t.usage["cache_source"], t.usage["cached_tokens"]) == ("ssd", 32)
+            prompt = list(c.get_session("flip").token_ids)[:-len(t.token_ids)]
+            scratch = c.generate(token_ids=prompt, max_tokens=4, no_cache=True)
+            assert t.token_ids == scratch.token_ids
+            text = httpx.get(s.metrics_url("worker"), timeout=10).text
+            [corrupt] = [m.value for f in text_string_to_metric_families(text)
+                         for m in f.samples if m.name == "kvbank_corrupt_blocks_total"]
+            assert corrupt == 1
+            done = s.wait_durable("flip")
+            assert done.durable_tokens == done.token_count
+        events = [json.loads(line) for line in s.layout.events_path.read_text().splitlines()]
+        assert any(e["kind"] == "kv_corrupt_block" and e["block_id"] == bad.hex()
+                   for e in events)
+        assert any(e["kind"] == "conversation_retired" and e["reason"] == "corrupt_block"
+                   for e in events)
+    finally:
+        s.stop()
+    report = verify(s.layout)
+    assert report["blocks_corrupt"] == 0 and bad.hex() not in report["corrupt"]

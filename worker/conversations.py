@@ -99,9 +99,10 @@ class Conversations:
             return True
         return False
 
-    def retired(self, key: SessionKey, removed: str, at: float) -> bool:
-        """The coldstore retired this conversation's KV (an anonymous one's whole record). A
-        turn committed since then keeps it. True when the record changed."""
+    def retired(self, key: SessionKey, removed: str, at: float, kept: int = 0) -> bool:
+        """The coldstore retired this conversation's KV (an anonymous one's whole record), or
+        all of it past `kept` tokens (a corrupt block). A turn committed since then keeps it.
+        True when the record changed."""
         info = self.records.get(key)
         if info is None or info.updated_at > at:
             return False
@@ -109,5 +110,5 @@ class Conversations:
             self.lineages.drop(key)
             self.set(key, None)
         else:
-            self.set(key, replace(info, durable_tokens=0))
+            self.set(key, replace(info, durable_tokens=min(kept, info.durable_tokens)))
         return True

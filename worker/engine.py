@@ -545,8 +545,8 @@ class Engine:
         if kind == "retired":
             r = msg.retired
             key = (r.tenant, r.session_id)
-            if self.conversations.retired(key, r.removed, r.at):
-                self.bank.mark_durable(key, 0, lowered=True)
+            if self.conversations.retired(key, r.removed, r.at, r.durable_tokens):
+                self.bank.mark_durable(key, r.durable_tokens, lowered=True)
                 self._ssd_changed(key)
                 logger.info("the coldstore retired %s (%s)", r.session_id, r.reason)
             return

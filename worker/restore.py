@@ -10,6 +10,7 @@ import numpy as np
 
 from kvbank import events, metrics
 from kvbank.blocks import BlockId, CorruptBlock, decode_header, tail_block_id
+from kvbank.contracts import coldstore_wire as wire
 from kvbank.contracts.store_layout import StoreReader
 from kvbank.v1 import api_pb2
 from worker import kv
@@ -131,7 +132,9 @@ class Restorer:
                             block_id=bytes(want[e.index]).hex() if e.index is not None else "",
                             error=str(e))
                 logger.error("session %s: a stored block failed its check (%s); what follows "
-                             "it is recomputed", session[1], e)
+                             "it is recomputed, and the coldstore deletes it", session[1], e)
+                if self.client is not None and e.index is not None:
+                    self.client.send(drop_blocks=wire.pb.DropBlocks(ids=[bytes(want[e.index])]))
                 if not e.index:
                     return None
                 want = want[:e.index]

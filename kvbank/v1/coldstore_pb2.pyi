@@ -29,7 +29,7 @@ OUTCOME_STALE: Outcome
 OUTCOME_UNKNOWN_JOB: Outcome
 
 class Request(_message.Message):
-    __slots__ = ("req", "put_session", "delete_session", "write", "payload", "promote", "cancel", "get_blocks", "ping")
+    __slots__ = ("req", "put_session", "delete_session", "write", "payload", "promote", "cancel", "get_blocks", "ping", "drop_blocks")
     REQ_FIELD_NUMBER: _ClassVar[int]
     PUT_SESSION_FIELD_NUMBER: _ClassVar[int]
     DELETE_SESSION_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class Request(_message.Message):
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     GET_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
+    DROP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     req: int
     put_session: PutSession
     delete_session: DeleteSession
@@ -48,7 +49,8 @@ class Request(_message.Message):
     cancel: Cancel
     get_blocks: GetBlocks
     ping: Ping
-    def __init__(self, req: _Optional[int] = ..., put_session: _Optional[_Union[PutSession, _Mapping]] = ..., delete_session: _Optional[_Union[DeleteSession, _Mapping]] = ..., write: _Optional[_Union[Write, _Mapping]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., promote: _Optional[_Union[Promote, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., get_blocks: _Optional[_Union[GetBlocks, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ...) -> None: ...
+    drop_blocks: DropBlocks
+    def __init__(self, req: _Optional[int] = ..., put_session: _Optional[_Union[PutSession, _Mapping]] = ..., delete_session: _Optional[_Union[DeleteSession, _Mapping]] = ..., write: _Optional[_Union[Write, _Mapping]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., promote: _Optional[_Union[Promote, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., get_blocks: _Optional[_Union[GetBlocks, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., drop_blocks: _Optional[_Union[DropBlocks, _Mapping]] = ...) -> None: ...
 
 class PutSession(_message.Message):
     __slots__ = ("tenant", "session_id", "block_tokens")
@@ -119,6 +121,12 @@ class Cancel(_message.Message):
     def __init__(self, job: _Optional[int] = ...) -> None: ...
 
 class GetBlocks(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, ids: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DropBlocks(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[bytes]
@@ -243,15 +251,17 @@ class Done(_message.Message):
     def __init__(self, job: _Optional[int] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., tenant: _Optional[str] = ..., session_id: _Optional[str] = ..., durable_tokens: _Optional[int] = ..., error: _Optional[str] = ..., reason: _Optional[str] = ..., taken_back: _Optional[bool] = ..., by: _Optional[int] = ...) -> None: ...
 
 class Retired(_message.Message):
-    __slots__ = ("tenant", "session_id", "reason", "removed", "at")
+    __slots__ = ("tenant", "session_id", "reason", "removed", "at", "durable_tokens")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     session_id: str
     reason: str
     removed: str
     at: float
-    def __init__(self, tenant: _Optional[str] = ..., session_id: _Optional[str] = ..., reason: _Optional[str] = ..., removed: _Optional[str] = ..., at: _Optional[float] = ...) -> None: ...
+    durable_tokens: int
+    def __init__(self, tenant: _Optional[str] = ..., session_id: _Optional[str] = ..., reason: _Optional[str] = ..., removed: _Optional[str] = ..., at: _Optional[float] = ..., durable_tokens: _Optional[int] = ...) -> None: ...
