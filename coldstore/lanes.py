@@ -16,8 +16,10 @@ holds it back for `tail_delay_s`: an agent's quick turns then write each token's
 at once for a write-out.
 
 A job's payloads stream in behind its header, so its first block is committed while the rest
-are still in transit; a job is picked only when its next block's payload is here. One whose
-payloads stop arriving for `payload_stall_s` (its sender died) is ended, not kept forever.
+are still in transit; a job is picked only when its next block's payload is here. The worker
+sends the next payloads as blocks commit (a few blocks ahead, never the whole entry), so a job
+waits for its sender only once everything it received is committed; one that has waited
+`payload_stall_s` since then (its sender died) is ended, not kept forever.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class WriteJob:
     written_blocks: int = 0
     durable_tokens: int = 0
     in_transit: int = 0  # the last blocks, whose payloads have not arrived yet
-    payload_at: float = 0.0  # when payloads last arrived
+    payload_at: float = 0.0  # when payloads last arrived, or a block last committed
     taken_back: bool = False  # a write-out that failed: the blocks it committed were undone
 
     @property
@@ -132,7 +134,10 @@ class Lanes:
                 and now - job.dirty_since < self.tail_delay_s)
 
     def stalled(self, job: WriteJob, now: float) -> bool:
-        return bool(job.in_transit) and now - job.payload_at >= self.payload_stall_s
+        """Its next block's payload is missing, and nothing arrived or was committed for
+        `payload_stall_s`."""
+        return (bool(job.in_transit) and bool(job.blocks) and job.blocks[0].payload is None
+                and now - job.payload_at >= self.payload_stall_s)
 
     def _actionable(self, job: WriteJob, now: float) -> bool:
         """Its next block is here, or it is finished, past its deadline, or stalled."""

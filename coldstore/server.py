@@ -369,6 +369,7 @@ class ColdstoreServer:
         metrics.CS_WRITTEN.inc(self.store.last_written_bytes)
         job.written_blocks += 1
         job.durable_tokens = meta.durable_tokens
+        job.payload_at = now  # its sender sends the next payloads on this progress
         self._send(job.peer, pb.Message(progress=pb.Progress(
             job=job.job_id, tenant=job.tenant, session_id=job.session_id,
             durable_tokens=meta.durable_tokens)))

@@ -164,14 +164,25 @@ def encode_block(header: BlockHeader, arrays: Sequence[np.ndarray | None]) -> by
         at += a.nbytes
     if at != len(out):
         raise ValueError(f"bug: arrays of {at} bytes for a header of {len(out)}")
+    return bytearray(_head(header, checksum(out))) + out
+
+
+def encoded_nbytes(header: BlockHeader) -> int:
+    """The size `encode_block` will give, known before any array is copied (a write announces
+    each block's size and streams the payloads behind)."""
+    return len(_head(header, 0)) + header.data_nbytes
+
+
+def _head(header: BlockHeader, digest: int) -> bytes:
+    """Magic, length and JSON header, padded so the data starts aligned."""
     meta = json.dumps({
         "dtype": header.dtype, "n_tokens": header.n_tokens, "layout": header.layout,
         "kv": [[list(k), list(v)] for k, v in header.kv_shapes],
         "state": [None if s is None else [s[0], list(s[1])] for s in header.state],
-        "xxh3": f"{checksum(out):016x}",  # fixed width: equal blocks have equal sizes
+        "xxh3": f"{digest:016x}",  # fixed width: equal blocks have equal sizes
     }).encode()
     pad = (-(len(_MAGIC) + 4 + len(meta))) % _ALIGN
-    return bytearray(_MAGIC + struct.pack("<I", len(meta) + pad) + meta + b" " * pad) + out
+    return _MAGIC + struct.pack("<I", len(meta) + pad) + meta + b" " * pad
 
 
 def decode_header(buf: bytes | memoryview) -> tuple[BlockHeader, int]:

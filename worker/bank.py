@@ -70,6 +70,7 @@ class BankEntry:
     write_job: int | None = None  # id of its queued coldstore write, if any
     write_pending: bool = False  # its write must be sent again (refused, lost, no record)
     prefetched: bool = False  # brought from SSD on a hint, not used since: the first to go
+    in_bank: bool = False  # in the bank's ledger now (not taken over by a request, not gone)
 
     @property
     def n_tokens(self) -> int:
@@ -196,6 +197,7 @@ class SessionBank:
 
     def _add(self, e: BankEntry) -> None:
         self.entries[e.key] = e
+        e.in_bank = True
         self.total_nbytes += e.nbytes
         self._by_session.setdefault(e.session, set()).add(e.key)
         for bid in self._index_keys(e):
@@ -205,6 +207,7 @@ class SessionBank:
 
     def _remove(self, e: BankEntry, *, announce: bool = True) -> None:
         del self.entries[e.key]
+        e.in_bank = False
         self.total_nbytes -= e.nbytes
         keys = self._by_session[e.session]
         keys.discard(e.key)

@@ -30,6 +30,7 @@ import xxhash
 from mlx_lm.models.cache import KVCache
 
 from kvbank.blocks import (BlockHeader, CorruptBlock, decode_block, decode_header, encode_block,
+                           encoded_nbytes,
                            kv_data_end as data_end)
 from kvbank.blocks import decode_state as decode_state_views
 
@@ -126,13 +127,24 @@ def encode_views(views: list[tuple[np.ndarray, np.ndarray]], dtype: str, start: 
     conversation concatenate by appending bytes: a restore makes one contiguous copy."""
     parts = [(k[0, :, start:end, :].transpose(1, 0, 2), v[0, :, start:end, :].transpose(1, 0, 2))
              for k, v in views]
-    state = state or []
-    header = BlockHeader(dtype=dtype, n_tokens=end - start, layout=layout,
-                         kv_shapes=tuple((tuple(k.shape), tuple(v.shape)) for k, v in parts),
-                         state=tuple(None if s is None else (s[0], tuple(s[1].shape))
-                                     for s in state))
-    arrays = [a for pair in parts for a in pair] + [None if s is None else s[1] for s in state]
-    return encode_block(header, arrays)
+    arrays = [a for pair in parts for a in pair] + [None if s is None else s[1]
+                                                    for s in state or []]
+    return encode_block(_header(parts, dtype, end - start, layout, state), arrays)
+
+
+def encoded_views_nbytes(views: list[tuple[np.ndarray, np.ndarray]], dtype: str, start: int,
+                         end: int, *, layout: str = "", state: StateViews | None = None) -> int:
+    """`len(encode_views(...))` from the shapes alone: nothing is copied."""
+    parts = [(k[0, :, start:end, :].transpose(1, 0, 2), v[0, :, start:end, :].transpose(1, 0, 2))
+             for k, v in views]
+    return encoded_nbytes(_header(parts, dtype, end - start, layout, state))
+
+
+def _header(parts, dtype: str, n_tokens: int, layout: str, state) -> BlockHeader:
+    return BlockHeader(dtype=dtype, n_tokens=n_tokens, layout=layout,
+                       kv_shapes=tuple((tuple(k.shape), tuple(v.shape)) for k, v in parts),
+                       state=tuple(None if s is None else (s[0], tuple(s[1].shape))
+                                   for s in state or []))
 
 
 def dtype_name(layers: Layers) -> str:

@@ -136,24 +136,33 @@ class ColdstoreClient:
         self._post(pb.Request(**op), frames)
 
     def send_write(self, write: pb.Write, payloads: Sequence) -> None:
-        """A write job, its payloads streamed: each block's `nbytes` is set from its payload,
-        the first block's payload rides with the header and the rest follow in `payload`
-        messages of about STREAM_CHUNK_BYTES, so the coldstore commits the first block while
-        the others are still in transit."""
-        if len(payloads) != len(write.blocks):
+        """A write job, its payloads streamed: the first block's payload rides with the header
+        and the rest follow in `payload` messages of about STREAM_CHUNK_BYTES, so the
+        coldstore commits the first block while the others are still in transit. With a
+        payload for every block, each block's `nbytes` is set from it; with fewer, the blocks
+        announce their sizes already and the rest come later (`send_payloads`)."""
+        if len(payloads) > len(write.blocks) or not payloads:
             raise ValueError(f"{len(payloads)} payloads for {len(write.blocks)} blocks")
-        for block, payload in zip(write.blocks, payloads):
-            block.nbytes = len(payload)
+        if len(payloads) == len(write.blocks):
+            for block, payload in zip(write.blocks, payloads):
+                block.nbytes = len(payload)
+        elif not all(b.HasField("nbytes") for b in write.blocks):
+            raise ValueError("a write that streams its payloads later announces their sizes")
         self.send(write=write, frames=payloads[:1])
+        self.send_payloads(write.job, payloads[1:])
+
+    def send_payloads(self, job: int, payloads: Sequence) -> None:
+        """The next blocks' payloads of a write job, in order, in messages of about
+        STREAM_CHUNK_BYTES."""
         chunk, size = [], 0
-        for payload in payloads[1:]:
+        for payload in payloads:
             chunk.append(payload)
             size += len(payload)
             if size >= STREAM_CHUNK_BYTES:
-                self.send(payload=pb.Payload(job=write.job), frames=chunk)
+                self.send(payload=pb.Payload(job=job), frames=chunk)
                 chunk, size = [], 0
         if chunk:
-            self.send(payload=pb.Payload(job=write.job), frames=chunk)
+            self.send(payload=pb.Payload(job=job), frames=chunk)
 
     def set_busy(self, busy: bool) -> None:
         """One thread's (the engine's): whether it is computing; the I/O thread publishes it."""

@@ -1,6 +1,13 @@
 """Hands bank entries' KV to the coldstore: write-behind after each turn, write-out before a
 release. The worker's side of a write job; the coldstore's is coldstore/lanes.py.
 
+A write streams: the coldstore is handed a job's header (every block's id and size) and the
+payloads of its first blocks, up to `window_bytes`; each block it commits (`progress`) lets
+the next ones go. A write's extra memory is that window, whatever the entry's size, and views
+of the entry's arrays live only while a batch of blocks is encoded. A stream goes on while its
+entry is in the bank: an entry a request took over (its next turn) stops its stream, and that
+turn's commit writes on from the durable extent.
+
 The writer's state belongs to one thread, its owner (the engine thread in the worker; a
 test's own thread in a rig). Two other threads only post to its `inbox`: the coldstore link's
 I/O thread (acknowledgements: progress, done, retired) and the `kv-encode` thread (a job's
@@ -20,12 +27,13 @@ from typing import Callable
 from kvbank.blocks import tail_block_id
 from kvbank.contracts import coldstore_wire as wire
 from kvbank.contracts.vocabulary import FAILED_OUTCOMES, Outcome
-from worker.kv import dtype_name, encode_views, layer_views
+from worker.kv import dtype_name, encode_views, encoded_views_nbytes, layer_views
 from worker.link import ColdstoreClient
 
 logger = logging.getLogger(__name__)
 
 RELEASE_WRITE_OUT_MAX_S = 30.0
+STREAM_WINDOW_BYTES = 64 << 20  # a job's blocks sent and not yet committed (at least one)
 _KEEP_OUTCOMES = 4096  # finished jobs remembered (a write-out may ask after its job ended)
 
 
@@ -34,6 +42,19 @@ def default_staging_max_bytes() -> int:
     import psutil
 
     return min(1 << 30, psutil.virtual_memory().total // 10)
+
+
+@dataclass(slots=True)
+class _Stream:
+    """A write job's blocks still to send (the owner's): `ranges` [start, end) and encoded
+    `sizes` of every block, the first `sent` of them handed to the kv-encode thread."""
+
+    entry: object  # worker/bank.py BankEntry
+    write: object  # its pb.Write header
+    ranges: list[tuple[int, int]]
+    sizes: list[int]
+    sent: int = 0
+    committed: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,12 +87,15 @@ class KVWriter:
 
     def __init__(self, client: ColdstoreClient, *, block_tokens: int, root_for,
                  kinds=None, staging_max_bytes: int | None = None,
+                 window_bytes: int = STREAM_WINDOW_BYTES,
                  on_message: Callable[[object], None] = lambda msg: None,
                  wake: Callable[[], None] = lambda: None):
         self.client = client
         self.kinds = kinds  # worker/cache_kinds.py (None: full-attention caches only)
         self.staging_max_bytes = staging_max_bytes or default_staging_max_bytes()
         self.staging_deferred = 0  # hand-overs put off because staging was at its cap
+        self.window_bytes = window_bytes
+        self._streams: dict[int, _Stream] = {}  # jobs with blocks still to send
         self.block_tokens = block_tokens
         self.root_for = root_for
         self.on_message = on_message  # the owner's handler for each coldstore message, after ours
@@ -154,9 +178,11 @@ class KVWriter:
         if kind == "progress":
             p = msg.progress
             self._job_durable[p.job] = max(self._job_durable.get(p.job, 0), p.durable_tokens)
+            self._advance(p.job, p.durable_tokens)
         elif kind == "done":
             d = msg.done
             self._staged.pop(d.job, None)
+            self._streams.pop(d.job, None)
             self._outcome[d.job] = wire.outcome_of(d)
             if d.HasField("by"):
                 self._superseded_by[d.job] = d.by
@@ -191,7 +217,7 @@ class KVWriter:
         n = entry.n_tokens
         if start >= n:
             return None
-        estimate = (n - start) * entry.nbytes // n  # staged until its blocks are encoded
+        estimate = min((n - start) * entry.nbytes // n, self.window_bytes)  # in the window
         if give_up_at is None and not self.has_room(estimate):
             self.staging_deferred += 1
             entry.write_pending = True
@@ -201,37 +227,92 @@ class KVWriter:
         root = self.root_for(entry.session[0])
         write = wire.pb.Write(tenant=entry.session[0], session_id=entry.session[1],
                               root=bytes(root), dirty_since=time.time())
-        ranges = []
-        for s in range(start, n, B):
-            e = min(s + B, n)
+        ranges = [(s, min(s + B, n)) for s in range(start, n, B)]
+        views, dtype = layer_views(entry.layers), dtype_name(entry.layers)
+        sizes = [encoded_views_nbytes(views, dtype, s, e, layout=self._layout(),
+                                      state=self._state(entry, e)) for s, e in ranges]
+        del views
+        for (s, e), size in zip(ranges, sizes):
             if e - s == B:
-                write.blocks.add(id=bytes(entry.block_ids[s // B]), start=s)
+                write.blocks.add(id=bytes(entry.block_ids[s // B]), start=s, nbytes=size)
             else:
                 parent = entry.block_ids[s // B - 1] if s else root
                 write.blocks.add(id=bytes(tail_block_id(parent, entry.tokens[s:e])), start=s,
-                                 tail=True)
-            ranges.append((s, e))
+                                 tail=True, nbytes=size)
         if give_up_at is not None:
             write.give_up_at = give_up_at
-        views, dtype = layer_views(entry.layers), dtype_name(entry.layers)
-        # A checkpoint standing where a block ends goes into that block.
-        states = ({e: self.kinds.checkpoint_views(entry.checkpoints[e])
-                   for _, e in ranges if e in entry.checkpoints} if self.kinds else {})
-        layout = self.kinds.layout if self.kinds else ""
         job = write.job = self.client.next_id()
         entry.write_job = job
         entry.write_pending = False
         self._staged[job] = estimate
         self._unsent.add(job)
+        self._streams[job] = _Stream(entry, write, ranges, sizes)
+        self._feed(job)
+        return job
+
+    def _layout(self) -> str:
+        return self.kinds.layout if self.kinds else ""
+
+    def _state(self, entry, end: int):
+        """The checkpoint standing where a block ends goes into that block."""
+        if self.kinds is None or end not in entry.checkpoints:
+            return None
+        return self.kinds.checkpoint_views(entry.checkpoints[end])
+
+    def _advance(self, job: int, durable_tokens: int) -> None:
+        """The coldstore committed up to `durable_tokens`: the stream's next blocks may go;
+        or, its entry no longer in the bank (a request took it over), the stream stops."""
+        stream = self._streams.get(job)
+        if stream is None:
+            return
+        while (stream.committed < stream.sent
+               and stream.ranges[stream.committed][1] <= durable_tokens):
+            stream.committed += 1
+        if stream.sent == len(stream.ranges):
+            del self._streams[job]
+        elif not stream.entry.in_bank:
+            self._stop(job, stream.entry)
+        else:
+            self._feed(job)
+
+    def _stop(self, job: int, entry) -> None:
+        """A stream whose entry left the bank: the job ends here (its committed blocks
+        stay); an entry given back later is sent again (`write_pending`)."""
+        del self._streams[job]
+        self._send(cancel=wire.pb.Cancel(job=job))
+        self._staged.pop(job, None)
+        if entry.write_job == job:
+            entry.write_job = None
+            entry.write_pending = not entry.durable
+
+    def _feed(self, job: int) -> None:
+        """Hand the kv-encode thread the stream's next blocks, as many as the window holds
+        beside those sent and not yet committed (one at least)."""
+        st = self._streams[job]
+        in_flight = sum(st.sizes[st.committed:st.sent])
+        first, end = st.sent, st.sent
+        while end < len(st.ranges) and (end == st.committed
+                                        or in_flight + st.sizes[end] <= self.window_bytes):
+            in_flight += st.sizes[end]
+            end += 1
+        if end == first:
+            return
+        st.sent = end
+        ranges = st.ranges[first:end]
+        views, dtype, layout = layer_views(st.entry.layers), dtype_name(st.entry.layers), self._layout()
+        states = {e: self._state(st.entry, e) for _, e in ranges}
+        write = st.write if first == 0 else None
 
         def send() -> None:
-            frames = [encode_views(views, dtype, s, e, layout=layout, state=states.get(e))
+            frames = [encode_views(views, dtype, s, e, layout=layout, state=states[e])
                       for s, e in ranges]
+            if write is None:
+                self.client.send_payloads(job, frames)
+                return
             self.deliver(Encoded(job, sum(len(f) for f in frames)))
             self.client.send_write(write, frames)
 
         self._outbox.put(send)
-        return job
 
     def write_ahead(self, entry, give_up_at: float) -> bool:
         """The entry's queued write goes now, not at a quiet window or its deadline: a
@@ -248,9 +329,11 @@ class KVWriter:
         return True
 
     def forget_lost_jobs(self, live: set[int]) -> None:
-        """Jobs the coldstore no longer holds (it restarted) stop counting as staged."""
+        """Jobs the coldstore no longer holds (it restarted) stop counting as staged, and
+        stop streaming."""
         for job in [j for j in self._staged if j not in live and j not in self._unsent]:
             self._staged.pop(job)
+            self._streams.pop(job, None)
 
     def write_out(self, entry, give_up_at: float) -> Outcome:
         """Write the entry now, by `give_up_at` (unix s): written | deadline | refused | error."""
@@ -296,4 +379,5 @@ class KVWriter:
         if entry.write_job is not None:
             self._send(cancel=wire.pb.Cancel(job=entry.write_job))
             self._staged.pop(entry.write_job, None)
+            self._streams.pop(entry.write_job, None)
             entry.write_job = None
