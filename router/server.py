@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 
 import grpc
+from jinja2.exceptions import TemplateError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -30,7 +31,7 @@ from kvbank.contracts.failures import (RELAYED_METADATA, ContextTooLong, KvbankE
                                       WorkerUnavailable, grpc_status)
 from router.admission import AdmissionQueue, Ceilings, check_ceilings, worker_pricing
 from router.auth import tenant_for
-from router.tokenizer import AnswerTokens, PromptTokenizer, answer_key
+from router.tokenizer import AnswerTokens, PromptTokenizer, answer_key, lift_system
 from router.validation import InvalidRequest, ValidRequest, validate
 
 logger = logging.getLogger(__name__)
@@ -150,13 +151,21 @@ class Backend:
         tok = self.tokenizer
         tools = list(v.tools) or None
         if v.kind == "chat":
-            if v.append:
-                new = tok.chat_append(history, list(v.messages), set(info.eos_token_ids),
-                                      tools=tools, template=v.template)
-            else:
-                new = tok.chat(list(v.messages), tools=tools, template=v.template,
-                               answer_tokens=lambda key, prompt:
-                               self.answers.get(tenant, key, prompt))
+            def render(messages: list[dict]) -> list[int]:
+                if v.append:
+                    return tok.chat_append(history, messages, set(info.eos_token_ids),
+                                           tools=tools, template=v.template)
+                return tok.chat(messages, tools=tools, template=v.template,
+                                answer_tokens=lambda key, prompt:
+                                self.answers.get(tenant, key, prompt))
+            try:
+                new = render(list(v.messages))
+            except TemplateError as e:  # the template's own refusal (raise_exception)
+                lifted = lift_system(list(v.messages))
+                if lifted is None:
+                    raise InvalidRequest(f"the model's chat template refused these messages: "
+                                         f"{e}") from None
+                new = render(lifted)
         elif v.kind == "prompt":
             new = tok.encode(v.prompt)
         else:

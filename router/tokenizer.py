@@ -49,6 +49,18 @@ def message_key(m: dict) -> str:
     return answer_key(m.get("content") or "", calls)
 
 
+def lift_system(messages: list[dict]) -> list[dict] | None:
+    """The messages with every system message after the first (Claude Code's environment
+    block) joined to the leading one, for a template that takes a system message only first;
+    None when there is none to move."""
+    later = [m for m in messages[1:] if m["role"] == "system"]
+    if not later:
+        return None
+    head = messages[:1] if messages[0]["role"] == "system" else []
+    text = "\n\n".join(m["content"] for m in head + later)
+    return [{"role": "system", "content": text}, *(m for m in messages if m["role"] != "system")]
+
+
 def _arguments_text(args) -> str:
     return args if isinstance(args, str) else json.dumps(args)
 

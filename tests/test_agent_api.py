@@ -340,6 +340,28 @@ def test_responses_a_tool_loop_reads_its_history_from_cache(agent_stack):
                                      for p in o.content)
 
 
+def test_codexs_defaults_are_taken_and_a_namespaced_tools_call_names_its_namespace(agent_stack):
+    """What Codex sends with its defaults: `client_metadata`, and its sub-agent tools grouped
+    in a `namespace` tool. The model sees them as plain functions; a call of one comes back
+    naming its namespace, as Codex routes it."""
+    c = _openai(agent_stack)
+    spawn = {"type": "function", "name": "spawn_agent", "description": "Start a sub-agent.",
+             "strict": False, "parameters": {"type": "object", "required": ["task"],
+                                             "properties": {"task": {"enum": ["tests", "docs"]}}}}
+    tools = [*RESPONSES_TOOLS, {"type": "namespace", "name": "multi_agent_v1",
+                                "description": "Tools for sub-agents.", "tools": [spawn]}]
+    r = c.responses.create(model="gpt-5-codex", input=f"[{uuid.uuid4().hex}] Split the work.",
+                           tools=tools, tool_choice={"type": "function", "name": "spawn_agent"},
+                           store=False, temperature=0, max_output_tokens=MAX_TOKENS,
+                           extra_body={"client_metadata": {"x-codex-turn": "1"}})
+    [call] = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "spawn_agent" and call.namespace == "multi_agent_v1"
+    assert json.loads(call.arguments)["task"] in ("tests", "docs")
+    with pytest.raises(openai.BadRequestError) as info:
+        c.responses.create(model="kvbank", input="hi", tools=[*tools, spawn])
+    assert info.value.body["param"] == "tools" and "spawn_agent" in info.value.body["message"]
+
+
 def test_responses_stream_the_standard_events(agent_stack):
     c = _openai(agent_stack)
     with c.responses.stream(model="kvbank", input=_user("Say hi.")[0]["content"],

@@ -319,9 +319,10 @@ def test_the_router_fits_max_tokens_to_the_room_the_prompt_leaves():
         check_ceilings(Ceilings(), prompt_tokens=1000, max_tokens=room + 50, info=budget)
 
 def test_claude_codes_requests_are_taken_as_sent_and_its_turns_read_the_whole_history(keyed):
-    """Claude Code's fields (thinking, context_management, output_config) are accepted, and
-    the attribution line it puts first in the system prompt, different on every request,
-    is kept out of the prompt: the second request reads all of the first from cache."""
+    """Claude Code's fields (thinking, context_management, output_config) and its
+    mid-conversation system message are accepted, and the attribution line it puts first in
+    the system prompt, different on every request, is kept out of the prompt: the second
+    request reads all of the first from cache."""
     import random
 
     c = _client(keyed)
@@ -337,13 +338,15 @@ def test_claude_codes_requests_are_taken_as_sent_and_its_turns_read_the_whole_hi
               "context_management": {"edits": [{"type": "clear_thinking_20251015",
                                                 "keep": "all"}]},
               "output_config": {"effort": "high"}, "temperature": 0}
-    messages = _user("List the files here.")
-    first = c.messages.create(model="claude-sonnet-4-5", max_tokens=MAX_TOKENS,
+    # its environment block, a system message after the first user message (newer models)
+    messages = _user("List the files here.") + [
+        {"role": "system", "content": [{"type": "text", "text": "# Environment\n - cwd: /w"}]}]
+    first = c.messages.create(model="claude-opus-5-5", max_tokens=MAX_TOKENS,
                               system=system(), messages=messages, extra_body=fields)
     assert first.model == "kvbank"  # any model name a client sends maps to the served model
     messages += [{"role": "assistant", "content": first.content[0].text or "."},
                  {"role": "user", "content": "Now read README.md."}]
-    second = c.messages.create(model="claude-sonnet-4-5", max_tokens=MAX_TOKENS,
+    second = c.messages.create(model="claude-opus-5-5", max_tokens=MAX_TOKENS,
                                system=system(), messages=messages, extra_body=fields)
     assert second.usage.cache_read_input_tokens >= _prompt(first.usage), second.usage
 

@@ -270,3 +270,18 @@ def test_render_does_not_wait_for_an_admission_slot(keyed):
             r = _post(keyed, "/v1/chat/completions/render", _chat(_user("Me?")), timeout_s=10)
             assert r.status_code == 200 and r.json()["token_ids"]
             assert admin.status().running_requests == 1  # still the holder, alone
+
+
+def test_a_template_that_takes_a_system_message_only_first_gets_the_later_ones_lifted():
+    """Claude Code's environment block is a system message after the first user message; a
+    template that refuses one there gets it joined to the leading system message."""
+    from router.tokenizer import lift_system
+
+    msgs = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
+            {"role": "system", "content": "# Environment"},
+            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Go"}]
+    assert lift_system(msgs) == [{"role": "system", "content": "Be terse.\n\n# Environment"},
+                                 *msgs[1:2], *msgs[3:]]
+    assert lift_system(msgs[1:]) == [{"role": "system", "content": "# Environment"},
+                                     *msgs[1:2], *msgs[3:]]
+    assert lift_system([m for m in msgs if m["content"] != "# Environment"]) is None

@@ -161,16 +161,20 @@ def _messages(body: dict) -> list[api_pb2.ChatMessage]:
     out = []
     for where, m in each_message(body):
         role = m.get("role")
-        if role not in ("user", "assistant"):
+        if role not in ("user", "assistant", "system") or (role == "system" and not out):
             raise invalid(f"{where}.role", f'{where}.role must be "user" or "assistant" (the '
-                                           f"system prompt is the top-level system); given "
-                                           f"{role!r}")
+                                           f"system prompt is the top-level system; a system "
+                                           f"message may follow the first turn); given {role!r}")
         extra = sorted(k for k, v in m.items() if k not in ("role", "content") and v is not None)
         if extra:
             raise invalid(f"{where}.{extra[0]}", f"{where} takes role and content only; given "
                                                  f"{', '.join(extra)}")
         if "content" not in m:
             raise invalid(f"{where}.content", f"{where}.content is missing")
+        if role == "system":  # Claude Code's environment block: rendered where it stands
+            out.append(api_pb2.ChatMessage(role="system",
+                                           content=_text(m["content"], f"{where}.content")))
+            continue
         out += _turn(role, m["content"], f"{where}.content")
     if out[-1].role == "assistant":
         raise invalid(f"messages[{len(out) - 1}].role",

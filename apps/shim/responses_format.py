@@ -31,7 +31,8 @@ FIELDS = ("model", "input", "instructions", "tools", "tool_choice", "max_output_
           "temperature", "top_p", "text", "stream", "prompt_cache_key", "user", "reasoning")
 # Accepted, and without effect: nothing is stored (store), no background runs, and these
 # describe OpenAI's service or its bookkeeping, not the answer's tokens.
-NO_EFFECT = ("store", "metadata", "parallel_tool_calls", "include", "truncation", "service_tier", "background", "safety_identifier", "prompt_cache_retention",
+NO_EFFECT = ("store", "metadata", "parallel_tool_calls", "include", "truncation", "service_tier",
+             "client_metadata", "background", "safety_identifier", "prompt_cache_retention",
              "stream_options", "top_logprobs")
 CUSTOM_ARG = "input"
 
@@ -41,6 +42,7 @@ class ResponsesRequest:
     chat: OpenAIRequest
     custom_tools: frozenset[str]  # names of the freeform tools
     echo: dict  # what the response object repeats of the request
+    namespaces: dict = field(default_factory=dict)  # tool name -> its namespace tool's name
 
 
 def parse(body: object, *, session_header: str | None, default_max_tokens: int
@@ -57,7 +59,7 @@ def parse(body: object, *, session_header: str | None, default_max_tokens: int
         raise invalid(unknown[0], f"unsupported field{'s' if len(unknown) > 1 else ''} "
                                   f"{', '.join(unknown)}; kvbank's Responses API takes "
                                   f"{', '.join(FIELDS + NO_EFFECT)}")
-    tools, custom = _tools(body.get("tools"))
+    tools, custom, namespaces = _tools(body.get("tools"))
     chat = {"messages": _messages(body.get("instructions"), body.get("input"), custom),
             "stream": body.get("stream", False)}
     for src, dst in (("model", "model"), ("max_output_tokens", "max_tokens"),
@@ -78,7 +80,7 @@ def parse(body: object, *, session_header: str | None, default_max_tokens: int
     thinking = _reasoning(body.get("reasoning"))
     if thinking is not None:
         parsed.generate.enable_thinking = thinking
-    return ResponsesRequest(parsed, frozenset(custom), echo)
+    return ResponsesRequest(parsed, frozenset(custom), echo, namespaces)
 
 
 def _reasoning(value: object) -> bool | None:
@@ -162,31 +164,49 @@ def _messages(instructions, items, custom: set[str]) -> list[dict]:
     return out
 
 
-def _tools(tools) -> tuple[list[dict], set[str]]:
+def _tools(tools) -> tuple[list[dict], set[str], dict[str, str]]:
+    """Chat tools, the names of the freeform (custom) ones, and the namespace of each tool a
+    `namespace` tool groups (Codex's sub-agent tools): the model sees those as plain
+    functions, and its calls of them name their namespace."""
     if tools is None or tools == []:
-        return [], set()
+        return [], set(), {}
     if not isinstance(tools, list):
         raise invalid("tools", "tools must be an array")
-    out, custom = [], set()
+    out, custom, namespaces = [], set(), {}
     for i, t in enumerate(tools):
         kind = t.get("type") if isinstance(t, dict) else None
-        if kind == "function":
-            fn = {"name": t.get("name"), "parameters": t.get("parameters") or
-                  {"type": "object", "properties": {}}}
-            if t.get("description"):
-                fn["description"] = t["description"]
-        elif kind == "custom":
-            custom.add(t.get("name"))
-            fn = {"name": t.get("name"),
-                  "description": (t.get("description") or "") + " (freeform: the whole input "
-                                                                  "as one string)",
-                  "parameters": {"type": "object", "required": [CUSTOM_ARG],
-                                 "properties": {CUSTOM_ARG: {"type": "string"}}}}
+        if kind == "namespace" and isinstance(t.get("tools"), list):
+            for j, inner in enumerate(t["tools"]):
+                out.append(_tool(inner, f"tools[{i}].tools[{j}]", custom))
+                namespaces[out[-1]["function"]["name"]] = str(t.get("name", ""))
         else:
-            raise invalid(f"tools[{i}].type", f"tools[{i}].type {kind!r} is not supported: "
-                                              f"kvbank runs function and custom tools")
-        out.append({"type": "function", "function": fn})
-    return out, custom
+            out.append(_tool(t, f"tools[{i}]", custom))
+    names = [t["function"]["name"] for t in out]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise invalid("tools", f"tools name {', '.join(map(repr, twice))} more than once "
+                               f"(namespaces included): give each tool its own name")
+    return out, custom, namespaces
+
+
+def _tool(t, where: str, custom: set[str]) -> dict:
+    kind = t.get("type") if isinstance(t, dict) else None
+    if kind == "function":
+        fn = {"name": t.get("name"), "parameters": t.get("parameters") or
+              {"type": "object", "properties": {}}}
+        if t.get("description"):
+            fn["description"] = t["description"]
+    elif kind == "custom":
+        custom.add(t.get("name"))
+        fn = {"name": t.get("name"),
+              "description": (t.get("description") or "") + " (freeform: the whole input "
+                                                              "as one string)",
+              "parameters": {"type": "object", "required": [CUSTOM_ARG],
+                             "properties": {CUSTOM_ARG: {"type": "string"}}}}
+    else:
+        raise invalid(f"{where}.type", f"{where}.type {kind!r} is not supported: kvbank runs "
+                                       f"function and custom tools, and namespaces of them")
+    return {"type": "function", "function": fn}
 
 
 def _tool_choice(choice):
@@ -242,6 +262,7 @@ class ResponseAnswer:
     model: str
     custom_tools: frozenset[str]
     echo: dict
+    namespaces: dict = field(default_factory=dict)
     id: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)
     created_at: int = field(default_factory=lambda: int(time.time()))
     items: list[dict] = field(default_factory=list)
@@ -344,6 +365,8 @@ class ResponseAnswer:
             item = {"type": "function_call", "id": "fc_" + uuid.uuid4().hex,
                     "call_id": call.id, "name": call.name, "arguments": call.arguments,
                     "status": "completed"}
+            if call.name in self.namespaces:
+                item["namespace"] = self.namespaces[call.name]
             kind, value = "response.function_call_arguments", {"arguments": call.arguments}
             delta = {"delta": call.arguments}
         self.items.append(item)

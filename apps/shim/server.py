@@ -331,7 +331,8 @@ class Shim:
             req = responses_format.parse(await _json(request),
                                          session_header=_session_header(request),
                                          default_max_tokens=self.default_max_tokens)
-            answer = responses_format.ResponseAnswer(self.model_name, req.custom_tools, req.echo)
+            answer = responses_format.ResponseAnswer(self.model_name, req.custom_tools, req.echo,
+                                                     req.namespaces)
             return await self._answer(request, req.chat.generate, metadata,
                                       req.chat.fit_max_tokens, answer,
                                       _responses_events if req.chat.stream else None)
