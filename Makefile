@@ -10,7 +10,7 @@ ARGS ?=
 # (macOS: metal). KVBANK_MLX_BACKEND=cpu (or cuda12, cuda13) chooses instead.
 MLX_BACKEND := $(shell deploy/mlx-backend)
 
-.PHONY: install run cluster test test-fast resilience proto clean
+.PHONY: install agents run cluster test test-fast resilience proto clean
 
 $(STAMP): pyproject.toml
 	@echo "MLX backend: $(MLX_BACKEND)"
@@ -27,6 +27,20 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The coding agents the tests run against the stack (tests/test_agent_clients.py), pinned in
+# tests/agents/package-lock.json: Claude Code's binary comes in an optional package that its
+# install script links, so both stay on. Node from Debian where there is none.
+AGENTS := tests/agents
+$(AGENTS)/node_modules/.installed: $(AGENTS)/package-lock.json
+	@if ! command -v npm >/dev/null && command -v apt-get >/dev/null; then \
+		echo "installing Debian's nodejs and npm (the agent clients' tests run them)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm; \
+	fi
+	cd $(AGENTS) && npm ci --include=optional --no-audit --no-fund --loglevel=error
+	touch $@
+
+agents: $(AGENTS)/node_modules/.installed
+
 run: install
 	$(VENV)/bin/kvbank up $(ARGS)
 
@@ -34,7 +48,7 @@ run: install
 cluster: install
 	$(VENV)/bin/kvbank cluster up $(ARGS)
 
-test: install
+test: install agents
 	$(PY) -m pytest -q tests $(ARGS)
 
 # The unit tier for the edit-test loop (under a minute): no stack, no gateway. `make test`

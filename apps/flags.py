@@ -209,7 +209,11 @@ def shim_flags(p: argparse.ArgumentParser) -> None:
            (["--keep-attribution-line"], dict(action="store_true",
             help="keep the per-request line Claude Code puts first in its system prompt "
                  "(`x-anthropic-billing-header: ...`): it differs on every request, so kept, "
-                 "no turn finds its conversation's KV (default: removed before rendering)")))
+                 "no turn finds its conversation's KV (default: removed before rendering)")),
+           (["--record-requests"], dict(type=Path, default=None, metavar="FILE",
+            help="append each answered generation request to FILE as a JSON line: its body "
+                 "as sent and the usage it got (what an agent sends, to read or replay; "
+                 "bodies hold whole conversations; default: off)")))
     auth_flags(p, "shim")
 
 

@@ -76,7 +76,7 @@ def _sources() -> dict[str, Path]:
     out = {}
     for top in OURS:
         for path in sorted((ROOT / top).rglob("*.py")):
-            if "__pycache__" not in path.parts:
+            if "__pycache__" not in path.parts and "node_modules" not in path.parts:
                 out[_module_name(path)] = path
     return out
 

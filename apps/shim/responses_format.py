@@ -35,6 +35,9 @@ NO_EFFECT = ("store", "metadata", "parallel_tool_calls", "include", "truncation"
              "client_metadata", "background", "safety_identifier", "prompt_cache_retention",
              "stream_options", "top_logprobs")
 CUSTOM_ARG = "input"
+# Tools OpenAI's servers run for the model: a local server has none to run.
+HOSTED = ("web_search", "web_search_preview", "file_search", "code_interpreter",
+          "image_generation", "computer_use_preview", "mcp", "local_shell")
 
 
 @dataclass(frozen=True)
@@ -203,6 +206,10 @@ def _tool(t, where: str, custom: set[str]) -> dict:
                                                               "as one string)",
               "parameters": {"type": "object", "required": [CUSTOM_ARG],
                              "properties": {CUSTOM_ARG: {"type": "string"}}}}
+    elif kind in HOSTED:
+        raise invalid(f"{where}.type", f"{where}.type {kind!r} is a tool OpenAI's servers run, "
+                                       f"and kvbank runs none: send the request without it "
+                                       f"(Codex: web_search = \"disabled\" in config.toml)")
     else:
         raise invalid(f"{where}.type", f"{where}.type {kind!r} is not supported: kvbank runs "
                                        f"function and custom tools, and namespaces of them")

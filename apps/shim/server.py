@@ -26,6 +26,7 @@ import datetime
 import json
 import logging
 import time
+from pathlib import Path
 
 import grpc
 import uvicorn
@@ -39,6 +40,7 @@ from starlette.routing import Route
 
 from apps.shim import anthropic_format, responses_format
 from apps.shim.openai_answer import Answer
+from apps.shim.recorder import Recorder
 from apps.shim.openai_format import DEFAULT_MAX_TOKENS, ApiError, invalid, parse, parse_render
 from kvbank.contracts.failures import HTTP_STATUS, Unauthenticated, failure_for
 from kvbank.contracts.vocabulary import NO_RETRY_VERDICTS
@@ -94,8 +96,10 @@ class Shim:
     an OpenAI request that sends none."""
 
     def __init__(self, router_address: str, keys: dict[str, str], model_name: str | None,
-                 default_max_tokens: int = DEFAULT_MAX_TOKENS, keep_attribution: bool = False):
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS, keep_attribution: bool = False,
+                 record_to: Path | None = None):
         self.router_address = router_address
+        self.recorder = Recorder(record_to) if record_to else None
         self.keys = keys
         self.model_name = model_name or DEFAULT_MODEL_NAME
         self.default_max_tokens = default_max_tokens
@@ -307,9 +311,28 @@ class Shim:
             return Response(status_code=499)
         call, first = started
         if events is not None:
-            return EventSourceResponse(events(call, first, answer), sep="\n")
+            return EventSourceResponse(self._recorded(request, answer,
+                                                      events(call, first, answer)), sep="\n")
         body = await _unless_hung_up(request, call, _collect(call, first, answer))
-        return Response(status_code=499) if body is HUNG_UP else JSONResponse(body)
+        if body is HUNG_UP:
+            return Response(status_code=499)
+        self._record(request, answer)
+        return JSONResponse(body)
+
+    async def _recorded(self, request: Request, answer, events):
+        """The stream; its record (`--record-requests`) is written once its usage is known,
+        before the events that end it leave (a client that got its answer finds it there)."""
+        recorded = False
+        async for event in events:
+            if not recorded and answer.usage is not None:
+                self._record(request, answer)
+                recorded = True
+            yield event
+
+    def _record(self, request: Request, answer) -> None:
+        if self.recorder is not None:
+            self.recorder.record(request.url.path, getattr(request.state, "body", None),
+                                 answer.usage)
 
     async def _start(self, request: Request, generate: api_pb2.GenerateRequest, metadata, *,
                      fit: bool):
@@ -410,7 +433,8 @@ async def _disconnected(request: Request) -> None:
 
 async def _json(request: Request) -> object:
     try:
-        return json.loads(await request.body())
+        request.state.body = json.loads(await request.body())
+        return request.state.body
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
         raise invalid(None, f"the body is not valid JSON: {e}") from None
 
@@ -502,8 +526,9 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 def create_app(router_address: str, keys: dict[str, str] | None = None,
                model_name: str | None = None,
                default_max_tokens: int = DEFAULT_MAX_TOKENS,
-               keep_attribution: bool = False) -> Starlette:
-    shim = Shim(router_address, keys or {}, model_name, default_max_tokens, keep_attribution)
+               keep_attribution: bool = False, record_to: Path | None = None) -> Starlette:
+    shim = Shim(router_address, keys or {}, model_name, default_max_tokens, keep_attribution,
+                record_to)
     return Starlette(
         routes=[
             Route("/health", shim.health),
@@ -529,8 +554,9 @@ def create_app(router_address: str, keys: dict[str, str] | None = None,
 
 def main(router_address: str, host: str, port: int, keys: dict[str, str],
          model_name: str | None, default_max_tokens: int = DEFAULT_MAX_TOKENS,
-         keep_attribution: bool = False) -> None:
-    app = create_app(router_address, keys, model_name, default_max_tokens, keep_attribution)
+         keep_attribution: bool = False, record_to: Path | None = None) -> None:
+    app = create_app(router_address, keys, model_name, default_max_tokens, keep_attribution,
+                     record_to)
     # log_config=None keeps the process's logging (set up by the CLI); loop="asyncio" because
     # grpc.aio wants the standard event loop.
     config = uvicorn.Config(app, host=host, port=port, loop="asyncio", log_config=None,
