@@ -62,7 +62,7 @@ def test_a_hybrid_models_checkpoints_are_reported_from_the_banks_ledger(
     ck = out["checkpoints"]
     assert out["cached_tokens_ram"] >= 300 and out["cache_source_ssd"] == "ssd"
     assert ck["checkpoint_bytes"] > 0 and ck["kv_bytes_per_token"] > 0
-    assert 1 <= ck["per_conversation"] <= 8
+    assert ck["per_conversation"] in range(1, 9)  # whole checkpoints, at most --max-checkpoints
     assert ck["per_conversation"] == round(ck["per_conversation_bytes"] / ck["checkpoint_bytes"], 2)
     assert ck["first_turn_added"] >= 1
     big = ck["qwen36_27b"]

@@ -328,7 +328,10 @@ class SessionBank:
         entries = self.session_entries(session)
         return max(entries, key=lambda e: (e.n_tokens, e.last_used)) if entries else None
 
-    def session_nbytes(self, session: SessionKey) -> int:
+    def session_nbytes(self, session: SessionKey, checkpoints_only: bool = False) -> int:
+        if checkpoints_only:
+            return sum(c.nbytes for e in self.session_entries(session)
+                       for c in e.checkpoints.values())
         return sum(e.nbytes for e in self.session_entries(session))
 
     # -- activity ---------------------------------------------------------------------------

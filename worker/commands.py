@@ -138,6 +138,7 @@ class Snapshot:
 
     sessions: dict[SessionKey, SessionInfo] = field(default_factory=dict)
     ram_bytes: dict[SessionKey, int] = field(default_factory=dict)
+    checkpoint_bytes: dict[SessionKey, int] = field(default_factory=dict)  # of ram_bytes
     busy: frozenset[SessionKey] = frozenset()
     held_bytes: int = 0  # everything the worker answers for (the guard's ledger level)
     kv_bytes: int = 0  # the bank's entries and running requests' caches

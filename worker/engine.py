@@ -144,6 +144,7 @@ class Engine:
         self.pricing.fixed_bytes += cache_limit  # MLX may keep that much: held, always
         self._pending: deque[cmd.Generate] = deque()
         self._ram_bytes: dict[SessionKey, int] = {}
+        self._checkpoint_bytes: dict[SessionKey, int] = {}
         self._admissions: deque = deque(maxlen=1024)  # admission receipts, newest last
         self._retried_at = 0.0
         self._bank_peak = 0  # kvbank_bank_peak_bytes: a benchmark reads it once, not polls
@@ -264,6 +265,7 @@ class Engine:
         held = self.pricing.fixed_bytes + self.pricing.unaccounted_bytes + ledger["held_bytes"]
         self.snapshot = cmd.Snapshot(
             sessions=self.conversations.records, ram_bytes=self._ram_bytes,
+            checkpoint_bytes=self._checkpoint_bytes,
             busy=self.bank.busy_sessions(), held_bytes=held,
             kv_bytes=ledger["entries_bytes"] + ledger["active_bytes"],
             bank_bytes=self.bank.total_nbytes, bank_entries=len(self.bank.entries),
@@ -532,6 +534,8 @@ class Engine:
 
     def _refresh_ram_bytes(self) -> None:
         self._ram_bytes = {s: self.bank.session_nbytes(s) for s in self.bank.sessions()}
+        self._checkpoint_bytes = {s: self.bank.session_nbytes(s, checkpoints_only=True)
+                                  for s in self.bank.sessions()}
         metrics.BANK_BYTES.set(self.bank.total_nbytes)
         self._bank_peak = max(self._bank_peak, self.bank.total_nbytes)
         metrics.BANK_PEAK_BYTES.set(self._bank_peak)

@@ -100,6 +100,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         s = api_pb2.Session(session_id=key[1], token_count=len(info.tokens),
                             durable_tokens=info.durable_tokens,
                             ram_bytes=snap.ram_bytes.get(key, 0), created_at=info.created_at,
+                            checkpoint_bytes=snap.checkpoint_bytes.get(key, 0),
                             updated_at=info.updated_at, state=snap.state(key), tenant=key[0])
         if with_tokens:
             s.token_ids.extend(info.tokens.tolist())

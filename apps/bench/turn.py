@@ -147,14 +147,10 @@ def _paired_ratio(seconds: list[float], floors: list[float]) -> float:
 
 
 def _checkpoints(kinds, held: list) -> dict:
-    """Checkpoint bytes from the bank's ledger (a session's RAM bytes less its KV) in the bank
-    after the build (`held[0]`) and after the first returning turn (`held[1]`)."""
+    """Checkpoint bytes from the bank's ledger (`Session.checkpoint_bytes`) after the build
+    (`held[0]`) and after the first returning turn (`held[1]`)."""
     per_token, one, _ = kinds.measure()
-
-    def in_bank(s) -> int:
-        return max(0, s.ram_bytes - s.token_count * per_token)
-
-    conversation, before = in_bank(held[1]), in_bank(held[0])
+    conversation, before = held[1].checkpoint_bytes, held[0].checkpoint_bytes
     count, added = conversation / one, (conversation - before) / one
     return {
         "checkpoint_bytes": one, "kv_bytes_per_token": per_token,

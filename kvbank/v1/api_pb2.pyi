@@ -207,7 +207,7 @@ class RenderResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "token_count", "durable_tokens", "ram_bytes", "created_at", "updated_at", "token_ids", "state", "tenant")
+    __slots__ = ("session_id", "token_count", "durable_tokens", "ram_bytes", "created_at", "updated_at", "token_ids", "state", "tenant", "checkpoint_bytes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     DURABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,7 @@ class Session(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_BYTES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_count: int
     durable_tokens: int
@@ -226,7 +227,8 @@ class Session(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     state: str
     tenant: str
-    def __init__(self, session_id: _Optional[str] = ..., token_count: _Optional[int] = ..., durable_tokens: _Optional[int] = ..., ram_bytes: _Optional[int] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ..., token_ids: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    checkpoint_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., token_count: _Optional[int] = ..., durable_tokens: _Optional[int] = ..., ram_bytes: _Optional[int] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ..., token_ids: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., tenant: _Optional[str] = ..., checkpoint_bytes: _Optional[int] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
     __slots__ = ()
