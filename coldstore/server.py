@@ -23,6 +23,10 @@ worker sends a `Request` whose `op` is one of:
                    queued jobs, staged and written bytes, budgets
     drop_blocks    DropBlocks{ids}  blocks a restore found corrupt: deleted, every record
                    naming one cut short of it (a `retired`, reason corrupt_block, for each)
+    put_response   PutResponse{tenant, id, created_at} + its JSON -> Reply after the commit
+                   (the Responses API's stored responses; under the store's cap and TTL)
+    get_response   ResponseKey{tenant, id} -> Reply{get_response: {found}} + its JSON
+    delete_response ResponseKey{tenant, id} -> Reply{delete_response: {deleted}}
 A request with `req` > 0 is answered with a `Reply` carrying that number; one that fails (a
 header that does not parse included) is answered `Reply{ok: false, error}` and the loop goes
 on. Block ids and roots travel as bytes.
@@ -87,13 +91,25 @@ class ColdstoreServer:
         self.stopping = False
 
     def _enforce_cap(self) -> None:
-        """A store found over its cap (a restart with a smaller cap) is brought under it."""
+        """A store found over its cap (a restart with a smaller cap, a response just kept) is
+        brought under it: the least recently used conversations' KV first (it can be computed
+        again), then the oldest stored responses (nothing can recompute those)."""
         cap = self.limits.store_max_bytes
-        if cap is not None and self.store.block_bytes() > cap:
-            retired = self.store.retire_lru(cap)
-            self._retired(retired, "store_cap")
-            logger.warning("store over its cap of %d bytes: retired the KV of %d sessions, "
-                           "now %d bytes", cap, len(retired), self.store.block_bytes())
+        if cap is None or self.store.block_bytes() + self.store.response_bytes() <= cap:
+            return
+        retired = self.store.retire_lru(max(0, cap - self.store.response_bytes()))
+        self._retired(retired, "store_cap")
+        self._responses_retired(
+            self.store.retire_responses(target_bytes=cap - self.store.block_bytes()),
+            "store_cap")
+        logger.warning("store over its cap of %d bytes: retired the KV of %d sessions, now "
+                       "%d bytes of KV and %d of responses", cap, len(retired),
+                       self.store.block_bytes(), self.store.response_bytes())
+
+    def _responses_retired(self, gone: list[tuple[str, str]], reason: str) -> None:
+        for tenant, rid in gone:
+            events.emit("response_retired", tenant=tenant, response_id=rid, reason=reason)
+            metrics.CS_RETIRED.labels(f"response_{reason}").inc()
 
     def _expire(self, now: float) -> None:
         """Anonymous conversations that never came back within --anonymous-ttl-s go."""
@@ -101,6 +117,8 @@ class ColdstoreServer:
             return
         self._expired_at = now
         self._retired(self.store.expire_anonymous(now - self.anonymous_ttl_s), "anonymous_ttl")
+        self._responses_retired(self.store.retire_responses(before=now - self.anonymous_ttl_s),
+                                "anonymous_ttl")
 
     def _retired(self, metas: list[SessionMeta], reason: str) -> None:
         """Each retirement: an event, a metric, and word to the worker (its list of sessions)."""
@@ -247,6 +265,25 @@ class ColdstoreServer:
                          "before it", bytes(bid).hex(), len(cut))
             self._retired(cut, "corrupt_block")
         return pb.Reply(req=req, ok=True) if req else None
+
+    def _op_put_response(self, peer, req, put: pb.PutResponse, frames):
+        if len(frames) != 1:
+            raise ValueError(f"put_response takes one frame (its JSON), not {len(frames)}")
+        self.store.put_response(put.tenant, put.id, put.created_at or time.time(),
+                                frames[0].buffer)
+        self._enforce_cap()
+        return pb.Reply(req=req, ok=True)
+
+    def _op_get_response(self, peer, req, get: pb.ResponseKey, frames):
+        body = self.store.get_response(get.tenant, get.id)
+        self._send(peer, pb.Message(reply=pb.Reply(
+            req=req, ok=True, get_response=pb.ResponseFollows(found=body is not None))),
+            [body or b""])
+        return None
+
+    def _op_delete_response(self, peer, req, delete: pb.ResponseKey, frames):
+        deleted = self.store.delete_response(delete.tenant, delete.id)
+        return pb.Reply(req=req, ok=True, delete_response=pb.SessionDeleted(deleted=deleted))
 
     def _op_put_session(self, peer, req, put: pb.PutSession, frames):
         if len(frames) != 1:
@@ -400,6 +437,8 @@ class ColdstoreServer:
         if refusal is not None:
             return refusal
         cap = self.limits.store_max_bytes
+        if cap is not None:
+            cap -= self.store.response_bytes()  # the stored responses' share of the store
         if cap is not None and self.store.block_bytes() + nbytes > cap:
             retired = self.store.retire_lru(cap - nbytes, keep=(job.tenant, job.session_id))
             if retired:

@@ -19,8 +19,8 @@ import lmdb
 import numpy as np
 
 from kvbank.blocks import BlockId, common_prefix_len, is_anonymous, next_block_id, tail_block_id
-from kvbank.contracts.store_layout import (BLOCK_BYTES_KEY, SessionMeta, StoreReader,
-                                           session_key)
+from kvbank.contracts.store_layout import (BLOCK_BYTES_KEY, RESPONSE_BYTES_KEY, SessionMeta,
+                                           StoreReader, session_key)
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +210,57 @@ class ColdStore(StoreReader):
             self.delete_session(meta.tenant, meta.session_id)
         return expired
 
+    # -- stored responses (the Responses API's `store`) ------------------------------------
+
+    def put_response(self, tenant: str, response_id: str, created_at: float,
+                     body: bytes | memoryview) -> None:
+        """Keep a response (durable on return), replacing one of the same id."""
+        key = session_key(tenant, response_id)
+        value = struct.pack("<Q", int(created_at * 1000)) + bytes(body)
+
+        def fn(txn):
+            old = txn.get(key, db=self._db[b"responses"])
+            txn.put(key, value, db=self._db[b"responses"])
+            self._add_bytes(txn, RESPONSE_BYTES_KEY, len(value) - (len(old) if old else 0))
+
+        self._write(fn)
+
+    def delete_response(self, tenant: str, response_id: str) -> bool:
+        key = session_key(tenant, response_id)
+
+        def fn(txn):
+            old = txn.get(key, db=self._db[b"responses"])
+            if old is None:
+                return False
+            txn.delete(key, db=self._db[b"responses"])
+            self._add_bytes(txn, RESPONSE_BYTES_KEY, -len(old))
+            return True
+
+        return self._write(fn)
+
+    def response_bytes(self) -> int:
+        with self._read_txn() as txn:
+            raw = txn.get(RESPONSE_BYTES_KEY, db=self._db[b"meta"])
+        return struct.unpack("<Q", raw)[0] if raw else 0
+
+    def retire_responses(self, *, before: float | None = None,
+                         target_bytes: int | None = None) -> list[tuple[str, str]]:
+        """Delete the responses created before `before` (unix s), and then the oldest until
+        the stored ones fit in `target_bytes`; their (tenant, id)s, oldest first."""
+        with self._read_txn() as txn:
+            found = sorted((struct.unpack("<Q", bytes(v[:8]))[0] / 1000, len(v), bytes(k))
+                           for k, v in txn.cursor(db=self._db[b"responses"]))
+        total, gone = self.response_bytes(), []
+        for created, size, key in found:
+            if not ((before is not None and created < before)
+                    or (target_bytes is not None and total > target_bytes)):
+                continue
+            tenant, _, rid = key.partition(b"\0")
+            if self.delete_response(tenant.decode(), rid.decode()):
+                total -= size
+                gone.append((tenant.decode(), rid.decode()))
+        return gone
+
     # -- reference counts: a block lives while a record names it ---------------------------
 
     def _truncate_blocks(self, txn, meta: SessionMeta, keep_tokens: int) -> None:
@@ -222,9 +273,12 @@ class ColdStore(StoreReader):
             meta.tail, meta.tail_tokens = None, 0
 
     def _add_block_bytes(self, txn, delta: int) -> None:
-        raw = txn.get(BLOCK_BYTES_KEY, db=self._db[b"meta"])
+        self._add_bytes(txn, BLOCK_BYTES_KEY, delta)
+
+    def _add_bytes(self, txn, key: bytes, delta: int) -> None:
+        raw = txn.get(key, db=self._db[b"meta"])
         total = (struct.unpack("<Q", raw)[0] if raw else 0) + delta
-        txn.put(BLOCK_BYTES_KEY, struct.pack("<Q", max(0, total)), db=self._db[b"meta"])
+        txn.put(key, struct.pack("<Q", max(0, total)), db=self._db[b"meta"])
 
     def _incref(self, txn, bid: BlockId) -> None:
         raw = txn.get(bid, db=self._db[b"refs"])

@@ -390,6 +390,27 @@ class SessionsServicer(api_pb2_grpc.SessionsServicer):
         return await self._call(self.b.stub.DeleteSession, request, context)
 
 
+class ResponsesServicer(api_pb2_grpc.ResponsesServicer):
+    """The Responses API's stored responses, relayed to the worker in the caller's tenant."""
+
+    def __init__(self, backend: Backend):
+        self.b = backend
+
+    async def _call(self, method, request, context):
+        if not request.id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "id is empty: name a response")
+        return await self.b.forward(method, request, context, timeout_s=30)
+
+    async def Put(self, request, context):
+        return await self._call(self.b.stub.PutResponse, request, context)
+
+    async def Get(self, request, context):
+        return await self._call(self.b.stub.GetResponse, request, context)
+
+    async def Delete(self, request, context):
+        return await self._call(self.b.stub.DeleteResponse, request, context)
+
+
 class AdminServicer(api_pb2_grpc.AdminServicer):
     """Operator tools, relayed to the worker. Loopback only unless an admin key is set."""
 
@@ -482,12 +503,13 @@ async def serve(model_dir: Path, worker_address: str, host: str, port: int, *,
     server = grpc.aio.server()
     for name, servicer in (("Generation", GenerationServicer(backend)),
                            ("Sessions", SessionsServicer(backend)),
+                           ("Responses", ResponsesServicer(backend)),
                            ("Admin", AdminServicer(backend, admin_key))):
         _add_service(server, api_pb2.DESCRIPTOR.services_by_name[name], servicer)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [api_pb2.DESCRIPTOR.services_by_name[n].full_name
-             for n in ("Generation", "Sessions", "Admin")]
+             for n in ("Generation", "Sessions", "Responses", "Admin")]
     reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()

@@ -381,7 +381,7 @@ def test_responses_stream_the_standard_events(agent_stack):
 
 def test_responses_refuse_what_they_cannot_honour_in_openais_shape(agent_stack):
     c = _openai(agent_stack)
-    with pytest.raises(openai.BadRequestError) as info:
+    with pytest.raises(openai.NotFoundError) as info:  # stored responses: test_responses_store
         c.responses.create(model="kvbank", input="hi", previous_response_id="resp_123")
     assert info.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.BadRequestError) as info:

@@ -210,6 +210,24 @@ def test_no_prefix_hit_across_tenants_through_the_shim(keyed):
     assert ask(KEYS["alice"]) > 0
 
 
+def test_another_tenants_stored_response_is_a_404(keyed):
+    """A stored response (the Responses API's `store`) is its tenant's: another key can
+    neither read it, continue it nor delete it."""
+    def client(key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=keyed.shim_url + "/v1", api_key=key, max_retries=0)
+
+    r = client(KEYS["alice"]).responses.create(model="kvbank", input=f"[{uuid.uuid4().hex}] Hi",
+                                               max_output_tokens=2, temperature=0)
+    bob = client(KEYS["bob"])
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.create(model="kvbank", previous_response_id=r.id, input="Go on.")
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.delete(r.id)
+    assert client(KEYS["alice"]).responses.retrieve(r.id).id == r.id
+
+
 @pytest.mark.parametrize("metadata", [
     (),
     (("authorization", "Bearer not-a-key"),),

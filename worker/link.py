@@ -109,6 +109,24 @@ class ColdstoreClient:
                              frames=[tokens], timeout_s=timeout_s)
         return reply.put_session.durable_tokens
 
+    def put_response(self, tenant: str, response_id: str, created_at: float, body: bytes,
+                     timeout_s: float = 10.0) -> None:
+        """Keep a Responses API response (durable on return)."""
+        self.call(put_response=pb.PutResponse(tenant=tenant, id=response_id,
+                                              created_at=created_at),
+                  frames=[body], timeout_s=timeout_s)
+
+    def get_response(self, tenant: str, response_id: str, timeout_s: float = 10.0
+                     ) -> bytes | None:
+        reply, frames = self.call(get_response=pb.ResponseKey(tenant=tenant, id=response_id),
+                                  timeout_s=timeout_s)
+        return bytes(frames[0]) if reply.get_response.found else None
+
+    def delete_response(self, tenant: str, response_id: str, timeout_s: float = 10.0) -> bool:
+        reply, _ = self.call(delete_response=pb.ResponseKey(tenant=tenant, id=response_id),
+                             timeout_s=timeout_s)
+        return reply.delete_response.deleted
+
     def delete_session(self, tenant: str, session_id: str, timeout_s: float = 10.0) -> bool:
         """Delete a conversation's record (its queued jobs are cancelled); whether it had one."""
         reply, _ = self.call(delete_session=pb.DeleteSession(tenant=tenant,

@@ -127,6 +127,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         deleted = await self._ask(cmd.DeleteSession(key))
         return api_pb2.DeleteSessionResponse(deleted=deleted)
 
+    # -- stored responses: straight to the coldstore (the engine holds none of them) --------
+
+    async def PutResponse(self, request, context):
+        await self._coldstore(context, self.engine.coldstore.put_response, _tenant(context),
+                              request.id, request.created_at, request.body)
+        return api_pb2.PutResponseReply()
+
+    async def GetResponse(self, request, context):
+        body = await self._coldstore(context, self.engine.coldstore.get_response,
+                                     _tenant(context), request.id)
+        if body is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no response {request.id!r}")
+        return api_pb2.StoredResponse(id=request.id, body=body)
+
+    async def DeleteResponse(self, request, context):
+        deleted = await self._coldstore(context, self.engine.coldstore.delete_response,
+                                        _tenant(context), request.id)
+        return api_pb2.DeleteResponseReply(deleted=deleted)
+
+    async def _coldstore(self, context, call, *args):
+        try:
+            return await asyncio.to_thread(call, *args)
+        except ColdstoreUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the store is unavailable: {e}")
+
     async def Release(self, request, context):
         key = (_tenant(context), request.session_id)
         r = await self._ask(cmd.Release(key, request.write_out))

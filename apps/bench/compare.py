@@ -275,15 +275,18 @@ def prefetch_summary(without, hinted) -> dict:
 def run(*, model: str | None, scenario, budget_bytes: int, max_wall_s: float,
         progress: bool = True, names: bool = False, prefetch: bool = False,
         memory_budget: str | None = None, sides: tuple[str, ...] = DEFAULT_SIDES,
-        rounds: int = 1) -> tuple[dict, list[dict]]:
-    """Returns (the result document, one {side: RunResult} per round)."""
+        rounds: int = 1, arch: str | None = None) -> tuple[dict, list[dict]]:
+    """Returns (the result document, one {side: RunResult} per round). `arch`: a random-weight
+    model of the default model's size with that architecture (kvbank/tiny.py), its tokenizer
+    with think tokens and its template Qwen3.5's, which drops earlier answers' reasoning."""
     from kvbank.models import prepare_model
+    from kvbank.tiny import bench_model
     from apps.loadgen.report import summarize
     from apps.loadgen.run import TokenCounter
 
     if rounds < 1:
         raise ValueError(f"--rounds must be 1 or more, not {rounds}")
-    model_dir = prepare_model(model)
+    model_dir = bench_model(arch) if arch else prepare_model(model)
     counter = TokenCounter(model_dir)
     if prefetch and "kvbank_prefetch" not in sides:
         sides = (*sides, "kvbank_prefetch")
@@ -323,6 +326,7 @@ def run(*, model: str | None, scenario, budget_bytes: int, max_wall_s: float,
     peak_worker = max((a.get("peak_worker_bytes") or 0 for a in afters), default=0) or None
     doc = {
         "model": str(model_dir),
+        "arch": arch or "",
         "scenario": dataclasses.asdict(scenario.params),
         "budget_bytes": budget_bytes,
         "anonymous": not names,
@@ -407,8 +411,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """`kvbank bench compare`'s flags."""
     from apps.loadgen.cli import add_scenario_arguments
 
+    from kvbank.tiny import ARCHS
+
     p.add_argument("--model", default=None,
                    help="an mlx-lm model folder or a .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--arch", choices=ARCHS, default=None,
+                   help="a random-weight model of the default model's size with this "
+                        "architecture, instead of --model (its answers reason, and its "
+                        "template drops earlier reasoning, as Qwen3.5's does)")
     add_scenario_arguments(p, default="two-agents")
     p.add_argument("--agents", type=int, default=None, help="n-agents: how many at once")
     p.add_argument("--think-s", type=float, default=None,
@@ -458,7 +468,8 @@ def run_cli(args: argparse.Namespace) -> int:
                            budget_bytes=args.budget_bytes, max_wall_s=args.max_wall_s,
                            progress=not args.no_progress, names=args.session_ids,
                            prefetch=args.prefetch, memory_budget=args.memory_budget,
-                           sides=tuple(args.sides.split(",")), rounds=args.rounds)
+                           sides=tuple(args.sides.split(",")), rounds=args.rounds,
+                           arch=args.arch)
     except (RuntimeError, ValueError) as e:  # a bad --rounds, or a server that would not
         # start (its log tail is in the message)
         sys.stderr.write(f"kvbank bench compare: {e}\n")

@@ -28,10 +28,11 @@ from kvbank.v1 import api_pb2
 
 # Handled here: each becomes a chat-completions field, or is read below.
 FIELDS = ("model", "input", "instructions", "tools", "tool_choice", "max_output_tokens",
-          "temperature", "top_p", "text", "stream", "prompt_cache_key", "user", "reasoning")
-# Accepted, and without effect: nothing is stored (store), no background runs, and these
-# describe OpenAI's service or its bookkeeping, not the answer's tokens.
-NO_EFFECT = ("store", "metadata", "parallel_tool_calls", "include", "truncation", "service_tier",
+          "temperature", "top_p", "text", "stream", "prompt_cache_key", "user", "reasoning",
+          "store", "previous_response_id")
+# Accepted, and without effect: no background runs, and these describe OpenAI's service or
+# its bookkeeping, not the answer's tokens.
+NO_EFFECT = ("metadata", "parallel_tool_calls", "include", "truncation", "service_tier",
              "client_metadata", "background", "safety_identifier", "prompt_cache_retention",
              "stream_options", "top_logprobs")
 CUSTOM_ARG = "input"
@@ -48,14 +49,11 @@ class ResponsesRequest:
     namespaces: dict = field(default_factory=dict)  # tool name -> its namespace tool's name
 
 
-def parse(body: object, *, session_header: str | None, default_max_tokens: int
-          ) -> ResponsesRequest:
+def parse(body: object, *, session_header: str | None, default_max_tokens: int,
+          prior: list = ()) -> ResponsesRequest:
+    """`prior`: the items `previous_response_id` continues from (apps/shim/responses_store.py)."""
     if not isinstance(body, dict):
         raise invalid(None, f"the body must be a JSON object; given {type(body).__name__}")
-    if body.get("previous_response_id") is not None:
-        raise invalid("previous_response_id", "previous_response_id is not supported yet "
-                                              "(kvbank stores no responses): send the whole "
-                                              "conversation in input, with store: false")
     unknown = [k for k in body if k not in FIELDS and k not in NO_EFFECT
                and body[k] is not None]
     if unknown:
@@ -63,7 +61,11 @@ def parse(body: object, *, session_header: str | None, default_max_tokens: int
                                   f"{', '.join(unknown)}; kvbank's Responses API takes "
                                   f"{', '.join(FIELDS + NO_EFFECT)}")
     tools, custom, namespaces = _tools(body.get("tools"))
-    chat = {"messages": _messages(body.get("instructions"), body.get("input"), custom),
+    given = body.get("input")
+    if prior:
+        given = list(prior) + ([{"role": "user", "content": given}] if isinstance(given, str)
+                               else list(given or []))
+    chat = {"messages": _messages(body.get("instructions"), given, custom),
             "stream": body.get("stream", False)}
     for src, dst in (("model", "model"), ("max_output_tokens", "max_tokens"),
                      ("temperature", "temperature"), ("top_p", "top_p"), ("user", "user")):
@@ -78,7 +80,9 @@ def parse(body: object, *, session_header: str | None, default_max_tokens: int
         chat["response_format"] = fmt
     name = session_header or body.get("prompt_cache_key") or None
     echo = {k: body.get(k) for k in ("instructions", "max_output_tokens", "temperature",
-                                     "top_p", "tool_choice", "tools", "metadata")}
+                                     "top_p", "tool_choice", "tools", "metadata",
+                                     "previous_response_id")}
+    echo["store"] = body.get("store") is not False  # OpenAI's default: stored
     parsed = parse_chat("chat", chat, session_header=name, default_max_tokens=default_max_tokens)
     thinking = _reasoning(body.get("reasoning"))
     if thinking is not None:

@@ -38,48 +38,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from apps.shim import anthropic_format, responses_format
+from apps.shim import anthropic_format, responses_format, responses_store
 from apps.shim.openai_answer import Answer
+from apps.shim.errors import error_for
 from apps.shim.recorder import Recorder
 from apps.shim.openai_format import DEFAULT_MAX_TOKENS, ApiError, invalid, parse, parse_render
-from kvbank.contracts.failures import HTTP_STATUS, Unauthenticated, failure_for
-from kvbank.contracts.vocabulary import NO_RETRY_VERDICTS
+from kvbank.contracts.failures import Unauthenticated
 from kvbank.v1 import api_pb2, api_pb2_grpc
 from router.auth import AUTH_KEY, tenant_for
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "kvbank"
-DEFAULT_RETRY_AFTER_S = 1.0  # when the router's refusal carries no `retry-after`
 HEALTH_TIMEOUT_S = 1.0
 RENDER_TIMEOUT_S = 30.0  # a render only tokenizes (and reads a session's history in append mode)
-# The router's refusals carry `x-kvbank-reason` (our error code) and `x-kvbank-verdict`; a
-# verdict in NO_RETRY_VERDICTS (kvbank/contracts/vocabulary.py) says a retry cannot help.
-# A gRPC status that stands for a failure of kvbank/contracts/failures.py gets that failure's
-# HTTP status, OpenAI error type and code (HTTP_STATUS, the one table). Any other status is a
-# 500 with a plain message; the details go to the log, not the client.
-INTERNAL = (500, "server_error", "internal_error")
-def error_for(e: grpc.aio.AioRpcError) -> ApiError:
-    failure = failure_for(e.code())
-    status, kind, code = HTTP_STATUS[failure] if failure is not None else INTERNAL
-    if status == 500:
-        logger.error("router call failed: %s: %s", e.code().name, e.details())
-        return ApiError(500, "kvbank failed to answer (internal error); the server log says why",
-                        type=kind, code=code)
-    md = e.trailing_metadata() or grpc.aio.Metadata()
-    busy = status in (429, 503)
-    hopeless = busy and md.get("x-kvbank-verdict") in NO_RETRY_VERDICTS  # retrying can't help
-    retry_after_s = _seconds(md.get("retry-after")) if busy and not hopeless else None
-    return ApiError(status, e.details() or e.code().name, type=kind,
-                    code=md.get("x-kvbank-reason") or code, retry_after_s=retry_after_s,
-                    retry=False if hopeless else None, param=md.get("x-kvbank-param"))
-
-
-def _seconds(value: str | None) -> float:
-    try:
-        return max(0.0, float(value))
-    except (TypeError, ValueError):
-        return DEFAULT_RETRY_AFTER_S
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -111,6 +83,7 @@ class Shim:
         """The channel belongs to the server's event loop, so it is made inside it."""
         self.channel = grpc.aio.insecure_channel(self.router_address)
         self.generation = api_pb2_grpc.GenerationStub(self.channel)
+        self.stored = api_pb2_grpc.ResponsesStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         logger.info("OpenAI and Anthropic APIs for router %s, model %r, %s, default max_tokens "
                     "%d", self.router_address, self.model_name,
@@ -301,7 +274,7 @@ class Shim:
             return error_response(e)
 
     async def _answer(self, request: Request, generate: api_pb2.GenerateRequest, metadata,
-                      fit: bool, answer, events) -> Response:
+                      fit: bool, answer, events, finish=None) -> Response:
         """Run the request and answer with `answer`'s body, or with the stream `events(call,
         first, answer)` makes of it; 499 (nginx's "client closed request") if the client left
         before anything was sent. Once a stream starts, sse-starlette cancels it on a
@@ -311,23 +284,31 @@ class Shim:
             return Response(status_code=499)
         call, first = started
         if events is not None:
-            return EventSourceResponse(self._recorded(request, answer,
-                                                      events(call, first, answer)), sep="\n")
+            return EventSourceResponse(self._finishing(request, answer, finish,
+                                                       events(call, first, answer)), sep="\n")
         body = await _unless_hung_up(request, call, _collect(call, first, answer))
         if body is HUNG_UP:
             return Response(status_code=499)
-        self._record(request, answer)
+        await self._finished(request, answer, finish)
         return JSONResponse(body)
 
-    async def _recorded(self, request: Request, answer, events):
-        """The stream; its record (`--record-requests`) is written once its usage is known,
-        before the events that end it leave (a client that got its answer finds it there)."""
-        recorded = False
+    async def _finishing(self, request: Request, answer, finish, events):
+        """The stream; what follows a whole answer (`_finished`) is done once its usage is
+        known, before the events that end it leave: a client that got its answer finds it
+        stored and recorded."""
+        done = False
         async for event in events:
-            if not recorded and answer.usage is not None:
-                self._record(request, answer)
-                recorded = True
+            if not done and answer.usage is not None:
+                await self._finished(request, answer, finish)
+                done = True
             yield event
+
+    async def _finished(self, request: Request, answer, finish) -> None:
+        """A whole answer: its record (`--record-requests`), then `finish(answer)` (the
+        Responses API's store)."""
+        self._record(request, answer)
+        if finish is not None:
+            await finish(answer)
 
     def _record(self, request: Request, answer) -> None:
         if self.recorder is not None:
@@ -351,23 +332,36 @@ class Shim:
     async def responses(self, request: Request):
         try:
             metadata = self.authorize(request)
-            req = responses_format.parse(await _json(request),
-                                         session_header=_session_header(request),
-                                         default_max_tokens=self.default_max_tokens)
+            body = await _json(request)
+            prior = await responses_store.prior_items(self.stored, metadata, body)
+            req = responses_format.parse(body, session_header=_session_header(request),
+                                         default_max_tokens=self.default_max_tokens,
+                                         prior=prior)
             answer = responses_format.ResponseAnswer(self.model_name, req.custom_tools, req.echo,
                                                      req.namespaces)
+            items = responses_store.input_items(body, prior)
+
+            async def keep(answer) -> None:
+                if answer.echo["store"]:
+                    await responses_store.keep(self.stored, metadata, items, answer.body())
+
             return await self._answer(request, req.chat.generate, metadata,
                                       req.chat.fit_max_tokens, answer,
-                                      _responses_events if req.chat.stream else None)
+                                      _responses_events if req.chat.stream else None, keep)
         except ApiError as e:
             return error_response(e)
 
     async def stored_response(self, request: Request) -> JSONResponse:
-        """GET or DELETE /v1/responses/{id}: kvbank keeps no responses yet."""
-        self.authorize(request)
-        return error_response(ApiError(404, f"no response {request.path_params['id']}: "
-                                            f"kvbank stores no responses yet",
-                                       code="not_found", type="invalid_request_error"))
+        """GET /v1/responses/{id}: a stored response as it was answered; DELETE forgets it."""
+        try:
+            metadata = self.authorize(request)
+            rid = request.path_params["id"]
+            if request.method == "DELETE":
+                return JSONResponse(await responses_store.delete(self.stored, metadata, rid))
+            return JSONResponse((await responses_store.load(self.stored, metadata, rid))
+                                ["response"])
+        except ApiError as e:
+            return error_response(e)
 
     # -- Anthropic's Messages API -----------------------------------------------------------
 

@@ -5,7 +5,10 @@ Named databases:
     refs      block id                 -> u32 number of session records naming it
     sessions  tenant \\0 session id     -> JSON meta (block list, durable extent, timestamps)
     tokens    tenant \\0 session id     -> committed token ids, uint32 little-endian
+    responses tenant \\0 response id    -> a stored Responses API response: u64 created_at
+                                          (unix ms) then its JSON (apps/shim/responses_store.py)
     meta      b"block_bytes"           -> u64 total bytes of stored blocks (the size cap's measure)
+              b"response_bytes"        -> u64 total bytes of stored responses
               b"format_version"        -> u32 STORE_FORMAT (none: a store from before it, whose
                                           blocks are KVB1 and still read as they are)
 
@@ -27,8 +30,9 @@ import numpy as np
 from kvbank.blocks import BlockId
 
 INITIAL_MAP_BYTES = 1 << 30
-DBS = (b"blocks", b"refs", b"sessions", b"tokens", b"meta")
+DBS = (b"blocks", b"refs", b"sessions", b"tokens", b"meta", b"responses")
 BLOCK_BYTES_KEY = b"block_bytes"  # meta: total size of stored blocks, kept in the same txns
+RESPONSE_BYTES_KEY = b"response_bytes"  # meta: total size of stored responses
 FORMAT_KEY = b"format_version"
 STORE_FORMAT = 2  # blocks with per-layer shapes, checkpoints and checksums (kvbank/blocks.py)
 
@@ -92,7 +96,12 @@ class StoreReader:
             metasync=True,
             create=not readonly,
         )
-        self._db = {name: self.env.open_db(name, create=not readonly) for name in DBS}
+        self._db = {}
+        for name in DBS:
+            try:
+                self._db[name] = self.env.open_db(name, create=not readonly)
+            except lmdb.NotFoundError:  # a reader of a store no writer has opened since
+                pass
         try:
             self.format_version = self._check_format()
         except StoreFormatError:
@@ -124,6 +133,14 @@ class StoreReader:
         except lmdb.MapResizedError:
             self.env.set_mapsize(0)  # adopt the writer's larger map
             return self.env.begin(buffers=True)
+
+    def get_response(self, tenant: str, response_id: str) -> bytes | None:
+        """A stored Responses API response's JSON, or None."""
+        if b"responses" not in self._db:
+            return None
+        with self._read_txn() as txn:
+            raw = txn.get(session_key(tenant, response_id), db=self._db[b"responses"])
+            return None if raw is None else bytes(raw[8:])
 
     def get_session(self, tenant: str, session_id: str) -> tuple[SessionMeta, np.ndarray] | None:
         key = session_key(tenant, session_id)

@@ -294,6 +294,32 @@ class PrefetchResponse(_message.Message):
     restored_tokens: int
     def __init__(self, status: _Optional[str] = ..., ram_tokens: _Optional[int] = ..., ssd_tokens: _Optional[int] = ..., restored_tokens: _Optional[int] = ...) -> None: ...
 
+class StoredResponse(_message.Message):
+    __slots__ = ("id", "created_at", "body")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    created_at: float
+    body: bytes
+    def __init__(self, id: _Optional[str] = ..., created_at: _Optional[float] = ..., body: _Optional[bytes] = ...) -> None: ...
+
+class ResponseRef(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class PutResponseReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DeleteResponseReply(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: bool
+    def __init__(self, deleted: _Optional[bool] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "write_out")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -236,6 +236,174 @@ class Generation:
             _registered_method=True)
 
 
+class ResponsesStub:
+    """Responses the Responses API keeps (`store`), per tenant, in the coldstore's LMDB: what
+    `previous_response_id` continues from and GET /v1/responses/{id} returns. `body` is the
+    shim's JSON (apps/shim/responses_store.py); bounded by the store's cap and TTL.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Put = channel.unary_unary(
+                '/kvbank.v1.Responses/Put',
+                request_serializer=kvbank_dot_v1_dot_api__pb2.StoredResponse.SerializeToString,
+                response_deserializer=kvbank_dot_v1_dot_api__pb2.PutResponseReply.FromString,
+                _registered_method=True)
+        self.Get = channel.unary_unary(
+                '/kvbank.v1.Responses/Get',
+                request_serializer=kvbank_dot_v1_dot_api__pb2.ResponseRef.SerializeToString,
+                response_deserializer=kvbank_dot_v1_dot_api__pb2.StoredResponse.FromString,
+                _registered_method=True)
+        self.Delete = channel.unary_unary(
+                '/kvbank.v1.Responses/Delete',
+                request_serializer=kvbank_dot_v1_dot_api__pb2.ResponseRef.SerializeToString,
+                response_deserializer=kvbank_dot_v1_dot_api__pb2.DeleteResponseReply.FromString,
+                _registered_method=True)
+
+
+class ResponsesServicer:
+    """Responses the Responses API keeps (`store`), per tenant, in the coldstore's LMDB: what
+    `previous_response_id` continues from and GET /v1/responses/{id} returns. `body` is the
+    shim's JSON (apps/shim/responses_store.py); bounded by the store's cap and TTL.
+    """
+
+    def Put(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Get(self, request, context):
+        """NOT_FOUND when none
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Delete(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ResponsesServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Put': grpc.unary_unary_rpc_method_handler(
+                    servicer.Put,
+                    request_deserializer=kvbank_dot_v1_dot_api__pb2.StoredResponse.FromString,
+                    response_serializer=kvbank_dot_v1_dot_api__pb2.PutResponseReply.SerializeToString,
+            ),
+            'Get': grpc.unary_unary_rpc_method_handler(
+                    servicer.Get,
+                    request_deserializer=kvbank_dot_v1_dot_api__pb2.ResponseRef.FromString,
+                    response_serializer=kvbank_dot_v1_dot_api__pb2.StoredResponse.SerializeToString,
+            ),
+            'Delete': grpc.unary_unary_rpc_method_handler(
+                    servicer.Delete,
+                    request_deserializer=kvbank_dot_v1_dot_api__pb2.ResponseRef.FromString,
+                    response_serializer=kvbank_dot_v1_dot_api__pb2.DeleteResponseReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvbank.v1.Responses', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvbank.v1.Responses', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Responses:
+    """Responses the Responses API keeps (`store`), per tenant, in the coldstore's LMDB: what
+    `previous_response_id` continues from and GET /v1/responses/{id} returns. `body` is the
+    shim's JSON (apps/shim/responses_store.py); bounded by the store's cap and TTL.
+    """
+
+    @staticmethod
+    def Put(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbank.v1.Responses/Put',
+            kvbank_dot_v1_dot_api__pb2.StoredResponse.SerializeToString,
+            kvbank_dot_v1_dot_api__pb2.PutResponseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Get(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbank.v1.Responses/Get',
+            kvbank_dot_v1_dot_api__pb2.ResponseRef.SerializeToString,
+            kvbank_dot_v1_dot_api__pb2.StoredResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Delete(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbank.v1.Responses/Delete',
+            kvbank_dot_v1_dot_api__pb2.ResponseRef.SerializeToString,
+            kvbank_dot_v1_dot_api__pb2.DeleteResponseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class SessionsStub:
     """Missing associated documentation comment in .proto file."""
 

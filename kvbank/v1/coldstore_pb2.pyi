@@ -29,7 +29,7 @@ OUTCOME_STALE: Outcome
 OUTCOME_UNKNOWN_JOB: Outcome
 
 class Request(_message.Message):
-    __slots__ = ("req", "put_session", "delete_session", "write", "payload", "promote", "cancel", "get_blocks", "ping", "drop_blocks")
+    __slots__ = ("req", "put_session", "delete_session", "write", "payload", "promote", "cancel", "get_blocks", "ping", "drop_blocks", "put_response", "get_response", "delete_response")
     REQ_FIELD_NUMBER: _ClassVar[int]
     PUT_SESSION_FIELD_NUMBER: _ClassVar[int]
     DELETE_SESSION_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,9 @@ class Request(_message.Message):
     GET_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
     DROP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PUT_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    GET_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    DELETE_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     req: int
     put_session: PutSession
     delete_session: DeleteSession
@@ -50,7 +53,28 @@ class Request(_message.Message):
     get_blocks: GetBlocks
     ping: Ping
     drop_blocks: DropBlocks
-    def __init__(self, req: _Optional[int] = ..., put_session: _Optional[_Union[PutSession, _Mapping]] = ..., delete_session: _Optional[_Union[DeleteSession, _Mapping]] = ..., write: _Optional[_Union[Write, _Mapping]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., promote: _Optional[_Union[Promote, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., get_blocks: _Optional[_Union[GetBlocks, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., drop_blocks: _Optional[_Union[DropBlocks, _Mapping]] = ...) -> None: ...
+    put_response: PutResponse
+    get_response: ResponseKey
+    delete_response: ResponseKey
+    def __init__(self, req: _Optional[int] = ..., put_session: _Optional[_Union[PutSession, _Mapping]] = ..., delete_session: _Optional[_Union[DeleteSession, _Mapping]] = ..., write: _Optional[_Union[Write, _Mapping]] = ..., payload: _Optional[_Union[Payload, _Mapping]] = ..., promote: _Optional[_Union[Promote, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., get_blocks: _Optional[_Union[GetBlocks, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., drop_blocks: _Optional[_Union[DropBlocks, _Mapping]] = ..., put_response: _Optional[_Union[PutResponse, _Mapping]] = ..., get_response: _Optional[_Union[ResponseKey, _Mapping]] = ..., delete_response: _Optional[_Union[ResponseKey, _Mapping]] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("tenant", "id", "created_at")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    id: str
+    created_at: float
+    def __init__(self, tenant: _Optional[str] = ..., id: _Optional[str] = ..., created_at: _Optional[float] = ...) -> None: ...
+
+class ResponseKey(_message.Message):
+    __slots__ = ("tenant", "id")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    id: str
+    def __init__(self, tenant: _Optional[str] = ..., id: _Optional[str] = ...) -> None: ...
 
 class PutSession(_message.Message):
     __slots__ = ("tenant", "session_id", "block_tokens")
@@ -149,7 +173,7 @@ class Message(_message.Message):
     def __init__(self, reply: _Optional[_Union[Reply, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., retired: _Optional[_Union[Retired, _Mapping]] = ...) -> None: ...
 
 class Reply(_message.Message):
-    __slots__ = ("req", "ok", "error", "put_session", "delete_session", "get_blocks", "ping")
+    __slots__ = ("req", "ok", "error", "put_session", "delete_session", "get_blocks", "ping", "get_response", "delete_response")
     REQ_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +181,8 @@ class Reply(_message.Message):
     DELETE_SESSION_FIELD_NUMBER: _ClassVar[int]
     GET_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
+    GET_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    DELETE_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     req: int
     ok: bool
     error: str
@@ -164,7 +190,15 @@ class Reply(_message.Message):
     delete_session: SessionDeleted
     get_blocks: BlocksFollow
     ping: PingReply
-    def __init__(self, req: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., put_session: _Optional[_Union[SessionPut, _Mapping]] = ..., delete_session: _Optional[_Union[SessionDeleted, _Mapping]] = ..., get_blocks: _Optional[_Union[BlocksFollow, _Mapping]] = ..., ping: _Optional[_Union[PingReply, _Mapping]] = ...) -> None: ...
+    get_response: ResponseFollows
+    delete_response: SessionDeleted
+    def __init__(self, req: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., put_session: _Optional[_Union[SessionPut, _Mapping]] = ..., delete_session: _Optional[_Union[SessionDeleted, _Mapping]] = ..., get_blocks: _Optional[_Union[BlocksFollow, _Mapping]] = ..., ping: _Optional[_Union[PingReply, _Mapping]] = ..., get_response: _Optional[_Union[ResponseFollows, _Mapping]] = ..., delete_response: _Optional[_Union[SessionDeleted, _Mapping]] = ...) -> None: ...
+
+class ResponseFollows(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class SessionPut(_message.Message):
     __slots__ = ("durable_tokens",)

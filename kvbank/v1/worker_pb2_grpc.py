@@ -100,6 +100,21 @@ class WorkerStub:
                 request_serializer=kvbank_dot_v1_dot_api__pb2.StatusRequest.SerializeToString,
                 response_deserializer=kvbank_dot_v1_dot_api__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.PutResponse = channel.unary_unary(
+                '/kvbank.v1.Worker/PutResponse',
+                request_serializer=kvbank_dot_v1_dot_api__pb2.StoredResponse.SerializeToString,
+                response_deserializer=kvbank_dot_v1_dot_api__pb2.PutResponseReply.FromString,
+                _registered_method=True)
+        self.GetResponse = channel.unary_unary(
+                '/kvbank.v1.Worker/GetResponse',
+                request_serializer=kvbank_dot_v1_dot_api__pb2.ResponseRef.SerializeToString,
+                response_deserializer=kvbank_dot_v1_dot_api__pb2.StoredResponse.FromString,
+                _registered_method=True)
+        self.DeleteResponse = channel.unary_unary(
+                '/kvbank.v1.Worker/DeleteResponse',
+                request_serializer=kvbank_dot_v1_dot_api__pb2.ResponseRef.SerializeToString,
+                response_deserializer=kvbank_dot_v1_dot_api__pb2.DeleteResponseReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -183,6 +198,25 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutResponse(self, request, context):
+        """The Responses API's stored responses, in the caller's tenant (through the coldstore).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetResponse(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteResponse(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -250,6 +284,21 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=kvbank_dot_v1_dot_api__pb2.StatusRequest.FromString,
                     response_serializer=kvbank_dot_v1_dot_api__pb2.StatusResponse.SerializeToString,
+            ),
+            'PutResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutResponse,
+                    request_deserializer=kvbank_dot_v1_dot_api__pb2.StoredResponse.FromString,
+                    response_serializer=kvbank_dot_v1_dot_api__pb2.PutResponseReply.SerializeToString,
+            ),
+            'GetResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetResponse,
+                    request_deserializer=kvbank_dot_v1_dot_api__pb2.ResponseRef.FromString,
+                    response_serializer=kvbank_dot_v1_dot_api__pb2.StoredResponse.SerializeToString,
+            ),
+            'DeleteResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteResponse,
+                    request_deserializer=kvbank_dot_v1_dot_api__pb2.ResponseRef.FromString,
+                    response_serializer=kvbank_dot_v1_dot_api__pb2.DeleteResponseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -603,6 +652,87 @@ class Worker:
             '/kvbank.v1.Worker/Status',
             kvbank_dot_v1_dot_api__pb2.StatusRequest.SerializeToString,
             kvbank_dot_v1_dot_api__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbank.v1.Worker/PutResponse',
+            kvbank_dot_v1_dot_api__pb2.StoredResponse.SerializeToString,
+            kvbank_dot_v1_dot_api__pb2.PutResponseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbank.v1.Worker/GetResponse',
+            kvbank_dot_v1_dot_api__pb2.ResponseRef.SerializeToString,
+            kvbank_dot_v1_dot_api__pb2.StoredResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbank.v1.Worker/DeleteResponse',
+            kvbank_dot_v1_dot_api__pb2.ResponseRef.SerializeToString,
+            kvbank_dot_v1_dot_api__pb2.DeleteResponseReply.FromString,
             options,
             channel_credentials,
             insecure,
