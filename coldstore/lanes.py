@@ -35,6 +35,7 @@ class PendingBlock:
     nbytes: int
     payload: memoryview | None = None  # None: still in transit
     tail: bool = False  # the partial last block: its next turn will rewrite it
+    anchor: bool = False  # a partial block carrying a shared checkpoint (coldstore/store.py)
 
 
 @dataclass

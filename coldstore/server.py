@@ -310,7 +310,7 @@ class ColdstoreServer:
         blocks = deque(
             PendingBlock(b.id, b.start,
                          _block_bytes(b, frames[i].buffer if i < len(frames) else None),
-                         tail=b.tail)
+                         tail=b.tail, anchor=b.anchor)
             for i, b in enumerate(write.blocks)
         )
         job = WriteJob(
@@ -390,14 +390,15 @@ class ColdstoreServer:
         block = job.blocks.popleft()
         if not self.lanes.quiet(now):
             self.lanes.last_stale_write_at = now
+        commit = self.store.commit_anchor if block.anchor else self.store.commit_block
         try:
-            meta = self.store.commit_block(job.tenant, job.session_id, BlockId(job.root),
-                                           BlockId(block.block_id), block.start, block.payload)
+            meta = commit(job.tenant, job.session_id, BlockId(job.root), BlockId(block.block_id),
+                          block.start, block.payload)
         except Exception as e:
             logger.exception("coldstore: block write failed")
             self._finish(job, Outcome.ERROR, error=str(e))
             return
-        if meta is None:
+        if meta is None and not block.anchor:
             # The record moved on (deleted, edited, or this block is already there).
             self._finish(job, Outcome.STALE)
             return
@@ -405,11 +406,12 @@ class ColdstoreServer:
         self.written_bytes += self.store.last_written_bytes
         metrics.CS_WRITTEN.inc(self.store.last_written_bytes)
         job.written_blocks += 1
-        job.durable_tokens = meta.durable_tokens
+        if meta is not None:  # an anchor the record no longer wants is skipped
+            job.durable_tokens = meta.durable_tokens
         job.payload_at = now  # its sender sends the next payloads on this progress
         self._send(job.peer, pb.Message(progress=pb.Progress(
             job=job.job_id, tenant=job.tenant, session_id=job.session_id,
-            durable_tokens=meta.durable_tokens)))
+            durable_tokens=job.durable_tokens)))
         if not job.blocks:
             self._finish(job, Outcome.WRITTEN)
 

@@ -18,7 +18,8 @@ import time
 import lmdb
 import numpy as np
 
-from kvbank.blocks import BlockId, common_prefix_len, is_anonymous, next_block_id, tail_block_id
+from kvbank.blocks import (BlockId, common_prefix_len, decode_header, is_anonymous,
+                           next_block_id, tail_block_id)
 from kvbank.contracts.store_layout import (BLOCK_BYTES_KEY, RESPONSE_BYTES_KEY, SessionMeta,
                                            StoreReader, session_key)
 
@@ -63,7 +64,7 @@ class ColdStore(StoreReader):
                 meta = SessionMeta.from_json(raw)
                 old = np.frombuffer(txn.get(key, db=self._db[b"tokens"]) or b"", dtype=np.uint32)
             common = common_prefix_len(old, tokens)
-            if meta.durable_tokens > common:
+            if meta.durable_tokens > common or any(a[1] + a[2] > common for a in meta.anchors):
                 self._truncate_blocks(txn, meta, common)
             meta.token_count = len(tokens)
             meta.updated_at = now
@@ -118,6 +119,41 @@ class ColdStore(StoreReader):
                 meta.tail, meta.tail_tokens = block_id.hex(), n
             else:
                 meta.blocks.append(block_id.hex())
+            txn.put(key, meta.to_json(), db=self._db[b"sessions"])
+            return meta
+
+        return self._write(fn)
+
+    def commit_anchor(self, tenant: str, session_id: str, root: BlockId, block_id: BlockId,
+                      start: int, payload: bytes | memoryview) -> SessionMeta | None:
+        """Store a partial block that carries a shared checkpoint (the end of a system
+        prompt) and name it in the record, in one transaction. Its id must be the one the
+        record's tokens give from `start` on, after the record's own blocks up to `start`;
+        it is stored once, whoever else names it. None when the record does not want it."""
+        key = session_key(tenant, session_id)
+        n = decode_header(payload)[0].n_tokens
+        self.last_written_bytes = 0
+
+        def fn(txn):
+            raw = txn.get(key, db=self._db[b"sessions"])
+            if raw is None:
+                return None
+            meta = SessionMeta.from_json(raw)
+            B = meta.block_tokens
+            if start % B or start > len(meta.blocks) * B:
+                return None
+            if any(a[0] == block_id.hex() for a in meta.anchors):
+                return meta
+            toks = np.frombuffer(txn.get(key, db=self._db[b"tokens"]) or b"", dtype=np.uint32)
+            parent = BlockId(bytes.fromhex(meta.blocks[start // B - 1])) if start else root
+            if len(toks) < start + n or tail_block_id(parent, toks[start:start + n]) != block_id:
+                return None
+            if txn.get(block_id, db=self._db[b"blocks"]) is None:
+                txn.put(block_id, payload, db=self._db[b"blocks"])
+                self._add_block_bytes(txn, len(payload))
+                self.last_written_bytes = len(payload)
+            self._incref(txn, block_id)
+            meta.anchors.append([block_id.hex(), start, n])
             txn.put(key, meta.to_json(), db=self._db[b"sessions"])
             return meta
 
@@ -188,6 +224,8 @@ class ColdStore(StoreReader):
                     self._truncate_blocks(txn, meta, meta.blocks.index(hexid) * meta.block_tokens)
                 elif meta.tail == hexid:
                     self._truncate_blocks(txn, meta, len(meta.blocks) * meta.block_tokens)
+                elif any(a[0] == hexid for a in meta.anchors):
+                    meta.anchors = [a for a in meta.anchors if a[0] != hexid]
                 else:
                     continue
                 txn.put(session_key(meta.tenant, meta.session_id), meta.to_json(),
@@ -265,6 +303,9 @@ class ColdStore(StoreReader):
 
     def _truncate_blocks(self, txn, meta: SessionMeta, keep_tokens: int) -> None:
         keep_full = keep_tokens // meta.block_tokens if meta.block_tokens else 0
+        for anchor in [a for a in meta.anchors if a[1] + a[2] > keep_tokens]:
+            self._decref(txn, BlockId(bytes.fromhex(anchor[0])))
+            meta.anchors.remove(anchor)
         for h in meta.blocks[keep_full:]:
             self._decref(txn, BlockId(bytes.fromhex(h)))
         meta.blocks = meta.blocks[:keep_full]

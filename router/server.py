@@ -178,12 +178,14 @@ class Backend:
             raise ContextTooLong(len(full), answer, info.max_context_tokens)
         return full
 
-    def checkpoints(self, v: ValidRequest, tokens: list[int], info) -> list[int]:
-        """Where the worker keeps checkpoints of a model with window or recurrent caches."""
+    def checkpoints(self, v: ValidRequest, tokens: list[int], info) -> tuple[list[int], int]:
+        """Where the worker keeps checkpoints of a model with window or recurrent caches, and
+        which of them ends the prefix other conversations share (the system and tools)."""
         if v.kind != "chat" or not info.checkpointed:
-            return []
-        return self.tokenizer.checkpoints(list(v.messages), tokens, tools=list(v.tools) or None,
-                                          template=v.template)
+            return [], 0
+        messages, tools = list(v.messages), list(v.tools) or None
+        return (self.tokenizer.checkpoints(messages, tokens, tools=tools, template=v.template),
+                self.tokenizer.shared_end(messages, tokens, tools=tools, template=v.template))
 
     def tenant(self, context) -> str:
         return tenant_for(self.keys, context.invocation_metadata())
@@ -314,7 +316,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             kv_cache_usage=min(1.0, w.kv_bytes / w.kv_capacity_bytes) if w.kv_capacity_bytes else 0.0)
 
     async def _relay(self, v: ValidRequest, tokens: list[int], tenant: str, received_at: float,
-                     t0: float, queue_s: float, checkpoint_at: list[int] = ()):
+                     t0: float, queue_s: float, checkpoints: tuple[list[int], int] = ((), 0)):
         """The worker's stream, with the router's view of TTFT and queueing added."""
         wreq = worker_pb2.WorkerGenerateRequest(
             request_id=uuid.uuid4().hex, session_id=v.session_id, token_ids=tokens,
@@ -322,7 +324,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             received_at=received_at, stop=v.stop, tenant=tenant,
             tools_json=json.dumps(list(v.tools)) if v.tools else "",
             tool_choice=v.tool_choice, response_format=v.response_format,
-            checkpoint_at=checkpoint_at, split_reasoning=v.kind == "chat")
+            checkpoint_at=checkpoints[0], shared_checkpoint_at=checkpoints[1],
+            split_reasoning=v.kind == "chat")
         first_at = last_at = None
         texts: list[str] = []
         ids: list[int] = []

@@ -152,15 +152,21 @@ class PromptTokenizer:
             gen = self.encode(with_gen[len(without):])
             if gen and len(gen) < len(prompt) and prompt[len(prompt) - len(gen):] == gen:
                 out.append(len(prompt) - len(gen))
+        head = self.shared_end(messages, prompt, tools, template)
+        return sorted(set(out + ([head] if head else [])))
+
+    def shared_end(self, messages: list[dict], prompt: list[int],
+                   tools: list[dict] | None = None, template: dict | None = None) -> int:
+        """Where the system and tools part of `prompt` ends, the prefix other conversations
+        share (0: none, or the render does not confirm it token for token)."""
         n_system = next((i for i, m in enumerate(messages) if m["role"] != "system"), 0)
-        if n_system:
-            try:
-                head = self.encode(self._render_open(messages[:n_system], tools, template))
-            except Exception:
-                head = []
-            if 0 < len(head) < len(prompt) and prompt[:len(head)] == head:
-                out.append(len(head))
-        return sorted(set(out))
+        if not n_system:
+            return 0
+        try:
+            head = self.encode(self._render_open(messages[:n_system], tools, template))
+        except Exception:  # a template that cannot render a partial conversation
+            return 0
+        return len(head) if 0 < len(head) < len(prompt) and prompt[:len(head)] == head else 0
 
     def _render_open(self, messages: list[dict], tools: list[dict] | None,
                      template: dict | None = None) -> str:

@@ -159,6 +159,61 @@ def test_a_longer_turn_keeps_the_checkpoints_it_supersedes_up_to_the_cap(kinds):
     assert bank.total_nbytes == e.nbytes
 
 
+def test_a_shared_checkpoint_outlives_newer_ones_at_the_cap(kinds):
+    """The checkpoint ending the prefix other conversations share (the system prompt) is
+    kept after the entry's end and before the newest others."""
+    import dataclasses
+
+    bank = make_bank(block_tokens=B)
+    bank.restore_point, bank.max_checkpoints = kinds.restore_point, 2
+    tokens = np.arange(1, 20, dtype=np.uint32)
+    cache = kinds.new_cache()
+    snaps = {}
+    for i, t in enumerate(tokens, 1):
+        kinds.model(mx.array([int(t)])[None], cache)
+        snaps[i] = kinds.snapshot(cache)
+    layers = kv.freeze([cache[0]], 19)
+    bank.insert((TENANT, "s"), tokens, layers, checkpoints={
+        3: dataclasses.replace(snaps[3], shared=True), 10: snaps[10], 15: snaps[15],
+        19: snaps[19]})
+    (e,) = bank.session_entries((TENANT, "s"))
+    assert sorted(e.checkpoints) == [3, 19]
+
+
+def test_an_anchor_is_stored_once_and_lives_while_a_record_names_it(kinds, tmp_path):
+    """A shared checkpoint inside a block goes to LMDB as an anchor (its partial block's KV
+    and the checkpoint), content-addressed by the chain: two conversations name one stored
+    value; it goes when the last record naming it does, and an edit before it drops it."""
+    from coldstore.store import ColdStore
+
+    tokens = np.arange(1, 11, dtype=np.uint32)
+    cache = kinds.new_cache()
+    for i, t in enumerate(tokens[:6], 1):
+        kinds.model(mx.array([int(t)])[None], cache)
+    state = kinds.checkpoint_views(kinds.snapshot(cache))
+    layers = kv.freeze([cache[0]], 6)
+    root = root_for(TENANT)
+    ids = chain_block_ids(tokens, root, B)
+    anchor = tail_block_id(ids[0], tokens[4:6])  # after the first block, 2 tokens in
+    frame = kv.encode_views(kv.layer_views(layers), "float32", 4, 6, layout=kinds.layout,
+                            state=state)
+    block = kv.encode_views(kv.layer_views(layers), "float32", 0, 4, layout=kinds.layout)
+    store = ColdStore(tmp_path / "s")
+    for name in ("a", "b"):
+        store.put_session_tokens(TENANT, name, tokens, B)
+        store.commit_block(TENANT, name, root, ids[0], 0, block)
+        meta = store.commit_anchor(TENANT, name, root, anchor, 4, frame)
+        assert meta.anchors == [[anchor.hex(), 4, 2]] and meta.durable_tokens == B
+    assert store.stats()["blocks"] == 2  # the first block and the anchor, once each
+    assert store.commit_anchor(TENANT, "a", root, tail_block_id(ids[0], tokens[4:7]), 4,
+                               frame) is None  # its id is not what the tokens give
+    store.delete_session(TENANT, "a")
+    assert store.has_block(anchor)  # b still names it
+    store.put_session_tokens(TENANT, "b", np.concatenate([tokens[:5], [99]]), B)  # an edit
+    assert not store.has_block(anchor) and store.stats()["blocks"] == 1
+    store.close()
+
+
 def test_blocks_carry_the_checkpoint_at_their_end_and_refuse_a_flipped_byte(kinds):
     n = 10
     tokens = list(range(1, n + 1))

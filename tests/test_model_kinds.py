@@ -253,3 +253,45 @@ def test_the_seed_policies_hold_for_checkpoints(tmp_path_factory, cache_dir):
             assert _sessions(c)["dropped"].state == "gone"
     finally:
         s.stop()
+
+
+def test_two_conversations_that_share_a_system_prompt_store_its_checkpoint_once(
+        tmp_path_factory, cache_dir):
+    """qwen3_5: the checkpoint where the system prompt ends stands inside a block. The first
+    conversation stores it on SSD beside its blocks (an anchor, content-addressed by the
+    chain); a second conversation with the same system prompt, the first released from RAM,
+    restores from SSD up to exactly there and answers as mlx-lm does; both records name the
+    one stored anchor."""
+    from kvbank.contracts.store_layout import StoreReader
+
+    model = _model(tmp_path_factory, cache_dir, "qwen3_5", None)
+    ref = Reference(model)
+    s = start_stack(model, tmp_path_factory.mktemp("qwen3_5-shared"), cache_dir=cache_dir,
+                    shim=False)
+    system = {"role": "system", "content": "You are a careful coding agent. " * 9 + "Be brief."}
+    try:
+        with s.client() as c:
+            first = [system, {"role": "user", "content": "Read the parser."}]
+            a = c.generate(messages=first, max_tokens=8)
+            s.wait_durable(a.usage["session_id"])
+            c.release(a.usage["session_id"])
+            second = [system, {"role": "user", "content": "Now the lexer, please."}]
+            prompt = c.render(messages=second, max_tokens=MAX_TOKENS)
+            shared = ref.prompts.shared_end(second, prompt)
+            assert shared % 16, "the system prompt must end inside a block for this test"
+            # what the first conversation's read left at the anchor: one forward up to it
+            ref.tokens, ref.lineage = list(prompt), [(0, shared)]
+            b = c.generate(messages=second, max_tokens=MAX_TOKENS, logprobs=True)
+            assert (b.usage["cache_source"], b.usage["cached_tokens"]) == ("ssd", shared)
+            _check(ref, b, prompt, ref.prompts.checkpoints(second, prompt), True, "from anchor")
+            s.wait_durable(b.usage["session_id"])
+            store = StoreReader(s.layout.store_dir, readonly=True)
+            try:
+                anchors = [store.get_session("", t.usage["session_id"])[0].anchors
+                           for t in (a, b)]
+            finally:
+                store.close()
+    finally:
+        s.stop()
+    assert anchors[0] == anchors[1] and len(anchors[0]) == 1
+    assert anchors[0][0][1] + anchors[0][0][2] == shared  # [id, start, tokens]

@@ -96,8 +96,11 @@ def _inherit(into: dict[int, Checkpoint], old: BankEntry, shared: int) -> None:
 
 
 def _newest(checkpoints: dict[int, Checkpoint], end: int, cap: int) -> dict[int, Checkpoint]:
-    """At most `cap` checkpoints: the one at `end`, then the newest."""
-    order = sorted(checkpoints, key=lambda p: (p != end, -p))[:max(1, cap)]
+    """At most `cap` checkpoints: the one at `end`, then those ending a prefix other
+    conversations share (as a block many conversations name, they go last), then the
+    newest."""
+    order = sorted(checkpoints, key=lambda p: (p != end, not checkpoints[p].shared, -p))
+    order = order[:max(1, cap)]
     return {p: checkpoints[p] for p in sorted(order)}
 
 

@@ -69,6 +69,7 @@ class Checkpoint:
     the model has not written yet). Never written in place: a restore copies on first write."""
 
     arrays: tuple[tuple[mx.array | None, ...], ...]
+    shared: bool = False  # it ends the prefix other conversations share (system and tools)
 
     @property
     def nbytes(self) -> int:

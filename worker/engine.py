@@ -361,8 +361,8 @@ class Engine:
         handed = None
         try:
             t0 = time.monotonic()
-            cache, cached, source, handed = self.restorer.restore(tokens, ids, tenant, session,
-                                                                  req.no_cache)
+            cache, cached, source, handed = self.restorer.restore(
+                tokens, ids, tenant, session, req.no_cache, anchor_at=req.shared_checkpoint_at)
             reports.count_restore(req, session, len(tokens), cached, source)
             r = Running(job=job, tokens=tokens, bank_key=session, session=session,
                         cached=cached, source=source,

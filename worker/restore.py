@@ -44,9 +44,12 @@ class Restorer:
         return self._store
 
     def restore(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
-                session: SessionKey, no_cache: bool) -> tuple[list, int, int, BankEntry | None]:
+                session: SessionKey, no_cache: bool, anchor_at: int = 0
+                ) -> tuple[list, int, int, BankEntry | None]:
         """The request's own cache over the longest known prefix: (cache, tokens, source, the
-        bank entry handed over to it, which its commit supersedes or its failure gives back)."""
+        bank entry handed over to it, which its commit supersedes or its failure gives back).
+        `anchor_at`: where the prompt's shared prefix (system and tools) ends, whose checkpoint
+        another conversation may have stored (`ssd_prefix`)."""
         none = (self.kinds.new_cache(), 0, api_pb2.CACHE_SOURCE_NONE, None)
         if no_cache:
             return none
@@ -57,7 +60,7 @@ class Restorer:
         # Room for the rest of the prompt and the first answer tokens (as a cache grows): the
         # request appends in place to the arrays it reads from SSD, no second copy.
         ssd = (self.ssd_prefix(tokens, ids, tenant, session, better_than=ram_n,
-                               capacity=kv.capacity(len(tokens)))
+                               capacity=kv.capacity(len(tokens)), anchor_at=anchor_at)
                if ram_n < limit else None)
         if ssd is not None:
             layers, checkpoint, n = ssd
@@ -96,11 +99,13 @@ class Restorer:
 
     def ssd_prefix(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
                    session: SessionKey, better_than: int, capacity: int = 0,
-                   limit: int | None = None
+                   limit: int | None = None, anchor_at: int = 0
                    ) -> tuple[kv.Layers, Checkpoint | None, int] | None:
         """The longest prefix LMDB can restore, up to `limit` (None: short of the prompt's
-        last token, whose logits a request needs), if it beats `better_than`: its blocks (arrays with room for `capacity` tokens; 0: tight) and, for a
-        model with checkpoints, the one stored with the last of them."""
+        last token, whose logits a request needs), if it beats `better_than`: its blocks
+        (arrays with room for `capacity` tokens; 0: tight) and, for a model with checkpoints,
+        the one stored with the last of them, or with the anchor at `anchor_at` (a shared
+        checkpoint inside a block, stored once by whichever conversation wrote it)."""
         store = self.store()
         if store is None:
             return None
@@ -120,8 +125,28 @@ class Restorer:
                     want.append(BlockId(bytes.fromhex(meta.tail)))
                     n += meta.tail_tokens
         limit = len(tokens) - 1 if limit is None else limit
-        if min(n, limit) <= better_than:
+        anchored = self._anchored(store, tokens, ids, root, anchor_at, n_full)
+        if min(max(n, anchor_at if anchored else 0), limit) <= better_than:
             return None
+        got = self._read_checked(store, want, limit, better_than, capacity, tenant, session)
+        if anchored and (got is None or got[2] < anchor_at) and better_than < anchor_at <= limit:
+            got = self._read_checked(store, anchored, limit, better_than, capacity, tenant,
+                                     session) or got
+        return got
+
+    def _anchored(self, store: StoreReader, tokens: np.ndarray, ids: list[BlockId],
+                  root: BlockId, anchor_at: int, n_full: int) -> list[BlockId] | None:
+        """The blocks up to the anchor at `anchor_at` and the anchor, when LMDB has them."""
+        B = self.block_tokens
+        if not (self.kinds.checkpointed and anchor_at % B) or n_full * B < anchor_at // B * B:
+            return None
+        s = anchor_at // B * B
+        anchor = tail_block_id(ids[s // B - 1] if s else root, tokens[s:anchor_at])
+        return list(ids[:s // B]) + [anchor] if store.has_block(anchor) else None
+
+    def _read_checked(self, store: StoreReader, want: list[BlockId], limit: int,
+                      better_than: int, capacity: int, tenant: str, session: SessionKey):
+        """`_read_blocks`, with each corrupt block reported, deleted and read around."""
         while True:
             try:
                 # None: a block was collected since we looked, or no checkpoint beats it

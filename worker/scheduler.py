@@ -29,6 +29,8 @@ mlx-lm applies them there.
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import logging
 import math
@@ -130,6 +132,10 @@ class BatchScheduler:
 
     def add(self, r: Running, cache: list, max_tokens: int) -> None:
         prompt = r.tokens[r.cached:].tolist()
+        if r.cached and r.cached == r.job.request.shared_checkpoint_at:
+            # restored at the shared prefix's end: its commit names that checkpoint too, so
+            # the stored anchor lives while any conversation holding it does
+            self._checkpoint(_Own(r, cache, prompt, max_tokens), r.cached, always=True)
         if r.decoding.processors:
             self._insert(r, prompt, cache, max_tokens)
             return
@@ -358,7 +364,10 @@ class BatchScheduler:
     def _checkpoint(self, o: _Own, position: int, always: bool = False) -> None:
         """The window and recurrent caches, standing at `position`, kept for the commit."""
         if self.kinds.checkpointed and (always or position in o.r.split_at):
-            o.r.checkpoints[position] = self.kinds.snapshot(o.cache)
+            snap = self.kinds.snapshot(o.cache)
+            if position == o.r.job.request.shared_checkpoint_at:
+                snap = dataclasses.replace(snap, shared=True)
+            o.r.checkpoints[position] = snap
 
     def drop(self, r: Running) -> None:
         """Take a request out without a commit (it failed)."""

@@ -178,7 +178,7 @@ class KVWriter:
         if kind == "progress":
             p = msg.progress
             self._job_durable[p.job] = max(self._job_durable.get(p.job, 0), p.durable_tokens)
-            self._advance(p.job, p.durable_tokens)
+            self._advance(p.job)
         elif kind == "done":
             d = msg.done
             self._staged.pop(d.job, None)
@@ -227,18 +227,25 @@ class KVWriter:
         root = self.root_for(entry.session[0])
         write = wire.pb.Write(tenant=entry.session[0], session_id=entry.session[1],
                               root=bytes(root), dirty_since=time.time())
-        ranges = [(s, min(s + B, n)) for s in range(start, n, B)]
+        # The blocks in order, each anchor (a shared checkpoint inside a block: the end of a
+        # system prompt) just before the block it falls in: its chain is written by then.
+        anchors = [(p // B * B, p) for p, c in entry.checkpoints.items()
+                   if c.shared and p % B and start <= p // B * B and p < n]
+        ranges = sorted([(s, min(s + B, n)) for s in range(start, n, B)] + anchors,
+                        key=lambda r: (r[0], (r[1] - r[0]) % B == 0 or r[1] == n))
+        anchor = set(anchors)
         views, dtype = layer_views(entry.layers), dtype_name(entry.layers)
         sizes = [encoded_views_nbytes(views, dtype, s, e, layout=self._layout(),
                                       state=self._state(entry, e)) for s, e in ranges]
         del views
         for (s, e), size in zip(ranges, sizes):
-            if e - s == B:
+            if e - s == B and (s, e) not in anchor:
                 write.blocks.add(id=bytes(entry.block_ids[s // B]), start=s, nbytes=size)
             else:
                 parent = entry.block_ids[s // B - 1] if s else root
                 write.blocks.add(id=bytes(tail_block_id(parent, entry.tokens[s:e])), start=s,
-                                 tail=True, nbytes=size)
+                                 tail=(s, e) not in anchor, anchor=(s, e) in anchor,
+                                 nbytes=size)
         if give_up_at is not None:
             write.give_up_at = give_up_at
         job = write.job = self.client.next_id()
@@ -259,15 +266,14 @@ class KVWriter:
             return None
         return self.kinds.checkpoint_views(entry.checkpoints[end])
 
-    def _advance(self, job: int, durable_tokens: int) -> None:
-        """The coldstore committed up to `durable_tokens`: the stream's next blocks may go;
-        or, its entry no longer in the bank (a request took it over), the stream stops."""
+    def _advance(self, job: int) -> None:
+        """The coldstore committed one more of the job's blocks (one `progress` each): the
+        stream's next blocks may go; or, its entry no longer in the bank (a request took it
+        over), the stream stops."""
         stream = self._streams.get(job)
         if stream is None:
             return
-        while (stream.committed < stream.sent
-               and stream.ranges[stream.committed][1] <= durable_tokens):
-            stream.committed += 1
+        stream.committed = min(stream.committed + 1, stream.sent)
         if stream.sent == len(stream.ranges):
             del self._streams[job]
         elif not stream.entry.in_bank:

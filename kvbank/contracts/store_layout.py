@@ -58,6 +58,9 @@ class SessionMeta:
     block_tokens: int = 0
     created_at: float = 0.0
     updated_at: float = 0.0
+    # Partial blocks inside the conversation that carry a checkpoint other conversations
+    # share (the end of a system prompt): [hex id, start, tokens] each.
+    anchors: list[list] = field(default_factory=list)
 
     @property
     def durable_tokens(self) -> int:

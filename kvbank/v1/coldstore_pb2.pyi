@@ -95,16 +95,18 @@ class DeleteSession(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class Block(_message.Message):
-    __slots__ = ("id", "start", "nbytes", "tail")
+    __slots__ = ("id", "start", "nbytes", "tail", "anchor")
     ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_FIELD_NUMBER: _ClassVar[int]
     id: bytes
     start: int
     nbytes: int
     tail: bool
-    def __init__(self, id: _Optional[bytes] = ..., start: _Optional[int] = ..., nbytes: _Optional[int] = ..., tail: _Optional[bool] = ...) -> None: ...
+    anchor: bool
+    def __init__(self, id: _Optional[bytes] = ..., start: _Optional[int] = ..., nbytes: _Optional[int] = ..., tail: _Optional[bool] = ..., anchor: _Optional[bool] = ...) -> None: ...
 
 class Write(_message.Message):
     __slots__ = ("job", "tenant", "session_id", "root", "blocks", "dirty_since", "give_up_at")

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "token_ids", "sampling", "max_tokens", "no_cache", "received_at", "stop", "tenant", "tools_json", "tool_choice", "response_format", "checkpoint_at", "split_reasoning")
+    __slots__ = ("request_id", "session_id", "token_ids", "sampling", "max_tokens", "no_cache", "received_at", "stop", "tenant", "tools_json", "tool_choice", "response_format", "checkpoint_at", "split_reasoning", "shared_checkpoint_at")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class WorkerGenerateRequest(_message.Message):
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_AT_FIELD_NUMBER: _ClassVar[int]
     SPLIT_REASONING_FIELD_NUMBER: _ClassVar[int]
+    SHARED_CHECKPOINT_AT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -37,7 +38,8 @@ class WorkerGenerateRequest(_message.Message):
     response_format: _api_pb2.ResponseFormat
     checkpoint_at: _containers.RepeatedScalarFieldContainer[int]
     split_reasoning: bool
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., no_cache: _Optional[bool] = ..., received_at: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., tenant: _Optional[str] = ..., tools_json: _Optional[str] = ..., tool_choice: _Optional[str] = ..., response_format: _Optional[_Union[_api_pb2.ResponseFormat, _Mapping]] = ..., checkpoint_at: _Optional[_Iterable[int]] = ..., split_reasoning: _Optional[bool] = ...) -> None: ...
+    shared_checkpoint_at: int
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., no_cache: _Optional[bool] = ..., received_at: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., tenant: _Optional[str] = ..., tools_json: _Optional[str] = ..., tool_choice: _Optional[str] = ..., response_format: _Optional[_Union[_api_pb2.ResponseFormat, _Mapping]] = ..., checkpoint_at: _Optional[_Iterable[int]] = ..., split_reasoning: _Optional[bool] = ..., shared_checkpoint_at: _Optional[int] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "logprobs", "tool_calls", "stop_sequence", "reasoning")
