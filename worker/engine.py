@@ -51,8 +51,8 @@ from worker.link import ColdstoreClient
 from worker.prefetch import Prefetcher
 from worker.restore import Restorer
 from worker import reports, sharing
-from worker.decoding import Decoding, Decodings, make_request_sampler
-from worker.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running
+from worker.decoding import Decodings
+from worker.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running, warm_up
 from worker.writer import KVWriter
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class Engine:
                                     decode=self.tokenizer.decode,
                                     prefill_step_tokens=prefill_chunk_tokens,
                                     decode_wait_s=scheduler.decode_wait_s)
-        self._warm_up(prefill_chunk_tokens)
+        warm_up(self.batch, self.kinds, self.tokenizer, prefill_chunk_tokens)
         self.pricing.fixed_bytes = resident_bytes()
         self.memory_budget = memory_budget_bytes(memory_budget, self.pricing)
         cache_limit = mlx_cache_limit(self.memory_budget, self.pricing.fixed_bytes)
@@ -178,23 +178,6 @@ class Engine:
                                         for k in self.snapshot.sessions))
         metrics.MEMORY_BUDGET.set(self.memory_budget)
         self.guard = Guard(self).start()
-
-    def _warm_up(self, chunk_tokens: int) -> None:
-        """One short request through the scheduler, so the memory a first request leaves
-        behind (kernels, allocator, buffers) is in the fixed part of the budget."""
-        tokens = np.arange(1000, 1000 + 2 * chunk_tokens + 1, dtype=np.uint32)
-        job = cmd.Generate(worker_pb2.WorkerGenerateRequest(max_tokens=2), emit=lambda ev: None)
-        r = Running(job=job, tokens=tokens, bank_key=("", "warm-up"), session=None, cached=0,
-                    source=api_pb2.CACHE_SOURCE_NONE, known=0, started=time.monotonic(),
-                    stops=[], detok=self.tokenizer.detokenizer,
-                    # a logits processor sends it through mlx-lm's BatchGenerator, whose
-                    # first-use buffers belong in the fixed part too (not the solo path)
-                    decoding=Decoding(make_request_sampler(0.0, 0.0, None),
-                                      processors=[lambda tokens, logits: logits]))
-        self.batch.add(r, self.kinds.new_cache(), 2)
-        while self.batch:
-            self.batch.step()
-        mx.clear_cache()
 
     # -- identity ---------------------------------------------------------------------------
 

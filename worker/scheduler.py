@@ -30,7 +30,6 @@ mlx-lm applies them there.
 from __future__ import annotations
 
 import dataclasses
-
 import itertools
 import logging
 import math
@@ -40,12 +39,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from kvbank.config import DEFAULT_DECODE_WAIT_S
 from kvbank.v1 import api_pb2, worker_pb2
 from worker.admission import drop_stale_buffers
 from worker.cache_kinds import CacheKinds
-from worker.decoding import Decoding, token_logprob
+from worker import commands as cmd
+from worker.decoding import Decoding, make_request_sampler, token_logprob
 
 logger = logging.getLogger(__name__)
 
@@ -439,3 +440,21 @@ def stop_cut(text: str, stops: list[str]) -> tuple[int, str]:
         return min(found)
     hold = max(len(s) for s in stops) - 1
     return max(0, len(text) - hold), ""
+
+
+def warm_up(batch: "BatchScheduler", kinds, tokenizer, chunk_tokens: int) -> None:
+    """One short request through the scheduler, so the memory a first request leaves behind
+    (kernels, allocator, buffers) is in the fixed part of the budget."""
+    tokens = np.arange(1000, 1000 + 2 * chunk_tokens + 1, dtype=np.uint32)
+    job = cmd.Generate(worker_pb2.WorkerGenerateRequest(max_tokens=2), emit=lambda ev: None)
+    r = Running(job=job, tokens=tokens, bank_key=("", "warm-up"), session=None, cached=0,
+                source=api_pb2.CACHE_SOURCE_NONE, known=0, started=time.monotonic(),
+                stops=[], detok=tokenizer.detokenizer,
+                # a logits processor sends it through mlx-lm's BatchGenerator, whose first-use
+                # buffers belong in the fixed part too (not the solo path)
+                decoding=Decoding(make_request_sampler(0.0, 0.0, None),
+                                  processors=[lambda tokens, logits: logits]))
+    batch.add(r, kinds.new_cache(), 2)
+    while batch:
+        batch.step()
+    mx.clear_cache()
