@@ -322,7 +322,7 @@ def test_claude_codes_requests_are_taken_as_sent_and_its_turns_read_the_whole_hi
     """Claude Code's fields (thinking, context_management, output_config) and its
     mid-conversation system message are accepted, and the attribution line it puts first in
     the system prompt, different on every request, is kept out of the prompt: the second
-    request reads all of the first from cache."""
+    request, after a side request of its own (a title), reads all of the first from cache."""
     import random
 
     c = _client(keyed)
@@ -346,6 +346,10 @@ def test_claude_codes_requests_are_taken_as_sent_and_its_turns_read_the_whole_hi
     assert first.model == "kvbank"  # any model name a client sends maps to the served model
     messages += [{"role": "assistant", "content": first.content[0].text or "."},
                  {"role": "user", "content": "Now read README.md."}]
+    # a side request between turns, as Claude Code sends for a title: its own small prompt
+    c.messages.create(model="claude-haiku-4-5", max_tokens=MAX_TOKENS, extra_body=fields,
+                      system="Write a 3-word title for this conversation.",
+                      messages=_user("List the files here."))
     second = c.messages.create(model="claude-opus-5-5", max_tokens=MAX_TOKENS,
                                system=system(), messages=messages, extra_body=fields)
     assert second.usage.cache_read_input_tokens >= _prompt(first.usage), second.usage
