@@ -330,7 +330,7 @@ class Message:
     Content blocks in the order the answer made them: the model's reasoning as a `thinking`
     block (its signature empty: kvbank signs nothing, and takes the block back unchecked),
     the text, then one `tool_use` block per call, each sent whole: start, its input as one
-    `input_json_delta`, stop. The first block opens with the stream."""
+    `input_json_delta`, stop. The first block opens with the first delta."""
 
     model: str
     # What the client asked for; when the router lowered it to the room the prompt left in

@@ -9,9 +9,11 @@ A custom (freeform) tool, as Codex's `apply_patch`, is offered to the model as a
 one string argument, `input`, and its call comes back as a `custom_tool_call` whose input is
 that string; a custom call in the input goes back to the model the same way.
 
-Not yet: kvbank keeps no responses, so `previous_response_id` is refused (send the whole
-conversation in `input`, as Codex does with `store: false`); `store` is accepted and nothing is
-stored. Reasoning items in the input are dropped (the model's template renders none).
+A `namespace` tool (Codex's sub-agent tools) offers its functions as the model's own, and a
+call of one names its namespace. A `reasoning` item in the input is the next answer's
+reasoning, for the template (`reasoning_content`). `previous_response_id` prepends the stored
+conversation's items (`prior`, apps/shim/responses_store.py), and a stored response is kept
+once answered.
 """
 
 from __future__ import annotations
