@@ -209,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     compare_arguments(bc)
     bc.set_defaults(func=_run_bench_compare)
+    bsc = bsub.add_parser("scale", help="conversations of real models' size through the bank, "
+                                        "writer and coldstore, against raw LMDB")
+    from apps.bench.scale import add_arguments as scale_arguments
+
+    scale_arguments(bsc)
+    bsc.set_defaults(func=lambda args: _setup_logging("bench") or _bench_result(
+        args, __import__("apps.bench.scale", fromlist=["run_cli"]).run_cli(args)))
     bcl = bsub.add_parser("cluster", help="anonymous agents through vllm-router over N stacks: "
                                           "kv_aware vs round_robin")
     from apps.bench.cluster import add_arguments as cluster_arguments
@@ -329,7 +336,8 @@ def _run_router(args: argparse.Namespace) -> int:
                 keys=load_keys(args.api_key, args.api_keys_file),
                 ceilings=Ceilings(args.max_prompt_tokens, args.max_request_tokens),
                 max_queue=args.max_queue, max_queue_wait_s=args.max_queue_wait_s,
-                metrics_port=args.metrics_port, admin_key=args.admin_key)
+                metrics_port=args.metrics_port, admin_key=args.admin_key,
+                run_dir=layout.run_dir)
     return 0
 
 

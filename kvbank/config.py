@@ -29,6 +29,9 @@ def default_data_dir() -> Path:
     return Path.home() / ".local" / "share" / "kvbank"
 
 
+MAX_SOCKET_PATH = 100  # sockaddr_un holds 107 bytes; some room for what follows
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where one kvbank deployment keeps its store and its sockets."""
@@ -51,23 +54,37 @@ class Layout:
         return self.data_dir / "log" / "events.jsonl"
 
     @property
+    def sockets_dir(self) -> Path:
+        """`run_dir`, unless a socket's path there would pass what a Unix socket address holds
+        (107 bytes): then a directory in the system's temporary one, named by the data dir,
+        the same for every process of this deployment."""
+        if len(str(self.run_dir / "worker-state.sock")) <= MAX_SOCKET_PATH:
+            return self.run_dir
+        import hashlib
+        import tempfile
+
+        digest = hashlib.sha1(str(self.data_dir.resolve()).encode()).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / f"kvbank-{digest}"
+
+    @property
     def worker_address(self) -> str:
         """gRPC address of the worker (internal: router only)."""
-        return f"unix://{self.run_dir / 'worker.sock'}"
+        return f"unix://{self.sockets_dir / 'worker.sock'}"
 
     @property
     def coldstore_address(self) -> str:
         """ZeroMQ ROUTER of the coldstore: write jobs, session records, acknowledgements."""
-        return f"ipc://{self.run_dir / 'coldstore.sock'}"
+        return f"ipc://{self.sockets_dir / 'coldstore.sock'}"
 
     @property
     def worker_state_address(self) -> str:
         """ZeroMQ PUB of the worker: busy/quiet, read by the coldstore's idle lane."""
-        return f"ipc://{self.run_dir / 'worker-state.sock'}"
+        return f"ipc://{self.sockets_dir / 'worker-state.sock'}"
 
     def ensure(self) -> "Layout":
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.sockets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         return self
 
 

@@ -499,9 +499,11 @@ class _Undecodable:
 
 
 async def serve(model_dir: Path, worker_address: str, host: str, port: int, *,
-                metrics_port: int = -1, admin_key: str | None = None, **limits) -> None:
-    """`limits`: Backend's keys, ceilings, max_queue, max_queue_wait_s."""
-    metrics.serve("router", Path(worker_address.removeprefix("unix://")).parent, metrics_port)
+                run_dir: Path, metrics_port: int = -1, admin_key: str | None = None,
+                **limits) -> None:
+    """`limits`: Backend's keys, ceilings, max_queue, max_queue_wait_s. `run_dir`: where the
+    metrics port is written (the deployment's Layout.run_dir)."""
+    metrics.serve("router", run_dir, metrics_port)
     backend = Backend(model_dir, worker_address, **limits)
     server = grpc.aio.server()
     for name, servicer in (("Generation", GenerationServicer(backend)),

@@ -158,3 +158,24 @@ def test_a_cancelled_turn_gives_its_conversation_back_to_ram(stack):
         assert t3.usage["cache_source"] == "ram", t3.usage
         assert t3.usage["cached_tokens"] >= history - 1 >= t1.usage["prompt_tokens"]
         assert t3.usage["recomputed_tokens"] == 0
+
+
+def test_a_data_dir_too_deep_for_a_socket_path_still_serves(tiny_model, tmp_path, cache_dir):
+    """A Unix socket's path holds 107 bytes: under a deep --data-dir the sockets go to a
+    directory of their own in the system's temporary one, and the stack serves as usual."""
+    from tests.conftest import start_stack
+
+    deep = tmp_path / ("a-long-directory-name-" * 4) / "data"
+    s = start_stack(tiny_model, deep, cache_dir=cache_dir, shim=False)
+    try:
+        assert s.layout.sockets_dir != s.layout.run_dir
+        assert len(s.layout.coldstore_address) <= 110
+        with s.client() as c:
+            first = c.generate(session_id="deep", prompt="Hello there", max_tokens=2,
+                               append=True)
+            s.wait_durable("deep")
+            assert c.generate(session_id="deep", prompt=" again", max_tokens=2,
+                              append=True).usage["cached_tokens"] >= \
+                first.usage["prompt_tokens"]
+    finally:
+        s.stop()

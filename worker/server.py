@@ -229,7 +229,7 @@ async def serve(model: Path, layout: Layout, *, metrics_port: int = -1, **engine
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    sock = layout.run_dir / "worker.sock"
+    sock = layout.sockets_dir / "worker.sock"
     sock.unlink(missing_ok=True)
     server.add_insecure_port(layout.worker_address)
     await server.start()

@@ -1,0 +1,282 @@
+"""`kvbank bench scale`: conversations of real models' size, to SSD and back.
+
+KV in the geometry of a real model (bf16, as on a Mac; the numbers from its published
+config.json are in GEOMETRIES) is synthesized at each turn's new tokens, with no model forward,
+so the machine's CPU does not bound the run. It goes through the real `SessionBank`, `KVWriter`
+and a real coldstore process, the worker's own parts, in this process:
+
+1. Each of `--conversations` conversations of `--tokens` tokens is built and written behind;
+   the bank holds one, so the next one's admission releases the last
+   (`release_sessions(write_out_before_release=True)`, as the seeds' admission does).
+2. `--turns` rounds: each agent comes back in turn with `--turn-tokens` more tokens; its
+   conversation is restored from SSD (the others released first, written out), extended, and
+   written behind again.
+
+Beside them, in the same run and on the same disk: the same blocks written to a fresh LMDB
+environment as fast as it commits (`raw_write_mb_s`), and read back from it with the page
+cache dropped (`raw_read_mb_s`). Goals: write-behind ≥ 0.7 of raw writes, restore ≥ 0.8 of raw
+reads, peak RSS (the kernel's VmHWM) ≤ 1.1 × (what the process held before + the bank's
+budget), every release's write-out only the last turn's blocks, nothing unwritten dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+TENANT = ""
+# From each model's config.json: its full-attention layers, KV heads and head size, in bf16.
+GEOMETRIES = {
+    # 64 layers, every 4th full attention; 4 KV heads of 256. Its 48 Gated DeltaNet layers'
+    # checkpoints (149.6 MiB each) are not in this run: only the attention KV.
+    "qwen3.6-27b": {"layers": 16, "kv_heads": 4, "head_dim": 256, "bytes_per_token": 65536},
+    # 64 layers, 8 KV heads of 128: 256 KiB a token, 100K tokens = 25 GiB.
+    "qwen3-32b": {"layers": 64, "kv_heads": 8, "head_dim": 128, "bytes_per_token": 262144},
+    "tiny": {"layers": 2, "kv_heads": 2, "head_dim": 64, "bytes_per_token": 1024},  # --quick
+}
+
+
+def _vm_hwm() -> int:
+    """The kernel's high-water mark of this process's resident memory, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _layers(geometry: dict, n: int, seed: int):
+    """One turn's synthesized K and V: (1, heads, n, dim) bf16 per layer, distinct per seed."""
+    import mlx.core as mx
+
+    shape = (1, geometry["kv_heads"], n, geometry["head_dim"])
+    out = []
+    for i in range(geometry["layers"]):
+        base = mx.full(shape, float(seed % 97 + i), dtype=mx.bfloat16)
+        out.append((base, base + 1))
+    mx.eval(out)
+    return out
+
+
+class _Worker:
+    """The worker's parts that move KV: bank, writer, the link to a real coldstore."""
+
+    def __init__(self, data_dir: Path, block_tokens: int, bank_bytes: int):
+        from apps.bench.coldstore import _Coldstore
+        from kvbank.blocks import chain_root
+        from worker.bank import SessionBank
+        from worker.writer import KVWriter
+
+        self.cs = _Coldstore(data_dir)
+        self.root = chain_root(b"bench-scale", TENANT)
+        self.writer = KVWriter(self.cs.client, block_tokens=block_tokens,
+                               root_for=lambda t: self.root, on_message=self._on_message)
+        self.cs.client.on_event = self.writer.deliver
+        self.bank = SessionBank(block_tokens=block_tokens, root_for=lambda t: self.root,
+                                max_bytes=bank_bytes, active_pin_s=0, writer=self.writer)
+        self.block_tokens = block_tokens
+
+    def _on_message(self, msg) -> None:
+        from kvbank.contracts.coldstore_wire import outcome_of
+
+        kind = msg.WhichOneof("kind")
+        if kind == "progress":
+            self.bank.mark_durable((msg.progress.tenant, msg.progress.session_id),
+                                   msg.progress.durable_tokens)
+        elif kind == "done":
+            d = msg.done
+            key = (d.tenant, d.session_id)
+            self.bank.mark_durable(key, d.durable_tokens)
+            self.bank.mark_write_done(key, d.job, outcome_of(d))
+
+    def commit(self, name: str, tokens: np.ndarray, layers, durable_tokens: int):
+        self.cs.client.put_session(TENANT, name, self.block_tokens, tokens.tobytes())
+        e = self.bank.insert((TENANT, name), tokens, layers, durable_tokens=durable_tokens)
+        self.writer.write_behind(e)
+        return e
+
+    def wait_durable(self, e) -> float:
+        t0 = time.perf_counter()
+        while e.durable_tokens < e.n_tokens:
+            self.writer.pump(timeout_s=0.05)
+        return time.perf_counter() - t0
+
+    def release_all_but(self, keep: str, bytes_per_token: int) -> dict:
+        """The seeds' admission step for `keep`'s turn: every other conversation leaves RAM,
+        written out first. What each release still had to write, and how long it took."""
+        others = [e for e in self.bank.entries.values() if e.session != (TENANT, keep)]
+        pending = sum((e.n_tokens - min(e.durable_tokens, e.n_tokens)) * bytes_per_token
+                      for e in others)
+        r = self.bank.release_sessions(None, keep_sessions=[(TENANT, keep)],
+                                       reason="admission_release", write_out_before_release=True)
+        return {"released_bytes": r.released_bytes, "unwritten_bytes_at_release": pending,
+                "written_out_entries": r.written_out_entries,
+                "write_out_s": round(r.write_out_s, 3), "unwritten_dropped": r.unwritten_dropped}
+
+    def close(self) -> None:
+        self.writer.close()
+        self.cs.client.close()
+        self.cs.proc.terminate()
+        self.cs.proc.wait(30)
+
+
+def _restore(store_dir: Path, name: str, capacity: int):
+    """The conversation's KV from LMDB, page cache dropped first: (layers, tokens, bytes, s)."""
+    from apps.bench.coldstore import _drop_page_cache
+    from kvbank.contracts.store_layout import StoreReader
+    from worker import kv
+
+    _drop_page_cache(store_dir / "data.mdb")
+    store = StoreReader(store_dir, readonly=True)
+    try:
+        meta, tokens = store.get_session(TENANT, name)
+        t0 = time.perf_counter()
+        payloads_bytes = [0]
+
+        def decode(views):
+            payloads_bytes[0] = sum(len(v) for v in views)
+            return kv.decode_blocks(views, capacity)
+
+        layers = store.get_blocks(meta.block_ids(), decode=decode)
+        dt = time.perf_counter() - t0
+    finally:
+        store.close()
+    return layers, tokens, payloads_bytes[0], dt
+
+
+def _raw(scratch: Path, n_blocks: int, block_bytes: int) -> tuple[float, float]:
+    """Raw LMDB on the same disk: `n_blocks` values of `block_bytes` put with one synced
+    commit each (as the coldstore commits), then read back with the page cache dropped: (write
+    MB/s, read MB/s). One payload serves every key: LMDB stores each."""
+    from apps.bench.coldstore import _raw_read, _raw_write
+
+    ids = [i.to_bytes(16, "big") for i in range(n_blocks)]
+    payload = os.urandom(block_bytes)
+    write_s = _raw_write(scratch, ids, [payload] * n_blocks)
+    read_s = _raw_read(scratch, ids)
+    total = n_blocks * block_bytes
+    return total / write_s / 1e6, total / read_s / 1e6
+
+
+def run(*, geometry: str = "qwen3.6-27b", tokens: int = 65536, conversations: int = 3,
+        turns: int = 2, turn_tokens: int = 1536, block_tokens: int = 256,
+        data_dir: Path | None = None) -> dict:
+    from kvbank.config import preload_openblas
+
+    preload_openblas()
+    from worker import kv
+
+    g = GEOMETRIES[geometry]
+    conv_bytes = (tokens + turns * turn_tokens) * g["bytes_per_token"]
+    bank_bytes = int(conv_bytes * 1.25)  # one conversation, room and turn included
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory(prefix="kvbank-scale-", dir=data_dir) as tmp:
+        w = _Worker(Path(tmp) / "data", block_tokens, bank_bytes)
+        base_rss = _vm_hwm()
+        builds, releases, restores, turns_done = [], [], [], []
+        try:
+            held: dict[str, np.ndarray] = {}
+            for i in range(conversations):  # 1. build each, write it behind
+                name = f"agent-{i}"
+                if i:
+                    releases.append(w.release_all_but(name, g["bytes_per_token"]))
+                toks = rng.integers(1000, 40000, tokens).astype(np.uint32)
+                layers = _layers(g, tokens, seed=i)
+                t0 = time.perf_counter()
+                e = w.commit(name, toks, layers, 0)
+                del layers
+                w.wait_durable(e)
+                write_s = time.perf_counter() - t0
+                builds.append({"tokens": tokens, "bytes": e.nbytes, "write_s": round(write_s, 3),
+                               "mb_s": round(e.nbytes / write_s / 1e6, 1)})
+                held[name] = toks
+            for t in range(turns):  # 2. each agent comes back in turn
+                for i in range(conversations):
+                    name = f"agent-{i}"
+                    n = len(held[name])
+                    releases.append(w.release_all_but(name, g["bytes_per_token"]))
+                    if not w.bank.session_entries((TENANT, name)):
+                        # restored with room for the turn, which is written in place (the
+                        # worker's own path: no second copy of the conversation)
+                        layers, _, nbytes, dt = _restore(w.cs.layout.store_dir, name,
+                                                         kv.capacity(n + turn_tokens))
+                        restores.append({"tokens": n, "bytes": nbytes, "restore_s": round(dt, 3),
+                                         "mb_s": round(nbytes / dt / 1e6, 1)})
+                    else:  # one conversation only: still in RAM, grown by a copy
+                        import mlx.core as mx
+
+                        (e,) = w.bank.session_entries((TENANT, name))
+                        pad = [(0, 0), (0, 0), (0, kv.capacity(n + turn_tokens) - n), (0, 0)]
+                        layers = [(mx.pad(k[..., :n, :], pad), mx.pad(v[..., :n, :], pad))
+                                  for k, v in e.layers]
+                    new = _layers(g, turn_tokens, seed=100 * t + i)
+                    for (k, v), (nk, nv) in zip(layers, new):
+                        k[..., n:n + turn_tokens, :] = nk
+                        v[..., n:n + turn_tokens, :] = nv
+                    held[name] = np.concatenate([held[name],
+                                                 rng.integers(1000, 40000, turn_tokens)
+                                                 .astype(np.uint32)])
+                    e = w.commit(name, held[name], layers, n)
+                    del layers, new
+                    turns_done.append({"agent": name, "tokens": len(held[name])})
+            peak = _vm_hwm()
+            w.bank.release_sessions(None, reason="admission_release",
+                                    write_out_before_release=True)
+            block = block_tokens * g["bytes_per_token"]
+            raw_write, raw_read = _raw(Path(tmp) / "raw", max(1, tokens // block_tokens), block)
+        finally:
+            w.close()
+    write = float(np.median([b["mb_s"] for b in builds]))
+    restore = float(np.median([r["mb_s"] for r in restores])) if restores else None
+    return {
+        "geometry": geometry, "geometry_config": g, "tokens": tokens,
+        "conversation_bytes": tokens * g["bytes_per_token"],
+        "conversations": conversations, "turns": turns, "turn_tokens": turn_tokens,
+        "block_tokens": block_tokens, "bank_bytes": bank_bytes,
+        "write_behind_mb_s": write, "raw_write_mb_s": round(raw_write, 1),
+        "write_vs_raw": round(write / raw_write, 3),
+        "restore_mb_s": restore, "raw_read_mb_s": round(raw_read, 1),
+        "restore_vs_raw": round(restore / raw_read, 3) if restore else None,
+        "page_cache": "dropped before each read (posix_fadvise DONTNEED)",
+        "peak_rss_bytes": peak, "rss_before_bytes": base_rss,
+        "peak_rss_vs_budget": round(peak / (base_rss + bank_bytes), 3),
+        "releases": releases,
+        "release_write_out_s_max": max((r["write_out_s"] for r in releases), default=0.0),
+        "release_unwritten_bytes_max": max((r["unwritten_bytes_at_release"] for r in releases),
+                                           default=0),
+        "turn_bytes": turn_tokens * g["bytes_per_token"],
+        "unwritten_dropped": sum(r["unwritten_dropped"] for r in releases),
+        "builds": builds, "restores": restores, "turns_done": len(turns_done),
+    }
+
+
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--geometry", choices=[g for g in GEOMETRIES if g != "tiny"],
+                   default="qwen3.6-27b", help="whose KV: its layers, heads and sizes "
+                                               "(default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=65536, help="each conversation's length")
+    p.add_argument("--conversations", type=int, default=3)
+    p.add_argument("--turns", type=int, default=2, help="rounds in which each agent returns")
+    p.add_argument("--turn-tokens", type=int, default=1536)
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help="where the store goes (default: the system's temporary directory; "
+                        "the disk measured)")
+    p.add_argument("--quick", action="store_true",
+                   help="a tiny geometry and 2,048 tokens: seconds, to check it runs")
+    p.add_argument("--json", action="store_true")
+
+
+def run_cli(args) -> dict:
+    if args.quick:
+        return run(geometry="tiny", tokens=2048, conversations=3, turns=1, turn_tokens=256,
+                   block_tokens=64, data_dir=args.data_dir)
+    return run(geometry=args.geometry, tokens=args.tokens, conversations=args.conversations,
+               turns=args.turns, turn_tokens=args.turn_tokens, data_dir=args.data_dir)

@@ -1,0 +1,26 @@
+"""`kvbank bench scale --quick`: the command runs and its report holds together (its goals
+are the benchmark's, at real sizes: docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_scale_quick_reports_writes_restores_and_releases(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "apps.cli", "bench", "scale", "--quick",
+                          "--json", "--data-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["write_behind_mb_s"] > 0 and r["raw_write_mb_s"] > 0 and r["write_vs_raw"] > 0
+    assert r["restore_mb_s"] > 0 and r["raw_read_mb_s"] > 0 and r["restore_vs_raw"] > 0
+    # every agent came back once, restored from SSD, the others released first
+    assert len(r["restores"]) == r["conversations"] * r["turns"] == r["turns_done"]
+    assert all(x["bytes"] >= r["conversation_bytes"] for x in r["restores"])
+    # a release writes out at most what the last turn added; nothing unwritten is dropped
+    assert r["release_unwritten_bytes_max"] <= r["turn_bytes"]
+    assert r["unwritten_dropped"] == 0
+    assert r["peak_rss_bytes"] >= r["rss_before_bytes"] > 0
+    assert list(tmp_path.iterdir()) == []  # the store it made is gone
