@@ -49,7 +49,7 @@ cluster: install
 	$(VENV)/bin/kvbank cluster up $(ARGS)
 
 test: install agents
-	$(PY) -m pytest -q tests $(ARGS)
+	$(PY) -m pytest -q --durations=15 tests $(ARGS)
 
 # The unit tier for the edit-test loop (under a minute): no stack, no gateway. `make test`
 # runs these too, with everything else.
