@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ColdStore", "SessionMeta", "session_key"]
 
+MAX_ANCHORS = 8  # a record's anchors: its first, then the newest
+
 
 class ColdStore(StoreReader):
     """The store with its writes: the coldstore process's only."""
@@ -126,10 +128,12 @@ class ColdStore(StoreReader):
 
     def commit_anchor(self, tenant: str, session_id: str, root: BlockId, block_id: BlockId,
                       start: int, payload: bytes | memoryview) -> SessionMeta | None:
-        """Store a partial block that carries a shared checkpoint (the end of a system
-        prompt) and name it in the record, in one transaction. Its id must be the one the
-        record's tokens give from `start` on, after the record's own blocks up to `start`;
-        it is stored once, whoever else names it. None when the record does not want it."""
+        """Store a partial block that carries a checkpoint where a conversation comes back
+        (the end of a system prompt, a prompt's end before its generation prompt) and name it
+        in the record, in one transaction: a record keeps its first and its newest
+        MAX_ANCHORS - 1. Its id must be the one the record's tokens give from `start` on,
+        after the record's own blocks up to `start`; it is stored once, whoever else names
+        it. None when the record does not want it."""
         key = session_key(tenant, session_id)
         n = decode_header(payload)[0].n_tokens
         self.last_written_bytes = 0
@@ -154,6 +158,8 @@ class ColdStore(StoreReader):
                 self.last_written_bytes = len(payload)
             self._incref(txn, block_id)
             meta.anchors.append([block_id.hex(), start, n])
+            while len(meta.anchors) > MAX_ANCHORS:  # the first (a system prompt's), the newest
+                self._decref(txn, BlockId(bytes.fromhex(meta.anchors.pop(1)[0])))
             txn.put(key, meta.to_json(), db=self._db[b"sessions"])
             return meta
 

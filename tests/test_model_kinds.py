@@ -293,5 +293,40 @@ def test_two_conversations_that_share_a_system_prompt_store_its_checkpoint_once(
                 store.close()
     finally:
         s.stop()
-    assert anchors[0] == anchors[1] and len(anchors[0]) == 1
-    assert anchors[0][0][1] + anchors[0][0][2] == shared  # [id, start, tokens]
+    # [id, start, tokens]: each record also names its own prompt's end before the generation
+    # prompt; the system prompt's end is one stored anchor, named by both
+    at_shared = [[a for a in each if a[1] + a[2] == shared] for each in anchors]
+    assert at_shared[0] == at_shared[1] and len(at_shared[0]) == 1
+
+
+def test_a_stripped_history_comes_back_from_ssd_at_the_previous_prompts_end(
+        tmp_path_factory, cache_dir):
+    """qwen3_5 with its reasoning-stripping template, the conversation released from RAM
+    after every turn: the checkpoint before each prompt's generation prompt stands inside a
+    block, and went to SSD as an anchor, so each next turn restores up to there from SSD and
+    answers as mlx-lm does."""
+    model = _model(tmp_path_factory, cache_dir, "qwen3_5", None)
+    ref = Reference(model)
+    s = start_stack(model, tmp_path_factory.mktemp("qwen3_5-strip-ssd"), cache_dir=cache_dir,
+                    shim=False)
+    try:
+        messages = [{"role": "system", "content": "Think, then answer."},
+                    {"role": "user", "content": "Which file holds the parser?"}]
+        gen = len(ref.prompts.encode("<|im_start|>assistant\n<think>\n"))
+        with s.client() as c:
+            for turn in range(3):
+                prompt = c.render(messages=messages, max_tokens=MAX_TOKENS)
+                got = c.generate(messages=messages, max_tokens=MAX_TOKENS, logprobs=True)
+                if turn:
+                    assert got.usage["cache_source"] == "ssd", got.usage
+                    assert got.usage["cached_tokens"] >= last_prompt - gen, got.usage
+                _check(ref, got, prompt, ref.prompts.checkpoints(messages, prompt), True,
+                       f"turn {turn}")
+                last_prompt = len(prompt)
+                session = got.usage["session_id"]
+                s.wait_durable(session)
+                c.release(session)
+                messages += [{"role": "assistant", "content": got.text or "."},
+                             {"role": "user", "content": "And the tests?"}]
+    finally:
+        s.stop()

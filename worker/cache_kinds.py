@@ -70,6 +70,10 @@ class Checkpoint:
 
     arrays: tuple[tuple[mx.array | None, ...], ...]
     shared: bool = False  # it ends the prefix other conversations share (system and tools)
+    # The router named its position (the system prompt's end, a prompt's end before the
+    # generation prompt): a conversation comes back there, so it goes to SSD even inside a
+    # block, as an anchor (worker/writer.py).
+    anchored: bool = False
 
     @property
     def nbytes(self) -> int:

@@ -104,8 +104,10 @@ class Restorer:
         """The longest prefix LMDB can restore, up to `limit` (None: short of the prompt's
         last token, whose logits a request needs), if it beats `better_than`: its blocks
         (arrays with room for `capacity` tokens; 0: tight) and, for a model with checkpoints,
-        the one stored with the last of them, or with the anchor at `anchor_at` (a shared
-        checkpoint inside a block, stored once by whichever conversation wrote it)."""
+        the one stored with the last of them, or with an anchor (a checkpoint inside a block,
+        worker/writer.py): the conversation's own, named by its record, or the one at
+        `anchor_at` (a shared system prompt's end, stored once by whichever conversation
+        wrote it)."""
         store = self.store()
         if store is None:
             return None
@@ -117,26 +119,38 @@ class Restorer:
         want = list(ids[:n_full])
         n = n_full * B
         got = store.get_session(*session)
+        marks = [anchor_at]
         if got is not None:
             meta = got[0]
+            marks += [s + k for _, s, k in meta.anchors]
             if meta.tail and len(meta.blocks) == n_full and len(tokens) >= n + meta.tail_tokens:
                 parent = ids[n_full - 1] if n_full else root
                 if tail_block_id(parent, tokens[n : n + meta.tail_tokens]).hex() == meta.tail:
                     want.append(BlockId(bytes.fromhex(meta.tail)))
                     n += meta.tail_tokens
         limit = len(tokens) - 1 if limit is None else limit
-        anchored = self._anchored(store, tokens, ids, root, anchor_at, n_full)
-        if min(max(n, anchor_at if anchored else 0), limit) <= better_than:
+        # The furthest anchor this prompt can stand on (its chain and its tokens LMDB's):
+        # one its conversation's record names, the shared system prompt's, or any that
+        # another conversation stored right after the blocks this prompt shares with it,
+        # found by its tokens alone (a few hundred hashes: at most a block's positions).
+        if self.kinds.checkpointed:
+            marks += range(n_full * B + 1, n_full * B + B)
+        at, anchored = next(((p, a) for p in sorted(set(marks), reverse=True)
+                             if better_than < p <= limit
+                             and (a := self._anchored(store, tokens, ids, root, p, n_full))),
+                            (0, None))
+        if min(max(n, at), limit) <= better_than:
             return None
         got = self._read_checked(store, want, limit, better_than, capacity, tenant, session)
-        if anchored and (got is None or got[2] < anchor_at) and better_than < anchor_at <= limit:
+        if anchored and (got is None or got[2] < at):
             got = self._read_checked(store, anchored, limit, better_than, capacity, tenant,
                                      session) or got
         return got
 
     def _anchored(self, store: StoreReader, tokens: np.ndarray, ids: list[BlockId],
                   root: BlockId, anchor_at: int, n_full: int) -> list[BlockId] | None:
-        """The blocks up to the anchor at `anchor_at` and the anchor, when LMDB has them."""
+        """The blocks up to an anchor ending at `anchor_at` and the anchor, when LMDB has
+        them for these tokens."""
         B = self.block_tokens
         if not (self.kinds.checkpointed and anchor_at % B) or n_full * B < anchor_at // B * B:
             return None

@@ -133,9 +133,9 @@ class BatchScheduler:
 
     def add(self, r: Running, cache: list, max_tokens: int) -> None:
         prompt = r.tokens[r.cached:].tolist()
-        if r.cached and r.cached == r.job.request.shared_checkpoint_at:
-            # restored at the shared prefix's end: its commit names that checkpoint too, so
-            # the stored anchor lives while any conversation holding it does
+        if r.cached and r.cached in r.job.request.checkpoint_at:
+            # restored where the router marked (a shared system prompt's end): its commit
+            # names that checkpoint too, so a stored anchor lives while a record holds it
             self._checkpoint(_Own(r, cache, prompt, max_tokens), r.cached, always=True)
         if r.decoding.processors:
             self._insert(r, prompt, cache, max_tokens)
@@ -366,8 +366,10 @@ class BatchScheduler:
         """The window and recurrent caches, standing at `position`, kept for the commit."""
         if self.kinds.checkpointed and (always or position in o.r.split_at):
             snap = self.kinds.snapshot(o.cache)
-            if position == o.r.job.request.shared_checkpoint_at:
-                snap = dataclasses.replace(snap, shared=True)
+            req = o.r.job.request
+            if position in req.checkpoint_at:
+                snap = dataclasses.replace(snap, anchored=True,
+                                           shared=position == req.shared_checkpoint_at)
             o.r.checkpoints[position] = snap
 
     def drop(self, r: Running) -> None:

@@ -227,10 +227,11 @@ class KVWriter:
         root = self.root_for(entry.session[0])
         write = wire.pb.Write(tenant=entry.session[0], session_id=entry.session[1],
                               root=bytes(root), dirty_since=time.time())
-        # The blocks in order, each anchor (a shared checkpoint inside a block: the end of a
-        # system prompt) just before the block it falls in: its chain is written by then.
+        # The blocks in order, each anchor (a checkpoint inside a block where a conversation
+        # comes back: the system prompt's end, a prompt's end before its generation prompt)
+        # just before the block it falls in: its chain is written by then.
         anchors = [(p // B * B, p) for p, c in entry.checkpoints.items()
-                   if c.shared and p % B and start <= p // B * B and p < n]
+                   if c.anchored and p % B and start <= p // B * B and p < n]
         ranges = sorted([(s, min(s + B, n)) for s in range(start, n, B)] + anchors,
                         key=lambda r: (r[0], (r[1] - r[0]) % B == 0 or r[1] == n))
         anchor = set(anchors)
