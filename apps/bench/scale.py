@@ -12,9 +12,10 @@ and a real coldstore process, the worker's own parts, in this process:
    conversation is restored from SSD (the others released first, written out), extended, and
    written behind again.
 
-Beside them, in the same run and on the same disk: the same blocks written to a fresh LMDB
-environment as fast as it commits (`raw_write_mb_s`), and read back from it with the page
-cache dropped (`raw_read_mb_s`). Goals: write-behind ≥ 0.7 of raw writes, restore ≥ 0.8 of raw
+Beside each write and each restore, on the same disk (its speed moves from one minute to the
+next): up to 1 GiB of blocks of the same size written to a fresh LMDB environment as fast as
+it commits (`raw_write_mb_s`), and read back with the page cache dropped (`raw_read_mb_s`;
+single-threaded, where a restore reads with several lanes). Goals: write-behind ≥ 0.7 of raw writes, restore ≥ 0.8 of raw
 reads, peak RSS (the kernel's VmHWM) ≤ 1.1 × (what the process held before + the bank's
 budget), every release's write-out only the last turn's blocks, nothing unwritten dropped.
 """
@@ -43,12 +44,38 @@ GEOMETRIES = {
 }
 
 
-def _vm_hwm() -> int:
-    """The kernel's high-water mark of this process's resident memory, in bytes."""
+def _status(field: str) -> int:
+    """A line of /proc/self/status, in bytes: VmHWM (the kernel's high-water mark of this
+    process's resident memory, mapped file pages included), RssAnon (what it holds itself)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def _vm_hwm() -> int:
+    return _status("VmHWM")
+
+
+class _AnonPeak:
+    """RssAnon sampled every 20 ms: the worker's own memory (a restore's reads of the LMDB
+    map are file pages, counted in VmHWM, not here; kvbank's budget counts what this counts)."""
+
+    def __init__(self):
+        import threading
+
+        self.peak, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, _status("RssAnon"))
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
 
 
 def _layers(geometry: dict, n: int, seed: int):
@@ -126,13 +153,27 @@ class _Worker:
         self.cs.proc.wait(30)
 
 
+def _drop_caches(path: Path) -> str:
+    """Make the next read of `path` come from the disk: the kernel's page cache dropped
+    whole where this process may (root), else this file's pages (posix_fadvise), which the
+    kernel may keep. Says which."""
+    from apps.bench.coldstore import _drop_page_cache
+
+    _drop_page_cache(path)
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return "dropped (drop_caches)"
+    except OSError:
+        return "this file's pages dropped (posix_fadvise): the kernel may keep some"
+
+
 def _restore(store_dir: Path, name: str, capacity: int):
     """The conversation's KV from LMDB, page cache dropped first: (layers, tokens, bytes, s)."""
-    from apps.bench.coldstore import _drop_page_cache
     from kvbank.contracts.store_layout import StoreReader
     from worker import kv
 
-    _drop_page_cache(store_dir / "data.mdb")
+    _drop_caches(store_dir / "data.mdb")
     store = StoreReader(store_dir, readonly=True)
     try:
         meta, tokens = store.get_session(TENANT, name)
@@ -150,18 +191,32 @@ def _restore(store_dir: Path, name: str, capacity: int):
     return layers, tokens, payloads_bytes[0], dt
 
 
-def _raw(scratch: Path, n_blocks: int, block_bytes: int) -> tuple[float, float]:
-    """Raw LMDB on the same disk: `n_blocks` values of `block_bytes` put with one synced
-    commit each (as the coldstore commits), then read back with the page cache dropped: (write
-    MB/s, read MB/s). One payload serves every key: LMDB stores each."""
-    from apps.bench.coldstore import _raw_read, _raw_write
+class _Raw:
+    """Raw LMDB on the same disk, measured beside each write and each restore (this disk's
+    speed moves from one minute to the next): `sample` bytes in blocks of `block_bytes`, put
+    with one synced commit each (as the coldstore commits), read back after the page cache is
+    dropped. One payload serves every key: LMDB stores each."""
 
-    ids = [i.to_bytes(16, "big") for i in range(n_blocks)]
-    payload = os.urandom(block_bytes)
-    write_s = _raw_write(scratch, ids, [payload] * n_blocks)
-    read_s = _raw_read(scratch, ids)
-    total = n_blocks * block_bytes
-    return total / write_s / 1e6, total / read_s / 1e6
+    def __init__(self, scratch: Path, sample: int, block_bytes: int):
+        self.scratch, self.block_bytes = scratch, block_bytes
+        self.ids = [i.to_bytes(16, "big") for i in range(max(1, sample // block_bytes))]
+        self.payload = os.urandom(block_bytes)
+
+    def write_mb_s(self) -> float:
+        import shutil
+
+        from apps.bench.coldstore import _raw_write
+
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        self.scratch.mkdir(parents=True)
+        dt = _raw_write(self.scratch, self.ids, [self.payload] * len(self.ids))
+        return len(self.ids) * self.block_bytes / dt / 1e6
+
+    def read_mb_s(self) -> float:
+        from apps.bench.coldstore import _raw_read
+
+        _drop_caches(self.scratch / "data.mdb")
+        return len(self.ids) * self.block_bytes / _raw_read(self.scratch, self.ids) / 1e6
 
 
 def run(*, geometry: str = "qwen3.6-27b", tokens: int = 65536, conversations: int = 3,
@@ -170,15 +225,22 @@ def run(*, geometry: str = "qwen3.6-27b", tokens: int = 65536, conversations: in
     from kvbank.config import preload_openblas
 
     preload_openblas()
-    from worker import kv
+    import mlx.core as mx
 
+    from worker import kv
+    from worker.admission import serve_buffers_from_the_heap
+
+    serve_buffers_from_the_heap()  # the worker's allocator: freed KV goes back to the OS
+    mx.set_cache_limit(0)
     g = GEOMETRIES[geometry]
     conv_bytes = (tokens + turns * turn_tokens) * g["bytes_per_token"]
     bank_bytes = int(conv_bytes * 1.25)  # one conversation, room and turn included
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="kvbank-scale-", dir=data_dir) as tmp:
         w = _Worker(Path(tmp) / "data", block_tokens, bank_bytes)
-        base_rss = _vm_hwm()
+        raw = _Raw(Path(tmp) / "raw", min(1 << 30, tokens * g["bytes_per_token"]),
+                   block_tokens * g["bytes_per_token"])
+        base_rss, anon_base, anon = _vm_hwm(), _status("RssAnon"), _AnonPeak()
         builds, releases, restores, turns_done = [], [], [], []
         try:
             held: dict[str, np.ndarray] = {}
@@ -193,8 +255,12 @@ def run(*, geometry: str = "qwen3.6-27b", tokens: int = 65536, conversations: in
                 del layers
                 w.wait_durable(e)
                 write_s = time.perf_counter() - t0
+                mb_s = e.nbytes / write_s / 1e6
+                raw_mb_s = raw.write_mb_s()
                 builds.append({"tokens": tokens, "bytes": e.nbytes, "write_s": round(write_s, 3),
-                               "mb_s": round(e.nbytes / write_s / 1e6, 1)})
+                               "mb_s": round(mb_s, 1), "raw_write_mb_s": round(raw_mb_s, 1),
+                               "vs_raw": round(mb_s / raw_mb_s, 3)})
+                del e  # the bank's alone: a release frees it
                 held[name] = toks
             for t in range(turns):  # 2. each agent comes back in turn
                 for i in range(conversations):
@@ -206,46 +272,52 @@ def run(*, geometry: str = "qwen3.6-27b", tokens: int = 65536, conversations: in
                         # worker's own path: no second copy of the conversation)
                         layers, _, nbytes, dt = _restore(w.cs.layout.store_dir, name,
                                                          kv.capacity(n + turn_tokens))
+                        raw_mb_s = raw.read_mb_s()
                         restores.append({"tokens": n, "bytes": nbytes, "restore_s": round(dt, 3),
-                                         "mb_s": round(nbytes / dt / 1e6, 1)})
+                                         "mb_s": round(nbytes / dt / 1e6, 1),
+                                         "raw_read_mb_s": round(raw_mb_s, 1),
+                                         "vs_raw": round(nbytes / dt / 1e6 / raw_mb_s, 3)})
                     else:  # one conversation only: still in RAM, grown by a copy
-                        import mlx.core as mx
-
                         (e,) = w.bank.session_entries((TENANT, name))
                         pad = [(0, 0), (0, 0), (0, kv.capacity(n + turn_tokens) - n), (0, 0)]
                         layers = [(mx.pad(k[..., :n, :], pad), mx.pad(v[..., :n, :], pad))
                                   for k, v in e.layers]
                     new = _layers(g, turn_tokens, seed=100 * t + i)
-                    for (k, v), (nk, nv) in zip(layers, new):
+                    for (k, v), (nk, nv) in zip(layers, new):  # a layer at a time, as a forward
                         k[..., n:n + turn_tokens, :] = nk
                         v[..., n:n + turn_tokens, :] = nv
+                        mx.eval(k, v)
                     held[name] = np.concatenate([held[name],
                                                  rng.integers(1000, 40000, turn_tokens)
                                                  .astype(np.uint32)])
-                    e = w.commit(name, held[name], layers, n)
-                    del layers, new
+                    w.commit(name, held[name], layers, n)
+                    e = layers = new = None  # the bank's alone: a release frees it
                     turns_done.append({"agent": name, "tokens": len(held[name])})
-            peak = _vm_hwm()
-            w.bank.release_sessions(None, reason="admission_release",
-                                    write_out_before_release=True)
-            block = block_tokens * g["bytes_per_token"]
-            raw_write, raw_read = _raw(Path(tmp) / "raw", max(1, tokens // block_tokens), block)
+            peak, anon_peak = _vm_hwm(), anon.stop()
         finally:
             w.close()
-    write = float(np.median([b["mb_s"] for b in builds]))
-    restore = float(np.median([r["mb_s"] for r in restores])) if restores else None
+    def median(rows, key):
+        return round(float(np.median([r[key] for r in rows])), 3) if rows else None
     return {
         "geometry": geometry, "geometry_config": g, "tokens": tokens,
         "conversation_bytes": tokens * g["bytes_per_token"],
         "conversations": conversations, "turns": turns, "turn_tokens": turn_tokens,
         "block_tokens": block_tokens, "bank_bytes": bank_bytes,
-        "write_behind_mb_s": write, "raw_write_mb_s": round(raw_write, 1),
-        "write_vs_raw": round(write / raw_write, 3),
-        "restore_mb_s": restore, "raw_read_mb_s": round(raw_read, 1),
-        "restore_vs_raw": round(restore / raw_read, 3) if restore else None,
-        "page_cache": "dropped before each read (posix_fadvise DONTNEED)",
+        # medians over the writes and the restores, each paired with raw LMDB beside it
+        "write_behind_mb_s": median(builds, "mb_s"),
+        "raw_write_mb_s": median(builds, "raw_write_mb_s"),
+        "write_vs_raw": median(builds, "vs_raw"),
+        "restore_mb_s": median(restores, "mb_s"), "raw_read_mb_s": median(restores, "raw_read_mb_s"),
+        "restore_vs_raw": median(restores, "vs_raw"),
+        "raw_sample_bytes": len(raw.ids) * raw.block_bytes,
+        "page_cache": ("dropped before each read (drop_caches)"
+                       if os.access("/proc/sys/vm/drop_caches", os.W_OK) else
+                       "this file's pages dropped before each read (posix_fadvise): the "
+                       "kernel may keep some"),
         "peak_rss_bytes": peak, "rss_before_bytes": base_rss,
         "peak_rss_vs_budget": round(peak / (base_rss + bank_bytes), 3),
+        "peak_anon_bytes": anon_peak, "anon_before_bytes": anon_base,
+        "peak_anon_vs_budget": round(anon_peak / (anon_base + bank_bytes), 3),
         "releases": releases,
         "release_write_out_s_max": max((r["write_out_s"] for r in releases), default=0.0),
         "release_unwritten_bytes_max": max((r["unwritten_bytes_at_release"] for r in releases),
