@@ -214,8 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     from apps.bench.scale import add_arguments as scale_arguments
 
     scale_arguments(bsc)
-    bsc.set_defaults(func=lambda args: _setup_logging("bench") or _bench_result(
-        args, __import__("apps.bench.scale", fromlist=["run_cli"]).run_cli(args)))
+    bsc.set_defaults(func=_run_bench_scale)
     bcl = bsub.add_parser("cluster", help="anonymous agents through vllm-router over N stacks: "
                                           "kv_aware vs round_robin")
     from apps.bench.cluster import add_arguments as cluster_arguments
@@ -536,6 +535,13 @@ def _run_bench_overhead(args: argparse.Namespace) -> int:
 
     return _bench_result(args, run(model=args.model, prompt_tokens=args.prompt_tokens,
                                    max_tokens=args.max_tokens))
+
+
+def _run_bench_scale(args: argparse.Namespace) -> int:
+    _setup_logging("bench")
+    from apps.bench.scale import run_cli
+
+    return _bench_result(args, run_cli(args))
 
 
 def _run_bench_compare(args: argparse.Namespace) -> int:

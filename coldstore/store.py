@@ -89,10 +89,9 @@ class ColdStore(StoreReader):
         self.last_written_bytes = 0
 
         def fn(txn):
-            raw = txn.get(key, db=self._db[b"sessions"])
-            if raw is None:
+            meta = self._meta(txn, key)
+            if meta is None:
                 return None
-            meta = SessionMeta.from_json(raw)
             B = meta.block_tokens
             if start < len(meta.blocks) * B:  # already committed (a job that overlaps)
                 return meta if meta.blocks[start // B] == block_id.hex() else None
@@ -109,11 +108,7 @@ class ColdStore(StoreReader):
                 is_tail = True
             if is_tail and meta.tail == block_id.hex():
                 return meta
-            if txn.get(block_id, db=self._db[b"blocks"]) is None:
-                txn.put(block_id, payload, db=self._db[b"blocks"])
-                self._add_block_bytes(txn, len(payload))
-                self.last_written_bytes = len(payload)
-            self._incref(txn, block_id)
+            self._keep_block(txn, block_id, payload)
             if meta.tail:
                 self._decref(txn, BlockId(bytes.fromhex(meta.tail)))
                 meta.tail, meta.tail_tokens = None, 0
@@ -139,10 +134,9 @@ class ColdStore(StoreReader):
         self.last_written_bytes = 0
 
         def fn(txn):
-            raw = txn.get(key, db=self._db[b"sessions"])
-            if raw is None:
+            meta = self._meta(txn, key)
+            if meta is None:
                 return None
-            meta = SessionMeta.from_json(raw)
             B = meta.block_tokens
             if start % B or start > len(meta.blocks) * B:
                 return None
@@ -152,11 +146,7 @@ class ColdStore(StoreReader):
             parent = BlockId(bytes.fromhex(meta.blocks[start // B - 1])) if start else root
             if len(toks) < start + n or tail_block_id(parent, toks[start:start + n]) != block_id:
                 return None
-            if txn.get(block_id, db=self._db[b"blocks"]) is None:
-                txn.put(block_id, payload, db=self._db[b"blocks"])
-                self._add_block_bytes(txn, len(payload))
-                self.last_written_bytes = len(payload)
-            self._incref(txn, block_id)
+            self._keep_block(txn, block_id, payload)
             meta.anchors.append([block_id.hex(), start, n])
             while len(meta.anchors) > MAX_ANCHORS:  # the first (a system prompt's), the newest
                 self._decref(txn, BlockId(bytes.fromhex(meta.anchors.pop(1)[0])))
@@ -306,6 +296,18 @@ class ColdStore(StoreReader):
         return gone
 
     # -- reference counts: a block lives while a record names it ---------------------------
+
+    def _meta(self, txn, key: bytes) -> SessionMeta | None:
+        raw = txn.get(key, db=self._db[b"sessions"])
+        return None if raw is None else SessionMeta.from_json(raw)
+
+    def _keep_block(self, txn, block_id: BlockId, payload) -> None:
+        """A record names the block: stored if no one had (`last_written_bytes`), counted."""
+        if txn.get(block_id, db=self._db[b"blocks"]) is None:
+            txn.put(block_id, payload, db=self._db[b"blocks"])
+            self._add_block_bytes(txn, len(payload))
+            self.last_written_bytes = len(payload)
+        self._incref(txn, block_id)
 
     def _truncate_blocks(self, txn, meta: SessionMeta, keep_tokens: int) -> None:
         keep_full = keep_tokens // meta.block_tokens if meta.block_tokens else 0

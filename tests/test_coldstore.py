@@ -334,69 +334,6 @@ def test_blocks_shared_by_two_sessions_are_stored_once(start):
     assert st["blocks"] == 0 and st["sessions"] == 0, f"after deleting both: {st}"
 
 
-def test_a_corrupt_block_shared_by_two_sessions_is_dropped_from_both(start):
-    """DropBlocks (a restore found the block's checksum wrong): the block goes, and each
-    record that names it keeps only what comes before it; the others' blocks stay."""
-    _, link = start()
-    prefix_t, prefix_kv = tokens(3 * B, seed=1), make_kv(3 * B, seed=1)
-    a_t = np.concatenate([prefix_t, tokens(B + 5, seed=2)])
-    b_t = np.concatenate([prefix_t, tokens(7, seed=3)])
-    link.turn("a", a_t, concat_kv(prefix_kv, make_kv(B + 5, seed=2)))
-    link.turn("b", b_t, concat_kv(prefix_kv, make_kv(7, seed=3)))
-    link.set_busy(False)
-    link.wait_durable("a", len(a_t))
-    link.wait_durable("b", len(b_t))
-    shared = [bid.hex() for bid in chain_block_ids(prefix_t, root_for(TENANT), B)]
-
-    link.client.send(drop_blocks=pb.DropBlocks(ids=[bytes.fromhex(shared[1])]))
-    wait_until(lambda: len(link.disk.record("a")[0].blocks) == 1
-               and len(link.disk.record("b")[0].blocks) == 1, "both records cut short")
-    for name in ("a", "b"):
-        meta = link.disk.record(name)[0]
-        assert meta.blocks == shared[:1] and meta.tail is None and meta.durable_tokens == B
-    st = link.disk.stats()
-    assert st["blocks"] == 1 and st["sessions"] == 2, st  # the first shared block alone
-
-
-def test_a_write_streams_a_window_of_blocks_ahead_of_the_commits(start):
-    """The coldstore is handed a window of blocks, and each commit lets the next go: it never
-    holds the entry whole. The record ends up whole and bitwise equal."""
-    _, link = start()  # the rig says busy: the idle lane commits nothing yet
-    n = 10 * B
-    t, layers = tokens(n, seed=20), make_kv(n, seed=20)
-    block = kv.encoded_views_nbytes(kv.layer_views(layers), "float32", 0, B)
-    link.writer.window_bytes = 2 * block
-    link.turn("big", t, layers)
-    wait_until(lambda: link.ping().staged_bytes == 2 * block, "the first window staged")
-    assert [op for op in link.sent if "payload" in op] != []  # the window's second block
-    link.set_busy(False)
-    wait_until(lambda: link.writer.pump() >= 0 and link.disk.durable("big") >= n,
-               "the whole entry written, a window at a time")
-    check_record_against_kv(link.disk, "big", layers, t, "streamed")
-    assert len([op for op in link.sent if "payload" in op]) >= 5  # 9 blocks behind the header
-
-
-def test_a_stream_stops_when_a_request_takes_its_entry_and_goes_on_when_given_back(start):
-    """The conversation's next turn takes the entry over: the stream stops at the next
-    commit (its job cancelled, the entry marked to be sent again); given back, it is."""
-    _, link = start()
-    n = 8 * B
-    t, layers = tokens(n, seed=21), make_kv(n, seed=21)
-    link.writer.window_bytes = kv.encoded_views_nbytes(kv.layer_views(layers), "float32", 0, B)
-    e = link.turn("taken", t, layers)
-    link.bank.hand_over(e)
-    link.set_busy(False)
-    wait_until(lambda: link.writer.pump() >= 0 and e.write_job is None, "the stream to stop")
-    link.writer.drain()  # the cancel leaves through the kv-encode thread
-    assert e.write_pending and any("cancel" in op for op in link.sent)
-    assert link.disk.durable("taken") < n
-    link.bank.take_back(e)
-    assert link.writer.write_behind(e) is not None  # what retry_writes does with it
-    wait_until(lambda: link.writer.pump() >= 0 and link.disk.durable("taken") >= n,
-               "the rest written")
-    check_record_against_kv(link.disk, "taken", layers, t, "given back")
-
-
 # -- 2. a second turn writes only what is new ----------------------------------------------------
 
 def test_second_turn_writes_only_its_new_blocks(start):
