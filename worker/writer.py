@@ -232,9 +232,9 @@ class KVWriter:
         # just before the block it falls in: its chain is written by then.
         anchors = [(p // B * B, p) for p, c in entry.checkpoints.items()
                    if c.anchored and p % B and start <= p // B * B and p < n]
-        ranges = sorted([(s, min(s + B, n)) for s in range(start, n, B)] + anchors,
-                        key=lambda r: (r[0], (r[1] - r[0]) % B == 0 or r[1] == n))
         anchor = set(anchors)
+        ranges = sorted([(s, min(s + B, n)) for s in range(start, n, B)] + anchors,
+                        key=lambda r: (r[0], r not in anchor))
         views, dtype = layer_views(entry.layers), dtype_name(entry.layers)
         sizes = [encoded_views_nbytes(views, dtype, s, e, layout=self._layout(),
                                       state=self._state(entry, e)) for s, e in ranges]
