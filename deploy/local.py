@@ -106,7 +106,7 @@ class LocalStack:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"kvbank up failed; log:\n{self.log_tail()}")
-            time.sleep(0.1)
+            time.sleep(0.05)
 
     def log_tail(self, n: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-n:]

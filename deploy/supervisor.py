@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,7 @@ class Supervisor:
         self.host, self.port = host, port
         self.shim_address = _shim_address(args["shim"]) if shim_port else None
         self.stopping = False
+        self._stop_asked = threading.Event()  # set by SIGTERM/SIGINT: wakes the watch loop
 
     def _spawn(self, c: Child) -> None:
         c.proc = subprocess.Popen(c.argv, env=c.env)
@@ -111,7 +113,7 @@ class Supervisor:
             (self.layout.run_dir / "ready").write_text(str(os.getpid()))
             while not self.stopping:
                 self._check_children()
-                time.sleep(0.2)
+                self._stop_asked.wait(0.2)
             return 0
         finally:
             (self.layout.run_dir / "ready").unlink(missing_ok=True)
@@ -119,6 +121,7 @@ class Supervisor:
 
     def _request_stop(self) -> None:
         self.stopping = True
+        self._stop_asked.set()
 
     def _check_children(self) -> None:
         for c in self.children:
@@ -142,7 +145,7 @@ class Supervisor:
             if self._healthy(c.name):
                 logger.info("%s is healthy", c.name)
                 return True
-            time.sleep(0.2)
+            time.sleep(0.05)
         return False
 
     def _healthy(self, name: str) -> bool:
@@ -154,17 +157,22 @@ class Supervisor:
         return grpc_healthy(address)
 
     def _stop_all(self) -> None:
-        for c in reversed(self.children):
-            if c.proc is None or c.proc.poll() is not None:
-                continue
-            c.proc.send_signal(signal.SIGTERM)
-            try:
-                c.proc.wait(timeout=STOP_GRACE_S[c.name])
-                logger.info("%s stopped", c.name)
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in %.0fs; killing it", c.name, STOP_GRACE_S[c.name])
-                c.proc.kill()
-                c.proc.wait()
+        """The front doors (shim, router) together, then the worker, then the coldstore."""
+        doors = [c for c in self.children if c.name in ("shim", "router")]
+        rest = [c for c in reversed(self.children) if c not in doors]
+        for group in (doors, *([c] for c in rest)):
+            running = [c for c in group if c.proc is not None and c.proc.poll() is None]
+            for c in running:
+                c.proc.send_signal(signal.SIGTERM)
+            for c in running:
+                try:
+                    c.proc.wait(timeout=STOP_GRACE_S[c.name])
+                    logger.info("%s stopped", c.name)
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s did not stop in %.0fs; killing it", c.name,
+                                   STOP_GRACE_S[c.name])
+                    c.proc.kill()
+                    c.proc.wait()
         for c in self.children:
             (self.layout.run_dir / f"{c.name}.pid").unlink(missing_ok=True)
 

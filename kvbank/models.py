@@ -406,10 +406,16 @@ def make_tiny_model(out_dir: Path, seed: int = 0, *, cache_dir: Path | None = No
 
 def prepare_model(spec: str | None) -> Path:
     """Resolve (and import, the first time) the model in a child process, so the caller (the
-    supervisor, a benchmark) never holds MLX or the weights itself."""
+    supervisor, a benchmark) never holds MLX or the weights itself. A model folder needs no
+    import: it is only checked, here (a child costs a Python start and numpy's import)."""
     import subprocess
     import sys
 
+    if spec is not None and Path(spec).expanduser().is_dir():
+        try:
+            return resolve_model(spec)
+        except ValueError as e:
+            raise SystemExit(f"kvbank: {e}") from None
     out = subprocess.run([sys.executable, "-m", "kvbank.models", *([spec] if spec else [])],
                          check=False, capture_output=True, text=True)
     if out.returncode != 0:

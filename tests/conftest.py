@@ -71,6 +71,15 @@ def stack(tiny_model, tmp_path, cache_dir):
     s.stop()
 
 
+@pytest.fixture(scope="module")
+def module_stack(tiny_model, tmp_path_factory, cache_dir):
+    """One stack for a module's tests that neither kill nor reconfigure it, and whose
+    conversations do not meet (each names or words its own)."""
+    s = start_stack(tiny_model, tmp_path_factory.mktemp("module") / "data", cache_dir=cache_dir)
+    yield s
+    s.stop()
+
+
 def rpc_error(fn) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as info:
         fn()

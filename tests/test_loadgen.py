@@ -24,8 +24,16 @@ SUMMARY_FIELDS = {"wall_s", "prompt_tokens", "new_tokens", "recomputed_tokens", 
                   "ttft_p95_s", "ttft_max_s", "refusals", "errors"}
 
 
-def _loadgen(target: str, out: Path, *extra: str) -> dict:
-    assert main(["loadgen", target, *SMALL, "--json", str(out), *extra]) == 0
+@pytest.fixture
+def stack(module_stack):
+    """The module's one stack: each run below has a seed of its own, so no run finds
+    another's prompts in its cache."""
+    return module_stack
+
+
+def _loadgen(target: str, out: Path, seed: int, *extra: str) -> dict:
+    assert main(["loadgen", target, *SMALL, "--seed", str(seed), "--json", str(out),
+                 *extra]) == 0
     return json.loads(out.read_text())
 
 
@@ -55,7 +63,7 @@ def _check_sums(doc: dict) -> None:
 
 def test_grpc_two_agents_report_sums_and_plot(stack, tmp_path):
     png = tmp_path / "ttft.png"
-    doc = _loadgen(f"grpc://{stack.address}", tmp_path / "out.json", "--plot", str(png))
+    doc = _loadgen(f"grpc://{stack.address}", tmp_path / "out.json", 1, "--plot", str(png))
     assert doc["params"]["scenario"] == "two-agents"
     assert len(doc["rows"]) == 6
     assert [r["agent"] for r in doc["rows"]] == ["agent0", "agent1"] * 3  # taking turns
@@ -69,8 +77,8 @@ def test_grpc_two_agents_report_sums_and_plot(stack, tmp_path):
 
 
 def test_grpc_n_agents_run_at_once_and_finish(stack, tmp_path):
-    doc = _loadgen(f"grpc://{stack.address}", tmp_path / "out.json", "--scenario", "n-agents",
-                   "--agents", "3", "--think-s", "0")
+    doc = _loadgen(f"grpc://{stack.address}", tmp_path / "out.json", 2, "--scenario",
+                   "n-agents", "--agents", "3", "--think-s", "0")
     assert len(doc["rows"]) == 9
     _check_sums(doc)
     assert doc["summary"]["stopped_by"] == "turns"
@@ -82,8 +90,8 @@ def test_prefetch_hints_before_each_returning_turn(stack, tmp_path, kind):
     of the turn after it says what the hint did (here RAM holds everything: in_ram)."""
     target = (f"grpc://{stack.address}" if kind == "grpc"
               else stack.shim_url.replace("http://", "openai://"))
-    doc = _loadgen(target, tmp_path / "out.json", "--scenario", "n-agents", "--agents", "2",
-                   "--think-s", "0.2", "--prefetch")
+    doc = _loadgen(target, tmp_path / "out.json", 3 if kind == "grpc" else 4, "--scenario",
+                   "n-agents", "--agents", "2", "--think-s", "0.2", "--prefetch")
     _check_sums(doc)
     rows = doc["rows"]
     assert all(r["hint"] is None for r in rows if r["turn"] == 1)
@@ -109,7 +117,7 @@ def test_openai_target_sends_session_header_and_reads_usage(stack, tmp_path):
     why = _shim_not_answering(stack)
     assert not why, why
     target = stack.shim_url.replace("http://", "openai://")
-    doc = _loadgen(target, tmp_path / "out.json", "--run-id", "lgtest")
+    doc = _loadgen(target, tmp_path / "out.json", 5, "--run-id", "lgtest")
     _check_sums(doc)
     assert all(r["session_id"] == f"lgtest-{r['agent']}" for r in doc["rows"])
     with stack.client() as c:  # the x-session-id header named kvbank's sessions

@@ -38,8 +38,8 @@ def test_second_turn_restores_the_whole_first_turn_from_ram(stack):
         assert len(set(warm.token_ids)) > 1  # sampled text, not one repeated token
 
 
-def test_committed_history_is_prompt_plus_completion_of_every_turn(stack):
-    with stack.client() as c:
+def test_committed_history_is_prompt_plus_completion_of_every_turn(module_stack):
+    with module_stack.client() as c:
         t1 = _ask(c, "hist", "Say something.")
         s1 = c.get_session("hist")
         assert s1.token_count == t1.usage["prompt_tokens"] + t1.usage["completion_tokens"]
@@ -69,8 +69,8 @@ def test_worker_killed_between_turns_restores_from_ssd(stack):
         assert list(s.token_ids[: before.token_count]) == list(before.token_ids)
 
 
-def test_bad_inputs_get_a_status_and_a_sentence(stack):
-    with stack.client() as c:
+def test_bad_inputs_get_a_status_and_a_sentence(module_stack):
+    with module_stack.client() as c:
         cases = [
             (lambda: c.generate(session_id="x", prompt="", max_tokens=4),
              grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
@@ -98,7 +98,7 @@ def test_bad_inputs_get_a_status_and_a_sentence(stack):
         # Nothing else was affected: the stack still answers, and no session was created.
         assert _ask(c, "after-bad-input", "Still there?", max_tokens=4).usage["durable"]
         assert rpc_error(lambda: c.get_session("x")).code() == grpc.StatusCode.NOT_FOUND
-    assert stack.proc.poll() is None
+    assert module_stack.proc.poll() is None
 
 
 def test_ctrl_c_stops_all_three(stack):
@@ -136,14 +136,14 @@ def test_restore_through_the_coldstore_gives_the_same_answer(tiny_model, tmp_pat
         s.stop()
 
 
-def test_a_cancelled_turn_gives_its_conversation_back_to_ram(stack):
+def test_a_cancelled_turn_gives_its_conversation_back_to_ram(module_stack):
     """A returning turn takes its conversation's KV with it while it runs; when its client
     goes away mid-answer, the conversation is back in RAM as it was, and the next turn reads
     all of it from there."""
     from kvbank.v1 import api_pb2
     from tests.waiting import wait_until
 
-    with stack.client() as c:
+    with module_stack.client() as c:
         t1 = _ask(c, "agent-c", "List three prime numbers.")
         history = len(c.get_session("agent-c").token_ids)
         # An answer that cannot end before its cancel arrives: most of the context.
