@@ -108,6 +108,25 @@ def _model(tmp_path_factory, cache_dir, arch: str, template: str | None) -> Path
                            cache_dir=cache_dir)
 
 
+@pytest.fixture(scope="module")
+def stripping(tmp_path_factory, cache_dir):
+    """`stripping(arch)`: (model, stack) with kvbank/tiny's reasoning-stripping template, one
+    per architecture, shared by the tests that neither kill nor reconfigure it. Each test's
+    conversation opens with a system prompt of its own, so none finds another's in cache."""
+    made: dict[str, tuple] = {}
+
+    def get(arch: str):
+        if arch not in made:
+            model = _model(tmp_path_factory, cache_dir, arch, None)
+            made[arch] = model, start_stack(model, tmp_path_factory.mktemp(f"{arch}-strip"),
+                                            cache_dir=cache_dir, shim=False)
+        return made[arch]
+
+    yield get
+    for _, s in made.values():
+        s.stop()
+
+
 def _check(ref: Reference, got, prompt: list[int], marks: list[int], checkpointed: bool,
            where: str) -> None:
     cached = got.usage["cached_tokens"]
@@ -158,36 +177,30 @@ def test_a_conversation_continues_exactly_from_ram_ssd_and_after_kill_9(
 
 
 @pytest.mark.parametrize("arch", ("qwen3_5", "gpt_oss"))
-def test_a_template_that_strips_reasoning_still_restores_the_previous_prompt(
-        arch, tmp_path_factory, cache_dir):
+def test_a_template_that_strips_reasoning_still_restores_the_previous_prompt(arch, stripping):
     """Qwen3.5's template drops earlier answers' reasoning from the history, so the next
     prompt leaves the last one right after its generation prompt: the checkpoint taken before
     that generation prompt serves it, exactly."""
-    model = _model(tmp_path_factory, cache_dir, arch, None)  # kvbank/tiny's Qwen3.5 template
+    model, s = stripping(arch)
     ref = Reference(model)
-    s = start_stack(model, tmp_path_factory.mktemp(f"{arch}-strip"), cache_dir=cache_dir,
-                    shim=False)
-    try:
-        messages = [{"role": "system", "content": "Think, then answer."},
-                    {"role": "user", "content": "Which file holds the parser?"}]
-        with s.client() as c:
-            for turn in range(3):
-                prompt = c.render(messages=messages, max_tokens=MAX_TOKENS)
-                got = c.generate(messages=messages, max_tokens=MAX_TOKENS, logprobs=True)
-                marks = ref.prompts.checkpoints(messages, prompt)
-                if turn:
-                    gen = len(ref.prompts.encode("<|im_start|>assistant\n<think>\n"))
-                    assert got.usage["cached_tokens"] >= last_prompt - gen, got.usage
-                    assert got.usage["recomputed_tokens"] == 0, got.usage
-                    # what lies between that checkpoint and where the prompts part is counted
-                    assert 0 < got.usage["prefix_lost_tokens"] <= gen, got.usage
-                _check(ref, got, prompt, marks, True, f"{arch} turn {turn}")
-                last_prompt = len(prompt)
-                messages += [{"role": "assistant",
-                              "content": f"<think>\nlooking\n</think>\n\n{got.text}"},
-                             {"role": "user", "content": "And the tests?"}]
-    finally:
-        s.stop()
+    messages = [{"role": "system", "content": "Think, then answer."},
+                {"role": "user", "content": "Which file holds the parser?"}]
+    with s.client() as c:
+        for turn in range(3):
+            prompt = c.render(messages=messages, max_tokens=MAX_TOKENS)
+            got = c.generate(messages=messages, max_tokens=MAX_TOKENS, logprobs=True)
+            marks = ref.prompts.checkpoints(messages, prompt)
+            if turn:
+                gen = len(ref.prompts.encode("<|im_start|>assistant\n<think>\n"))
+                assert got.usage["cached_tokens"] >= last_prompt - gen, got.usage
+                assert got.usage["recomputed_tokens"] == 0, got.usage
+                # what lies between that checkpoint and where the prompts part is counted
+                assert 0 < got.usage["prefix_lost_tokens"] <= gen, got.usage
+            _check(ref, got, prompt, marks, True, f"{arch} turn {turn}")
+            last_prompt = len(prompt)
+            messages += [{"role": "assistant",
+                          "content": f"<think>\nlooking\n</think>\n\n{got.text}"},
+                         {"role": "user", "content": "And the tests?"}]
 
 
 def test_a_model_with_an_unknown_cache_kind_is_refused_at_start(tmp_path, cache_dir):
@@ -255,8 +268,7 @@ def test_the_seed_policies_hold_for_checkpoints(tmp_path_factory, cache_dir):
         s.stop()
 
 
-def test_two_conversations_that_share_a_system_prompt_store_its_checkpoint_once(
-        tmp_path_factory, cache_dir):
+def test_two_conversations_that_share_a_system_prompt_store_its_checkpoint_once(stripping):
     """qwen3_5: the checkpoint where the system prompt ends stands inside a block. The first
     conversation stores it on SSD beside its blocks (an anchor, content-addressed by the
     chain); a second conversation with the same system prompt, the first released from RAM,
@@ -264,69 +276,58 @@ def test_two_conversations_that_share_a_system_prompt_store_its_checkpoint_once(
     one stored anchor."""
     from kvbank.contracts.store_layout import StoreReader
 
-    model = _model(tmp_path_factory, cache_dir, "qwen3_5", None)
+    model, s = stripping("qwen3_5")
     ref = Reference(model)
-    s = start_stack(model, tmp_path_factory.mktemp("qwen3_5-shared"), cache_dir=cache_dir,
-                    shim=False)
     system = {"role": "system", "content": "You are a careful coding agent. " * 9 + "Be brief."}
-    try:
-        with s.client() as c:
-            first = [system, {"role": "user", "content": "Read the parser."}]
-            a = c.generate(messages=first, max_tokens=8)
-            s.wait_durable(a.usage["session_id"])
-            c.release(a.usage["session_id"])
-            second = [system, {"role": "user", "content": "Now the lexer, please."}]
-            prompt = c.render(messages=second, max_tokens=MAX_TOKENS)
-            shared = ref.prompts.shared_end(second, prompt)
-            assert shared % 16, "the system prompt must end inside a block for this test"
-            # what the first conversation's read left at the anchor: one forward up to it
-            ref.tokens, ref.lineage = list(prompt), [(0, shared)]
-            b = c.generate(messages=second, max_tokens=MAX_TOKENS, logprobs=True)
-            assert (b.usage["cache_source"], b.usage["cached_tokens"]) == ("ssd", shared)
-            _check(ref, b, prompt, ref.prompts.checkpoints(second, prompt), True, "from anchor")
-            s.wait_durable(b.usage["session_id"])
-            store = StoreReader(s.layout.store_dir, readonly=True)
-            try:
-                anchors = [store.get_session("", t.usage["session_id"])[0].anchors
-                           for t in (a, b)]
-            finally:
-                store.close()
-    finally:
-        s.stop()
+    with s.client() as c:
+        first = [system, {"role": "user", "content": "Read the parser."}]
+        a = c.generate(messages=first, max_tokens=8)
+        s.wait_durable(a.usage["session_id"])
+        c.release(a.usage["session_id"])
+        second = [system, {"role": "user", "content": "Now the lexer, please."}]
+        prompt = c.render(messages=second, max_tokens=MAX_TOKENS)
+        shared = ref.prompts.shared_end(second, prompt)
+        assert shared % 16, "the system prompt must end inside a block for this test"
+        # what the first conversation's read left at the anchor: one forward up to it
+        ref.tokens, ref.lineage = list(prompt), [(0, shared)]
+        b = c.generate(messages=second, max_tokens=MAX_TOKENS, logprobs=True)
+        assert (b.usage["cache_source"], b.usage["cached_tokens"]) == ("ssd", shared)
+        _check(ref, b, prompt, ref.prompts.checkpoints(second, prompt), True, "from anchor")
+        s.wait_durable(b.usage["session_id"])
+        store = StoreReader(s.layout.store_dir, readonly=True)
+        try:
+            anchors = [store.get_session("", t.usage["session_id"])[0].anchors
+                       for t in (a, b)]
+        finally:
+            store.close()
     # [id, start, tokens]: each record also names its own prompt's end before the generation
     # prompt; the system prompt's end is one stored anchor, named by both
     at_shared = [[a for a in each if a[1] + a[2] == shared] for each in anchors]
     assert at_shared[0] == at_shared[1] and len(at_shared[0]) == 1
 
 
-def test_a_stripped_history_comes_back_from_ssd_at_the_previous_prompts_end(
-        tmp_path_factory, cache_dir):
+def test_a_stripped_history_comes_back_from_ssd_at_the_previous_prompts_end(stripping):
     """qwen3_5 with its reasoning-stripping template, the conversation released from RAM
     after every turn: the checkpoint before each prompt's generation prompt stands inside a
     block, and went to SSD as an anchor, so each next turn restores up to there from SSD and
     answers as mlx-lm does."""
-    model = _model(tmp_path_factory, cache_dir, "qwen3_5", None)
+    model, s = stripping("qwen3_5")
     ref = Reference(model)
-    s = start_stack(model, tmp_path_factory.mktemp("qwen3_5-strip-ssd"), cache_dir=cache_dir,
-                    shim=False)
-    try:
-        messages = [{"role": "system", "content": "Think, then answer."},
-                    {"role": "user", "content": "Which file holds the parser?"}]
-        gen = len(ref.prompts.encode("<|im_start|>assistant\n<think>\n"))
-        with s.client() as c:
-            for turn in range(3):
-                prompt = c.render(messages=messages, max_tokens=MAX_TOKENS)
-                got = c.generate(messages=messages, max_tokens=MAX_TOKENS, logprobs=True)
-                if turn:
-                    assert got.usage["cache_source"] == "ssd", got.usage
-                    assert got.usage["cached_tokens"] >= last_prompt - gen, got.usage
-                _check(ref, got, prompt, ref.prompts.checkpoints(messages, prompt), True,
-                       f"turn {turn}")
-                last_prompt = len(prompt)
-                session = got.usage["session_id"]
-                s.wait_durable(session)
-                c.release(session)
-                messages += [{"role": "assistant", "content": got.text or "."},
-                             {"role": "user", "content": "And the tests?"}]
-    finally:
-        s.stop()
+    messages = [{"role": "system", "content": "Think it through, then answer."},
+                {"role": "user", "content": "Which file holds the parser?"}]
+    gen = len(ref.prompts.encode("<|im_start|>assistant\n<think>\n"))
+    with s.client() as c:
+        for turn in range(3):
+            prompt = c.render(messages=messages, max_tokens=MAX_TOKENS)
+            got = c.generate(messages=messages, max_tokens=MAX_TOKENS, logprobs=True)
+            if turn:
+                assert got.usage["cache_source"] == "ssd", got.usage
+                assert got.usage["cached_tokens"] >= last_prompt - gen, got.usage
+            _check(ref, got, prompt, ref.prompts.checkpoints(messages, prompt), True,
+                   f"turn {turn}")
+            last_prompt = len(prompt)
+            session = got.usage["session_id"]
+            s.wait_durable(session)
+            c.release(session)
+            messages += [{"role": "assistant", "content": got.text or "."},
+                         {"role": "user", "content": "And the tests?"}]
