@@ -27,14 +27,25 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default; elsewhere a guess is as good as asking for 0
 
 
+def port_range() -> tuple[int, int]:
+    """Where `free_ports` picks: KVBANK_PORT_RANGE ("low-high", high excluded), so that
+    several test processes on one machine never plan the same port; else the 12,000 ports
+    below the kernel's ephemeral range."""
+    given = os.environ.get("KVBANK_PORT_RANGE")
+    if given:
+        low, high = map(int, given.split("-"))
+        return low, high
+    low, _ = _ephemeral_range()
+    return max(1024, low - 12000), low
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """`n` distinct free ports, all held open together while they are picked.
 
     Picked below the kernel's ephemeral range: a port planned now and bound seconds later
     (a stack starts after the one before it) must not be handed meanwhile to someone's
     outgoing connection or `bind(0)`. CI lost a cluster test to exactly that."""
-    low, _ = _ephemeral_range()
-    candidates = list(range(max(1024, low - 12000), low))
+    candidates = list(range(*port_range()))
     random.shuffle(candidates)
     socks: list[socket.socket] = []
     try:

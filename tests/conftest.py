@@ -11,6 +11,24 @@ preload_openblas()  # before anything imports mlx in this process
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+
+def _own_ports() -> None:
+    """`make test` runs the suite in several pytest-xdist processes: each plans its stacks'
+    ports in a slice of the range of its own, so two never pick the same one before either
+    binds it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...
+    if not worker or "KVBANK_PORT_RANGE" in os.environ:
+        return
+    from deploy.local import port_range
+
+    low, high = port_range()
+    n, i = int(os.environ["PYTEST_XDIST_WORKER_COUNT"]), int(worker.removeprefix("gw"))
+    step = (high - low) // n
+    os.environ["KVBANK_PORT_RANGE"] = f"{low + i * step}-{low + (i + 1) * step}"
+
+
+_own_ports()
+
 import grpc  # noqa: E402
 import pytest  # noqa: E402
 
