@@ -18,17 +18,11 @@ from __future__ import annotations
 
 import json
 
+from kvbank.contracts.failures import InvalidRequest
+
 CUSTOM_ARG = "input"
 FORMAT_KEY = "format"  # on a chat function entry: the custom tool's format
 SYNTAXES = ("lark", "regex")
-
-
-class FormatError(ValueError):
-    """A custom tool's format the client must fix; `param` names the field."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 def chat_function(name, description, fmt, where: str) -> dict:
@@ -46,30 +40,30 @@ def chat_function(name, description, fmt, where: str) -> dict:
 def input_grammar(fmt: object, where: str) -> dict | None:
     """llguidance's grammar for a custom tool's input, as one entry of a top-level grammar's
     `grammars` (for the caller to reference by name); None for free text. A format that is
-    wrong raises FormatError with llguidance's own message."""
+    wrong is an InvalidRequest naming its field, with llguidance's own message."""
     from llguidance import LLMatcher
 
     if not isinstance(fmt, dict):
-        raise FormatError(where, f"{where} must be an object")
+        raise InvalidRequest(f"{where} must be an object", param=where)
     kind = fmt.get("type")
     if kind == "text":
         return None
     if kind != "grammar":
-        raise FormatError(f"{where}.type", f"{where}.type must be 'text' or 'grammar'; given "
-                                           f"{kind!r}")
+        raise InvalidRequest(f"{where}.type must be 'text' or 'grammar'; given {kind!r}",
+                             param=f"{where}.type")
     syntax, definition = fmt.get("syntax"), fmt.get("definition")
     if syntax not in SYNTAXES:
-        raise FormatError(f"{where}.syntax", f"{where}.syntax must be 'lark' or 'regex'; "
-                                             f"given {syntax!r}")
+        raise InvalidRequest(f"{where}.syntax must be 'lark' or 'regex'; given {syntax!r}",
+                             param=f"{where}.syntax")
     if not isinstance(definition, str) or not definition.strip():
-        raise FormatError(f"{where}.definition", f"{where}.definition must be a non-empty "
-                                                 f"{syntax} grammar")
+        raise InvalidRequest(f"{where}.definition must be a non-empty {syntax} grammar",
+                             param=f"{where}.definition")
     # grammar_from_lark gives the Lark text back; grammar_from_regex a whole top-level grammar
     grammar = ({"lark_grammar": LLMatcher.grammar_from_lark(definition)} if syntax == "lark"
                else json.loads(LLMatcher.grammar_from_regex(definition))["grammars"][0])
     error = LLMatcher.validate_grammar(json.dumps({"grammars": [grammar]}))
     if error:
-        raise FormatError(f"{where}.definition", f"{where}.definition: {error.strip()}")
+        raise InvalidRequest(f"{where}.definition: {error.strip()}", param=f"{where}.definition")
     return grammar
 
 

@@ -223,6 +223,49 @@ def test_a_forced_custom_call_takes_only_its_grammars_sentences(setup):
     assert not accepts(anyone, raw_call("add", "1"), tokenize)
 
 
+# Codex's apply_patch grammar (codex-rs/core/src/tools/handlers/tool_apply_patch.lark)
+APPLY_PATCH_LARK = """start: begin_patch hunk+ end_patch
+begin_patch: "*** Begin Patch" LF
+end_patch: "*** End Patch" LF?
+
+hunk: add_hunk | delete_hunk | update_hunk
+add_hunk: "*** Add File: " filename LF add_line+
+delete_hunk: "*** Delete File: " filename LF
+update_hunk: "*** Update File: " filename LF change_move? change?
+
+filename: /(.+)/
+add_line: "+" /(.*)/ LF -> line
+
+change_move: "*** Move to: " filename LF
+change: (change_context | change_line)+ eof_line?
+change_context: ("@@" | "@@ " /(.+)/) LF
+change_line: ("+" | "-" | " ") /(.*)/ LF
+eof_line: "*** End of File" LF
+
+%import common.LF
+"""
+
+
+def test_codexs_apply_patch_grammar_holds_a_patch_that_reads_back_whole(setup):
+    from mlx_lm.tool_parsers import json_tools
+
+    from worker.decoding import ToolCallText
+
+    patch = custom("apply_patch", {"type": "grammar", "syntax": "lark",
+                                   "definition": APPLY_PATCH_LARK})
+    grammar = setup[2].for_tool_call([ADD, patch], "apply_patch")
+    tokenize = setup[2].tokenizer.tokenize_str
+    text = ("*** Begin Patch\n*** Update File: a.py\n@@ def f():\n-    return 1\n"
+            "+    return {\"json\": \"quotes\"}\n*** End Patch\n")
+    assert accepts(grammar, raw_call("apply_patch", text), tokenize)
+    assert not accepts(grammar, raw_call("apply_patch", "*** Begin Patch\n*** End Patch"),
+                       tokenize)  # no hunk
+    split = ToolCallText("<tool_call>", "</tool_call>", json_tools.parse_tool_call,
+                         [ADD, patch])
+    _, [call] = split.feed(raw_call("apply_patch", text))
+    assert json.loads(call.arguments) == {"input": text}  # its last line break too
+
+
 def test_the_model_writes_raw_calls_that_parse_back_under_the_grammar(setup):
     """The random model, forced: every answer ends, and reads back (worker/decoding.py) as a
     call whose input the client's grammar, or regex, accepts."""
@@ -248,10 +291,11 @@ def test_the_model_writes_raw_calls_that_parse_back_under_the_grammar(setup):
 
 
 def test_bad_custom_formats_say_which_field_and_why(setup):
-    from kvbank.custom_tools import FormatError, chat_function
+    from kvbank.contracts.failures import InvalidRequest
+    from kvbank.custom_tools import chat_function
 
     def error(fmt):
-        with pytest.raises(FormatError) as info:
+        with pytest.raises(InvalidRequest) as info:
             chat_function("f", "", fmt, "tools[2]")
         return info.value.param, str(info.value)
 

@@ -283,6 +283,6 @@ class Decodings:
                 grammar = self._grammars.for_response_format(
                     {"type": fmt.type, "json_schema": {"schema": json.loads(fmt.json_schema)}}
                     if fmt.type == "json_schema" else {"type": fmt.type})
-        except ValueError as e:
-            raise InvalidRequest(str(e), param=param) from None
+        except ValueError as e:  # a custom tool's format names its own field
+            raise InvalidRequest(str(e), param=getattr(e, "param", param)) from None
         return grammar.processor()

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 from apps.shim.openai_answer import usage_body as openai_usage
 from apps.shim.openai_format import OpenAIRequest, invalid, parse as parse_chat, reasoning_switch
-from kvbank.custom_tools import CUSTOM_ARG, FormatError, chat_function
+from kvbank.contracts.failures import InvalidRequest
+from kvbank.custom_tools import CUSTOM_ARG, chat_function
 from kvbank.v1 import api_pb2
 
 # Handled here: each becomes a chat-completions field, or is read below.
@@ -211,7 +212,7 @@ def _tool(t, where: str, custom: set[str]) -> dict:
         custom.add(t.get("name"))
         try:
             fn = chat_function(t.get("name"), t.get("description"), t.get("format"), where)
-        except FormatError as e:
+        except InvalidRequest as e:
             raise invalid(e.param, str(e)) from None
     elif kind in HOSTED:
         raise invalid(f"{where}.type", f"{where}.type {kind!r} is a tool OpenAI's servers run, "
