@@ -88,7 +88,7 @@ def parse_raw(body: str, tools: list[dict]) -> dict | None:
         call = json.loads(head) if newline else None
     except ValueError:
         return None
-    if not isinstance(call, dict) or set(call) != {"name"}:
+    if not isinstance(call, dict) or set(call) != {"name"} or not isinstance(call["name"], str):
         return None
     if call["name"] not in {t["function"]["name"] for t in tools if custom_format(t)}:
         return None
