@@ -102,3 +102,12 @@ def rpc_error(fn) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as info:
         fn()
     return info.value
+
+
+def lark_accepts(tokenizer, definition: str, text: str) -> bool:
+    """Whether a Lark grammar takes `text` whole, as llguidance (the worker's matcher) reads
+    it; `tokenizer` is an llguidance LLTokenizer."""
+    import llguidance as llg
+
+    matcher = llg.LLMatcher(tokenizer, llg.LLMatcher.grammar_from_lark(definition), log_level=0)
+    return matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting()

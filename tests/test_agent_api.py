@@ -18,7 +18,7 @@ import anthropic
 import openai
 import pytest
 
-from tests.conftest import start_stack
+from tests.conftest import lark_accepts, start_stack
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now.",
@@ -415,6 +415,70 @@ def test_a_custom_tool_call_comes_back_as_one_and_goes_back_to_the_model():
     msgs = req.chat.generate.chat.messages
     assert [m.role for m in msgs] == ["user", "assistant", "tool"]
     assert json.loads(msgs[1].tool_calls[0].arguments) == {"input": "*** Begin Patch"}
+
+
+CALC_LARK = 'start: NUM (OP NUM){0,2}\nOP: "+" | "*"\nNUM: /[0-9]{1,3}/\n'
+CALC = {"type": "custom", "name": "calc", "description": "Evaluate arithmetic.",
+        "format": {"type": "grammar", "syntax": "lark", "definition": CALC_LARK}}
+
+
+@pytest.fixture(scope="module")
+def llg_tokenizer(tool_model):
+    import llguidance as llg
+    from tokenizers import Tokenizer
+
+    return llg.LLTokenizer(Tokenizer.from_file(str(tool_model / "tokenizer.json")).to_str())
+
+
+def test_a_custom_tool_with_a_lark_grammar_is_answered_as_a_custom_tool_call(agent_stack,
+                                                                             llg_tokenizer):
+    """Forced, the call is written under the tool's grammar (worker/grammar.py), comes back as
+    a `custom_tool_call` (streamed as its input's delta and done), and goes back to the model
+    in the next turn's history, which reads it from cache token for token."""
+    c = _openai(agent_stack)
+    ask = f"[{uuid.uuid4().hex}] What is 6 times 7?"
+    first = dict(model="gpt-5-codex", tools=[*RESPONSES_TOOLS, CALC], store=False,
+                 temperature=0, max_output_tokens=MAX_TOKENS)
+    r1 = c.responses.create(input=ask, tool_choice={"type": "custom", "name": "calc"}, **first)
+    assert r1.status == "completed"
+    [call] = r1.output
+    assert call.type == "custom_tool_call" and call.name == "calc" and call.call_id
+    assert lark_accepts(llg_tokenizer, CALC_LARK, call.input), call.input
+    with c.responses.stream(input=ask + " Again.", tool_choice={"type": "custom", "name": "calc"},
+                            **first) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    [streamed] = final.output
+    deltas = [e.delta for e in events if e.type == "response.custom_tool_call_input.delta"]
+    [done] = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+    assert streamed.type == "custom_tool_call" and "".join(deltas) == done.input == streamed.input
+    assert lark_accepts(llg_tokenizer, CALC_LARK, streamed.input), streamed.input
+    items = [{"role": "user", "content": ask},
+             {"type": "custom_tool_call", "call_id": call.call_id, "name": "calc",
+              "input": call.input},
+             {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "42"}]
+    r2 = c.responses.create(input=items, tool_choice="none", **{**first, "max_output_tokens": 8})
+    assert r2.usage.input_tokens_details.cached_tokens >= (
+        r1.usage.input_tokens + r1.usage.output_tokens - 1), r2.usage  # the raw call, as written
+
+
+def test_a_grammar_call_cut_by_max_output_tokens_ends_and_bad_formats_are_refused(agent_stack):
+    c = _openai(agent_stack)
+    r = c.responses.create(model="kvbank", input=_user("Add.")[0]["content"], tools=[CALC],
+                           tool_choice={"type": "custom", "name": "calc"}, max_output_tokens=16)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    # a raw call cut before its end marker may have lost part of its input: it is no call
+    assert [o.type for o in r.output] == ["message"]
+    assert r.output_text.startswith('<tool_call>\n{"name": "calc"}\n'), r.output_text
+    for fmt, param, says in [
+            ({"type": "grammar", "syntax": "lark", "definition": "start: nope"},
+             "tools[0].format.definition", 'unknown name: "nope"'),
+            ({"type": "grammar", "syntax": "ebnf", "definition": "x"},
+             "tools[0].format.syntax", "must be 'lark' or 'regex'"),
+            ({"type": "json"}, "tools[0].format.type", "must be 'text' or 'grammar'")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            c.responses.create(model="kvbank", input="hi", tools=[{**CALC, "format": fmt}])
+        assert info.value.body["param"] == param and says in info.value.body["message"]
 
 
 def test_the_openai_agents_sdk_runs_a_tool_loop_on_its_default_responses_model(agent_stack):

@@ -8,6 +8,8 @@ import json
 
 import pytest
 
+from tests.conftest import lark_accepts
+
 SCHEMA = {"type": "object", "properties": {
     "color": {"type": "string", "enum": ["red", "green", "blue"]},
     "count": {"type": "integer", "minimum": 0, "maximum": 999},
@@ -171,3 +173,143 @@ def test_bad_tools_say_why(setup):
         grammars.for_tool_call([], "required")
     assert grammars.for_response_format({"type": "text"}) is None
     assert grammars.for_response_format(None) is None
+
+
+# -- custom tools (kvbank/custom_tools.py): a raw call whose input is in the tool's grammar ----
+
+CALC_LARK = 'start: NUM (OP NUM){0,2}\nOP: "+" | "*"\nNUM: /[0-9]{1,3}/\n'
+SLUG_REGEX = r"[a-z]{1,6}(-[a-z]{1,6}){0,2}"
+
+
+def custom(name, fmt):
+    from kvbank.custom_tools import chat_function
+
+    return {"type": "function", "function": chat_function(name, "", fmt, "tools[0]")}
+
+
+CALC = custom("calc", {"type": "grammar", "syntax": "lark", "definition": CALC_LARK})
+SLUG = custom("slug", {"type": "grammar", "syntax": "regex", "definition": SLUG_REGEX})
+NOTE = custom("note", None)  # free text
+
+
+def accepts(grammar, text, tokenize):
+    """Whether `grammar`'s matcher takes `text`, as tokens, to a finished sentence."""
+    matcher = grammar.processor().matcher
+    return matcher.consume_tokens(tokenize(text)) and matcher.is_accepting()
+
+
+def raw_call(name, text):
+    return f'<tool_call>\n{{"name": "{name}"}}\n{text}\n</tool_call>'
+
+
+def test_a_forced_custom_call_takes_only_its_grammars_sentences(setup):
+    grammars = setup[2]
+    tokenize = grammars.tokenizer.tokenize_str
+    calc = grammars.for_tool_call([ADD, CALC], "calc")
+    assert accepts(calc, raw_call("calc", "12+3*7"), tokenize)
+    for bad in ("12+", "1 + 2", "1234", "1+2+3+4"):
+        assert not accepts(calc, raw_call("calc", bad), tokenize), bad
+    assert not accepts(calc, '<tool_call>\n{"name": "calc", "arguments": {"input": "1"}}'
+                             '\n</tool_call>', tokenize)
+    slug = grammars.for_tool_call([SLUG], "slug")
+    assert accepts(slug, raw_call("slug", "ab-cd"), tokenize)
+    for bad in ("ab-", "Ab", "ab-cd-ef-gh", "abcdefg"):
+        assert not accepts(slug, raw_call("slug", bad), tokenize), bad
+    # "required": a function's JSON call or a custom tool's raw one, each in its own grammar
+    anyone = grammars.for_tool_call([ADD, CALC, NOTE], "required")
+    for good in ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
+                 raw_call("calc", "4*5"), raw_call("note", "any\ntext, </x> too")):
+        assert accepts(anyone, good, tokenize), good
+    assert not accepts(anyone, raw_call("add", "1"), tokenize)
+
+
+# Codex's apply_patch grammar (codex-rs/core/src/tools/handlers/tool_apply_patch.lark)
+APPLY_PATCH_LARK = """start: begin_patch hunk+ end_patch
+begin_patch: "*** Begin Patch" LF
+end_patch: "*** End Patch" LF?
+
+hunk: add_hunk | delete_hunk | update_hunk
+add_hunk: "*** Add File: " filename LF add_line+
+delete_hunk: "*** Delete File: " filename LF
+update_hunk: "*** Update File: " filename LF change_move? change?
+
+filename: /(.+)/
+add_line: "+" /(.*)/ LF -> line
+
+change_move: "*** Move to: " filename LF
+change: (change_context | change_line)+ eof_line?
+change_context: ("@@" | "@@ " /(.+)/) LF
+change_line: ("+" | "-" | " ") /(.*)/ LF
+eof_line: "*** End of File" LF
+
+%import common.LF
+"""
+
+
+def test_codexs_apply_patch_grammar_holds_a_patch_that_reads_back_whole(setup):
+    from mlx_lm.tool_parsers import json_tools
+
+    from worker.decoding import ToolCallText
+
+    patch = custom("apply_patch", {"type": "grammar", "syntax": "lark",
+                                   "definition": APPLY_PATCH_LARK})
+    grammar = setup[2].for_tool_call([ADD, patch], "apply_patch")
+    tokenize = setup[2].tokenizer.tokenize_str
+    text = ("*** Begin Patch\n*** Update File: a.py\n@@ def f():\n-    return 1\n"
+            "+    return {\"json\": \"quotes\"}\n*** End Patch\n")
+    assert accepts(grammar, raw_call("apply_patch", text), tokenize)
+    assert not accepts(grammar, raw_call("apply_patch", "*** Begin Patch\n*** End Patch"),
+                       tokenize)  # no hunk
+    split = ToolCallText("<tool_call>", "</tool_call>", json_tools.parse_tool_call,
+                         [ADD, patch])
+    _, [call] = split.feed(raw_call("apply_patch", text))
+    assert json.loads(call.arguments) == {"input": text}  # its last line break too
+
+
+def test_the_model_writes_raw_calls_that_parse_back_under_the_grammar(setup):
+    """The random model, forced: every answer ends, and reads back (worker/decoding.py) as a
+    call whose input the client's grammar, or regex, accepts."""
+    import re
+
+    from mlx_lm.tool_parsers import json_tools
+
+    from worker.decoding import ToolCallText
+
+    grammars = setup[2]
+    for tool, ok in ((CALC, lambda s: lark_accepts(grammars.tokenizer, CALC_LARK, s)),
+                     (SLUG, lambda s: re.fullmatch(SLUG_REGEX, s))):
+        name = tool["function"]["name"]
+        for text, finish, tokens, processor in generate(
+                setup, [grammars.for_tool_call([ADD, tool], name)]):
+            assert finish == "stop" and processor.completed(tokens), text
+            split = ToolCallText("<tool_call>", "</tool_call>", json_tools.parse_tool_call,
+                                 [ADD, tool])
+            rest, calls = split.feed(text)
+            [call] = calls
+            assert not rest.strip() and call.name == name
+            assert ok(json.loads(call.arguments)["input"]), text
+
+
+def test_bad_custom_formats_say_which_field_and_why(setup):
+    from kvbank.contracts.failures import InvalidRequest
+    from kvbank.custom_tools import chat_function
+
+    def error(fmt):
+        with pytest.raises(InvalidRequest) as info:
+            chat_function("f", "", fmt, "tools[2]")
+        return info.value.param, str(info.value)
+
+    param, message = error({"type": "grammar", "syntax": "lark", "definition": "start: foo"})
+    assert param == "tools[2].format.definition" and 'unknown name: "foo"' in message
+    param, message = error({"type": "grammar", "syntax": "regex", "definition": "[a-"})
+    assert param == "tools[2].format.definition" and "unclosed character class" in message
+    assert error({"type": "grammar", "syntax": "gbnf", "definition": "x"}) == (
+        "tools[2].format.syntax", "tools[2].format.syntax must be 'lark' or 'regex'; given "
+                                  "'gbnf'")
+    assert error({"type": "json"})[1] == ("tools[2].format.type must be 'text' or 'grammar'; "
+                                          "given 'json'")
+    # the worker's own check of what reaches it (a ValueError, as for a bad schema)
+    bad = {"type": "function", "function": {**CALC["function"], "format": {
+        "type": "grammar", "syntax": "lark", "definition": "start: /[/"}}}
+    with pytest.raises(ValueError, match=r"tools\[1\]\.function\.format\.definition: "):
+        setup[2].for_tool_call([ADD, bad], "calc")

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from kvbank.contracts.failures import InvalidRequest
+from kvbank.custom_tools import parse_raw
 from kvbank.v1 import api_pb2
 
 PENALTY_WINDOW = 20    # mlx-lm's context size for the three penalties
@@ -132,7 +133,9 @@ class ToolCallText:
     calls between the model's call markers, parsed by the model's own tool parser.
 
     Text that could be the start of a marker is held back until it is known not to be. A call
-    the answer left unclosed (max_tokens) is parsed if it parses, else given back as text.
+    the answer left unclosed (max_tokens) is parsed if it parses, else given back as text; a
+    custom tool's raw call (kvbank/custom_tools.py) only when closed, since its input may
+    have been cut anywhere.
     """
 
     def __init__(self, start: str, end: str, parse: Callable, tools: list[dict]):
@@ -170,14 +173,16 @@ class ToolCallText:
         rest, self.buf = self.buf, ""
         if not self.in_call:
             return rest, []
-        parsed = self._parse(rest)
+        parsed = self._parse(rest, closed=False)
         return ("", parsed) if parsed else (self.start + rest, [])
 
-    def _parse(self, body: str) -> list[api_pb2.ToolCall] | None:
+    def _parse(self, body: str, closed: bool = True) -> list[api_pb2.ToolCall] | None:
         try:
             parsed = self.parse(body, self.tools)
         except (ValueError, KeyError, TypeError):
-            return None
+            parsed = parse_raw(body, self.tools) if closed else None
+            if parsed is None:
+                return None
         calls = []
         for call in parsed if isinstance(parsed, list) else [parsed]:
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
@@ -278,6 +283,6 @@ class Decodings:
                 grammar = self._grammars.for_response_format(
                     {"type": fmt.type, "json_schema": {"schema": json.loads(fmt.json_schema)}}
                     if fmt.type == "json_schema" else {"type": fmt.type})
-        except ValueError as e:
-            raise InvalidRequest(str(e), param=param) from None
+        except ValueError as e:  # a custom tool's format names its own field
+            raise InvalidRequest(str(e), param=getattr(e, "param", param)) from None
         return grammar.processor()

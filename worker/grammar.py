@@ -21,11 +21,14 @@ import llguidance.numpy as llg_numpy
 import mlx.core as mx
 import numpy as np
 
+from kvbank.custom_tools import FORMAT_KEY, custom_format, input_grammar, raw_header
+
 # No free whitespace: a model may otherwise pad JSON with blanks until max_tokens. One space
 # after ',' and ':' reads like json.dumps, the JSON models have seen most.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # The Qwen/Hermes tool-call format, which mlx-lm's `json_tools` parser reads.
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>\n", "\n</tool_call>"
+END = json.dumps(TOOL_CALL_END)  # as a Lark string
 
 
 class Grammars:
@@ -71,7 +74,9 @@ class Grammars:
 
     def for_tool_call(self, tools: list[dict], choice: str | dict) -> Grammar:
         """The grammar that forces one call, `<tool_call>\\n{"name": ..., "arguments": {...}}
-        \\n</tool_call>`, then end of turn.
+        \\n</tool_call>`, then end of turn. A custom tool's call is its raw form
+        (kvbank/custom_tools.py): `{"name": ...}`, a line break, then an input in the tool's
+        own grammar, nested as llguidance nests grammars (`@name`), or any text.
 
         `choice` is "required" (any of `tools`), a function name, or OpenAI's
         {"type": "function", "function": {"name": ...}}.
@@ -86,20 +91,33 @@ class Grammars:
             if not functions:
                 raise ValueError(f"tool_choice {choice!r}: neither 'required' nor the name of "
                                  "a function in tools")
-        rules = []
+        # Every alternative starts with literal text, so the parser tells them apart by name
+        # before it enters a nested grammar (a %json that began at `{` would be chosen first).
+        rules, nested = [], []
         for i, f in functions:
-            schema = {"type": "object",
-                      "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
-                      "required": ["name", "arguments"], "additionalProperties": False,
-                      "x-guidance": JSON_STYLE}
-            rules.append(f"call_{i}: %json {json.dumps(schema)}")
-        lark = "\n".join([f"start: {json.dumps(TOOL_CALL_START)} call {json.dumps(TOOL_CALL_END)}",
+            fmt = custom_format(tools[i])
+            if fmt is None:
+                head = f'{{"name": {json.dumps(f["name"])}, "arguments": '
+                rules.append(f"call_{i}: {json.dumps(head)} %json "
+                             f"{json.dumps({**f['parameters'], 'x-guidance': JSON_STYLE})} "
+                             f'"}}" {END}')
+                continue
+            grammar = input_grammar(fmt, f"tools[{i}].function.{FORMAT_KEY}")
+            head = json.dumps(raw_header(f["name"]))
+            if grammar is None:  # free text, up to the first end marker
+                rules += [f"call_{i}: {head} input_{i}", f"input_{i}[suffix={END}]: /(?s:.*)/"]
+            else:
+                rules.append(f"call_{i}: {head} @input_{i} {END}")
+                nested.append({**grammar, "name": f"input_{i}"})
+        lark = "\n".join([f"start: {json.dumps(TOOL_CALL_START)} call",
                           "call: " + " | ".join(f"call_{i}" for i, _ in functions), *rules])
-        matcher = llg.LLMatcher(self.tokenizer, llg.LLMatcher.grammar_from_lark(lark),
+        matcher = llg.LLMatcher(self.tokenizer,
+                                json.dumps({"grammars": [{"lark_grammar": lark}, *nested]}),
                                 log_level=0)
         if matcher.is_error():
             for i, f in functions:  # name the tool whose schema is at fault
-                self._json(f["parameters"], f"tools[{i}].function.parameters")
+                if custom_format(tools[i]) is None:
+                    self._json(f["parameters"], f"tools[{i}].function.parameters")
             raise ValueError(f"tools: {matcher.get_error()}")
         return Grammar(matcher, self.tokenizer.vocab_size, self.eos_token_ids)
 

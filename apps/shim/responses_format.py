@@ -6,8 +6,10 @@ message, input items as messages and tool calls, tools and tool_choice in chat's
 KV the same way whichever API it comes through.
 
 A custom (freeform) tool, as Codex's `apply_patch`, is offered to the model as a function with
-one string argument, `input`, and its call comes back as a `custom_tool_call` whose input is
-that string; a custom call in the input goes back to the model the same way.
+one string argument, `input`, and its format (free text, or a Lark or regex grammar, checked
+here) on that function (kvbank/custom_tools.py); its call comes back as a `custom_tool_call`
+whose input is that string, and a custom call in the input goes back to the model as a call
+with that argument.
 
 A `namespace` tool (Codex's sub-agent tools) offers its functions as the model's own, and a
 call of one names its namespace. A `reasoning` item in the input is the next answer's
@@ -26,6 +28,8 @@ from dataclasses import dataclass, field
 
 from apps.shim.openai_answer import usage_body as openai_usage
 from apps.shim.openai_format import OpenAIRequest, invalid, parse as parse_chat, reasoning_switch
+from kvbank.contracts.failures import InvalidRequest
+from kvbank.custom_tools import CUSTOM_ARG, chat_function
 from kvbank.v1 import api_pb2
 
 # Handled here: each becomes a chat-completions field, or is read below.
@@ -37,7 +41,6 @@ FIELDS = ("model", "input", "instructions", "tools", "tool_choice", "max_output_
 NO_EFFECT = ("metadata", "parallel_tool_calls", "include", "truncation", "service_tier",
              "client_metadata", "background", "safety_identifier", "prompt_cache_retention",
              "stream_options", "top_logprobs")
-CUSTOM_ARG = "input"
 # Tools OpenAI's servers run for the model: a local server has none to run.
 HOSTED = ("web_search", "web_search_preview", "file_search", "code_interpreter",
           "image_generation", "computer_use_preview", "mcp", "local_shell")
@@ -207,11 +210,10 @@ def _tool(t, where: str, custom: set[str]) -> dict:
             fn["description"] = t["description"]
     elif kind == "custom":
         custom.add(t.get("name"))
-        fn = {"name": t.get("name"),
-              "description": (t.get("description") or "") + " (freeform: the whole input "
-                                                              "as one string)",
-              "parameters": {"type": "object", "required": [CUSTOM_ARG],
-                             "properties": {CUSTOM_ARG: {"type": "string"}}}}
+        try:
+            fn = chat_function(t.get("name"), t.get("description"), t.get("format"), where)
+        except InvalidRequest as e:
+            raise invalid(e.param, str(e)) from None
     elif kind in HOSTED:
         raise invalid(f"{where}.type", f"{where}.type {kind!r} is a tool OpenAI's servers run, "
                                        f"and kvbank runs none: send the request without it "
