@@ -1,0 +1,148 @@
+"""A damaged store: its data file cut short while the stack is stopped, LMDB's map full.
+
+Real processes and real LMDB files. A file cut short was SIGBUS at the coldstore's first read
+(its supervisor restarted it into the same death); now the coldstore finds it before LMDB maps
+it, sets it aside and salvages what verifies (coldstore/salvage.py). A full map refuses the
+block that does not fit (`map_full`) while the worker serves and keeps it in RAM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+
+import lmdb
+import numpy as np
+import pytest
+
+from apps.store_verify import verify
+from coldstore.pages import DataFile, Walk, check
+from kvbank.v1 import api_pb2
+from tests.conftest import start_stack
+from tests.test_faults import _turn
+from tests.waiting import wait_until
+
+
+def _events(s, kind: str) -> list[dict]:
+    lines = s.layout.events_path.read_text().splitlines() if s.layout.events_path.exists() else []
+    return [e for e in map(json.loads, lines) if e["kind"] == kind]
+
+
+def _alive(s) -> None:
+    """Every process of the stack runs, none was restarted since it started."""
+    for name in ("coldstore", "worker", "router"):
+        os.kill(s.pid(name), 0)
+    assert "exited with" not in s.log.read_text()
+
+
+def _restores_what_is_stored(c, name: str, history: list[int], seed: int):
+    """The conversation's next turn, its whole history sent: it restores what the store holds
+    of it (its record's durable tokens) and computes the rest, and answers as from scratch."""
+    known = {x.session_id: x.durable_tokens for x in c.list_sessions()}.get(name, 0)
+    prompt = history + np.random.default_rng(seed).integers(1000, 20000, 8).tolist()
+    t = c.generate(session_id=name, token_ids=prompt, max_tokens=4)
+    assert (t.usage["cache_source"], t.usage["cached_tokens"]) == (
+        "ssd" if known else "none", known), (name, known, t.usage)
+    assert t.token_ids == c.generate(token_ids=prompt, max_tokens=4, no_cache=True).token_ids
+    return known
+
+
+# -- the page reader the check and the salvage stand on -------------------------------------
+
+def test_the_page_reader_reads_what_lmdb_reads(tmp_path):
+    """Entries, counts and look-ups as LMDB gives them, over a store that LMDB left shorter
+    than its meta's page count (pages freed in the transaction that took them)."""
+    env = lmdb.open(str(tmp_path), map_size=1 << 28, max_dbs=4)
+    a, b = env.open_db(b"a"), env.open_db(b"b")
+    rnd, keys, short = random.Random(0), [], 0
+    for _ in range(3000):
+        with env.begin(write=True) as txn:
+            for _ in range(rnd.randint(1, 6)):
+                if rnd.random() < 0.5 or not keys:
+                    keys.append(rnd.randbytes(16))
+                    txn.put(keys[-1], rnd.randbytes(rnd.choice([100, 3000, 8300])), db=a)
+                    txn.put(keys[-1], b"x" * rnd.randint(1, 400), db=b)
+                else:
+                    k = keys.pop(rnd.randrange(len(keys)))
+                    txn.delete(k, db=a)
+                    txn.delete(k, db=b)
+        f = DataFile(tmp_path / "data.mdb")
+        if f.size < f.needed_bytes:
+            short += 1
+            assert check(tmp_path / "data.mdb") is None  # nothing it uses is missing
+        f.close()
+    assert short  # the case the size alone would take for damage
+    f = DataFile(tmp_path / "data.mdb")
+    with env.begin() as txn:
+        for name, tree in f.named().items():
+            db = env.open_db(name, txn=txn, create=False)
+            walk = Walk()
+            assert list(f.items(tree, walk)) == list(txn.cursor(db=db))
+            s = txn.stat(db)
+            assert walk.matches(tree) and not walk.missing
+            assert (s["branch_pages"], s["leaf_pages"], s["overflow_pages"], s["entries"]) == (
+                tree.branch, tree.leaf, tree.overflow, tree.entries)
+            for k, v in list(txn.cursor(db=db))[::7]:
+                assert f.get(tree, k) == v
+            assert f.get(tree, b"\0absent") is None
+    f.close()
+    env.close()
+
+
+# -- a data file cut short while the stack is stopped ---------------------------------------
+
+def _cut(store_dir, how: str) -> None:
+    """Half the file, or its last pages: as few as lose a page the store uses."""
+    path = store_dir / "data.mdb"
+    size, psize = path.stat().st_size, DataFile(path).psize
+    if how == "half":
+        os.truncate(path, size // 2)
+        return
+    for k in range(1, 65):
+        os.truncate(path, size - k * psize)
+        if check(path) is not None:
+            return
+    raise AssertionError("no cut of the last 64 pages loses a page the store uses")
+
+
+@pytest.mark.parametrize("how", ["last-pages", "half"])
+def test_a_data_file_cut_short_is_set_aside_and_what_verifies_restores(
+        tiny_model, tmp_path, cache_dir, how):
+    """The coldstore finds the file short before LMDB maps it, keeps it aside, salvages what
+    verifies into a fresh store and says so; the stack serves: each conversation restores
+    what was salvaged of it, computes the rest, answers as from scratch, and is written
+    whole again; `kvbank store verify` reports the damage before, a clean store after."""
+    data = tmp_path / "data"
+    s = start_stack(tiny_model, data, cache_dir=cache_dir, shim=False)
+    try:
+        with s.client() as c:
+            for i, n in enumerate((80, 120, 60)):
+                _turn(c, f"c{i}", n, seed=i)
+            histories = {f"c{i}": list(s.wait_durable(f"c{i}").token_ids) for i in range(3)}
+    finally:
+        s.stop()
+    _cut(s.layout.store_dir, how)
+    assert "damaged" in verify(s.layout)  # reported, where a read through the map was SIGBUS
+
+    s = start_stack(tiny_model, data, cache_dir=cache_dir, shim=False)
+    try:
+        [ev] = _events(s, "store_damaged")
+        assert "past its end" in ev["found"] and os.path.exists(ev["set_aside"])
+        assert "delete it once you no longer need it" in s.log_tail(20000)
+        with s.client() as c:
+            salvaged = {x.session_id for x in c.list_sessions()}
+            assert ev["records_whole"] + ev["records_cut"] == len(salvaged)
+            kept = {n: _restores_what_is_stored(c, n, h, seed=10 + i)
+                    for i, (n, h) in enumerate(histories.items())}
+            assert ev["tokens_recomputed"] == sum(len(histories[n]) - kept[n] for n in salvaged)
+            for n in histories:
+                done = s.wait_durable(n)
+                assert done.durable_tokens == done.token_count
+        _alive(s)
+    finally:
+        s.stop()
+    report = verify(s.layout)
+    assert "damaged" not in report and report["blocks_corrupt"] == 0
+    assert report["blocks_ok"] > 0
