@@ -78,8 +78,9 @@ class ColdStore(StoreReader):
                     self._write(lambda txn: self._add_block_bytes(txn, 0))
                     settled = True
                 else:
-                    logger.warning("LMDB map full at its ceiling of %d bytes: a write that is "
-                                   "not KV takes %d bytes more", ceiling, MAP_RESERVE_BYTES)
+                    logger.log(logging.WARNING if size == ceiling else logging.DEBUG,
+                               "LMDB map full at its ceiling of %d bytes: a write that is not "
+                               "KV (a record, a deletion) passes it", ceiling)
                     self.env.set_mapsize(size + MAP_RESERVE_BYTES)
                     grew = True
         if grew:

@@ -146,3 +146,103 @@ def test_a_data_file_cut_short_is_set_aside_and_what_verifies_restores(
     report = verify(s.layout)
     assert "damaged" not in report and report["blocks_corrupt"] == 0
     assert report["blocks_ok"] > 0
+
+
+# -- LMDB's map full -------------------------------------------------------------------------
+
+def test_a_full_map_refuses_kv_but_still_takes_records_and_deletions(tmp_path):
+    """LMDB cannot even delete in a map that is full to the last page; at its ceiling only KV
+    is refused (StoreFull), while records and deletions take a little more, so the store
+    shrinks and a block fits again right after a deletion (its pages are reused two commits
+    on: the store commits once more before it gives up)."""
+    from coldstore.store import ColdStore, StoreFull
+    from kvbank.blocks import chain_block_ids, chain_root
+
+    B, root, rng = 16, chain_root(b"fp", ""), np.random.default_rng(0)
+    store = ColdStore(tmp_path, map_max_bytes=1 << 20)
+
+    def fill(name: str) -> int:
+        toks = rng.integers(0, 1 << 20, 200 * B).astype(np.uint32)
+        store.put_session_tokens("", name, toks, B)
+        for i, bid in enumerate(chain_block_ids(toks, root, B)):
+            try:
+                store.commit_block("", name, root, bid, i * B, rng.bytes(8000))
+            except StoreFull:
+                return i
+        raise AssertionError("the map never filled")
+
+    assert fill("a") > 0
+    for i in range(300):  # records fill the map to its last page, and past it
+        store.put_session_tokens("", f"r{i}", rng.integers(0, 1 << 20, 900).astype(np.uint32), B)
+    used = store.stats()["used_bytes"]
+    assert used > 1 << 20 and store.env.info()["map_size"] == used  # no room past it for KV
+    assert fill("c") == 0
+    assert store.delete_session("", "a")
+    assert fill("b") > 0  # room again, until it is full again
+    store.close()
+
+def test_a_full_map_refuses_the_block_keeps_serving_and_writes_resume_once_room_is_made(
+        tiny_model, tmp_path, cache_dir):
+    """A map of 1 MiB (--store-map-bytes) and a cap above it (so the cap does not retire
+    first): the block that does not fit is refused `map_full`, with an event and a log line
+    that say what to change; the coldstore stays up, the worker answers from RAM and keeps the
+    conversation unwritten and protected; what is stored still restores. Once a conversation
+    is deleted the worker's next send is written whole."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    s = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir, shim=False,
+                    extra=["--store-map-bytes", str(1 << 20), "--store-max-bytes", str(1 << 30)])
+    try:
+        with s.client() as c:
+            _turn(c, "old", 700, seed=1)  # 44 blocks of 16 tokens, 12 KiB of pages each
+            s.wait_durable("old")
+            _turn(c, "big", 800, seed=2)  # with "old", more than the map holds
+            [ev] = wait_until(lambda: _events(s, "store_full"), "a store_full event")
+            assert "--store-map-bytes" in ev["message"] and ev["map_bytes"] == 1 << 20
+            assert "refused (map_full)" in s.log_tail(20000)
+            text = httpx.get(s.metrics_url("coldstore"), timeout=10).text
+            assert any(m.labels.get("reason") == "map_full" and m.value >= 1
+                       for f in text_string_to_metric_families(text) for m in f.samples
+                       if m.name == "kvbank_coldstore_refusals_total")
+
+            big = c.get_session("big")
+            assert big.state == "resident-dirty" and big.durable_tokens < big.token_count
+            t = _turn(c, "big", 8, seed=3)  # served from RAM
+            assert t.usage["cache_source"] == "ram"
+            prompt = list(c.get_session("big").token_ids)[:-len(t.token_ids)]
+            assert t.token_ids == c.generate(token_ids=prompt, max_tokens=4,
+                                             no_cache=True).token_ids
+            c.release("old")  # what is stored still restores
+            assert _turn(c, "old", 8, seed=4).usage["cache_source"] == "ssd"
+
+            c.sessions.Delete(api_pb2.DeleteSessionRequest(session_id="old"), timeout=10)
+            done = s.wait_durable("big", timeout_s=60)  # the worker sends it again (5 s)
+            assert done.durable_tokens == done.token_count
+        _alive(s)
+    finally:
+        s.stop()
+    assert verify(s.layout)["blocks_corrupt"] == 0
+
+
+def test_with_a_map_ceiling_the_cap_retires_old_conversations_before_the_map_fills(
+        tiny_model, tmp_path, cache_dir):
+    """--store-map-bytes alone: the cap defaults to half of it, so a conversation that would
+    not fit beside an old one retires the old one's KV (`store_cap`) and is written whole; the
+    map never fills."""
+    s = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir, shim=False,
+                    extra=["--store-map-bytes", str(1 << 20)])
+    try:
+        with s.client() as c:
+            _turn(c, "old", 700, seed=1)
+            s.wait_durable("old")
+            _turn(c, "big", 800, seed=2)
+            done = s.wait_durable("big")
+            assert done.durable_tokens == done.token_count
+            assert c.get_session("old").durable_tokens == 0  # its history stays
+        assert any(e["session_id"] == "old" and e["reason"] == "store_cap"
+                   for e in _events(s, "conversation_retired"))
+        assert not _events(s, "store_full")
+        _alive(s)
+    finally:
+        s.stop()
