@@ -107,6 +107,44 @@ def _cut(store_dir, how: str) -> None:
     raise AssertionError("no cut of the last 64 pages loses a page the store uses")
 
 
+def test_a_salvage_stopped_midway_goes_on_at_the_next_start(tmp_path):
+    """Killed after the damaged file moved aside (the marker names it), the next start
+    salvages from the file set aside: records whose blocks verify come back whole, one is cut
+    short at its block past the end, a stored response is kept; the marker goes."""
+    from coldstore.salvage import SALVAGING, _set_aside, open_store
+    from coldstore.store import ColdStore
+    from kvbank.blocks import BlockHeader, chain_block_ids, chain_root, encode_block
+
+    B, root, rng = 16, chain_root(b"fp", ""), np.random.default_rng(0)
+    header = BlockHeader("float32", B, (((B, 2, 16), (B, 2, 16)),) * 2)
+    store, want = ColdStore(tmp_path), {}
+    for name, n in (("a", 5), ("b", 5), ("c", 6)):  # "c": its last blocks are the file's last
+        toks = rng.integers(0, 1 << 20, n * B).astype(np.uint32)
+        store.put_session_tokens("", name, toks, B)
+        for i, bid in enumerate(chain_block_ids(toks, root, B)):
+            arrays = [rng.standard_normal((B, 2, 16), dtype=np.float32) for _ in range(4)]
+            store.commit_block("", name, root, bid, i * B, encode_block(header, arrays))
+        want[name] = n * B
+    store.put_response("", "resp_1", 1.0, b'{"id": "resp_1"}')
+    store.close()
+    path = tmp_path / "data.mdb"
+    os.truncate(path, path.stat().st_size - DataFile(path).psize)
+    state = _set_aside(tmp_path, check(path))  # and the coldstore is killed here
+
+    store, report = open_store(tmp_path)
+    got = {m.session_id: m.durable_tokens for m in store.list_sessions()}
+    assert got["a"] == want["a"] and got["b"] == want["b"] and got["c"] < want["c"]
+    assert store.get_response("", "resp_1") == b'{"id": "resp_1"}'
+    assert (report.records_whole, report.records_cut, report.tokens_recomputed) == (
+        2, 1, want["c"] - got["c"])
+    assert report.set_aside == state["set_aside"] and os.path.exists(state["set_aside"])
+    assert not (tmp_path / SALVAGING).exists()
+    store.close()
+    store, report = open_store(tmp_path)
+    assert report is None  # the fresh store is whole
+    store.close()
+
+
 @pytest.mark.parametrize("how", ["last-pages", "half"])
 def test_a_data_file_cut_short_is_set_aside_and_what_verifies_restores(
         tiny_model, tmp_path, cache_dir, how):
