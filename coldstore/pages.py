@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MAGIC, DATA_VERSION = 0xBEEFC0DE, 1
-HEADER = 16  # the page header: pgno u64, pad u16, flags u16, lower u16, upper u16 (or pages u32)
+HEADER = 16  # a page's header: pgno u64, pad u16, flags u16, lower u16, upper u16 (or pages u32)
 BRANCH, LEAF, OVERFLOW, META, LEAF2 = 0x01, 0x02, 0x04, 0x08, 0x20
 BIGDATA, SUBDATA, DUPDATA = 0x01, 0x02, 0x04  # a leaf node's flags
 NO_ROOT = 0xFFFFFFFFFFFFFFFF
-_DB = struct.Struct("<IHHQQQQQ")  # md_pad, md_flags, md_depth, branch, leaf, overflow, entries, root
-_META = struct.Struct("<II8xQ48s48sQQ")  # magic, version, (address), mapsize, free, main, last, txnid
+_DB = struct.Struct("<IHHQQQQQ")  # pad (psize), flags, depth, branch, leaf, overflow, entries, root
+_META = struct.Struct("<II8xQ48s48sQQ")  # magic, version, (address), mapsize, free, main, last, txn
 
 
 class LayoutError(ValueError):
@@ -146,7 +146,8 @@ class DataFile:
         flags, lower = struct.unpack_from("<HH", raw, 10)
         if not flags & (BRANCH | LEAF) or flags & LEAF2 or not HEADER <= lower <= self.psize:
             return None
-        return raw, flags, struct.unpack_from(f"<{(lower - HEADER) // 2}H", raw, HEADER)
+        ptrs = struct.unpack_from(f"<{(lower - HEADER) // 2}H", raw, HEADER)
+        return None if any(not lower <= at <= self.psize - 8 for at in ptrs) else (raw, flags, ptrs)
 
     def items(self, tree: Tree, walk: Walk | None = None, *, values: bool = True):
         """(key, value) of every entry the tree's pages in the file hold, in key order. The
@@ -176,7 +177,7 @@ class DataFile:
                 if not nflags & BIGDATA:
                     yield key, data
                     continue
-                first, size = struct.unpack_from("<Q", data)[0], _dsize(raw, at)
+                first, size = int.from_bytes(data, "little"), _dsize(raw, at)
                 npages = (HEADER + size - 1) // self.psize + 1
                 walk.overflow += npages
                 if first + npages > self.pages:
@@ -209,7 +210,7 @@ class DataFile:
                 k, nflags, data = _node(raw, at)
                 if k == key:
                     if nflags & BIGDATA:
-                        return self.read(struct.unpack_from("<Q", data)[0], _dsize(raw, at))
+                        return self.read(int.from_bytes(data, "little"), _dsize(raw, at))
                     return data
             return None
         return None

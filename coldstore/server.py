@@ -74,6 +74,7 @@ class ColdstoreServer:
                  tail_delay_s: float = 30.0, payload_stall_s: float = 30.0,
                  limits: Limits = Limits(), anonymous_ttl_s: float = DEFAULT_ANONYMOUS_TTL_S):
         self.layout = layout.ensure()
+        # A data file found damaged is set aside and salvaged first (`salvage` says how).
         self.store, self.salvage = open_store(layout.store_dir,
                                               map_max_bytes=limits.store_map_bytes)
         self.map_full = False  # the last KV block found LMDB's map full at its ceiling
