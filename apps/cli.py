@@ -391,7 +391,7 @@ def _run_coldstore(args: argparse.Namespace) -> int:
     limits = Limits(write_bytes_per_hour=args.write_budget_bytes_per_hour,
                     free_disk_floor_bytes=args.free_disk_floor_bytes,
                     store_max_bytes=args.store_max_bytes,
-                    entry_max_bytes=args.entry_max_bytes)
+                    entry_max_bytes=args.entry_max_bytes, store_map_bytes=args.store_map_bytes)
     from kvbank.contracts.store_layout import StoreFormatError
 
     try:

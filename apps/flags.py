@@ -94,6 +94,11 @@ def coldstore_flags(p: argparse.ArgumentParser) -> None:
            (["--store-max-bytes"], dict(type=int, default=None,
             help="cap on stored KV; over it the least recently used sessions' KV is retired "
                  "(their history stays) (default: no cap)")),
+           (["--store-map-bytes"], dict(type=int, default=None,
+            help="ceiling on LMDB's map, the most the store's file grows to; a KV block it "
+                 "has no room for is refused (map_full) and the worker keeps it in RAM; "
+                 "--store-max-bytes defaults to half of it (default: no ceiling, the map "
+                 "doubles as the store grows)")),
            (["--entry-max-bytes"], dict(type=int, default=None,
             help="largest conversation KV written to SSD (default: no cap)")),
            (["--anonymous-ttl-s"], dict(type=float, default=7 * 86400.0,

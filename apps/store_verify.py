@@ -3,19 +3,29 @@ conversations name a block that failed.
 
 Reads the store read-only (a running coldstore may keep writing: LMDB serves the reader one
 snapshot). A block written before checksums (format 1) is counted apart: it can only be
-decoded, not verified."""
+decoded, not verified. A data file cut short is found first, by reading its pages without
+LMDB's map (coldstore/pages.py), and reported, never read through the map (SIGBUS)."""
 
 from __future__ import annotations
 
 import json
 import sys
 
+from coldstore.pages import LayoutError, check
+from coldstore.salvage import describe
 from kvbank.blocks import CorruptBlock, verify_block
 from kvbank.config import Layout
 from kvbank.contracts.store_layout import StoreReader
 
 
 def verify(layout: Layout) -> dict:
+    try:
+        damage = check(layout.store_dir / "data.mdb")
+    except LayoutError:  # not laid out as this reader knows: LMDB's own reads decide
+        damage = None
+    if damage is not None:
+        return {"store": str(layout.store_dir), "damaged": describe(damage),
+                "blocks_corrupt": 0, "corrupt": {}, "sessions_affected": []}
     store = StoreReader(layout.store_dir, readonly=True)
     try:
         ok, unchecked, bad = 0, 0, {}
@@ -47,6 +57,9 @@ def run_verify(data_dir, as_json: bool) -> int:
     report = verify(layout)
     if as_json:
         print(json.dumps(report, indent=2))
+    elif "damaged" in report:
+        print(f"{report['store']}: damaged: {report['damaged']}. The coldstore sets the file "
+              f"aside and salvages what verifies when it starts (kvbank up)")
     else:
         print(f"{report['store']} (format {report['format_version']}): "
               f"{report['blocks_ok']} blocks ok, {report['blocks_corrupt']} corrupt, "
@@ -56,4 +69,4 @@ def run_verify(data_dir, as_json: bool) -> int:
         if report["sessions_affected"]:
             print("  conversations that restore through them (recomputed from there): "
                   + ", ".join(report["sessions_affected"]))
-    return 1 if report["blocks_corrupt"] else 0
+    return 1 if report["blocks_corrupt"] or "damaged" in report else 0

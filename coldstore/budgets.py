@@ -5,6 +5,8 @@ None: a value, not an exception (kvbank.contracts.failures holds those). A refus
 nothing new restorable; the worker keeps serving the entry from RAM and its release drops it
 as if there were no SSD tier. The store size cap is not a refusal: the
 store makes room by retiring the least recently used sessions' KV (`ColdStore.retire_lru`).
+A block LMDB's map has no room for at its ceiling is refused too (`map_full`, from the
+commit itself: coldstore/server.py), so the cap defaults to half that ceiling.
 """
 
 from __future__ import annotations
@@ -25,13 +27,22 @@ class Limits:
     free_disk_floor_bytes: int | None = None  # None: 10 GiB or 5 % of the disk, the smaller
     store_max_bytes: int | None = None  # None: no cap (the disk floor still holds)
     entry_max_bytes: int | None = None  # None: no cap
+    store_map_bytes: int | None = None  # LMDB's map ceiling; None: it grows with the store
+
+    @property
+    def store_cap_bytes(self) -> int | None:
+        """The cap on stored KV and responses: `store_max_bytes`, else half the map's ceiling
+        (pages carry headers and round up, freed pages wait two commits to be reused)."""
+        if self.store_max_bytes is not None or self.store_map_bytes is None:
+            return self.store_max_bytes
+        return self.store_map_bytes // 2
 
 
 @dataclass(frozen=True)
 class WriteRefusal:
     """Why a block may not be written now (the job ends `refused`)."""
 
-    reason: str  # write_budget | disk_floor | entry_too_large | store_cap
+    reason: str  # write_budget | disk_floor | entry_too_large | store_cap | map_full
     message: str
 
 

@@ -58,7 +58,8 @@ from kvbank.contracts.coldstore_wire import pb
 from kvbank.contracts.vocabulary import Outcome
 from coldstore.budgets import Budgets, Limits, WriteRefusal
 from coldstore.lanes import Lanes, PendingBlock, WriteJob
-from coldstore.store import ColdStore, SessionMeta
+from coldstore.salvage import open_store
+from coldstore.store import SessionMeta, StoreFull
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,10 @@ class ColdstoreServer:
                  tail_delay_s: float = 30.0, payload_stall_s: float = 30.0,
                  limits: Limits = Limits(), anonymous_ttl_s: float = DEFAULT_ANONYMOUS_TTL_S):
         self.layout = layout.ensure()
-        self.store = ColdStore(layout.store_dir)
+        # A data file found damaged is set aside and salvaged first (`salvage` says how).
+        self.store, self.salvage = open_store(layout.store_dir,
+                                              map_max_bytes=limits.store_map_bytes)
+        self.map_full = False  # the last KV block found LMDB's map full at its ceiling
         self.limits = limits
         self.anonymous_ttl_s = anonymous_ttl_s
         self._expired_at = 0.0
@@ -94,7 +98,7 @@ class ColdstoreServer:
         """A store found over its cap (a restart with a smaller cap, a response just kept) is
         brought under it: the least recently used conversations' KV first (it can be computed
         again), then the oldest stored responses (nothing can recompute those)."""
-        cap = self.limits.store_max_bytes
+        cap = self.limits.store_cap_bytes
         if cap is None or self.store.block_bytes() + self.store.response_bytes() <= cap:
             return
         retired = self.store.retire_lru(max(0, cap - self.store.response_bytes()))
@@ -382,10 +386,7 @@ class ColdstoreServer:
             return
         refusal = self._refusal(job, len(job.blocks[0].payload))
         if refusal is not None:
-            logger.warning("write of %s refused (%s): %s", job.session_id, refusal.reason,
-                           refusal.message)
-            metrics.CS_REFUSALS.labels(refusal.reason).inc()
-            self._finish(job, Outcome.REFUSED, error=refusal.message, reason=refusal.reason)
+            self._refuse(job, refusal)
             return
         block = job.blocks.popleft()
         if not self.lanes.quiet(now):
@@ -394,6 +395,10 @@ class ColdstoreServer:
         try:
             meta = commit(job.tenant, job.session_id, BlockId(job.root), BlockId(block.block_id),
                           block.start, block.payload)
+            self.map_full = False
+        except StoreFull as e:
+            self._refuse(job, self._map_full(e, len(block.payload)))
+            return
         except Exception as e:
             logger.exception("coldstore: block write failed")
             self._finish(job, Outcome.ERROR, error=str(e))
@@ -414,6 +419,28 @@ class ColdstoreServer:
             durable_tokens=job.durable_tokens)))
         if not job.blocks:
             self._finish(job, Outcome.WRITTEN)
+
+    def _refuse(self, job: WriteJob, refusal: WriteRefusal) -> None:
+        logger.warning("write of %s refused (%s): %s", job.session_id, refusal.reason,
+                       refusal.message)
+        metrics.CS_REFUSALS.labels(refusal.reason).inc()
+        self._finish(job, Outcome.REFUSED, error=refusal.message, reason=refusal.reason)
+
+    def _map_full(self, e: StoreFull, nbytes: int) -> WriteRefusal:
+        """A block LMDB's map had no room for at its ceiling: refused, the worker keeps it in
+        RAM and sends it again; an event when the map has just filled."""
+        refusal = WriteRefusal(
+            "map_full", f"LMDB's map is full at its ceiling of {e.map_bytes} bytes "
+            f"(--store-map-bytes) with {self.store.block_bytes()} bytes of KV stored: a block "
+            f"of {nbytes} bytes does not fit. Writes resume as the store cap "
+            f"(--store-max-bytes, now {self.limits.store_cap_bytes}) retires old conversations "
+            f"or they are deleted; raise --store-map-bytes, or lower --store-max-bytes so the "
+            f"cap retires them before the map fills")
+        if not self.map_full:
+            self.map_full = True
+            events.emit("store_full", map_bytes=e.map_bytes, used_bytes=e.used_bytes,
+                        block_bytes=self.store.block_bytes(), message=refusal.message)
+        return refusal
 
     def _fail(self, job: WriteJob, error: str) -> None:
         """End a job that cannot go on; a write-out's committed blocks are taken back."""
@@ -438,7 +465,7 @@ class ColdstoreServer:
         refusal = self.budgets.check_write(nbytes)
         if refusal is not None:
             return refusal
-        cap = self.limits.store_max_bytes
+        cap = self.limits.store_cap_bytes
         if cap is not None:
             cap -= self.store.response_bytes()  # the stored responses' share of the store
         if cap is not None and self.store.block_bytes() + nbytes > cap:

@@ -14,6 +14,9 @@ from __future__ import annotations
 import logging
 import struct
 import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
 
 import lmdb
 import numpy as np
@@ -25,26 +28,64 @@ from kvbank.contracts.store_layout import (BLOCK_BYTES_KEY, RESPONSE_BYTES_KEY, 
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ColdStore", "SessionMeta", "session_key"]
+__all__ = ["ColdStore", "SessionMeta", "StoreFull", "session_key"]
 
 MAX_ANCHORS = 8  # a record's anchors: its first, then the newest
+MAP_RESERVE_BYTES = 1 << 20  # past the map's ceiling, for a write that is not KV
+
+
+class StoreFull(RuntimeError):
+    """A KV block the map has no room for at its ceiling (`map_max_bytes`)."""
+
+    def __init__(self, map_bytes: int, used_bytes: int):
+        super().__init__(f"LMDB's map is full: {used_bytes} of its {map_bytes} bytes hold pages")
+        self.map_bytes, self.used_bytes = map_bytes, used_bytes
 
 
 class ColdStore(StoreReader):
-    """The store with its writes: the coldstore process's only."""
+    """The store with its writes: the coldstore process's only. `map_max_bytes`: the map's
+    ceiling (None: it doubles as the store grows, from INITIAL_MAP_BYTES)."""
+
+    def __init__(self, path: Path, *, readonly: bool = False, map_max_bytes: int | None = None):
+        super().__init__(path, readonly=readonly)
+        self.map_max_bytes = map_max_bytes
+        if map_max_bytes is not None and not readonly:
+            self.env.set_mapsize(map_max_bytes)  # never below what the file holds
 
     # -- writes (coldstore only) ----------------------------------------------------------
 
-    def _write(self, fn):
-        """Run fn(txn) in one write transaction; grow the map and retry when it is full."""
+    def _write(self, fn, *, kv: bool = False):
+        """Run fn(txn) in one write transaction. A full map doubles, up to `map_max_bytes`.
+        At the ceiling a KV write (`kv`) raises StoreFull, once one more commit has let the
+        pages freed just before it be reused (LMDB reuses a page two commits after the one
+        that freed it); any other write (a record, a deletion) takes MAP_RESERVE_BYTES more
+        for itself, so a full store still records turns and can still shrink."""
+        settled, grew = False, False
         while True:
             try:
                 with self.env.begin(write=True) as txn:
-                    return fn(txn)
+                    out = fn(txn)
+                break
             except lmdb.MapFullError:
-                new = self.env.info()["map_size"] * 2
-                logger.info("LMDB map full, growing to %d bytes", new)
-                self.env.set_mapsize(new)
+                size, ceiling = self.env.info()["map_size"], self.map_max_bytes
+                if ceiling is None or size < ceiling:
+                    new = size * 2 if ceiling is None else min(size * 2, ceiling)
+                    logger.info("LMDB map full, growing to %d bytes", new)
+                    self.env.set_mapsize(new)
+                elif kv and settled:
+                    raise StoreFull(size, self.stats()["used_bytes"]) from None
+                elif kv:
+                    self._write(lambda txn: self._add_block_bytes(txn, 0))
+                    settled = True
+                else:
+                    logger.log(logging.WARNING if size == ceiling else logging.DEBUG,
+                               "LMDB map full at its ceiling of %d bytes: a write that is not "
+                               "KV (a record, a deletion) passes it", ceiling)
+                    self.env.set_mapsize(size + MAP_RESERVE_BYTES)
+                    grew = True
+        if grew:
+            self.env.set_mapsize(self.map_max_bytes)  # back: no KV past it
+        return out
 
     def put_session_tokens(self, tenant: str, session_id: str, tokens: np.ndarray,
                            block_tokens: int) -> SessionMeta:
@@ -119,7 +160,7 @@ class ColdStore(StoreReader):
             txn.put(key, meta.to_json(), db=self._db[b"sessions"])
             return meta
 
-        return self._write(fn)
+        return self._write(fn, kv=True)
 
     def commit_anchor(self, tenant: str, session_id: str, root: BlockId, block_id: BlockId,
                       start: int, payload: bytes | memoryview) -> SessionMeta | None:
@@ -152,6 +193,37 @@ class ColdStore(StoreReader):
                 self._decref(txn, BlockId(bytes.fromhex(meta.anchors.pop(1)[0])))
             txn.put(key, meta.to_json(), db=self._db[b"sessions"])
             return meta
+
+        return self._write(fn, kv=True)
+
+    def put_salvaged(self, meta: SessionMeta, tokens: np.ndarray,
+                     block: Callable[[BlockId], bytes | None]) -> SessionMeta:
+        """A record read from a damaged store, in one transaction, with the blocks `block`
+        gives (bytes that verified; None: lost): cut short at its first lost block, its tail
+        kept only after all of them, its anchors only where its kept blocks reach. A block
+        stored already is counted, not asked for again."""
+        key = session_key(meta.tenant, meta.session_id)
+
+        def fn(txn):
+            def keep(hexid: str) -> bool:
+                bid = BlockId(bytes.fromhex(hexid))
+                stored = txn.get(bid, db=self._db[b"blocks"]) is not None
+                payload = b"" if stored else block(bid)
+                if payload is not None:
+                    self._keep_block(txn, bid, payload)
+                return payload is not None
+
+            n = 0
+            while n < len(meta.blocks) and keep(meta.blocks[n]):
+                n += 1
+            tail = n == len(meta.blocks) and meta.tail is not None and keep(meta.tail)
+            out = replace(meta, blocks=meta.blocks[:n], tail=meta.tail if tail else None,
+                          tail_tokens=meta.tail_tokens if tail else 0)
+            out.anchors = [a for a in meta.anchors if a[1] <= n * meta.block_tokens and keep(a[0])]
+            txn.put(key, np.ascontiguousarray(tokens, dtype=np.uint32).tobytes(),
+                    db=self._db[b"tokens"])
+            txn.put(key, out.to_json(), db=self._db[b"sessions"])
+            return out
 
         return self._write(fn)
 

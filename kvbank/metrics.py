@@ -87,6 +87,8 @@ CS_STORE_BYTES = Gauge("kvbank_coldstore_store_bytes", "KV bytes stored")
 CS_JOBS = Gauge("kvbank_coldstore_jobs_queued", "Write jobs waiting")
 CS_REFUSALS = Counter("kvbank_coldstore_refusals_total", "Writes refused, by reason",
                       ["reason"])
+CS_STORE_DAMAGED = Counter("kvbank_coldstore_store_damaged_total",
+                           "Data files found damaged at start: set aside, what verifies salvaged")
 CS_RETIRED = Counter("kvbank_coldstore_retired_total",
                      "Conversations whose KV (anonymous: whole record) was retired, by reason",
                      ["reason"])
