@@ -74,7 +74,7 @@ def open_store(store_dir: Path, **store_kw) -> tuple[ColdStore, Salvage | None]:
             logger.warning("could not check %s before opening it (%s): opened as it is", data, e)
             damage = None
         if damage is not None:
-            return _salvage(store_dir, _set_aside(store_dir, damage), store_kw)
+            return _salvage(store_dir, set_aside(store_dir, damage), store_kw)
     return ColdStore(store_dir, **store_kw), None
 
 
@@ -86,7 +86,7 @@ def describe(damage: Damage) -> str:
             f"its end (in {', '.join(damage.trees)})")
 
 
-def _set_aside(store_dir: Path, damage: Damage) -> dict:
+def set_aside(store_dir: Path, damage: Damage) -> dict:
     """The damaged file moves to a folder of its own; the marker first, so no stop between
     the two can lose track of it."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

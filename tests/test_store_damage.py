@@ -110,7 +110,7 @@ def test_a_salvage_stopped_midway_goes_on_at_the_next_start(tmp_path):
     """Killed after the damaged file moved aside (the marker names it), the next start
     salvages from the file set aside: records whose blocks verify come back whole, one is cut
     short at its block past the end, a stored response is kept; the marker goes."""
-    from coldstore.salvage import SALVAGING, _set_aside, open_store
+    from coldstore.salvage import SALVAGING, set_aside, open_store
     from coldstore.store import ColdStore
     from kvbank.blocks import BlockHeader, chain_block_ids, chain_root, encode_block
 
@@ -128,7 +128,7 @@ def test_a_salvage_stopped_midway_goes_on_at_the_next_start(tmp_path):
     store.close()
     path = tmp_path / "data.mdb"
     os.truncate(path, path.stat().st_size - DataFile(path).psize)
-    state = _set_aside(tmp_path, check(path))  # and the coldstore is killed here
+    state = set_aside(tmp_path, check(path))  # and the coldstore is killed here
 
     store, report = open_store(tmp_path)
     got = {m.session_id: m.durable_tokens for m in store.list_sessions()}

@@ -37,7 +37,7 @@ from kvbank import events, metrics
 from kvbank.blocks import BlockId, chain_block_ids, common_prefix_len
 from kvbank.contracts.receipts import (Eviction, ReleaseReceipt, ReleaseRow, ShedReceipt,
                                        ShrinkReceipt)
-from kvbank.contracts.vocabulary import RETRY_OUTCOMES, Outcome
+from kvbank.contracts.vocabulary import RETRY_OUTCOMES, Outcome, Policy, TrimReason
 from worker.cache_kinds import Checkpoint
 from worker.kv import Layers, layers_nbytes
 
@@ -418,7 +418,7 @@ class SessionBank:
 
         return sorted(self.entries.values(), key=rank)
 
-    def evict(self, e: BankEntry, reason: str, *, write_out: str | None = None,
+    def evict(self, e: BankEntry, reason: TrimReason, *, write_out: Outcome | None = None,
               write_out_s: float | None = None) -> None:
         self._remove(e)
         durable = e.durable_tokens >= e.n_tokens
@@ -442,8 +442,9 @@ class SessionBank:
             if self.writer is not None:
                 self.writer.cancel(e)
 
-    def shrink_to_bytes(self, target_bytes: int, *, reason: str, protect_active: bool = False,
-                        protect_unwritten: bool = False, protect_keys: Iterable[int] = (),
+    def shrink_to_bytes(self, target_bytes: int, *, reason: TrimReason,
+                        protect_active: bool = False, protect_unwritten: bool = False,
+                        protect_keys: Iterable[int] = (),
                         protect_sessions: Iterable[SessionKey] = ()) -> ShrinkReceipt:
         """Evict in eviction order until the bank holds <= target_bytes.
 
@@ -475,7 +476,7 @@ class SessionBank:
             self.record(r)
         return r
 
-    def drop_session(self, session: SessionKey, reason: str) -> int:
+    def drop_session(self, session: SessionKey, reason: TrimReason) -> int:
         """Evict every entry of one session, whatever its state (the session is gone)."""
         entries = self.session_entries(session)
         for e in entries:
@@ -483,7 +484,7 @@ class SessionBank:
         return len(entries)
 
     def shrink_for_admission(self, target_bytes: int, *, protect_tokens: np.ndarray | None,
-                             reason: str, tenant: str = "",
+                             reason: TrimReason, tenant: str = "",
                              protect_sessions: Iterable[SessionKey] = (),
                              protect_unwritten: bool = False) -> ShedReceipt:
         """Make room before a prefill: non-terminal entries first (LRU), then any entry of a
@@ -522,7 +523,7 @@ class SessionBank:
     def release_sessions(self, target_bytes: int | None, *,
                          keep_sessions: Iterable[SessionKey] = (),
                          protect_keys: Iterable[int] = (),
-                         reason: str, write_out_before_release: bool = False,
+                         reason: TrimReason, write_out_before_release: bool = False,
                          only_sessions: Iterable[SessionKey] | None = None,
                          max_write_out_s: float | None = None) -> "ReleaseReceipt":
         """Release whole idle conversations until the bank holds <= target_bytes (None: all).
@@ -541,8 +542,8 @@ class SessionBank:
         give_up_at = time.time() + budget_s
         keep, protected = set(keep_sessions), set(protect_keys)
         only = None if only_sessions is None else set(only_sessions)
-        r = ReleaseReceipt(reason=reason, kind=("release_write_out" if write_out_before_release
-                                                else "idle_release"))
+        r = ReleaseReceipt(reason=reason, kind=(Policy.RELEASE_WRITE_OUT if write_out_before_release
+                                                else Policy.IDLE_RELEASE))
         candidates = [s for s in self._by_session
                       if s not in keep and (only is None or s in only)]
         def rank(s: SessionKey) -> tuple:

@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from kvbank.contracts.vocabulary import PressureLevel, PressureSource
 from kvbank.v1 import worker_pb2
 
 SessionKey = tuple[str, str]  # (tenant, session_id)
@@ -79,8 +80,8 @@ class Tick(Command):
 class PressureTrim(Command):
     """The guard's action at a raised pressure level."""
 
-    level: str
-    source: str
+    level: PressureLevel
+    source: PressureSource
     deferred_s: float
 
 

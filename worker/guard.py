@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 
 from kvbank import metrics
-from kvbank.contracts.vocabulary import PressureLevel
+from kvbank.contracts.vocabulary import PressureLevel, PressureSource
 from worker.admission import resident_bytes
 from worker.commands import PressureTrim, Tick
 
@@ -84,7 +84,7 @@ class Guard:
         self.warning_wait_s = warning_wait_s
         self.injected: str | None = None  # the guard thread's: others post to `_injections`
         self._injections: queue.SimpleQueue = queue.SimpleQueue()
-        self.level, self.source = PressureLevel.NORMAL, "none"
+        self.level, self.source = PressureLevel.NORMAL, PressureSource.NONE
         self._acted_level = PressureLevel.NORMAL
         self._acted_at = 0.0
         self._wake = threading.Event()
@@ -99,31 +99,32 @@ class Guard:
         self._stop.set()
         self._wake.set()
 
-    def inject(self, level: str) -> tuple[str, str]:
+    def inject(self, level: str) -> tuple[PressureLevel, PressureSource]:
         """Any thread (the Admin RPC): the guard takes it at its next tick. `auto` goes back to
         measuring. Returns the level and source that tick will find."""
         if level not in (*LEVELS, "auto"):
             raise ValueError(f"pressure level {level!r}: use one of {', '.join(LEVELS)} or auto")
         self._injections.put(None if level == "auto" else PressureLevel(level))
         self._wake.set()
-        return (PressureLevel(level), "injected") if level != "auto" else self._machine_level()
+        return ((PressureLevel(level), PressureSource.INJECTED) if level != "auto"
+                else self._machine_level())
 
-    def measure(self) -> tuple[str, str]:
+    def measure(self) -> tuple[PressureLevel, PressureSource]:
         while not self._injections.empty():  # the guard thread's own, applied in order
             self.injected = self._injections.get()
         if self.injected is not None:
-            return self.injected, "injected"
+            return self.injected, PressureSource.INJECTED
         return self._machine_level()
 
-    def _machine_level(self) -> tuple[str, str]:
+    def _machine_level(self) -> tuple[PressureLevel, PressureSource]:
         """The worst of the ledger, the system's free memory and PSI (reads published state
         only: safe on any thread)."""
         snap = self.engine.snapshot
-        found = [(ledger_level(snap.held_bytes, self.engine.memory_budget), "ledger"),
-                 (system_level(), "system"), (psi_level(), "psi")]
+        found = [(ledger_level(snap.held_bytes, self.engine.memory_budget), PressureSource.LEDGER),
+                 (system_level(), PressureSource.SYSTEM), (psi_level(), PressureSource.PSI)]
         # On a tie the machine's own reading names the source: it decides what a trim drops.
-        level, source = max(found, key=lambda f: (_rank(f[0]), f[1] != "ledger"))
-        return level, source if level != PressureLevel.NORMAL else "none"
+        level, source = max(found, key=lambda f: (_rank(f[0]), f[1] != PressureSource.LEDGER))
+        return level, source if level != PressureLevel.NORMAL else PressureSource.NONE
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -16,7 +16,7 @@ from kvbank.contracts.failures import ColdstoreUnavailable
 from kvbank.contracts.pricing import Pricing
 from kvbank.contracts.receipts import (FlushReceipt, PressureReceipt, ReleaseReceipt,
                                        ShrinkReceipt)
-from kvbank.contracts.vocabulary import Outcome, PressureLevel, TrimReason
+from kvbank.contracts.vocabulary import Outcome, PressureLevel, PressureSource, TrimReason
 from worker.bank import SessionBank
 from worker.conversations import Conversations
 from worker.link import ColdstoreClient
@@ -93,7 +93,7 @@ def apply_dynamic_ceiling(bank: SessionBank, pricing: Pricing, budget: int) -> N
                              protect_active=True, protect_unwritten=True)
 
 
-def pressure_trim(bank: SessionBank, level: str, source: str,
+def pressure_trim(bank: SessionBank, level: PressureLevel, source: PressureSource,
                   deferred_s: float) -> PressureReceipt:
     """warning: half of the bank, keeping unwritten entries; critical: every idle entry.
     At critical the machine's own shortage (`system`, `psi`, or one an operator injects)
@@ -109,7 +109,7 @@ def pressure_trim(bank: SessionBank, level: str, source: str,
         r = bank.shrink_to_bytes(bank.total_nbytes // 2, reason=TrimReason.PRESSURE_WARNING,
                                  protect_unwritten=True)
         evicted, kept, dropped = r.evicted_entries, r.unwritten_kept, r.unwritten_dropped
-    elif source == "ledger":
+    elif source == PressureSource.LEDGER:
         r = bank.shrink_to_bytes(0, reason=TrimReason.PRESSURE_CRITICAL, protect_unwritten=True)
         rel = bank.release_sessions(0, reason=TrimReason.PRESSURE_CRITICAL,
                                     write_out_before_release=True)

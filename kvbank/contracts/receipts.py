@@ -7,15 +7,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvbank.contracts.vocabulary import Decision
+from kvbank.contracts.vocabulary import (Decision, Outcome, Policy, PressureLevel, PressureSource,
+                                         RefusalReason, TrimReason, Verdict)
 
 
 @dataclass(kw_only=True)
 class Receipt:
-    """`kind` names the policy, `reason` who called it and why, `at` when (unix s)."""
+    """`kind` names the policy, `reason` who called it and why (empty: an admitted request),
+    `at` when (unix s)."""
 
-    kind: str
-    reason: str = ""
+    kind: Policy
+    reason: TrimReason | RefusalReason | str = ""
     at: float = field(default_factory=time.time)
 
 
@@ -32,7 +34,7 @@ class TrimReceipt(Receipt):
 class ShrinkReceipt(TrimReceipt):
     """`shrink_to_bytes`: what the LRU trim took and kept."""
 
-    kind: str = "shrink_to_bytes"
+    kind: Policy = Policy.SHRINK_TO_BYTES
     evicted_entries: int = 0
     unwritten_kept: int = 0
     unwritten_dropped: int = 0
@@ -42,7 +44,7 @@ class ShrinkReceipt(TrimReceipt):
 class ShedReceipt(TrimReceipt):
     """`shrink_for_admission`: abandoned branches first, then whole idle turns."""
 
-    kind: str = "shrink_for_admission"
+    kind: Policy = Policy.SHRINK_FOR_ADMISSION
     non_terminal_evicted: int = 0
     terminal_evicted: int = 0
 
@@ -65,7 +67,7 @@ class ReleaseReceipt(Receipt):
     """`release_sessions`: one row per conversation released; `write_out_s` is the time spent
     writing, summed over the writes."""
 
-    kind: str = "idle_release"  # release_write_out with write_out_before_release
+    kind: Policy = Policy.IDLE_RELEASE  # RELEASE_WRITE_OUT with write_out_before_release
     rows: list[ReleaseRow] = field(default_factory=list)
     released_entries: int = 0
     released_bytes: int = 0
@@ -86,9 +88,9 @@ class ReleaseReceipt(Receipt):
 class PressureReceipt(Receipt):
     """`pressure_trim`: one guard action at a memory-pressure level."""
 
-    kind: str = "pressure_trim"
-    level: str
-    source: str
+    kind: Policy = Policy.PRESSURE_TRIM
+    level: PressureLevel
+    source: PressureSource
     bank_entries_evicted: int = 0
     bank_unwritten_kept: int = 0
     bank_unwritten_dropped: int = 0
@@ -100,7 +102,7 @@ class PressureReceipt(Receipt):
 class FlushReceipt(Receipt):
     """`flush`: every conversation not on SSD yet, written now (they stay in RAM)."""
 
-    kind: str = "flush"
+    kind: Policy = Policy.FLUSH
     written_entries: int = 0
     failed_entries: int = 0
     seconds: float = 0.0
@@ -111,7 +113,7 @@ class AdmissionReceipt(Receipt):
     """`make_room`: one per admitted or refused request, what it needed and what each step
     did. `reason` and `verdict` are set when it waits or is refused."""
 
-    kind: str = "admission"
+    kind: Policy = Policy.ADMISSION
     need_bytes: int
     free_before: int
     free_after: int = 0
@@ -122,8 +124,8 @@ class AdmissionReceipt(Receipt):
     shed_target_bytes: int | None = None  # the bank size step 4 shed to (chain shed: lower)
     written_out: int = 0
     write_out_s: float = 0.0  # its release step's writes
-    decision: str = Decision.ADMITTED
-    verdict: str = ""
+    decision: Decision = Decision.ADMITTED
+    verdict: Verdict | str = ""  # empty while admitted
     holders: dict = field(default_factory=dict)
     tenant: str = ""
     session_id: str = ""
@@ -134,11 +136,11 @@ class Eviction:
     """One row of the bank's eviction log (`kvbank status --evictions`)."""
 
     at: float
-    reason: str
+    reason: TrimReason
     session_id: str
     prefix_tokens: int
     nbytes: int
     durable: bool
-    release_write_out: str | None = None  # an Outcome when a write-out ran first
+    release_write_out: Outcome | None = None  # when a write-out ran first
     write_out_s: float | None = None
     tenant: str = ""

@@ -76,6 +76,28 @@ FAILED_OUTCOMES = frozenset({Outcome.DEADLINE, Outcome.ERROR, Outcome.REFUSED, O
 RETRY_OUTCOMES = frozenset({Outcome.REFUSED, Outcome.ERROR, Outcome.DEADLINE})
 
 
+class Policy(StrEnum):
+    """Which policy a receipt is from (`Receipt.kind`)."""
+
+    SHRINK_TO_BYTES = "shrink_to_bytes"
+    SHRINK_FOR_ADMISSION = "shrink_for_admission"
+    IDLE_RELEASE = "idle_release"  # release_sessions
+    RELEASE_WRITE_OUT = "release_write_out"  # release_sessions(write_out_before_release=True)
+    PRESSURE_TRIM = "pressure_trim"
+    FLUSH = "flush"
+    ADMISSION = "admission"
+
+
+class PressureSource(StrEnum):
+    """What named the pressure level the guard acts on."""
+
+    NONE = "none"  # normal: nothing to act on
+    LEDGER = "ledger"  # kvbank's own bytes against its memory budget
+    SYSTEM = "system"  # the machine's available memory
+    PSI = "psi"  # the kernel's pressure stall information
+    INJECTED = "injected"  # the Admin RPC (`kvbank admin pressure`)
+
+
 class PressureLevel(StrEnum):
     NORMAL = "normal"
     WARNING = "warning"
