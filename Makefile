@@ -48,8 +48,11 @@ run: install
 cluster: install
 	$(VENV)/bin/kvbank cluster up $(ARGS)
 
+# Two pytest processes (pytest-xdist), a test file each at a time: most tests wait on stacks
+# of their own, so two overlap on two cores. TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 test: install agents
-	$(PY) -m pytest -q --durations=15 tests $(ARGS)
+	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile tests $(ARGS)
 
 # The unit tier for the edit-test loop (under a minute): no stack, no gateway. `make test`
 # runs these too, with everything else.

@@ -1,0 +1,145 @@
+"""Every command README.md shows runs in the suite, so a command that cannot start fails CI.
+
+Each `kvbank ...` line of the README is parsed by the real command line (a renamed or removed
+flag fails here), and each is run: here, with tiny settings where its defaults take minutes,
+or by the test named in RUN_ELSEWHERE. A command the README gains that neither runs fails the
+last test below until one does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from apps.cli import build_parser
+
+ROOT = Path(__file__).parent.parent
+README = (ROOT / "README.md").read_text()
+
+# Commands the README shows that another test runs (the subcommand words -> where).
+RUN_ELSEWHERE = {
+    ("up",): "every stack the suite starts (deploy/local.py runs `kvbank up`)",
+    ("bench", "turn"): "tests/test_bench_turn.py",
+    ("bench", "scale"): "tests/test_bench_scale.py",
+    ("bench", "cluster"): "tests/test_bench_cluster.py",
+    ("bench", "agents"): "tests/test_bench_agents.py",
+    ("bench", "kvbits"): "tests/test_kv_bits.py",
+}
+RUN_HERE = {("ask",), ("chat",), ("status",), ("bench", "overhead"), ("bench", "compare")}
+
+
+def _readme_commands() -> list[list[str]]:
+    """Every `kvbank` command in the README: its code blocks' lines and its benchmark table's
+    first column, as argv (without the program or the comment)."""
+    found = []
+    for line in re.findall(r"^\.venv/bin/kvbank (.+)$", README, re.M):
+        found.append(line.split("  #")[0])
+    found += re.findall(r"^\| `kvbank ([^`]+)`", README, re.M)  # the benchmark table
+    out = []
+    for text in found:
+        argv = shlex.split(text.split(" # ")[0])
+        if argv not in out:
+            out.append(argv)
+    return out
+
+
+def _words(argv: list[str]) -> tuple[str, ...]:
+    return tuple(argv[:2]) if argv[0] in ("bench", "cluster", "admin", "store") else (argv[0],)
+
+
+def test_the_readme_shows_commands():
+    words = {_words(a) for a in _readme_commands()}
+    assert {("bench", "turn"), ("chat",), ("ask",), ("status",)} <= words, words
+
+
+@pytest.mark.parametrize("argv", _readme_commands(), ids=" ".join)
+def test_every_kvbank_command_in_the_readme_parses(argv):
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse's way of refusing
+        pytest.fail(f"README shows `kvbank {' '.join(argv)}`, which the command line refuses "
+                    f"(exit {e.code})")
+    assert callable(args.func)
+
+
+def test_every_command_in_the_readme_runs_in_the_suite():
+    missing = {_words(a) for a in _readme_commands()} - set(RUN_ELSEWHERE) - RUN_HERE
+    assert not missing, f"README commands no test runs: {sorted(missing)}"
+    for words, where in RUN_ELSEWHERE.items():
+        if where.startswith("tests/") and words in {_words(a) for a in _readme_commands()}:
+            text = (ROOT / where).read_text()
+            assert f'"{words[-1]}"' in text or f"bench import {words[-1]}" in text, (words, where)
+
+
+def _kvbank(*argv: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "apps.cli", *argv], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, **kw)
+
+
+def _ok(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_ask_chat_and_status_as_the_readme_shows_them(module_stack):
+    at = ["--address", module_stack.address]
+    usage = json.loads(_ok(_kvbank("ask", *at, "--session", "mine", "--max-tokens", "4",
+                                   "--json", "Hi")))
+    assert usage["cache_source"] == "none", usage
+    chat = _ok(_kvbank("chat", *at, "--session", "mine", "--max-tokens", "4",
+                       input="Hi again\n"))
+    assert "cached" in chat, chat  # each turn prints its cached tokens and their source
+    table = _ok(_kvbank("status", *at))
+    assert "mine" in table, table
+
+    # --watch redraws until Ctrl-C, on a terminal (rich draws a live view only there): its
+    # first frame, then the signal ends it cleanly
+    screen, terminal = pty.openpty()
+    watch = subprocess.Popen([sys.executable, "-m", "apps.cli", "status", *at, "--watch"],
+                             stdout=terminal, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    os.close(terminal)
+    try:
+        drawn = b""
+        while b"mine" not in drawn and watch.poll() is None:
+            if select.select([screen], [], [], 1.0)[0]:
+                drawn += os.read(screen, 65536)
+        assert b"mine" in drawn, drawn[-2000:]
+    finally:
+        watch.send_signal(signal.SIGINT)
+        _, err = watch.communicate(timeout=60)
+        os.close(screen)
+    assert watch.returncode == 0 and "Traceback" not in err, err[-3000:]
+
+
+def test_the_readmes_curl_request_answers(module_stack):
+    line = re.search(r"^curl -s localhost:8000(.+?)\\\n\s*-d '(.+)'$", README, re.M)
+    assert line, "README's curl example moved: update this test"
+    path, body = line.group(1).split()[0], json.loads(line.group(2))
+    import httpx
+
+    r = httpx.post(module_stack.shim_url + path, json={**body, "max_tokens": 4}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_bench_overhead_and_compare_start_and_report(tiny_model, tmp_path):
+    """The README's two benches no other test runs, on the tiny model and a few tokens."""
+    doc = json.loads(_ok(_kvbank("bench", "overhead", "--model", str(tiny_model),
+                                 "--prompt-tokens", "16", "--max-tokens", "4", "--json")))
+    assert doc["decode_ratio"] > 0, doc
+    out = tmp_path / "compare.json"
+    _ok(_kvbank("bench", "compare", "--model", str(tiny_model), "--turns", "2",
+                "--turn-tokens", "20", "--system-tokens", "40", "--max-tokens", "4",
+                "--no-progress", "--json", str(out)))
+    doc = json.loads(out.read_text())
+    assert doc["vs_ideal"] > 0, doc
