@@ -39,6 +39,18 @@ def test_reasoning_is_split_off_as_it_streams():
     assert r.finish() == ("", "")
 
 
+def test_reasoning_tokens_are_counted_on_tokens_markers_included():
+    """`usage.completion_tokens_details.reasoning_tokens`: 7 and 8 mark the reasoning here."""
+    opened = ReasoningText("<think>", "</think>", reasoning=True, start_ids=[7], end_ids=[8])
+    assert opened.count([1, 2, 8, 3, 4]) == 3  # 1, 2 and the end marker
+    closed = ReasoningText("<think>", "</think>", reasoning=False, start_ids=[7], end_ids=[8])
+    assert closed.count([1, 7, 2, 8, 3, 7, 4]) == 5  # 7 2 8, then 7 4 left open
+    assert closed.count([1, 2]) == 0
+    two = ReasoningText("<think>", "</think>", reasoning=False, start_ids=[5, 6],
+                        end_ids=[8, 9])
+    assert two.count([5, 6, 1, 8, 9, 2]) == 5
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, cache_dir):
     from kvbank.tiny import make_arch_model
@@ -78,6 +90,8 @@ def test_chat_completions_return_the_reasoning_apart_and_take_it_back(stack):
                                              max_tokens=MAX_TOKENS, temperature=0)
     m = r.choices[0].message
     assert m.model_extra["reasoning_content"] == raw and m.content == ""
+    details = r.usage.completion_tokens_details
+    assert details.reasoning_tokens == r.usage.completion_tokens > 0, r.usage  # all reasoning
     streamed = _chat(stack).chat.completions.create(
         model="kvbank", messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True)
     deltas = [c.choices[0].delta for c in streamed if c.choices]
@@ -103,6 +117,7 @@ def test_the_switch_off_closes_the_reasoning_and_the_answer_is_text(stack):
                                                  extra_body=body)
         m = r.choices[0].message
         assert m.content == raw and "reasoning_content" not in (m.model_extra or {})
+        assert r.usage.completion_tokens_details.reasoning_tokens == 0, r.usage
 
 
 def _anthropic(stack) -> anthropic.Anthropic:
@@ -152,6 +167,7 @@ def test_responses_return_a_reasoning_item_and_take_it_back(stack):
     [item] = r.output
     assert item.type == "reasoning" and item.content[0].type == "reasoning_text"
     assert item.content[0].text == raw and r.output_text == ""
+    assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens > 0
     with c.responses.stream(model="kvbank", input=messages, max_output_tokens=MAX_TOKENS,
                             temperature=0) as s:
         events = list(s)

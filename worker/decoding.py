@@ -86,15 +86,35 @@ class ReasoningText:
     the model) begins as reasoning, as mlx-lm's server decides it. The blank lines a model
     writes after its end marker are not text."""
 
-    def __init__(self, start: str, end: str, reasoning: bool):
+    def __init__(self, start: str, end: str, reasoning: bool, *,
+                 start_ids: list[int] = (), end_ids: list[int] = ()):
         self.start, self.end, self.in_reasoning = start, end, reasoning
         self.buf = ""
         self.after_end = False  # strip the whitespace that follows an end marker
+        self.opened = reasoning  # as the answer began (for `count`)
+        self.start_ids, self.end_ids = list(start_ids), list(end_ids)
 
     @classmethod
     def after_prompt(cls, tokenizer, prompt: list[int]) -> "ReasoningText":
         opened = tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt)
-        return cls(tokenizer.think_start, tokenizer.think_end, opened)
+        return cls(tokenizer.think_start, tokenizer.think_end, opened,
+                   start_ids=tokenizer.think_start_tokens or (),
+                   end_ids=tokenizer.think_end_tokens or ())
+
+    def count(self, completion: list[int]) -> int:
+        """How many of an answer's tokens are reasoning (`reasoning_tokens` in usage): from
+        where it opens, through its end marker, the markers included. Counted on tokens, not
+        on the text, so a marker split across detokenizer steps counts once."""
+        n, inside, i = 0, self.opened, 0
+        while i < len(completion):
+            marker = self.end_ids if inside else self.start_ids
+            hit = bool(marker) and list(completion[i:i + len(marker)]) == marker
+            step = len(marker) if hit else 1
+            if inside or hit:
+                n += step
+            inside ^= hit
+            i += step
+        return n
 
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning, text) of what can be told apart so far."""

@@ -442,6 +442,7 @@ class Engine:
         durable = self._commit(r.session, full, cache, r.started, handed=r.handed,
                                checkpoints=r.checkpoints)
         r.handed = None  # superseded by the turn, or gone with its deleted conversation
+        reasoning = r.decoding.reasoning
         usage = api_pb2.Usage(
             prompt_tokens=len(r.tokens),
             completion_tokens=len(r.completion),
@@ -454,6 +455,7 @@ class Engine:
             session_id=r.session[1],
             max_tokens=r.job.request.max_tokens,
             prefix_lost_tokens=r.prefix_lost,
+            reasoning_tokens=reasoning.count(r.completion) if reasoning else 0,
         )
         for stage, seconds in (("waiting", usage.queue_s - r.restore_s),
                                ("restore", r.restore_s), ("first_token", usage.ttft_s)):

@@ -24,6 +24,7 @@ def usage_body(u: api_pb2.Usage) -> dict:
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
         "kvbank": {"cache_source": CACHE_SOURCES[u.cache_source],
                    "recomputed_tokens": u.recomputed_tokens,
                    "prefix_lost_tokens": u.prefix_lost_tokens, "ttft_s": round(u.ttft_s, 4),

@@ -255,7 +255,7 @@ def usage_body(u: api_pb2.Usage) -> dict:
     return {"input_tokens": u.prompt_tokens,
             "input_tokens_details": {"cached_tokens": u.cached_tokens},
             "output_tokens": u.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
             "total_tokens": u.prompt_tokens + u.completion_tokens,
             "kvbank": openai_usage(u)["kvbank"]}
 
