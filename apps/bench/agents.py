@@ -1,11 +1,18 @@
 """`kvbank bench agents`: how much of an agent's history the cache serves, on the requests real
 agents send.
 
-Each client's recorded requests (tests/agents/recordings, made by `python -m
-apps.bench.agent_record`: Claude Code, Codex and the OpenAI Agents SDK, ten turns each) are
-replayed in order, same path and same body, against a fresh stack on the model they were
-recorded on (kvbank/agent_model.py, built in-process from its seed). A turn is a request of the
-main conversation (one that carries tools; a client's side requests, such as titles, are
+    kvbank bench agents [--json FILE] [--quick] [--clients claude-code,codex,agents-sdk]
+                        [--recordings DIR] [--turns N]
+
+Each client's recorded requests (tests/agents/recordings: Claude Code, Codex and the OpenAI
+Agents SDK, ten turns each, recorded against a stack with `--record-requests` by
+
+    python -m apps.bench.agent_record [--out tests/agents/recordings] [--turns 10]
+
+which needs the pinned CLIs of `make agents`; see its docstring) are replayed in order, same
+path and same body, against a fresh stack on the model they were recorded on
+(kvbank/agent_model.py, built in-process from its seed). A turn is a request of the main
+conversation (one that carries tools; side requests, such as Claude Code's titles, are
 replayed but not counted). For turn t >= 2:
 
     history_t = prompt_{t-1} + answer_{t-1}     (tokens of the previous turn's prompt and answer)
@@ -29,10 +36,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from apps.bench.agent_record import CLIENTS, RECORDINGS, STACK_FLAGS
+from apps.bench.agent_record import CLIENTS, RECORDINGS, REPO, STACK_FLAGS
 
 GOAL = 0.98
 QUICK = {"clients": ["agents-sdk"], "turns": 3}
+MODEL = ("kvbank.agent_model.agent_model: the tiny llama of seed 0, the Qwen tools template, "
+         "a head that answers 'Done' and ends, a 64K context")
 DEFINITION = ("history_reuse = sum over turns t>=2 of min(cached_t, history_t) / sum of "
               "history_t, where history_t = prompt_{t-1} + answer_{t-1} tokens of the main "
               "conversation's previous request and cached_t = tokens turn t read from cache")
@@ -223,6 +232,12 @@ def run_client(http, base: str, records: list[dict], turns: int | None) -> dict:
     return out
 
 
+def _shown(path: Path) -> str:
+    """`path` as the JSON shows it: inside the repository, relative to it."""
+    path = Path(path).resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
 def run(clients: list[str], recordings: Path, turns: int | None = None,
         cache_dir: Path | None = None) -> dict:
     """Each client's recording replayed on a fresh stack of its own."""
@@ -237,7 +252,8 @@ def run(clients: list[str], recordings: Path, turns: int | None = None,
                                     "`python -m apps.bench.agent_record`")
     started = time.time()
     result = {"bench": "agents", "definition": DEFINITION, "goal": GOAL,
-              "recordings": str(recordings), "clients": {}}
+              "recordings": _shown(recordings), "model": MODEL, "stack_flags": STACK_FLAGS,
+              "clients": {}}
     with tempfile.TemporaryDirectory(prefix="kvbank-bench-agents-") as tmp:
         root = Path(tmp)
         model = agent_model(root / "model", cache_dir)
