@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replay only up to this many main turns per client (default: all)")
     p.add_argument("--quick", action="store_true",
                    help=f"{QUICK['clients'][0]} alone, {QUICK['turns']} turns")
+    p.add_argument("--vary-attribution", action="store_true",
+                   help="give Claude Code's attribution line a new value each request, as it "
+                        "sends it to Anthropic's API (it never changes on other base URLs)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="print the result as JSON (to FILE if given)")
 
@@ -206,13 +209,29 @@ def _attribution_lines(records: list[dict]) -> int:
     return len(lines)
 
 
-def run_client(http, base: str, records: list[dict], turns: int | None) -> dict:
+def vary_attribution(record: dict, n: int) -> dict:
+    """`record` with Claude Code's attribution line made its `n`th request's own, as Claude
+    Code writes it for Anthropic's API (cc_prompt_index, cc_prev_msg: new on every request);
+    on any other base URL, the one the recordings were made on, the line never changes."""
+    system = record["body"].get("system")
+    if not (isinstance(system, list) and system and "billing-header" in str(system[0])):
+        return record
+    line = f"{system[0]['text']} cc_prompt_index={n}; cc_turn_index=1; cc_prev_msg=msg_{n:08x};"
+    return {**record, "body": {**record["body"],
+                               "system": [{**system[0], "text": line}, *system[1:]]}}
+
+
+def run_client(http, base: str, records: list[dict], turns: int | None,
+               vary: bool = False) -> dict:
     """Replays one client's recording in order (side requests too), up to `turns` main
-    turns, and scores the main turns."""
+    turns, and scores the main turns; with `vary`, each request's attribution line is its
+    own (`vary_attribution`)."""
     sent, usages, answers, main = 0, [], [], []
     for rec in records:
         if turns is not None and is_main(rec) and len(main) == turns:
             break
+        if vary:
+            rec = vary_attribution(rec, sent)
         usage, answer = replay(http, base, rec)
         sent += 1
         if is_main(rec):
@@ -239,7 +258,7 @@ def _shown(path: Path) -> str:
 
 
 def run(clients: list[str], recordings: Path, turns: int | None = None,
-        cache_dir: Path | None = None) -> dict:
+        cache_dir: Path | None = None, vary: bool = False) -> dict:
     """Each client's recording replayed on a fresh stack of its own."""
     import httpx
 
@@ -253,6 +272,7 @@ def run(clients: list[str], recordings: Path, turns: int | None = None,
     started = time.time()
     result = {"bench": "agents", "definition": DEFINITION, "goal": GOAL,
               "recordings": _shown(recordings), "model": MODEL, "stack_flags": STACK_FLAGS,
+              "vary_attribution": vary,
               "clients": {}}
     with tempfile.TemporaryDirectory(prefix="kvbank-bench-agents-") as tmp:
         root = Path(tmp)
@@ -264,7 +284,8 @@ def run(clients: list[str], recordings: Path, turns: int | None = None,
                                      extra=STACK_FLAGS)
             try:
                 with httpx.Client(timeout=600) as http:
-                    result["clients"][name] = run_client(http, stack.shim_url, records, turns)
+                    result["clients"][name] = run_client(http, stack.shim_url, records, turns,
+                                                          vary)
             finally:
                 stack.stop()
     scores = [c["history_reuse"] for c in result["clients"].values()
@@ -289,7 +310,7 @@ def run_cli(args: argparse.Namespace) -> int:
     turns = QUICK["turns"] if args.quick and args.turns is None else args.turns
     if unknown := set(clients) - set(CLIENTS):
         raise SystemExit(f"kvbank bench agents: unknown clients: {', '.join(sorted(unknown))}")
-    result = run(clients, args.recordings, turns)
+    result = run(clients, args.recordings, turns, vary=args.vary_attribution)
     if args.json:
         write_json(result, args.json)
     if args.json != "-":
