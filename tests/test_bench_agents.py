@@ -1,6 +1,7 @@
 """`kvbank bench agents --quick` end to end: the Agents SDK's recorded tool loop
 (tests/agents/recordings) replayed on a fresh stack, the JSON the docs' table is made of, and
-what a user would notice: the cache serves the agent's history."""
+what a user would notice: the cache serves the agent's history. And the model the CLIs'
+recordings ran on, which makes their turns tool loops."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from apps.bench.agents import answer_of, reuse
 
@@ -49,3 +52,29 @@ def test_reuse_clips_each_turn_and_answers_compare_without_ids():
     assert answer_of(a) == answer_of(b) == [["call", "f", {"x": 1}], ["text", "Done"]]
     assert answer_of([{"type": "text", "text": "Done"}]) != answer_of([{"type": "text",
                                                                         "text": "No"}])
+
+
+@pytest.mark.parametrize("call", ["ListAgents", "get_goal"])
+def test_the_clis_model_calls_its_tool_then_answers_done_at_any_temperature(tool_model,
+                                                                           tmp_path, call):
+    """kvbank/agent_model.py's calls_once, the model Claude Code's and Codex's recordings ran
+    on: a user's message gets the call, the tool's output gets "Done", sampled hot."""
+    from mlx_lm import generate, load
+    from mlx_lm.sample_utils import make_sampler
+
+    from kvbank.agent_model import calls_once
+
+    model, tok = load(str(calls_once(tool_model, tmp_path / "model", call)))
+    tools = [{"type": "function", "function": {"name": call, "description": "x",
+                                               "parameters": {"type": "object"}}}]
+    asked = [{"role": "system", "content": "You are an agent. " * 50},
+             {"role": "user", "content": "List the files here."}]
+    answered = asked + [{"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": call, "arguments": {}}}]},
+        {"role": "tool", "content": "nothing yet"}]
+    for messages, want in [(asked, '<tool_call>{"name":"%s","arguments":{}}</tool_call>' % call),
+                           (answered, "Done")]:
+        prompt = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                         tokenize=False)
+        assert generate(model, tok, prompt, max_tokens=40,
+                        sampler=make_sampler(temp=1.0)) == want

@@ -10,10 +10,13 @@ agent model (kvbank/agent_model.py), the shim recording every request it answers
 
 The pinned CLIs come from `make agents` (tests/agents); their telemetry, update checks and
 non-essential traffic are off, their homes scratch folders: nothing leaves loopback.
-The model answers "Done" and ends, so neither CLI ever calls a tool: their ten turns are ten
-prompts of one conversation. The Agents SDK's are a tool loop: each run forces one call of
-`get_weather` (the worker's grammar writes it), the SDK runs it and sends its output back, and
-the answer after it is a structured output (a JSON schema, which a random model ends).
+Every client's ten requests are a tool loop. The CLIs choose tools themselves, so their model
+(kvbank/agent_model.py: calls_once) calls one of their own tools that takes no arguments
+(`CALLS`) and answers "Done" once its output comes back: each prompt makes two requests, the
+call and the answer after the tool's output. The Agents SDK's model answers "Done"
+(says_done); each run forces one call of a function tool (the worker's grammar writes it),
+the SDK runs it and sends its output back, and the answer after it is a structured output
+(a JSON schema, which a random model ends).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = REPO / "tests" / "agents" / "node_modules" / ".bin"
 RECORDINGS = REPO / "tests" / "agents" / "recordings"
 CLIENTS = ("claude-code", "codex", "agents-sdk")
+# The tool each CLI's model calls once a turn (kvbank/agent_model.py: calls_once): one of its
+# own that takes no arguments and changes nothing. The Agents SDK's calls are forced instead.
+CALLS = {"claude-code": "ListAgents", "codex": "get_goal", "agents-sdk": None}
 MAX_TOKENS = 64
 # The stack both the recordings and their replays run on; answers are bounded by the clients'
 # own max tokens or, where they send none (Codex), by the stack's default.
@@ -100,20 +106,31 @@ apps = false
             {"CODEX_HOME": str(home / ".codex")})
 
 
-def _record_claude_code(stack, home: Path, turns: int, context: int) -> None:
+def _main_requests(log: Path) -> int:
+    lines = log.read_text().splitlines() if log.exists() else []
+    return sum(bool(json.loads(line)["body"].get("tools")) for line in lines)
+
+
+def _record_claude_code(stack, home: Path, turns: int, context: int, log: Path) -> None:
+    """Prompts of one conversation until `turns` requests: each a call, then "Done"."""
     cmd, env = claude_code(stack.shim_url)
     for i in range(turns):
-        run_client([*cmd, *(["--continue"] if i else []), PROMPTS[i % len(PROMPTS)]], home, env)
+        if _main_requests(log) >= turns:
+            break
+        run_client([*cmd, "--max-turns", "4", *(["--continue"] if i else []),
+                    PROMPTS[i % len(PROMPTS)]], home, env)
 
 
-def _record_codex(stack, home: Path, turns: int, context: int) -> None:
+def _record_codex(stack, home: Path, turns: int, context: int, log: Path) -> None:
     cmd, env = codex(stack.shim_url, home, context)
     for i in range(turns):
+        if _main_requests(log) >= turns:
+            break
         run_client([*cmd, *(["resume", "--last"] if i else []), PROMPTS[i % len(PROMPTS)]],
-                   home, env)
+                   home, env, timeout_s=120)
 
 
-def _record_agents_sdk(stack, home: Path, turns: int, context: int) -> None:
+def _record_agents_sdk(stack, home: Path, turns: int, context: int, log: Path) -> None:
     """Runs of two requests each (the forced call; the answer after its output), each run on
     the last one's history, until `turns` requests."""
     import asyncio
@@ -171,14 +188,14 @@ def record(clients: list[str], out: Path, turns: int, cache_dir: Path | None = N
     counts = {}
     with tempfile.TemporaryDirectory(prefix="kvbank-record-") as tmp:
         root = Path(tmp)
-        model = agent_model(root / "model", cache_dir)
         env = {"KVBANK_CACHE_DIR": str(cache_dir)} if cache_dir else {}
         for name in clients:
+            model = agent_model(root / f"{name}-model", cache_dir, call=CALLS[name])
             log = root / f"{name}.jsonl"
             stack = LocalStack.start(model, root / f"{name}-data", env=env, timeout_s=120,
                                      extra=[*STACK_FLAGS, "--record-requests", str(log)])
             try:
-                RECORDERS[name](stack, root / f"{name}-home", turns, CONTEXT)
+                RECORDERS[name](stack, root / f"{name}-home", turns, CONTEXT, log)
             finally:
                 stack.stop()
             write_gzip(log, out / f"{name}.jsonl.gz")

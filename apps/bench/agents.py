@@ -36,12 +36,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from apps.bench.agent_record import CLIENTS, RECORDINGS, REPO, STACK_FLAGS
+from apps.bench.agent_record import CALLS, CLIENTS, RECORDINGS, REPO, STACK_FLAGS
 
 GOAL = 0.98
 QUICK = {"clients": ["agents-sdk"], "turns": 3}
 MODEL = ("kvbank.agent_model.agent_model: the tiny llama of seed 0, the Qwen tools template, "
-         "a head that answers 'Done' and ends, a 64K context")
+         "a 64K context, a head that calls the client's tool (CALLS) once a user turn and "
+         "then answers 'Done' (calls_once), or answers 'Done' at once (says_done)")
 DEFINITION = ("history_reuse = sum over turns t>=2 of min(cached_t, history_t) / sum of "
               "history_t, where history_t = prompt_{t-1} + answer_{t-1} tokens of the main "
               "conversation's previous request and cached_t = tokens turn t read from cache")
@@ -271,14 +272,15 @@ def run(clients: list[str], recordings: Path, turns: int | None = None,
                                     "`python -m apps.bench.agent_record`")
     started = time.time()
     result = {"bench": "agents", "definition": DEFINITION, "goal": GOAL,
-              "recordings": _shown(recordings), "model": MODEL, "stack_flags": STACK_FLAGS,
+              "recordings": _shown(recordings), "model": MODEL, "calls": CALLS,
+              "stack_flags": STACK_FLAGS,
               "vary_attribution": vary,
               "clients": {}}
     with tempfile.TemporaryDirectory(prefix="kvbank-bench-agents-") as tmp:
         root = Path(tmp)
-        model = agent_model(root / "model", cache_dir)
         env = {"KVBANK_CACHE_DIR": str(cache_dir)} if cache_dir else {}
         for name in clients:
+            model = agent_model(root / f"{name}-model", cache_dir, call=CALLS[name])
             records = load(recordings / f"{name}.jsonl.gz")
             stack = LocalStack.start(model, root / f"{name}-data", env=env, timeout_s=120,
                                      extra=STACK_FLAGS)
