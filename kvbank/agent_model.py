@@ -78,12 +78,12 @@ def says_done(src: Path, out: Path, context: int = CONTEXT) -> Path:
     return _save(out, w)
 
 
-def _resolve(seq: list[int], start: int, marked: list[tuple[int, int]]) -> tuple[list, list]:
+def _resolve(seq: list[int], start: int) -> tuple[list, list]:
     """The rules that write `seq` after `start` and then end: (cur, next, feature) where
     feature is None or an index into the returned features [(offset, token)]: where a token
     recurs with another next token, the token `offset` places back tells them apart."""
     full = [start, *seq, -1]  # -1: the end of the answer
-    feats: list[tuple[int, int]] = list(marked)
+    feats: list[tuple[int, int]] = []
     rules = []
     for cur in dict.fromkeys(full[:-1]):
         at = [j for j, t in enumerate(full[:-1]) if t == cur]
@@ -91,11 +91,11 @@ def _resolve(seq: list[int], start: int, marked: list[tuple[int, int]]) -> tuple
         if len(nexts) == 1:
             rules.append((cur, full[at[0] + 1], None))
             continue
-        for k in range(1, 8):  # a token k back seen before one next token and no other
+        for k in range(1, 8 if len(nexts) == 2 else 1):  # a token k back before one next only
             back = {j: full[j - k] if j >= k else None for j in at}
             pick = next((j for j in at if back[j] is not None and all(
                 back[i] != back[j] for i in at if full[i + 1] != full[j + 1])), None)
-            if pick is not None and len(nexts) == 2:
+            if pick is not None:
                 feats.append((k, back[pick]))
                 rules.append((cur, full[pick + 1], len(feats) - 1))
                 other = next(full[j + 1] for j in at if full[j + 1] != full[pick + 1])
@@ -116,9 +116,9 @@ def calls_once(src: Path, out: Path, call: str, context: int = CONTEXT) -> Path:
     back (RoPE: the query is the key turned back by that many positions) and reports whether a
     given token stands there. Whether "response" stands 7 tokens back (`</tool_response>` just
     before the assistant's header) decides between calling and "Done"; the call's recurring
-    tokens (`tool`, `>`) are told apart the same way. The call is written compactly
+    tokens (`>`, `_`) are told apart the same way. The call is written compactly
     (`<tool_call>{"name":"X","arguments":{}}</tool_call>`); the template renders it back
-    spaced out, so the next turn re-reads those few tokens."""
+    spaced out, and the router's answer splice puts the generated tokens back in its place."""
     import numpy as np
     from tokenizers import Tokenizer
 
@@ -128,7 +128,7 @@ def calls_once(src: Path, out: Path, call: str, context: int = CONTEXT) -> Path:
     seq = ids('<tool_call>{"name":"%s","arguments":{}}</tool_call>' % call)
     newline, done, eos = ids("\n")[0], vocab["Done"], config["eos_token_id"]
     response = ids("</tool_response>")[3]
-    rules, feats = _resolve(seq, newline, [])
+    rules, feats = _resolve(seq, newline)
     rules = [r for r in rules if r[0] != newline] + [(newline, seq[0], None)]
     feats.append((7, response))  # after a tool's output, "Done"
     rules += [(newline, done, len(feats) - 1), (done, eos, None)]
