@@ -232,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     prefill_arguments(bp)
     bp.set_defaults(func=_run_bench_prefill)
+    ba = bsub.add_parser("agents", help="replayed Claude Code, Codex and Agents SDK turns: "
+                                        "the share of each turn's history read from cache")
+    from apps.bench.agents import add_arguments as agents_arguments
+
+    agents_arguments(ba)
+    ba.set_defaults(func=_run_bench_agents)
     return ap
 
 
@@ -574,6 +580,13 @@ def _run_bench_grammar(args: argparse.Namespace) -> int:
 def _run_bench_prefill(args: argparse.Namespace) -> int:
     _setup_logging("bench")
     from apps.bench.prefill import run_cli
+
+    return run_cli(args)
+
+
+def _run_bench_agents(args: argparse.Namespace) -> int:
+    _setup_logging("bench")
+    from apps.bench.agents import run_cli
 
     return run_cli(args)
 

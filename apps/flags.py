@@ -217,7 +217,7 @@ def shim_flags(p: argparse.ArgumentParser) -> None:
                  "no turn finds its conversation's KV (default: removed before rendering)")),
            (["--record-requests"], dict(type=Path, default=None, metavar="FILE",
             help="append each answered generation request to FILE as a JSON line: its body "
-                 "as sent and the usage it got (what an agent sends, to read or replay; "
+                 "as sent, the usage and the answer it got (what an agent sends, to read or replay; "
                  "bodies hold whole conversations; default: off)")))
     auth_flags(p, "shim")
 

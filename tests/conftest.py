@@ -52,20 +52,11 @@ def tiny_model(tmp_path_factory, cache_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def tool_model(tiny_model, tmp_path_factory) -> Path:
-    """The tiny model with a chat template that has tools (tests/templates/qwen_tools.jinja),
+    """The tiny model with a chat template that has tools (kvbank/templates/qwen_tools.jinja),
     so mlx-lm gives it a tool parser; the default model's template has none."""
-    import json
-    import shutil
+    from kvbank.agent_model import with_tools_template
 
-    out = tmp_path_factory.mktemp("tool-model") / "model"
-    shutil.copytree(tiny_model, out)
-    template = (Path(__file__).parent / "templates" / "qwen_tools.jinja").read_text()
-    (out / "chat_template.jinja").write_text(template)
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    if "chat_template" in config:
-        config["chat_template"] = template
-        (out / "tokenizer_config.json").write_text(json.dumps(config))
-    return out
+    return with_tools_template(tiny_model, tmp_path_factory.mktemp("tool-model") / "model")
 
 
 def start_stack(model: Path, data_dir: Path, *, extra: list[str] = (),

@@ -1,6 +1,6 @@
 """What coding agents ask of the API beyond text: logprobs, logit_bias, penalties, stop
 sequences, tool calls (OpenAI and Anthropic), driven by the official SDKs against the real
-stack on the tiny model with a tool-calling chat template (tests/templates/qwen_tools.jinja).
+stack on the tiny model with a tool-calling chat template (kvbank/templates/qwen_tools.jinja).
 
 The tiny model is random: what it says is never checked, only what the API promises about it.
 Its logprobs and penalties are checked against mlx-lm running the same weights in this

@@ -24,7 +24,7 @@ from tests.conftest import start_stack
 ARCHS = ("qwen3", "gpt_oss", "gemma3_text", "qwen3_5", "nemotron_h", "mamba2")
 WINDOW = 32  # shorter than a turn: a restored window must be the ring, not the whole turn
 MAX_TOKENS = 40
-TEMPLATES = Path(__file__).parent / "templates"
+TEMPLATES = Path(__file__).parent.parent / "kvbank" / "templates"
 
 
 class Reference:

@@ -313,7 +313,7 @@ class Shim:
     def _record(self, request: Request, answer) -> None:
         if self.recorder is not None:
             self.recorder.record(request.url.path, getattr(request.state, "body", None),
-                                 answer.usage)
+                                 answer.usage, answer.body())
 
     async def _start(self, request: Request, generate: api_pb2.GenerateRequest, metadata, *,
                      fit: bool):
