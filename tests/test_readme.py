@@ -116,7 +116,14 @@ def test_ask_chat_and_status_as_the_readme_shows_them(module_stack):
         assert b"mine" in drawn, drawn[-2000:]
     finally:
         watch.send_signal(signal.SIGINT)
-        _, err = watch.communicate(timeout=60)
+        while watch.poll() is None:  # read on: a full terminal would hold its last frame
+            if select.select([screen], [], [], 1.0)[0]:
+                try:
+                    os.read(screen, 65536)
+                except OSError:  # the terminal closed with the process
+                    break
+        err = watch.stderr.read()
+        watch.wait()
         os.close(screen)
     assert watch.returncode == 0 and "Traceback" not in err, err[-3000:]
 
