@@ -70,7 +70,9 @@ class Restorer:
             e = hit.entry
             self.bank.touch(e)
             checkpoint = e.checkpoints.get(ram_n)
-            if e.session == session and ram_n == e.n_tokens:
+            # Not when kept quantized: the request dequantizes into a buffer of its own, and
+            # the entry stays in the bank, counted, until the commit supersedes it.
+            if e.session == session and ram_n == e.n_tokens and not self.kinds.kv_bits:
                 # The conversation's next turn: its KV goes with the request, which writes its
                 # new tokens in place when the buffer has room (no copy of the history).
                 self.bank.hand_over(e)

@@ -1,0 +1,160 @@
+"""`--kv-bits 8|4`: full-attention K/V quantized at rest (bank and SSD), full precision while a
+request runs (worker/cache_kinds.py, docs/decisions.md).
+
+First the seam on its own (a fake model with a full-attention and a window cache, head_dim
+64): bytes per token, a cut at any token, a commit that quantizes only the tokens its turn
+added, blocks that round-trip bit-exactly, fingerprints apart by bits. Then a real stack on a
+tiny qwen3 (head_dim 32) against tests/test_model_kinds.py's Reference, whose restored prefix
+is what the worker keeps: dequantize(quantize(KV)) of each token as its turn computed it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from kvbank.blocks import CorruptBlock, decode_header
+from worker import kv
+from worker.cache_kinds import CacheKinds
+
+HEADS, DIM, WINDOW = 2, 64, 4
+
+
+class Proj:
+    """K and V of each token: a random projection of its embedding, (1, HEADS, S, DIM)."""
+
+    def __init__(self, seed: int = 0, dtype=mx.float32, window: bool = False):
+        rng = np.random.default_rng(seed)
+        self.emb = mx.array(rng.standard_normal((50, 2 * HEADS * DIM))).astype(dtype)
+        self.window = window
+
+    def make_cache(self):
+        return [KVCache()] + ([RotatingKVCache(max_size=WINDOW)] if self.window else [])
+
+    def __call__(self, x, cache):
+        e = self.emb[x[0]].reshape(1, x.shape[1], 2, HEADS, DIM).transpose(2, 0, 3, 1, 4)
+        for c in cache:
+            c.update_and_fetch(e[0], e[1])
+        return e[0].sum()
+
+
+def _kinds(bits, dtype=mx.float32, window=False):
+    return CacheKinds(Proj(dtype=dtype, window=window), "fake", bits)
+
+
+def _run(kinds, tokens, cache=None):
+    cache = cache if cache is not None else kinds.new_cache()
+    kinds.model(mx.array([list(map(int, tokens))]), cache)
+    return cache
+
+
+def _eq(a, b) -> bool:
+    return all(bool(mx.array_equal(x, y)) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("bits,ratio", [(8, 3.5), (4, 6.0)])
+def test_a_token_costs_its_quantized_bytes_and_window_layers_stay_full(bits, ratio):
+    full, quant = _kinds(None, window=True), _kinds(bits, window=True)
+    per_token, _, dtype = quant.measure()
+    full.measure()
+    assert dtype == "float32" and per_token == full.rest_bytes_per_token  # running: full
+    # 64 values per head in one group: words, one scale, one bias
+    assert quant.rest_bytes_per_token == 2 * HEADS * (DIM * bits // 8 + 2 * 4)
+    assert per_token / quant.rest_bytes_per_token > ratio
+    tokens = list(range(1, 12))
+    layers, checkpoint = quant.freeze(_run(quant, tokens), 11)
+    assert kv.layers_nbytes(layers) == 11 * quant.rest_bytes_per_token
+    assert all(a.dtype == mx.float32 for a in checkpoint.flat())  # the window: as it ran
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_an_entry_cuts_at_any_token_and_restores_dequantized(bits):
+    kinds = _kinds(bits)
+    tokens = list(range(1, 20))
+    cache = _run(kinds, tokens)
+    keys = cache[0].keys[..., :19, :]
+    layers, _ = kinds.freeze(cache, 19)
+    for n in range(1, 20):
+        cut = kinds.cut(layers, n)
+        assert kv.layers_nbytes(cut) * 19 == kv.layers_nbytes(layers) * n
+        # each token quantized on its own: the first n of the entry are n tokens' quantization
+        assert _eq(cut[0][0], kv.quantize(keys[..., :n, :], bits))
+        restored = kinds.restore(layers, None, n)
+        assert type(restored[0]) is KVCache and restored[0].offset == n
+        assert mx.array_equal(restored[0].keys, kv.dequantize(kv.quantize(keys[..., :n, :], bits),
+                                                              bits))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_commit_quantizes_only_the_tokens_its_turn_added(bits):
+    """quantize(dequantize(q)) is not q: a commit that quantized the restored prefix again
+    would move it a little every turn. The prefix stays bit for bit what was kept."""
+    kinds = _kinds(bits)
+    first, layers = list(range(1, 10)), None
+    layers, _ = kinds.freeze(_run(kinds, first), 9)
+    cache = kinds.restore(layers, None, 9)
+    prefix = kinds.at_rest(cache)
+    assert prefix is not None and prefix[1] == 9
+    kinds.with_room(cache, 14)
+    _run(kinds, [20, 21, 22, 23, 24], cache)
+    again, _ = kinds.freeze(cache, 14, prefix)
+    for j in (0, 1):
+        assert _eq(kv.cut(again[0][j], 9), layers[0][j])  # kept as it was
+        new = kv.quantize((cache[0].keys, cache[0].values)[j][..., 9:14, :], bits)
+        assert _eq(tuple(a[..., 9:, :] for a in again[0][j]), new)
+    requantized, _ = kinds.freeze(cache, 14)  # what a commit without its prefix would keep
+    assert not _eq(kv.cut(requantized[0][0], 9), layers[0][0])
+    assert kinds.at_rest(_kinds(None).restore(kv.freeze([cache[0]], 14), None, 14)) is None
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_block_round_trips_bit_exactly_and_refuses_a_flipped_byte(bits, dtype):
+    kinds = _kinds(bits, dtype)
+    n, B = 10, 4
+    layers, _ = kinds.freeze(_run(kinds, list(range(1, n + 1))), n)
+    views = kv.layer_views(layers)
+    name = kv.dtype_name(layers)
+    assert name == str(dtype).split(".")[-1]
+    frames = [kv.encode_views(views, name, s, min(s + B, n), bits=bits) for s in range(0, n, B)]
+    for s, f in zip(range(0, n, B), frames):
+        header, _ = decode_header(f)
+        assert bytes(f[:4]) == b"KVB3" and header.quant == (bits, 64)
+        assert header.kv_shapes[0] == ((min(s + B, n) - s, HEADS, DIM),) * 2
+        assert len(f) == kv.encoded_views_nbytes(views, name, s, min(s + B, n), bits=bits)
+    back = kv.decode_blocks(frames, capacity=64)
+    for (k, v), (k2, v2) in zip(layers, back):
+        assert _eq(k, k2) and _eq(v, v2)
+        assert all(a.dtype == b.dtype for a, b in zip(k, k2))
+    assert _eq(kinds.restore(back, None, n)[0].state, kinds.restore(layers, None, n)[0].state)
+    full = kv.encode_views(kv.layer_views(kv.freeze([_run(_kinds(None, dtype), [1, 2])[0]], 2)),
+                           name, 0, 2)
+    assert bytes(full[:4]) == b"KVB2" and decode_header(full)[0].quant is None  # as before
+    bad = bytearray(frames[1])
+    bad[-3] ^= 0x10
+    with pytest.raises(CorruptBlock, match="checksum"):
+        kv.decode_blocks([frames[0], bytes(bad), frames[2]])
+
+
+def test_the_fingerprint_differs_by_bits_and_a_head_dim_it_cannot_group_is_refused(tmp_path):
+    from worker.served_model import fingerprint
+
+    prints = {bits: fingerprint(tmp_path, {"model_type": "fake"}, _kinds(bits), "float32",
+                                1024, 16) for bits in (None, 8, 4)}
+    assert len(set(prints.values())) == 3
+    with pytest.raises(ValueError, match="kv_bits"):
+        _kinds(6)
+
+    class Narrow(Proj):
+        def __call__(self, x, cache):
+            e = mx.ones((1, HEADS, x.shape[1], 16))
+            for c in cache:
+                c.update_and_fetch(e, e)
+            return e.sum()
+
+    with pytest.raises(ValueError, match="head_dim 16"):
+        CacheKinds(Narrow(), "narrow", 8).measure()
