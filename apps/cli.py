@@ -232,6 +232,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     prefill_arguments(bp)
     bp.set_defaults(func=_run_bench_prefill)
+    bk = bsub.add_parser("kvbits", help="--kv-bits 8|4: conversations a bank holds, bytes "
+                                        "per token, answer agreement against full precision "
+                                        "and mlx-lm's own quantized cache")
+    model_flag(bk)
+    bk.add_argument("--tokens", type=int, default=None,
+                    help="a conversation's length (default: 4096)")
+    bk.add_argument("--bank-bytes", type=int, default=None, help="bank budget (default: 4 GiB)")
+    bk.add_argument("--block-tokens", type=int, default=None, help="(default: 256)")
+    bk.add_argument("--turns", type=int, default=None,
+                    help="turns of the agreement run (default: 8)")
+    bk.add_argument("--max-tokens", type=int, default=None,
+                    help="answer tokens a turn (default: 48)")
+    bk.add_argument("--quick", action="store_true",
+                    help="seconds, not minutes: 512 tokens, 2 turns of 8 tokens")
+    bk.add_argument("--json", action="store_true")
+    bk.set_defaults(func=_run_bench_kvbits)
     return ap
 
 
@@ -569,6 +585,13 @@ def _run_bench_grammar(args: argparse.Namespace) -> int:
     from apps.bench.grammar import run_cli
 
     return run_cli(args)
+
+
+def _run_bench_kvbits(args: argparse.Namespace) -> int:
+    _setup_logging("bench")
+    from apps.bench.kvbits import run_cli
+
+    return _bench_result(args, run_cli(args))
 
 
 def _run_bench_prefill(args: argparse.Namespace) -> int:

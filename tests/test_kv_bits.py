@@ -158,3 +158,81 @@ def test_the_fingerprint_differs_by_bits_and_a_head_dim_it_cannot_group_is_refus
 
     with pytest.raises(ValueError, match="head_dim 16"):
         CacheKinds(Narrow(), "narrow", 8).measure()
+
+
+# -- a real stack against mlx-lm ---------------------------------------------------------------
+
+
+class AtRest:
+    """tests/test_model_kinds.py's Reference, with the worker's quantized bank: each token's
+    K/V quantized (mx.quantize, groups of 32 here) once, as the turn that computed it left
+    it; a restore reads them dequantized. Only the full-attention model (qwen3) is used."""
+
+    def __new__(cls, model_dir: Path, bits: int):
+        from tests.test_model_kinds import Reference
+
+        class _AtRest(Reference):
+            kept: list | None = None
+
+            def restored(self, prompt, cached):
+                from mlx_lm.models.cache import make_prompt_cache
+
+                cache = make_prompt_cache(self.model)
+                for c, pair in zip(cache, self.kept or []) if cached else ():
+                    c.keys, c.values = (mx.dequantize(*(x[..., :cached, :] for x in q),
+                                                      group_size=32, bits=bits) for q in pair)
+                    c.offset = cached
+                return cache, [(0, cached)] if cached else []
+
+            def committed(self, cache, cached, n_tokens):
+                new = [tuple(mx.quantize(a[..., cached:n_tokens, :], group_size=32, bits=bits)
+                             for a in (c.keys, c.values)) for c in cache]
+                if cached:
+                    new = [tuple(tuple(mx.concatenate([o[..., :cached, :], x], axis=2)
+                                       for o, x in zip(old, q)) for old, q in zip(pair, qs))
+                           for pair, qs in zip(self.kept, new)]
+                mx.eval(new)
+                self.kept = new
+
+        return _AtRest(model_dir)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_conversation_continues_exactly_from_ram_ssd_and_after_kill_9(
+        bits, tmp_path_factory, cache_dir):
+    """Four unnamed turns with --kv-bits: from RAM, from SSD after a release, from SSD after
+    a kill -9. Each answer equals mlx-lm's with the same forwards and the restored prefix
+    replaced by dequantize(quantize(KV)) where the worker keeps it quantized."""
+    from kvbank.tiny import make_arch_model
+    from tests.conftest import start_stack
+    from tests.test_model_kinds import MAX_TOKENS, TEMPLATES, _check
+
+    template = (TEMPLATES / "qwen_tools.jinja").read_text()
+    model = make_arch_model(tmp_path_factory.mktemp("qwen3-hd32") / "model", "qwen3", seed=1,
+                            context=4096, template=template, cache_dir=cache_dir, head_dim=32)
+    ref = AtRest(model, bits)
+    s = start_stack(model, tmp_path_factory.mktemp(f"kvbits{bits}"), cache_dir=cache_dir,
+                    shim=False, extra=["--kv-bits", str(bits)])
+    try:
+        messages = [{"role": "system", "content": "You are a careful coding agent."},
+                    {"role": "user", "content": "Read the parser and list its three bugs."}]
+        previous = 0
+        for turn, where in enumerate(("first", "ram", "ssd after a release", "ssd after kill -9")):
+            with s.client() as c:
+                if where == "ssd after a release":
+                    c.release(session)
+                elif where == "ssd after kill -9":
+                    s.wait_durable(session)
+                    s.wait_restarted("worker", s.kill9("worker"))
+                prompt = c.render(messages=messages, max_tokens=MAX_TOKENS)
+                got = c.generate(messages=messages, max_tokens=MAX_TOKENS, logprobs=True)
+            session = got.usage["session_id"]
+            assert got.usage["cache_source"] == ("none" if turn == 0 else where.split()[0])
+            assert got.usage["cached_tokens"] >= previous, got.usage
+            _check(ref, got, prompt, [], False, f"kv-bits {bits} turn {turn} ({where})",
+                   unsplit=False)  # full precision may answer otherwise: that is the bench's
+            previous = len(prompt) + got.usage["completion_tokens"]
+            messages += [{"role": "assistant", "content": got.text},
+                         {"role": "user", "content": f"Now fix bug {turn + 1}."}]
+    finally:
+        s.stop()
