@@ -97,6 +97,11 @@ _MAGIC_V1, _MAGIC, _MAGIC_Q = b"KVB1", b"KVB2", b"KVB3"
 QUANT_WORD_BITS = 32  # mx.quantize packs into uint32 words
 
 
+def is_quantized_block(buf: bytes | memoryview) -> bool:
+    """A KVB3 block (--kv-bits): its store is stamped QUANTIZED_STORE_FORMAT."""
+    return bytes(memoryview(buf)[:4]) == _MAGIC_Q
+
+
 class CorruptBlock(ValueError):
     """A stored block whose bytes are not what was written: never used, always recomputed.
     `index`: its place among the blocks being read, where the reader knows it."""

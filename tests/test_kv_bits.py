@@ -140,6 +140,34 @@ def test_a_quantized_block_round_trips_bit_exactly_and_refuses_a_flipped_byte(bi
         kv.decode_blocks([frames[0], bytes(bad), frames[2]])
 
 
+def test_a_store_with_a_quantized_block_is_stamped_so_an_older_kvbank_refuses_it(tmp_path):
+    """A full-precision store keeps its format (older kvbanks still read it); the first
+    quantized block stamps QUANTIZED_STORE_FORMAT, which this kvbank reads."""
+    from coldstore.store import ColdStore
+    from kvbank.blocks import chain_block_ids
+    from kvbank.contracts.store_layout import (QUANTIZED_STORE_FORMAT, STORE_FORMAT,
+                                               StoreReader)
+    from tests.test_bank import TENANT, root_for
+
+    tokens = np.arange(1, 9, dtype=np.uint32)
+    for name, bits in (("full", None), ("q", 8)):
+        kinds = _kinds(bits)
+        layers, _ = kinds.freeze(_run(kinds, tokens.tolist()), 8)
+        store = ColdStore(tmp_path / name)
+        store.put_session_tokens(TENANT, "s", tokens, 8)
+        frame = kv.encode_views(kv.layer_views(layers), "float32", 0, 8, bits=bits)
+        bid = chain_block_ids(tokens, root_for(TENANT), 8)[0]
+        assert store.commit_block(TENANT, "s", root_for(TENANT), bid, 0, frame) is not None
+        store.close()
+        reader = StoreReader(tmp_path / name, readonly=True)
+        assert reader.format_version == (STORE_FORMAT if bits is None
+                                         else QUANTIZED_STORE_FORMAT)
+        back = reader.get_blocks([bid], decode=kv.decode_blocks)
+        assert _eq(back[0][0] if bits else back[0][:1], layers[0][0] if bits
+                   else layers[0][:1])
+        reader.close()
+
+
 def test_the_fingerprint_differs_by_bits_and_a_head_dim_it_cannot_group_is_refused(tmp_path):
     from worker.served_model import fingerprint
 
@@ -236,3 +264,33 @@ def test_a_quantized_conversation_continues_exactly_from_ram_ssd_and_after_kill_
                          {"role": "user", "content": f"Now fix bug {turn + 1}."}]
     finally:
         s.stop()
+
+
+def test_bench_kvbits_quick_counts_from_the_ledger(tmp_path_factory, cache_dir, monkeypatch,
+                                                   capsys):
+    """`kvbank bench kvbits --quick` on a tiny qwen3 (4 layers, 2 KV heads of 32): the JSON's
+    shape and what the ledger must say whatever the timing."""
+    import json
+
+    from apps.cli import main
+    from kvbank.tiny import make_arch_model
+
+    monkeypatch.setenv("KVBANK_CACHE_DIR", str(cache_dir))
+    model = make_arch_model(tmp_path_factory.mktemp("qwen3-hd32b") / "model", "qwen3", seed=1,
+                            context=4096, cache_dir=cache_dir, head_dim=32)
+    assert main(["bench", "kvbits", "--model", str(model), "--quick", "--bank-bytes",
+                 str(1 << 20), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    per_token = {"full": 4 * 2 * 2 * 32 * 4, "8bit": 4 * 2 * 2 * (32 + 8),
+                 "4bit": 4 * 2 * 2 * (16 + 8)}  # one group of 32: words, scale, bias
+    assert {k: doc["ram_bytes_per_token"][k] for k in per_token} == per_token
+    assert doc["held"] == {k: (1 << 20) // (512 * v) for k, v in per_token.items()} | {
+        k: doc["held"][k] for k in doc["held"] if k.endswith("bf16")}
+    assert doc["held"]["full"] < doc["held"]["8bit"] < doc["held"]["4bit"]
+    assert all(doc["ssd_bytes_per_token"][k] > v for k, v in per_token.items())  # headers
+    a = doc["agreement"]
+    assert a["turns"] == 2 and set(a["turns_equal"]) == {
+        "kvbank_8bit", "kvbank_4bit", "mlx_lm_8bit", "mlx_lm_4bit"}
+    assert all(0 <= v <= 1 for v in [*a["turns_equal"].values(),
+                                     *a["tokens_before_divergence"].values()])
+    assert set(doc["decode_ms"]) == {"full", "mlx_lm_8bit", "mlx_lm_4bit"}

@@ -154,6 +154,19 @@ def _timing(kinds, layers, cache, n: int) -> dict:
                                                        else None))}
 
 
+def _group(lm) -> int:
+    """The quantization group kvbank uses for this model's head_dim; mlx-lm's cache gets the
+    same (its default, 64, where head_dim allows)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from worker import kv
+
+    cache = make_prompt_cache(lm)
+    lm(mx.array([[0]]), cache=cache)
+    return kv.group_size(int(cache[0].keys.shape[-1]))
+
+
 def _decode_ms(lm, n: int, rng, steps: int) -> dict:
     """One decode step at n tokens of context: mlx-lm's KVCache, and its QuantizedKVCache."""
     import mlx.core as mx
@@ -167,7 +180,7 @@ def _decode_ms(lm, n: int, rng, steps: int) -> dict:
             lm(prompt[:, s:s + CHUNK], cache=cache)
             mx.eval([c.state for c in cache])
         if bits:
-            cache = [c.to_quantized(group_size=64, bits=bits) for c in cache]
+            cache = [c.to_quantized(group_size=_group(lm), bits=bits) for c in cache]
         token = mx.array([[1000]])
         times = []
         for _ in range(max(1, steps)):
@@ -208,7 +221,8 @@ class _Conversation:
             if cache is None:
                 cache = self.kinds.new_cache()
                 if self.kind == "mlx_lm":
-                    cache = [c.to_quantized(group_size=64, bits=self.bits) for c in cache]
+                    cache = [c.to_quantized(group_size=_group(self.lm), bits=self.bits)
+                             for c in cache]
             for c in cache:
                 c.trim(c.offset - cp)
         logits = None
