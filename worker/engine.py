@@ -90,6 +90,7 @@ class Engine:
         self.eos_token_ids = sorted(self.tokenizer.eos_token_ids)
         self.vocab_size = served.vocab_size
         self.kv_bytes_per_token, self.kv_dtype = served.kv_bytes_per_token, served.kv_dtype
+        self.kv_rest_bytes_per_token = served.kv_rest_bytes_per_token  # a bank entry's
         self.checkpoint_bytes = served.checkpoint_bytes
         self.checkpoint_every = served.checkpoint_every(checkpoint_every, block_tokens)
         self.decodings = Decodings(self.tokenizer, self.vocab_size, self.model_path.name)
@@ -114,7 +115,7 @@ class Engine:
         self.prefetcher = Prefetcher(
             bank=self.bank, restorer=self.restorer, conversations=self.conversations,
             root_for=self.root_for, block_tokens=block_tokens,
-            kv_bytes_per_token=served.kv_rest_bytes_per_token,  # what the bank holds of one
+            kv_bytes_per_token=self.kv_rest_bytes_per_token,  # what the bank holds of one
             room=lambda: None if self._pending else min(  # waiting requests come first
                 self.bank.effective_max_bytes - self.bank.total_nbytes,
                 self.memory_budget - held_bytes(self.pricing, self.bank)))
@@ -317,7 +318,7 @@ class Engine:
                 return Start.WAIT_PREFIX
             if sharing.share_answered_prefix(tokens, ids, tenant, self.batch, self.bank,
                                              self.restorer, self.block_tokens,
-                                             self.kv_bytes_per_token):
+                                             self.kv_rest_bytes_per_token):
                 self._refresh_ram_bytes()
         session = self.conversations.resolve(
             tokens, ids, tenant, req.session_id, busy=self.bank.is_busy,
