@@ -126,6 +126,10 @@ def test_a_quantized_block_round_trips_bit_exactly_and_refuses_a_flipped_byte(bi
         assert bytes(f[:4]) == b"KVB3" and header.quant == (bits, 64)
         assert header.kv_shapes[0] == ((min(s + B, n) - s, HEADS, DIM),) * 2
         assert len(f) == kv.encoded_views_nbytes(views, name, s, min(s + B, n), bits=bits)
+        kinds.check_block(header)
+        for other in (None, 12 - bits):  # a worker at another setting never decodes it
+            with pytest.raises(CorruptBlock, match="quantized at"):
+                _kinds(other).check_block(header)
     back = kv.decode_blocks(frames, capacity=64)
     for (k, v), (k2, v2) in zip(layers, back):
         assert _eq(k, k2) and _eq(v, v2)

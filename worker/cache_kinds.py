@@ -37,6 +37,7 @@ from typing import Iterable
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
+from kvbank.blocks import CorruptBlock
 from worker import kv
 
 MLX_LM_VERSION = "0.32.2"  # the caches' internals read here (pyproject pins it)
@@ -265,6 +266,15 @@ class CacheKinds:
     def block_bits(self) -> int | None:
         """The bits a block's K/V are encoded at (None: full precision)."""
         return self.kv_bits
+
+    def check_block(self, header) -> None:
+        """A stored block this worker would misread (its K/V at other bits than the worker
+        keeps) is not the block its id names (the bits are in the fingerprint the ids chain
+        over): CorruptBlock, never decoded."""
+        bits = header.quant[0] if header.quant is not None else None
+        if header.kv_shapes and bits != self.kv_bits:
+            raise CorruptBlock(f"block quantized at {bits or 'full precision'}, this worker "
+                               f"keeps --kv-bits {self.kv_bits or 'off'}")
 
     def with_room(self, cache: list, n_tokens: int) -> None:
         kv.with_room([cache[i] for i in self.full], n_tokens)

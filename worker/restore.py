@@ -201,7 +201,9 @@ class Restorer:
         ends, n = [], 0
         for i, p in enumerate(payloads):
             try:
-                n += decode_header(p)[0].n_tokens
+                header = decode_header(p)[0]
+                self.kinds.check_block(header)
+                n += header.n_tokens
             except CorruptBlock as e:
                 raise CorruptBlock(str(e), index=i) from None
             ends.append(n)
