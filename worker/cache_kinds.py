@@ -115,6 +115,7 @@ class CacheKinds:
         self.model = model
         self.model_type = model_type
         self.kv_bits = kv_bits
+        self.rest_bytes_per_token = 0  # one token's FULL K/V in the bank (`measure`)
         self.slots = tuple(classify(c, model_type) for c in make_prompt_cache(model))
         if not self.slots:
             raise UnsupportedModel(f"model_type {model_type!r} returns no caches")
