@@ -232,9 +232,10 @@ class AtRest:
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_quantized_conversation_continues_exactly_from_ram_ssd_and_after_kill_9(
         bits, tmp_path_factory, cache_dir):
-    """Four unnamed turns with --kv-bits: from RAM, from SSD after a release, from SSD after
-    a kill -9. Each answer equals mlx-lm's with the same forwards and the restored prefix
-    replaced by dequantize(quantize(KV)) where the worker keeps it quantized."""
+    """Five unnamed turns with --kv-bits: from RAM, from SSD after a release, from SSD after
+    a kill -9, from RAM after a prefetch hint read it back from SSD. Each answer equals
+    mlx-lm's with the same forwards and the restored prefix replaced by
+    dequantize(quantize(KV)) where the worker keeps it quantized."""
     from kvbank.tiny import make_arch_model
     from tests.conftest import start_stack
     from tests.test_model_kinds import MAX_TOKENS, TEMPLATES, _check
@@ -249,13 +250,20 @@ def test_a_quantized_conversation_continues_exactly_from_ram_ssd_and_after_kill_
         messages = [{"role": "system", "content": "You are a careful coding agent."},
                     {"role": "user", "content": "Read the parser and list its three bugs."}]
         previous = 0
-        for turn, where in enumerate(("first", "ram", "ssd after a release", "ssd after kill -9")):
+        for turn, where in enumerate(("first", "ram", "ssd after a release", "ssd after kill -9",
+                                      "ram after a prefetch")):
             with s.client() as c:
                 if where == "ssd after a release":
                     c.release(session)
                 elif where == "ssd after kill -9":
                     s.wait_durable(session)
                     s.wait_restarted("worker", s.kill9("worker"))
+                elif where == "ram after a prefetch":
+                    s.wait_durable(session)
+                    c.release(session)
+                    hint = c.prefetch(messages=messages)
+                    assert hint.status == "restored" and hint.restored_tokens > 0, hint
+                    previous = hint.restored_tokens
                 prompt = c.render(messages=messages, max_tokens=MAX_TOKENS)
                 got = c.generate(messages=messages, max_tokens=MAX_TOKENS, logprobs=True)
             session = got.usage["session_id"]
