@@ -306,3 +306,43 @@ def test_bench_kvbits_quick_counts_from_the_ledger(tmp_path_factory, cache_dir, 
     assert all(0 <= v <= 1 for v in [*a["turns_equal"].values(),
                                      *a["tokens_before_divergence"].values()])
     assert set(doc["decode_ms"]) == {"full", "mlx_lm_8bit", "mlx_lm_4bit"}
+
+
+def test_a_store_written_at_other_bits_is_recomputed_never_misread(tmp_path_factory,
+                                                                    cache_dir):
+    """One data dir, three workers: --kv-bits 8, then full precision, then 8 again. The full
+    precision worker never reads the 8-bit blocks (other ids: the bits are in the
+    fingerprint): it recomputes, answers as mlx-lm does, and says why in its log. Its record
+    replaces the first one's blocks, so the third worker finds what is left of its own (the
+    system prompt's block) and answers exactly from there."""
+    from kvbank.tiny import make_arch_model
+    from tests.conftest import start_stack
+    from tests.test_model_kinds import MAX_TOKENS, TEMPLATES, Reference, _check
+
+    template = (TEMPLATES / "qwen_tools.jinja").read_text()
+    model = make_arch_model(tmp_path_factory.mktemp("qwen3-hd32c") / "model", "qwen3", seed=1,
+                            context=4096, template=template, cache_dir=cache_dir, head_dim=32)
+    data = tmp_path_factory.mktemp("switch")
+    messages = [{"role": "system", "content": "You are a careful coding agent."},
+                {"role": "user", "content": "Read the parser and list its three bugs."}]
+    ref = AtRest(model, 8)
+    for turn, extra in enumerate((["--kv-bits", "8"], [], ["--kv-bits", "8"])):
+        s = start_stack(model, data, cache_dir=cache_dir, shim=False, extra=extra)
+        try:
+            with s.client() as c:
+                prompt = c.render(messages=messages, max_tokens=MAX_TOKENS)
+                got = c.generate(messages=messages, max_tokens=MAX_TOKENS, logprobs=True)
+                s.wait_durable(got.usage["session_id"])
+            log = s.log_tail(200_000)
+        finally:
+            s.stop()
+        u = got.usage
+        if turn == 1:
+            assert (u["cache_source"], u["cached_tokens"]) == ("none", 0), u
+            _check(Reference(model), got, prompt, [], False, "full precision after 8 bits")
+            assert "holds KV written with --kv-bits" in log
+        else:
+            assert u["cache_source"] == ("none" if turn == 0 else "ssd"), u
+            _check(ref, got, prompt, [], False, f"8 bits, worker {turn}", unsplit=False)
+        messages += [{"role": "assistant", "content": got.text},
+                     {"role": "user", "content": f"Now fix bug {turn + 1}."}]

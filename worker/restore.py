@@ -11,7 +11,7 @@ import numpy as np
 from kvbank import events, metrics
 from kvbank.blocks import BlockId, CorruptBlock, decode_header, tail_block_id
 from kvbank.contracts import coldstore_wire as wire
-from kvbank.contracts.store_layout import StoreReader
+from kvbank.contracts.store_layout import QUANTIZED_STORE_FORMAT, StoreReader
 from kvbank.v1 import api_pb2
 from worker import kv
 from worker.bank import BankEntry, SessionBank, SessionKey, any_prefix
@@ -41,6 +41,14 @@ class Restorer:
                 self._store = StoreReader(self.store_dir, readonly=True)
             except Exception as e:
                 logger.warning("cannot open the store read-only yet: %s", e)
+            else:
+                if (self._store.format_version >= QUANTIZED_STORE_FORMAT
+                        and not self.kinds.kv_bits):
+                    logger.warning(
+                        "the store in %s holds KV written with --kv-bits; this worker runs "
+                        "without it, so that KV is never read: those conversations are "
+                        "recomputed (start with the same --kv-bits to restore them)",
+                        self.store_dir)
         return self._store
 
     def restore(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
