@@ -346,3 +346,41 @@ def test_a_store_written_at_other_bits_is_recomputed_never_misread(tmp_path_fact
             _check(ref, got, prompt, [], False, f"8 bits, worker {turn}", unsplit=False)
         messages += [{"role": "assistant", "content": got.text},
                      {"role": "user", "content": f"Now fix bug {turn + 1}."}]
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_5"])
+def test_a_model_with_window_or_recurrent_layers_restores_with_kv_bits(
+        arch, tmp_path_factory, cache_dir):
+    """Full-attention layers quantized, window / recurrent checkpoints in full precision: a
+    conversation comes back from RAM and from SSD (quantized blocks carrying float
+    checkpoints) with every prompt token restored. (Exactness against mlx-lm is the qwen3
+    test's: a reference for these would replay window forwards over dequantized prefixes.)"""
+    from kvbank.tiny import make_arch_model
+    from tests.conftest import start_stack
+    from tests.test_model_kinds import MAX_TOKENS, TEMPLATES, WINDOW
+
+    template = (TEMPLATES / "qwen_tools.jinja").read_text()
+    model = make_arch_model(tmp_path_factory.mktemp(f"{arch}-hd32") / "model", arch, seed=1,
+                            context=4096, window=WINDOW, template=template,
+                            cache_dir=cache_dir, head_dim=32)
+    s = start_stack(model, tmp_path_factory.mktemp(f"{arch}-kvbits"), cache_dir=cache_dir,
+                    shim=False, extra=["--kv-bits", "4"])
+    try:
+        messages = [{"role": "system", "content": "You are a careful coding agent."},
+                    {"role": "user", "content": "Read the parser and list its three bugs."}]
+        previous = 0
+        with s.client() as c:
+            for turn, where in enumerate(("none", "ram", "ssd")):
+                if where == "ssd":
+                    s.wait_durable(session)
+                    c.release(session)
+                got = c.generate(messages=messages, max_tokens=MAX_TOKENS)
+                session = got.usage["session_id"]
+                assert got.usage["cache_source"] == where, got.usage
+                assert got.usage["cached_tokens"] >= previous, got.usage
+                assert got.usage["prefix_lost_tokens"] == 0, got.usage
+                previous = got.usage["prompt_tokens"] + got.usage["completion_tokens"]
+                messages += [{"role": "assistant", "content": got.text},
+                             {"role": "user", "content": "Go on."}]
+    finally:
+        s.stop()
