@@ -168,35 +168,21 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--json", action="store_true")
     bt.set_defaults(func=_run_bench_turn)
     bb = bsub.add_parser("bank", help="SessionBank.lookup latency on a full bank")
-    bb.add_argument("--entries", type=int, default=10000, help="sessions in the bank")
-    bb.add_argument("--prompt-tokens", type=int, default=8192)
-    bb.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
-    bb.add_argument("--group-size", type=int, default=100,
-                    help="sessions sharing one system prompt (default: %(default)s)")
-    bb.add_argument("--lookups", type=int, default=2000)
-    bb.add_argument("--json", action="store_true")
+    from apps.bench.bank import add_arguments as bank_arguments
+
+    bank_arguments(bb)
     bb.set_defaults(func=_run_bench_bank)
     bcs = bsub.add_parser("coldstore", help="SSD tier vs raw LMDB; write amplification; "
                                             "restore vs recompute")
-    model_flag(bcs)
-    bcs.add_argument("--tokens", type=int, default=8192,
-                     help="conversation length for the read/write and recompute runs")
-    bcs.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
-    bcs.add_argument("--turns", type=int, default=20, help="turns of the amplification run")
-    bcs.add_argument("--repeats", type=int, default=5,
-                     help="back-to-back raw/coldstore pairs for writes and reads; medians "
-                          "are reported (default: %(default)s)")
-    bcs.add_argument("--json", action="store_true")
+    from apps.bench.coldstore import add_arguments as coldstore_arguments
+
+    coldstore_arguments(bcs)
     bcs.set_defaults(func=_run_bench_coldstore)
     bad = bsub.add_parser("admission", help="admission decision latency; peak RSS / budget "
                                             "under an adversarial load")
-    model_flag(bad)
-    bad.add_argument("--entries", type=int, default=1000, help="bank entries (decision run)")
-    bad.add_argument("--agents", type=int, default=6)
-    bad.add_argument("--turns", type=int, default=6)
-    bad.add_argument("--budget-kv-bytes", type=int, default=150_000_000,
-                     help="the worker's budget beyond the model (--memory-budget +N)")
-    bad.add_argument("--json", action="store_true")
+    from apps.bench.admission import add_arguments as admission_arguments
+
+    admission_arguments(bad)
     bad.set_defaults(func=_run_bench_admission)
     bo = bsub.add_parser("overhead", help="streamed decode through shim+router vs in-process")
     model_flag(bo)
@@ -238,6 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     agents_arguments(ba)
     ba.set_defaults(func=_run_bench_agents)
+    bk = bsub.add_parser("kvbits", help="--kv-bits 8|4: conversations a bank holds, bytes "
+                                        "per token, answer agreement against full precision "
+                                        "and mlx-lm's own quantized cache")
+    from apps.bench.kvbits import add_arguments as kvbits_arguments
+
+    kvbits_arguments(bk)
+    bk.set_defaults(func=_run_bench_kvbits)
     return ap
 
 
@@ -368,7 +361,7 @@ def _run_worker(args: argparse.Namespace) -> int:
                     prefill_chunk_tokens=args.prefill_chunk_tokens,
                     write_out_deadline_s=args.write_out_deadline_s,
                     max_checkpoints=args.max_checkpoints,
-                    checkpoint_every=args.checkpoint_every,
+                    checkpoint_every=args.checkpoint_every, kv_bits=args.kv_bits,
                     kv_events=_kv_events(args), metrics_port=args.metrics_port)
     except UnsupportedModel as e:  # never served wrong: refused, with what to do
         raise SystemExit(f"kvbank worker: refused to serve {args.model}: {e}") from None
@@ -575,6 +568,13 @@ def _run_bench_grammar(args: argparse.Namespace) -> int:
     from apps.bench.grammar import run_cli
 
     return run_cli(args)
+
+
+def _run_bench_kvbits(args: argparse.Namespace) -> int:
+    _setup_logging("bench")
+    from apps.bench.kvbits import run_cli
+
+    return _bench_result(args, run_cli(args))
 
 
 def _run_bench_prefill(args: argparse.Namespace) -> int:

@@ -22,9 +22,10 @@ import lmdb
 import numpy as np
 
 from kvbank.blocks import (BlockId, common_prefix_len, decode_header, is_anonymous,
-                           next_block_id, tail_block_id)
-from kvbank.contracts.store_layout import (BLOCK_BYTES_KEY, RESPONSE_BYTES_KEY, SessionMeta,
-                                           StoreReader, session_key)
+                           is_quantized_block, next_block_id, tail_block_id)
+from kvbank.contracts.store_layout import (BLOCK_BYTES_KEY, FORMAT_KEY, QUANTIZED_STORE_FORMAT,
+                                           RESPONSE_BYTES_KEY, SessionMeta, StoreReader,
+                                           session_key)
 
 logger = logging.getLogger(__name__)
 
@@ -376,10 +377,19 @@ class ColdStore(StoreReader):
     def _keep_block(self, txn, block_id: BlockId, payload) -> None:
         """A record names the block: stored if no one had (`last_written_bytes`), counted."""
         if txn.get(block_id, db=self._db[b"blocks"]) is None:
+            if is_quantized_block(payload):
+                self._stamp_quantized(txn)
             txn.put(block_id, payload, db=self._db[b"blocks"])
             self._add_block_bytes(txn, len(payload))
             self.last_written_bytes = len(payload)
         self._incref(txn, block_id)
+
+    def _stamp_quantized(self, txn) -> None:
+        """The store holds a quantized block: a kvbank that cannot read one refuses it."""
+        raw = txn.get(FORMAT_KEY, db=self._db[b"meta"])
+        if (struct.unpack("<I", raw)[0] if raw else 1) < QUANTIZED_STORE_FORMAT:
+            txn.put(FORMAT_KEY, struct.pack("<I", QUANTIZED_STORE_FORMAT), db=self._db[b"meta"])
+            self.format_version = QUANTIZED_STORE_FORMAT
 
     def _truncate_blocks(self, txn, meta: SessionMeta, keep_tokens: int) -> None:
         keep_full = keep_tokens // meta.block_tokens if meta.block_tokens else 0

@@ -89,8 +89,17 @@ def tail_block_id(parent: BlockId, tail_tokens: Sequence[int] | np.ndarray) -> B
     return _h(parent, b"\0tail:", struct.pack("<I", len(arr)), arr.tobytes())
 
 
-FORMAT_VERSION = 2  # of a stored block: KVB1 (one K/V shape for every layer) still reads
-_MAGIC_V1, _MAGIC = b"KVB1", b"KVB2"
+FORMAT_VERSION = 3  # of a stored block: KVB1 (one shape for every layer) and KVB2 still read
+_MAGIC_V1, _MAGIC, _MAGIC_Q = b"KVB1", b"KVB2", b"KVB3"
+# KVB3: a KVB2 block whose K/V are quantized (`--kv-bits`): written only then, so a
+# full-precision store's blocks are byte for byte what they were, and a reader that does not
+# know quantized blocks refuses them (bad magic) rather than misreads them as floats.
+QUANT_WORD_BITS = 32  # mx.quantize packs into uint32 words
+
+
+def is_quantized_block(buf: bytes | memoryview) -> bool:
+    """A KVB3 block (--kv-bits): its store is stamped QUANTIZED_STORE_FORMAT."""
+    return bytes(memoryview(buf)[:4]) == _MAGIC_Q
 
 
 class CorruptBlock(ValueError):
@@ -119,6 +128,10 @@ class BlockHeader:
     state: tuple[tuple[str, tuple[int, ...]] | None, ...] = ()
     layout: str = ""
     checksum: int | None = None  # None: a KVB1 block, written before checksums
+    # (bits, group_size): K and V quantized per token vector (mx.quantize along head_dim),
+    # each stored as its packed uint32 words, then its scales and biases (in `dtype`).
+    # `kv_shapes` stay the logical (n_tokens, kv_heads, head_dim). None: full precision.
+    quant: tuple[int, int] | None = None
 
     @property
     def n_layers(self) -> int:
@@ -128,13 +141,34 @@ class BlockHeader:
     def has_state(self) -> bool:
         return bool(self.state)
 
+    def kv_specs(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The K/V arrays of the payload in order: each layer's K then V (quantized: each of
+        them as three arrays, words, scales, biases)."""
+        if self.quant is None:
+            return [(self.dtype, s) for pair in self.kv_shapes for s in pair]
+        return [spec for pair in self.kv_shapes for s in pair
+                for spec in quantized_specs(self.dtype, s, *self.quant)]
+
+    @property
+    def arrays_per_kv(self) -> int:
+        return 1 if self.quant is None else 3
+
     def array_specs(self) -> list[tuple[str, tuple[int, ...]] | None]:
         """Every array of the payload in order: each layer's K and V, then the state's."""
-        return [(self.dtype, s) for pair in self.kv_shapes for s in pair] + list(self.state)
+        return self.kv_specs() + list(self.state)
 
     @property
     def data_nbytes(self) -> int:
         return sum(math.prod(s) * _itemsize(d) for d, s in filter(None, self.array_specs()))
+
+
+def quantized_specs(dtype: str, shape: tuple[int, ...], bits: int, group_size: int
+                    ) -> list[tuple[str, tuple[int, ...]]]:
+    """The arrays `mx.quantize(x, group_size, bits)` makes of an x of `shape` (last axis
+    quantized): packed words, scales, biases."""
+    *lead, d = shape
+    return [("uint32", (*lead, d * bits // QUANT_WORD_BITS)), (dtype, (*lead, d // group_size)),
+            (dtype, (*lead, d // group_size))]
 
 
 def _itemsize(dtype: str) -> int:
@@ -175,21 +209,25 @@ def encoded_nbytes(header: BlockHeader) -> int:
 
 def _head(header: BlockHeader, digest: int) -> bytes:
     """Magic, length and JSON header, padded so the data starts aligned."""
-    meta = json.dumps({
+    fields = {
         "dtype": header.dtype, "n_tokens": header.n_tokens, "layout": header.layout,
         "kv": [[list(k), list(v)] for k, v in header.kv_shapes],
         "state": [None if s is None else [s[0], list(s[1])] for s in header.state],
         "xxh3": f"{digest:016x}",  # fixed width: equal blocks have equal sizes
-    }).encode()
-    pad = (-(len(_MAGIC) + 4 + len(meta))) % _ALIGN
-    return _MAGIC + struct.pack("<I", len(meta) + pad) + meta + b" " * pad
+    }
+    if header.quant is not None:
+        fields["quant"] = list(header.quant)
+    meta = json.dumps(fields).encode()
+    magic = _MAGIC if header.quant is None else _MAGIC_Q
+    pad = (-(len(magic) + 4 + len(meta))) % _ALIGN
+    return magic + struct.pack("<I", len(meta) + pad) + meta + b" " * pad
 
 
 def decode_header(buf: bytes | memoryview) -> tuple[BlockHeader, int]:
     """The header of a stored block and the offset where its data starts (KVB1 or KVB2)."""
     mv = memoryview(buf)
     magic = bytes(mv[:4])
-    if magic not in (_MAGIC, _MAGIC_V1):
+    if magic not in (_MAGIC, _MAGIC_V1, _MAGIC_Q):
         raise CorruptBlock("not a kvbank block (bad magic)")
     (meta_len,) = struct.unpack("<I", mv[4:8])
     try:
@@ -203,7 +241,8 @@ def decode_header(buf: bytes | memoryview) -> tuple[BlockHeader, int]:
                 dtype=meta["dtype"], n_tokens=meta["n_tokens"], layout=meta["layout"],
                 kv_shapes=tuple((tuple(k), tuple(v)) for k, v in meta["kv"]),
                 state=tuple(None if s is None else (s[0], tuple(s[1])) for s in meta["state"]),
-                checksum=int(meta["xxh3"], 16))
+                checksum=int(meta["xxh3"], 16),
+                quant=tuple(meta["quant"]) if magic == _MAGIC_Q else None)
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptBlock(f"unreadable block header: {e}") from None
     data_start = 8 + meta_len
@@ -215,8 +254,7 @@ def decode_header(buf: bytes | memoryview) -> tuple[BlockHeader, int]:
 
 def kv_data_end(buf: bytes | memoryview, header: BlockHeader) -> int:
     """Where a block's K/V arrays end in `buf` (its checkpoint's arrays follow)."""
-    itemsize = _itemsize(header.dtype)
-    kv = sum(math.prod(s) * itemsize for pair in header.kv_shapes for s in pair)
+    kv = sum(math.prod(s) * _itemsize(d) for d, s in header.kv_specs())
     return len(buf) - (header.data_nbytes - kv)
 
 
@@ -230,16 +268,19 @@ def verify_block(buf: bytes | memoryview) -> tuple[BlockHeader, int]:
 
 def decode_block(buf: bytes | memoryview, *, verify: bool = True
                  ) -> tuple[BlockHeader, list[tuple[np.ndarray, np.ndarray]]]:
-    """NumPy views (no copy) of each layer's K and V; bfloat16 comes back as uint16 bits.
+    """NumPy views (no copy) of each layer's K and V; bfloat16 comes back as uint16 bits;
+    a quantized block's K and V each as a tuple (words, scales, biases).
     The state's arrays: `decode_state`."""
     header, arrays = _decode_arrays(buf, verify)
+    if header.quant is not None:
+        arrays = [tuple(arrays[3 * i:3 * i + 3]) for i in range(2 * header.n_layers)]
     return header, [(arrays[2 * i], arrays[2 * i + 1]) for i in range(header.n_layers)]
 
 
 def decode_state(buf: bytes | memoryview, *, verify: bool = True) -> list[np.ndarray | None]:
     """The checkpoint stored with a block (empty: none), as NumPy views."""
     header, arrays = _decode_arrays(buf, verify)
-    return arrays[2 * header.n_layers:] if header.has_state else []
+    return arrays[len(header.kv_specs()):] if header.has_state else []
 
 
 def _decode_arrays(buf, verify: bool) -> tuple[BlockHeader, list[np.ndarray | None]]:

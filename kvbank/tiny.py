@@ -65,11 +65,13 @@ def _check(arch: str, size: str) -> None:
 
 
 def arch_config(arch: str, *, size: str = "tiny", vocab: int, context: int = 8192,
-                window: int = 128) -> dict:
+                window: int = 128, head_dim: int | None = None) -> dict:
     """config.json for one architecture: the smallest layer pattern that still mixes the arch's
     cache kinds when tiny, the arch's usual pattern at SmolLM2-135M's width and depth when default."""
     _check(arch, size)
     d, tiny = _DIMS[size], size == "tiny"
+    if head_dim:  # attention heads' width (--kv-bits quantizes in groups of 32 or 64 of it)
+        d = {**d, "head_dim": head_dim}
     if arch == "llama":
         config = _llama_config(d["hidden"], d["layers"], d["inter"], d["heads"], d["kv_heads"],
                                d["head_dim"], vocab=vocab, max_pos=context, theta=100000.0)
@@ -209,7 +211,8 @@ def _write_tokenizer(src: Path, dst: Path, *, think_tokens: bool, template: str,
 
 def make_arch_model(out_dir: Path, arch: str, *, seed: int = 0, context: int = 8192,
                     window: int = 128, think_tokens: bool = True, template: str | None = None,
-                    cache_dir: Path | None = None, size: str = "tiny") -> Path:
+                    cache_dir: Path | None = None, size: str = "tiny",
+                    head_dim: int | None = None) -> Path:
     """Write a random-weight ``arch`` model folder at out_dir (float32) and return it.
 
     One seed gives bit-identical files. ``context`` is max_position_embeddings, ``window`` the
@@ -226,7 +229,8 @@ def make_arch_model(out_dir: Path, arch: str, *, seed: int = 0, context: int = 8
     with _locked(out_dir), _atomic_dir(out_dir) as tmp:
         vocab = _write_tokenizer(tok_dir, tmp, think_tokens=think_tokens, template=template,
                                  context=context)
-        config = arch_config(arch, size=size, vocab=vocab, context=context, window=window)
+        config = arch_config(arch, size=size, vocab=vocab, context=context, window=window,
+                             head_dim=head_dim)
         config.update({k: src[k] for k in ("bos_token_id", "eos_token_id") if k in src})
         _, weights = build_model(config, seed)
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})

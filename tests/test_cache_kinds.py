@@ -286,8 +286,8 @@ def test_a_store_from_an_older_kvbank_reads_and_one_from_a_newer_is_refused(tmp_
     import lmdb
 
     from coldstore.store import ColdStore
-    from kvbank.contracts.store_layout import (FORMAT_KEY, STORE_FORMAT, StoreFormatError,
-                                               StoreReader)
+    from kvbank.contracts.store_layout import (FORMAT_KEY, READ_FORMAT, STORE_FORMAT,
+                                               StoreFormatError, StoreReader)
 
     k = np.arange(2 * 3 * 4, dtype=np.float32).reshape(3, 2, 4)  # (tokens, heads, dim)
     meta = json.dumps({"dtype": "float32", "n_layers": 2, "n_tokens": 3,
@@ -305,7 +305,7 @@ def test_a_store_from_an_older_kvbank_reads_and_one_from_a_newer_is_refused(tmp_
     reader.close()
     env = lmdb.open(str(tmp_path / "s"), max_dbs=8)
     with env.begin(write=True) as txn:
-        txn.put(FORMAT_KEY, struct.pack("<I", STORE_FORMAT + 1), db=env.open_db(b"meta", txn=txn))
+        txn.put(FORMAT_KEY, struct.pack("<I", READ_FORMAT + 1), db=env.open_db(b"meta", txn=txn))
     env.close()
     with pytest.raises(StoreFormatError, match="newer than this kvbank.*another --data-dir"):
         ColdStore(tmp_path / "s")

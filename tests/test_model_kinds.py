@@ -63,18 +63,10 @@ class Reference:
         """The worker's forwards for this turn: the lineage up to its restore point, then its
         prompt read from there, then one token at a time (the last one too: it is in the
         committed cache)."""
-        from mlx_lm.models.cache import make_prompt_cache
-
         from worker.scheduler import LAST_FORWARD_TOKENS, PREFILL_STEP_TOKENS
 
         assert self.tokens[:cached] == prompt[:cached]
-        cache = make_prompt_cache(self.model)
-        kept = []
-        for s, e in self.lineage:
-            if s >= cached:
-                break
-            kept.append((s, min(e, cached)))
-            self._forward(cache, prompt[s:min(e, cached)])
+        cache, kept = self.restored(prompt, cached)
         splits = sorted(p for p in marks if cached < p < len(prompt)) if checkpointed else []
         pos, logprobs = cached, None
         while pos < len(prompt):
@@ -91,7 +83,25 @@ class Reference:
         self._forward(cache, answer[-1:])
         kept += [(len(prompt) + i, len(prompt) + i + 1) for i in range(len(answer))]
         self.lineage, self.tokens = kept, prompt + answer
+        self.committed(cache, cached, len(self.tokens))
         return answer, lps
+
+    def restored(self, prompt: list[int], cached: int):
+        """The cache the worker restored at `cached`, and the forwards behind it: here the
+        lineage's forwards replayed (a hook: tests/test_kv_bits.py keeps it quantized)."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(self.model)
+        kept = []
+        for s, e in self.lineage:
+            if s >= cached:
+                break
+            kept.append((s, min(e, cached)))
+            self._forward(cache, prompt[s:min(e, cached)])
+        return cache, kept
+
+    def committed(self, cache, cached: int, n_tokens: int) -> None:
+        """A hook: the worker committed the turn's cache (tokens [cached, n_tokens) new)."""
 
     def unsplit(self, prompt: list[int]) -> list[int]:
         from mlx_lm.models.cache import make_prompt_cache
@@ -128,13 +138,15 @@ def stripping(tmp_path_factory, cache_dir):
 
 
 def _check(ref: Reference, got, prompt: list[int], marks: list[int], checkpointed: bool,
-           where: str) -> None:
+           where: str, unsplit: bool = True) -> None:
     cached = got.usage["cached_tokens"]
     want, want_lps = ref.turn(prompt, cached, marks, checkpointed)
     emitted = [t for t in want if t not in ref.eos]
     assert got.token_ids == emitted, f"{where}: greedy tokens differ from mlx-lm's"
     diffs = np.abs(np.asarray(got.logprobs) - np.asarray(want_lps[:len(got.logprobs)]))
     assert diffs.max(initial=0.0) < 1e-4, f"{where}: logprobs off by {diffs.max():.2g}"
+    if not unsplit:
+        return
     flat = [t for t in ref.unsplit(prompt) if t not in ref.eos]
     assert got.token_ids == flat, f"{where}: unsplit mlx-lm answers otherwise"
 

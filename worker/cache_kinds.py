@@ -16,6 +16,12 @@ turn). A conversation's state at token p is its FULL blocks up to p plus the che
 so a model with any such slot is restored only at a checkpoint (`restore_point`). A window
 checkpoint holds at most W tokens per layer, so a long answer never costs more than W there.
 
+FULL slots may be kept quantized at rest (`kv_bits`, `--kv-bits 8|4`): in the bank and on
+SSD their K and V are `mx.quantize`d per token vector (worker/kv.py); a request restores them
+dequantized into mlx-lm's ordinary KVCache and runs in full precision, and its commit
+quantizes only the tokens its turn added (`prefix`). WINDOW and STATE slots stay full
+precision. docs/decisions.md has why at rest and not while running.
+
 Everything else in the worker asks this seam: the bank, restore, sharing, prefetch, the
 scheduler and the writer hand it caches and get back arrays, or the other way round; none of
 them looks inside a cache. A model whose caches include a kind this module does not know is
@@ -31,6 +37,7 @@ from typing import Iterable
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
+from kvbank.blocks import CorruptBlock
 from worker import kv
 
 MLX_LM_VERSION = "0.32.2"  # the caches' internals read here (pyproject pins it)
@@ -102,9 +109,13 @@ def classify(c, model_type: str) -> Slot:
 class CacheKinds:
     """A model's mix of cache kinds, and every move between its caches and kvbank's arrays."""
 
-    def __init__(self, model, model_type: str):
+    def __init__(self, model, model_type: str, kv_bits: int | None = None):
+        if kv_bits not in (None, 8, 4):
+            raise ValueError(f"kv_bits {kv_bits!r}: 8, 4 or None (full precision)")
         self.model = model
         self.model_type = model_type
+        self.kv_bits = kv_bits
+        self.rest_bytes_per_token = 0  # one token's FULL K/V in the bank (`measure`)
         self.slots = tuple(classify(c, model_type) for c in make_prompt_cache(model))
         if not self.slots:
             raise UnsupportedModel(f"model_type {model_type!r} returns no caches")
@@ -112,14 +123,20 @@ class CacheKinds:
         self.other = [i for i, s in enumerate(self.slots) if s.kind is not Kind.FULL]
 
     @classmethod
-    def of(cls, model) -> "CacheKinds":
+    def of(cls, model, kv_bits: int | None = None) -> "CacheKinds":
         """For a model loaded without its config at hand (tests, benchmarks)."""
-        return cls(model, str(getattr(getattr(model, "args", None), "model_type", "?")))
+        return cls(model, str(getattr(getattr(model, "args", None), "model_type", "?")),
+                   kv_bits)
 
     @property
     def layout(self) -> str:
         """The slots in order (`full,window:128:0,...`): part of the model fingerprint."""
         return ",".join(s.tag for s in self.slots)
+
+    @property
+    def quantized(self) -> str:
+        """How FULL slots are kept at rest, for the fingerprint (empty: full precision)."""
+        return f"kv-bits:{self.kv_bits}:per-token" if self.kv_bits else ""
 
     @property
     def checkpointed(self) -> bool:
@@ -133,11 +150,13 @@ class CacheKinds:
 
     def measure(self) -> tuple[int, int, str]:
         """(bytes per token of FULL slots, bytes of one checkpoint at its largest, dtype),
-        from a one-token forward. A window slot's checkpoint is priced at W tokens."""
+        from a one-token forward. A window slot's checkpoint is priced at W tokens. The bytes
+        per token are a running request's (full precision); `rest_bytes_per_token` is what
+        the bank and SSD hold of one token."""
         cache = self.new_cache()
         self.model(mx.array([[0]]), cache=cache)
         mx.eval([c.state for c in cache])
-        per_token, checkpoint, dtype = 0, 0, None
+        per_token, checkpoint, dtype, rest = 0, 0, None, 0
         for slot, c in zip(self.slots, cache):
             if slot.kind is Kind.STATE:
                 checkpoint += sum(int(a.nbytes) for a in c.cache if a is not None)
@@ -147,8 +166,12 @@ class CacheKinds:
             dtype = c.keys.dtype if slot.kind is Kind.FULL or dtype is None else dtype
             if slot.kind is Kind.FULL:
                 per_token += one
+                rest += (one if not self.kv_bits else
+                         sum(int(x.nbytes) for a in (c.keys, c.values)
+                             for x in kv.quantize(a[..., :1, :], self.kv_bits)))
             else:
                 checkpoint += one * (slot.size + slot.keep)
+        self.rest_bytes_per_token = rest
         return per_token, checkpoint, str(dtype).split(".")[-1]
 
     # -- a running request's cache -> the bank ------------------------------------------------
@@ -169,17 +192,33 @@ class CacheKinds:
         mx.eval([a for a in out.flat() if a is not None])
         return out
 
-    def freeze(self, cache: list, n_tokens: int) -> tuple[kv.Layers, Checkpoint | None]:
+    def freeze(self, cache: list, n_tokens: int, prefix=None
+               ) -> tuple[kv.Layers, Checkpoint | None]:
         """A finished turn's cache, standing at `n_tokens`, as the bank keeps it: the FULL
-        slots' first n_tokens, and the checkpoint at n_tokens."""
+        slots' first n_tokens, and the checkpoint at n_tokens. `prefix`: what the request's
+        cache was restored from (`at_rest`), kept as it is."""
         position = self.position(cache)
         if position is not None and position != n_tokens and self.other:
             raise RuntimeError(f"bug: cache stands at {position}, checkpoint wants {n_tokens}")
-        return self.full_layers(cache, n_tokens), self.snapshot(cache)
+        return self.full_layers(cache, n_tokens, prefix), self.snapshot(cache)
 
-    def full_layers(self, cache: list, n_tokens: int) -> kv.Layers:
-        """The FULL slots' first n_tokens (a cache that may stand past them)."""
-        return kv.freeze([cache[i] for i in self.full], n_tokens)
+    def full_layers(self, cache: list, n_tokens: int, prefix=None) -> kv.Layers:
+        """The FULL slots' first n_tokens (a cache that may stand past them), as kept at rest:
+        quantized past `prefix` when kv_bits is set (see `at_rest`)."""
+        full = [cache[i] for i in self.full]
+        if self.kv_bits:
+            return kv.freeze_quantized(full, n_tokens, self.kv_bits, prefix)
+        return kv.freeze(full, n_tokens)
+
+    def at_rest(self, cache: list) -> tuple[kv.Layers, int] | None:
+        """The quantized layers (and how many of their tokens) a cache `restore` made stands
+        on: its commit keeps them as they are and quantizes only what the request added.
+        None: full precision, or a cache restored from nothing."""
+        return getattr(cache, "at_rest", None)
+
+    def cut(self, layers: kv.Layers, n_tokens: int) -> kv.Layers:
+        """An entry's first n_tokens in tight arrays of their own (either form)."""
+        return kv.tight(layers, n_tokens)
 
     def position(self, cache: list) -> int | None:
         """Where a cache stands, when a slot can say (a STATE slot cannot)."""
@@ -198,7 +237,12 @@ class CacheKinds:
         if self.other and checkpoint is None and n_tokens:
             raise RuntimeError("bug: a restore past 0 tokens without its checkpoint")
         cache = self.new_cache()
-        for i, c in zip(self.full, kv.restore(layers, n_tokens, owned=owned)):
+        if kv.is_quantized(layers) and n_tokens:
+            if not self.kv_bits:
+                raise RuntimeError("bug: quantized KV restored by a full-precision worker")
+            cache = _Restored(cache)
+            cache.at_rest = (layers, n_tokens)
+        for i, c in zip(self.full, kv.restore(layers, n_tokens, owned=owned, bits=self.kv_bits)):
             cache[i] = c
         if checkpoint is None:
             return cache
@@ -219,6 +263,19 @@ class CacheKinds:
         layers = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :])
                   for c in (cache[i] for i in self.full)]
         return self.restore(layers, snap, n if n is not None else 0)
+
+    def block_bits(self) -> int | None:
+        """The bits a block's K/V are encoded at (None: full precision)."""
+        return self.kv_bits
+
+    def check_block(self, header) -> None:
+        """A stored block this worker would misread (its K/V at other bits than the worker
+        keeps) is not the block its id names (the bits are in the fingerprint the ids chain
+        over): CorruptBlock, never decoded."""
+        bits = header.quant[0] if header.quant is not None else None
+        if header.kv_shapes and bits != self.kv_bits:
+            raise CorruptBlock(f"block quantized at {bits or 'full precision'}, this worker "
+                               f"keeps --kv-bits {self.kv_bits or 'off'}")
 
     def with_room(self, cache: list, n_tokens: int) -> None:
         kv.with_room([cache[i] for i in self.full], n_tokens)
@@ -257,6 +314,12 @@ class CacheKinds:
             out.append(tuple(next(it) for _ in range(slot.size if slot.kind is Kind.STATE
                                                        else 2)))
         return Checkpoint(tuple(out))
+
+
+class _Restored(list):
+    """A restored cache list that remembers the quantized layers it stands on (`at_rest`)."""
+
+    at_rest: tuple | None = None
 
 
 def _window_tail(c: RotatingKVCache) -> tuple[mx.array, mx.array]:

@@ -76,19 +76,21 @@ class Engine:
                  prefill_chunk_tokens: int = PREFILL_STEP_TOKENS,
                  write_out_deadline_s: float | None = None,
                  max_checkpoints: int = MAX_CHECKPOINTS, checkpoint_every: int | None = None,
-                 kv_events: EventsConfig | None = None):
+                 kv_events: EventsConfig | None = None, kv_bits: int | None = None):
         """Built on the caller's thread; once its thread starts, that thread owns it all."""
         serve_buffers_from_the_heap()
         self.layout = layout.ensure()
         self.block_tokens = block_tokens
         self.scheduler = scheduler
-        served = load_served_model(Path(model_path), block_tokens)  # UnsupportedModel
+        served = load_served_model(Path(model_path), block_tokens,  # UnsupportedModel
+                                   kv_bits=kv_bits)
         self.model_path, self.model, self.tokenizer = served.path, served.model, served.tokenizer
         self.config, self.kinds, self.fingerprint = served.config, served.kinds, served.fingerprint
         self.max_context_tokens = served.max_context_tokens
         self.eos_token_ids = sorted(self.tokenizer.eos_token_ids)
         self.vocab_size = served.vocab_size
         self.kv_bytes_per_token, self.kv_dtype = served.kv_bytes_per_token, served.kv_dtype
+        self.kv_rest_bytes_per_token = served.kv_rest_bytes_per_token  # a bank entry's
         self.checkpoint_bytes = served.checkpoint_bytes
         self.checkpoint_every = served.checkpoint_every(checkpoint_every, block_tokens)
         self.decodings = Decodings(self.tokenizer, self.vocab_size, self.model_path.name)
@@ -113,7 +115,7 @@ class Engine:
         self.prefetcher = Prefetcher(
             bank=self.bank, restorer=self.restorer, conversations=self.conversations,
             root_for=self.root_for, block_tokens=block_tokens,
-            kv_bytes_per_token=self.kv_bytes_per_token,
+            kv_bytes_per_token=self.kv_rest_bytes_per_token,  # what the bank holds of one
             room=lambda: None if self._pending else min(  # waiting requests come first
                 self.bank.effective_max_bytes - self.bank.total_nbytes,
                 self.memory_budget - held_bytes(self.pricing, self.bank)))
@@ -316,7 +318,7 @@ class Engine:
                 return Start.WAIT_PREFIX
             if sharing.share_answered_prefix(tokens, ids, tenant, self.batch, self.bank,
                                              self.restorer, self.block_tokens,
-                                             self.kv_bytes_per_token):
+                                             self.kv_rest_bytes_per_token):
                 self._refresh_ram_bytes()
         session = self.conversations.resolve(
             tokens, ids, tenant, req.session_id, busy=self.bank.is_busy,
@@ -352,6 +354,7 @@ class Engine:
                         known=common_prefix_len(info.tokens, tokens) if info is not None else 0,
                         started=time.monotonic(), stops=list(req.stop),
                         detok=self.tokenizer.detokenizer, decoding=decoding, handed=handed,
+                        at_rest=self.kinds.at_rest(cache),
                         split_at=self.kinds.splits(cached, len(tokens), req.checkpoint_at,
                                                    self.checkpoint_every))
             r.restore_s = r.started - t0
@@ -440,7 +443,7 @@ class Engine:
         """Commit a finished turn; its last message, to send once the snapshot has it."""
         full = np.concatenate([r.tokens, np.asarray(r.completion, dtype=np.uint32)])
         durable = self._commit(r.session, full, cache, r.started, handed=r.handed,
-                               checkpoints=r.checkpoints)
+                               checkpoints=r.checkpoints, at_rest=r.at_rest)
         r.handed = None  # superseded by the turn, or gone with its deleted conversation
         reasoning = r.decoding.reasoning
         usage = api_pb2.Usage(
@@ -478,9 +481,10 @@ class Engine:
     # -- commit -----------------------------------------------------------------------------
 
     def _commit(self, session: SessionKey, full: np.ndarray, cache: list,
-                started: float = 0.0, handed=None, checkpoints=None) -> bool:
+                started: float = 0.0, handed=None, checkpoints=None, at_rest=None) -> bool:
         """The conversation's record (durable), then the bank entry, then the write-behind job.
         `checkpoints`: those its request took on the way (prompt splits, the prompt's end).
+        `at_rest`: the quantized KV its cache was restored from, kept as it is.
 
         A conversation deleted while its turn ran stays deleted: the turn is answered, not
         kept."""
@@ -488,7 +492,7 @@ class Engine:
             if handed is not None:
                 self.bank.let_go(handed)
             return False
-        layers, end = self.kinds.freeze(cache, len(full))
+        layers, end = self.kinds.freeze(cache, len(full), at_rest)
         checkpoints = dict(checkpoints or {})
         if end is not None:
             checkpoints[len(full)] = end

@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import mlx.core as mx
 import numpy as np
 
 from kvbank import metrics
@@ -120,9 +119,7 @@ class Prefetcher:
         if found is None:
             return PrefetchReport("in_ram" if ram else "not_held", ram, ssd)
         layers, checkpoint, n = found
-        layers = [(mx.contiguous(k[..., :n, :]), mx.contiguous(v[..., :n, :]))
-                  for k, v in layers]  # the bank keeps tight arrays
-        mx.eval(layers)
+        layers = self.restorer.kinds.cut(layers, n)  # the bank keeps tight arrays
         self.bank.insert(key, h.tokens[:n], layers, durable_tokens=n, prefetched=True,
                          checkpoints={n: checkpoint} if checkpoint is not None else None)
         metrics.PREFETCHED_TOKENS.inc(n)

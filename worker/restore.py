@@ -11,7 +11,7 @@ import numpy as np
 from kvbank import events, metrics
 from kvbank.blocks import BlockId, CorruptBlock, decode_header, tail_block_id
 from kvbank.contracts import coldstore_wire as wire
-from kvbank.contracts.store_layout import StoreReader
+from kvbank.contracts.store_layout import QUANTIZED_STORE_FORMAT, StoreReader
 from kvbank.v1 import api_pb2
 from worker import kv
 from worker.bank import BankEntry, SessionBank, SessionKey, any_prefix
@@ -41,6 +41,14 @@ class Restorer:
                 self._store = StoreReader(self.store_dir, readonly=True)
             except Exception as e:
                 logger.warning("cannot open the store read-only yet: %s", e)
+            else:
+                if (self._store.format_version >= QUANTIZED_STORE_FORMAT
+                        and not self.kinds.kv_bits):
+                    logger.warning(
+                        "the store in %s holds KV written with --kv-bits; this worker runs "
+                        "without it, so that KV is never read: those conversations are "
+                        "recomputed (start with the same --kv-bits to restore them)",
+                        self.store_dir)
         return self._store
 
     def restore(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
@@ -70,7 +78,9 @@ class Restorer:
             e = hit.entry
             self.bank.touch(e)
             checkpoint = e.checkpoints.get(ram_n)
-            if e.session == session and ram_n == e.n_tokens:
+            # Not when kept quantized: the request dequantizes into a buffer of its own, and
+            # the entry stays in the bank, counted, until the commit supersedes it.
+            if e.session == session and ram_n == e.n_tokens and not self.kinds.kv_bits:
                 # The conversation's next turn: its KV goes with the request, which writes its
                 # new tokens in place when the buffer has room (no copy of the history).
                 self.bank.hand_over(e)
@@ -199,7 +209,9 @@ class Restorer:
         ends, n = [], 0
         for i, p in enumerate(payloads):
             try:
-                n += decode_header(p)[0].n_tokens
+                header = decode_header(p)[0]
+                self.kinds.check_block(header)
+                n += header.n_tokens
             except CorruptBlock as e:
                 raise CorruptBlock(str(e), index=i) from None
             ends.append(n)

@@ -84,6 +84,7 @@ class Running:
     split_at: tuple[int, ...] = ()  # prompt positions a forward stops at, for a checkpoint
     checkpoints: dict = field(default_factory=dict)  # position -> cache_kinds.Checkpoint
     prefix_lost: int = 0  # prompt tokens held but not restorable (no checkpoint there)
+    at_rest: Any = None  # the quantized KV its cache was restored from (CacheKinds.at_rest)
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from worker import kv
-from worker.cache_kinds import CHECKPOINT_EVERY, CacheKinds
+from worker.cache_kinds import CHECKPOINT_EVERY, CacheKinds, UnsupportedModel
 
 logger = logging.getLogger(__name__)
 
@@ -23,10 +23,12 @@ class ServedModel:
     tokenizer: object
     config: dict
     kinds: CacheKinds
-    kv_bytes_per_token: int  # full-attention caches' K and V
+    kv_bytes_per_token: int  # full-attention caches' K and V, as a request holds them
     checkpoint_bytes: int  # window and recurrent caches at one position, at their largest
     kv_dtype: str
     fingerprint: bytes
+    kv_rest_bytes_per_token: int = 0  # as the bank and SSD hold them (--kv-bits: quantized)
+    kv_bits: int | None = None
 
     @property
     def max_context_tokens(self) -> int:
@@ -48,26 +50,35 @@ class ServedModel:
         return -(-tokens // block_tokens) * block_tokens
 
 
-def load_served_model(path: Path, block_tokens: int) -> ServedModel:
-    """Load and measure; UnsupportedModel for a cache kind kvbank cannot restore exactly."""
+def load_served_model(path: Path, block_tokens: int, kv_bits: int | None = None
+                      ) -> ServedModel:
+    """Load and measure; UnsupportedModel for a cache kind kvbank cannot restore exactly
+    (or, with `kv_bits`, a head_dim it cannot quantize)."""
     from mlx_lm import load
 
     t0 = time.monotonic()
     model, tokenizer = load(str(path))
     config = json.loads((path / "config.json").read_text())
-    kinds = CacheKinds(model, model_type(config))
-    per_token, checkpoint, dtype = kinds.measure()
+    kinds = CacheKinds(model, model_type(config), kv_bits)
+    try:
+        per_token, checkpoint, dtype = kinds.measure()
+    except ValueError as e:  # a head_dim --kv-bits cannot quantize
+        raise UnsupportedModel(str(e)) from None
     served = ServedModel(path, model, tokenizer, config, kinds, per_token, checkpoint, dtype,
-                         fingerprint(path, config, kinds, dtype, per_token, block_tokens))
-    logger.info("model %s loaded in %.1fs: %d KV bytes/token, %d bytes a checkpoint (%s), "
-                "caches %s, fingerprint %s", path, time.monotonic() - t0, per_token,
-                checkpoint, dtype, kinds.layout, served.fingerprint.hex()[:12])
+                         fingerprint(path, config, kinds, dtype, per_token, block_tokens),
+                         kinds.rest_bytes_per_token, kv_bits)
+    logger.info("model %s loaded in %.1fs: %d KV bytes/token (%d at rest%s), %d bytes a "
+                "checkpoint (%s), caches %s, fingerprint %s", path, time.monotonic() - t0,
+                per_token, served.kv_rest_bytes_per_token,
+                f", --kv-bits {kv_bits}" if kv_bits else "", checkpoint, dtype, kinds.layout,
+                served.fingerprint.hex()[:12])
     return served
 
 
 def fingerprint(path: Path, config: dict, kinds: CacheKinds, dtype: str, per_token: int,
                 block_tokens: int) -> bytes:
-    """Nothing restores across model, weights, KV dtype, cache kinds or block size."""
+    """Nothing restores across model, weights, KV dtype, cache kinds, block size or
+    --kv-bits (a block's header names its bits too: never read as another setting)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(json.dumps(config, sort_keys=True).encode())
     for f in sorted(path.glob("*.safetensors")):
@@ -77,6 +88,8 @@ def fingerprint(path: Path, config: dict, kinds: CacheKinds, dtype: str, per_tok
     h.update(kv.BLOCK_LAYOUT.encode())
     if kinds.checkpointed:  # a full-attention model's stores from before still read
         h.update(f"caches:{kinds.layout}".encode())
+    if kinds.quantized:  # full precision's fingerprint is as it was: its stores still read
+        h.update(kinds.quantized.encode())
     return h.digest()
 
 

@@ -97,7 +97,7 @@ def share_prefix(r: Running, batch: BatchScheduler, bank: SessionBank,
     durable = 0  # what LMDB holds of it: of the entry it continues, if it took one
     if r.handed is not None:
         durable = min(r.handed.durable_tokens, common_prefix_len(r.handed.tokens, r.tokens[:n]))
-    r.shared = bank.insert(r.session, r.tokens[:n], kinds.full_layers(cache, n),
+    r.shared = bank.insert(r.session, r.tokens[:n], kinds.full_layers(cache, n, r.at_rest),
                            checkpoints=checkpoints, durable_tokens=durable)
     metrics.PREFIX_SHARED_TOKENS.inc(n * (len(r.followers) if takers is None else takers))
 

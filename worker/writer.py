@@ -237,7 +237,8 @@ class KVWriter:
                         key=lambda r: (r[0], r not in anchor))
         views, dtype = layer_views(entry.layers), dtype_name(entry.layers)
         sizes = [encoded_views_nbytes(views, dtype, s, e, layout=self._layout(),
-                                      state=self._state(entry, e)) for s, e in ranges]
+                                      state=self._state(entry, e), bits=self._bits())
+                 for s, e in ranges]
         del views
         for (s, e), size in zip(ranges, sizes):
             if e - s == B and (s, e) not in anchor:
@@ -260,6 +261,9 @@ class KVWriter:
 
     def _layout(self) -> str:
         return self.kinds.layout if self.kinds else ""
+
+    def _bits(self) -> int | None:
+        return self.kinds.block_bits() if self.kinds else None
 
     def _state(self, entry, end: int):
         """The checkpoint standing where a block ends goes into that block."""
@@ -306,12 +310,13 @@ class KVWriter:
             return
         st.sent = end
         ranges = st.ranges[first:end]
-        views, dtype, layout = layer_views(st.entry.layers), dtype_name(st.entry.layers), self._layout()
+        views, dtype = layer_views(st.entry.layers), dtype_name(st.entry.layers)
+        layout, bits = self._layout(), self._bits()
         states = {e: self._state(st.entry, e) for _, e in ranges}
         write = st.write if first == 0 else None
 
         def send() -> None:
-            frames = [encode_views(views, dtype, s, e, layout=layout, state=states[e])
+            frames = [encode_views(views, dtype, s, e, layout=layout, state=states[e], bits=bits)
                       for s, e in ranges]
             if write is None:
                 self.client.send_payloads(job, frames)

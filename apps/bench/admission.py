@@ -21,6 +21,19 @@ import numpy as np
 GOAL_P99_MS = 1.0
 
 
+def add_arguments(p) -> None:
+    """`kvbank bench admission`'s flags."""
+    from apps.flags import model_flag
+
+    model_flag(p)
+    p.add_argument("--entries", type=int, default=1000, help="bank entries (decision run)")
+    p.add_argument("--agents", type=int, default=6)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--budget-kv-bytes", type=int, default=150_000_000,
+                   help="the worker's budget beyond the model (--memory-budget +N)")
+    p.add_argument("--json", action="store_true")
+
+
 def _decision_latency(n_entries: int, decisions: int, seed: int) -> dict:
     from kvbank.config import preload_openblas
 

@@ -19,6 +19,19 @@ MIX = (("hit", 0.6), ("partial", 0.3), ("miss", 0.1))
 GOAL_P99_MS = 2.0
 
 
+def add_arguments(p) -> None:
+    """`kvbank bench bank`'s flags."""
+    from kvbank.config import DEFAULT_BLOCK_TOKENS
+
+    p.add_argument("--entries", type=int, default=10000, help="sessions in the bank")
+    p.add_argument("--prompt-tokens", type=int, default=8192)
+    p.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
+    p.add_argument("--group-size", type=int, default=100,
+                   help="sessions sharing one system prompt (default: %(default)s)")
+    p.add_argument("--lookups", type=int, default=2000)
+    p.add_argument("--json", action="store_true")
+
+
 def _tokens(rng: np.random.Generator, n: int) -> np.ndarray:
     return rng.integers(1000, 50000, size=n, dtype=np.uint32)
 

@@ -36,6 +36,22 @@ TENANT, SESSION = "", "bench-coldstore"
 FINGERPRINT = b"bench-coldstore"
 
 
+def add_arguments(p) -> None:
+    """`kvbank bench coldstore`'s flags."""
+    from apps.flags import model_flag
+    from kvbank.config import DEFAULT_BLOCK_TOKENS
+
+    model_flag(p)
+    p.add_argument("--tokens", type=int, default=8192,
+                   help="conversation length for the read/write and recompute runs")
+    p.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
+    p.add_argument("--turns", type=int, default=20, help="turns of the amplification run")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="back-to-back raw/coldstore pairs for writes and reads; medians "
+                        "are reported (default: %(default)s)")
+    p.add_argument("--json", action="store_true")
+
+
 def _drop_page_cache(path: Path) -> None:
     """Make the next read come from the disk, not from memory (no root needed)."""
     with open(path, "rb") as f:

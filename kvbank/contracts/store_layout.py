@@ -10,7 +10,9 @@ Named databases:
     meta      b"block_bytes"           -> u64 total bytes of stored blocks (the size cap's measure)
               b"response_bytes"        -> u64 total bytes of stored responses
               b"format_version"        -> u32 STORE_FORMAT (none: a store from before it, whose
-                                          blocks are KVB1 and still read as they are)
+                                          blocks are KVB1 and still read as they are);
+                                          QUANTIZED_STORE_FORMAT once a quantized block
+                                          (KVB3, --kv-bits) is in it
 
 Only the coldstore process writes (coldstore/store.py: `ColdStore`, which adds the writes and
 the durability rule). The worker reads with a `StoreReader` (`readonly=True`): LMDB serves
@@ -35,6 +37,11 @@ BLOCK_BYTES_KEY = b"block_bytes"  # meta: total size of stored blocks, kept in t
 RESPONSE_BYTES_KEY = b"response_bytes"  # meta: total size of stored responses
 FORMAT_KEY = b"format_version"
 STORE_FORMAT = 2  # blocks with per-layer shapes, checkpoints and checksums (kvbank/blocks.py)
+# Stamped by the write of the first quantized block (`--kv-bits`), so that a kvbank from before
+# quantized blocks refuses the store as newer than it knows instead of taking its KVB3 blocks
+# for damaged ones; a full-precision store keeps STORE_FORMAT.
+QUANTIZED_STORE_FORMAT = 3
+READ_FORMAT = QUANTIZED_STORE_FORMAT  # the newest this kvbank reads
 
 
 class StoreFormatError(RuntimeError):
@@ -118,10 +125,10 @@ class StoreReader:
         with self._read_txn() as txn:
             raw = txn.get(FORMAT_KEY, db=self._db[b"meta"])
         version = struct.unpack("<I", raw)[0] if raw else 1
-        if version > STORE_FORMAT:
+        if version > READ_FORMAT:
             raise StoreFormatError(
                 f"the store in {self.path} has format {version}, newer than this kvbank's "
-                f"{STORE_FORMAT}: upgrade kvbank, or start with another --data-dir")
+                f"{READ_FORMAT}: upgrade kvbank, or start with another --data-dir")
         if not self.readonly and version < STORE_FORMAT:
             with self.env.begin(write=True) as txn:
                 txn.put(FORMAT_KEY, struct.pack("<I", STORE_FORMAT), db=self._db[b"meta"])
