@@ -82,8 +82,7 @@ class Engine:
         self.layout = layout.ensure()
         self.block_tokens = block_tokens
         self.scheduler = scheduler
-        served = load_served_model(Path(model_path), block_tokens,  # UnsupportedModel
-                                   kv_bits=kv_bits)
+        served = load_served_model(Path(model_path), block_tokens, kv_bits=kv_bits)
         self.model_path, self.model, self.tokenizer = served.path, served.model, served.tokenizer
         self.config, self.kinds, self.fingerprint = served.config, served.kinds, served.fingerprint
         self.max_context_tokens = served.max_context_tokens
