@@ -412,7 +412,8 @@ def _run_shim(args: argparse.Namespace) -> int:
     shim_main(router_address=args.router, host=args.shim_host, port=args.shim_port,
               keys=load_keys(args.api_key, args.api_keys_file), model_name=args.model_name,
               default_max_tokens=args.default_max_tokens,
-              keep_attribution=args.keep_attribution_line, record_to=args.record_requests)
+              keep_attribution=args.keep_attribution_line, record_to=args.record_requests,
+              strict_model=args.strict_model_name)
     return 0
 
 

@@ -222,10 +222,14 @@ def shim_flags(p: argparse.ArgumentParser) -> None:
             help="keep the per-request line Claude Code puts first in its system prompt "
                  "(`x-anthropic-billing-header: ...`): it differs on every request, so kept, "
                  "no turn finds its conversation's KV (default: removed before rendering)")),
+           (["--strict-model-name"], dict(action="store_true",
+            help="refuse (404) a request whose `model` is not the served model's name "
+                 "(--model-name); by default any name maps to the served model, as agents "
+                 "send their own (claude-..., gpt-...)")),
            (["--record-requests"], dict(type=Path, default=None, metavar="FILE",
             help="append each answered generation request to FILE as a JSON line: its body "
-                 "as sent, the usage and the answer it got (what an agent sends, to read or replay; "
-                 "bodies hold whole conversations; default: off)")))
+                 "as sent, the usage and the answer it got (what an agent sends, to read or "
+                 "replay; bodies hold whole conversations; default: off)")))
     auth_flags(p, "shim")
 
 

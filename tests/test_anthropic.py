@@ -370,3 +370,61 @@ def test_a_prompt_longer_than_the_context_gets_the_error_clients_compact_on(keye
     with pytest.raises(openai.BadRequestError) as info:
         oa.chat.completions.create(model="kvbank", messages=long, max_tokens=MAX_TOKENS)
     assert info.value.code == "context_length_exceeded", info.value.body
+
+
+def test_any_model_name_maps_to_the_served_model_unless_strict(keyed, tmp_path):
+    """Agents send their own model names (claude-..., gpt-...): each is served. A shim run
+    with --strict-model-name refuses them with a 404 that names the served model."""
+    import subprocess
+    import sys
+
+    from deploy.local import free_port
+    from tests.waiting import wait_until
+
+    said = _client(keyed).messages.create(model="claude-sonnet-4-5", max_tokens=MAX_TOKENS,
+                                          messages=_user("hello"), **GREEDY)
+    assert said.usage.output_tokens > 0
+    port = free_port()
+    with open(tmp_path / "shim.log", "w") as log:
+        strict = subprocess.Popen([sys.executable, "-m", "apps.cli", "shim", "--router",
+                                   keyed.address, "--shim-port", str(port), "--api-key", KEY,
+                                   "--strict-model-name"], stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            assert strict.poll() is None, (tmp_path / "shim.log").read_text()
+            try:
+                return httpx.get(url + "/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, "the strict shim to answer /health", 60)
+        c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        with pytest.raises(openai.NotFoundError) as info:
+            c.chat.completions.create(model="gpt-4o", messages=_user("hi"), max_tokens=4)
+        assert (info.value.body["code"], info.value.body["param"]) == ("model_not_found", "model")
+        assert "'kvbank'" in info.value.body["message"]
+        a = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
+        with pytest.raises(anthropic.NotFoundError):
+            a.messages.create(model="claude-sonnet-4-5", max_tokens=4, messages=_user("hi"))
+        ok = c.chat.completions.create(model="kvbank", messages=_user("hi"), max_tokens=4)
+        assert ok.usage.completion_tokens > 0
+    finally:
+        strict.terminate()
+        strict.wait(timeout=30)
+
+
+def test_a_websocket_to_responses_is_refused_and_http_still_answers(keyed):
+    """Codex tries the Responses API over a WebSocket first: the handshake is refused at
+    once, so it falls back to HTTP, which answers."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    ws_url = keyed.shim_url.replace("http://", "ws://") + "/v1/responses"
+    with pytest.raises(InvalidStatus) as info:
+        connect(ws_url, additional_headers={"Authorization": f"Bearer {KEY}"},
+                open_timeout=30).close()
+    assert 400 <= info.value.response.status_code < 500
+    c = openai.OpenAI(base_url=keyed.shim_url + "/v1", api_key=KEY, max_retries=0)
+    r = c.responses.create(model="gpt-5-codex", input="hi", max_output_tokens=4)
+    assert r.status in ("completed", "incomplete") and r.usage.output_tokens > 0

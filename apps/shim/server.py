@@ -69,8 +69,9 @@ class Shim:
 
     def __init__(self, router_address: str, keys: dict[str, str], model_name: str | None,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS, keep_attribution: bool = False,
-                 record_to: Path | None = None):
+                 record_to: Path | None = None, strict_model: bool = False):
         self.router_address = router_address
+        self.strict_model = strict_model  # refuse a `model` that is not model_name
         self.recorder = Recorder(record_to) if record_to else None
         self.keys = keys
         self.model_name = model_name or DEFAULT_MODEL_NAME
@@ -197,6 +198,17 @@ class Shim:
             return error_response(e)
         return JSONResponse(self._model())
 
+    async def _body(self, request: Request) -> object:
+        """The request's JSON; with --strict-model-name, a `model` other than the served one
+        is a 404 (by default any name maps to the served model: agents send their own)."""
+        body = await _json(request)
+        asked = body.get("model") if isinstance(body, dict) else None
+        if self.strict_model and asked is not None and asked != self.model_name:
+            raise ApiError(404, f"the model {asked!r} does not exist; this server has "
+                                f"{self.model_name!r} (--strict-model-name)",
+                           code="model_not_found", param="model")
+        return body
+
     def _model(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.started_at,
                 "owned_by": "kvbank"}
@@ -219,7 +231,8 @@ class Shim:
         Always JSON, even for a body with `"stream": true`; nothing is queued or generated."""
         try:
             metadata = self.authorize(request)
-            req = parse_render(kind, await _json(request), session_header=_session_header(request))
+            req = parse_render(kind, await self._body(request),
+                               session_header=_session_header(request))
             try:
                 out = await self.generation.Render(req.generate, metadata=metadata,
                                                    timeout=RENDER_TIMEOUT_S)
@@ -265,7 +278,7 @@ class Shim:
     async def _generate(self, request: Request, kind: str):
         try:
             metadata = self.authorize(request)
-            req = parse(kind, await _json(request), session_header=_session_header(request),
+            req = parse(kind, await self._body(request), session_header=_session_header(request),
                         default_max_tokens=self.default_max_tokens)
             answer = Answer(kind, self.model_name, include_usage=req.include_usage)
             return await self._answer(request, req.generate, metadata, req.fit_max_tokens,
@@ -332,7 +345,7 @@ class Shim:
     async def responses(self, request: Request):
         try:
             metadata = self.authorize(request)
-            body = await _json(request)
+            body = await self._body(request)
             prior = await responses_store.prior_items(self.stored, metadata, body)
             req = responses_format.parse(body, session_header=_session_header(request),
                                          default_max_tokens=self.default_max_tokens,
@@ -368,7 +381,7 @@ class Shim:
     async def messages(self, request: Request):
         try:
             metadata = self.authorize_anthropic(request)
-            req = anthropic_format.parse(await _json(request),
+            req = anthropic_format.parse(await self._body(request),
                                          session_header=_session_header(request),
                                          keep_attribution=self.keep_attribution)
             message = anthropic_format.Message(self.model_name,
@@ -382,7 +395,7 @@ class Shim:
         """`/v1/messages/count_tokens`: the prompt tokens of a Messages body (its render)."""
         try:
             metadata = self.authorize_anthropic(request)
-            req = anthropic_format.parse(await _json(request),
+            req = anthropic_format.parse(await self._body(request),
                                          session_header=_session_header(request),
                                          count_only=True,
                                          keep_attribution=self.keep_attribution)
@@ -520,9 +533,10 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 def create_app(router_address: str, keys: dict[str, str] | None = None,
                model_name: str | None = None,
                default_max_tokens: int = DEFAULT_MAX_TOKENS,
-               keep_attribution: bool = False, record_to: Path | None = None) -> Starlette:
+               keep_attribution: bool = False, record_to: Path | None = None,
+               strict_model: bool = False) -> Starlette:
     shim = Shim(router_address, keys or {}, model_name, default_max_tokens, keep_attribution,
-                record_to)
+                record_to, strict_model)
     return Starlette(
         routes=[
             Route("/health", shim.health),
@@ -548,9 +562,10 @@ def create_app(router_address: str, keys: dict[str, str] | None = None,
 
 def main(router_address: str, host: str, port: int, keys: dict[str, str],
          model_name: str | None, default_max_tokens: int = DEFAULT_MAX_TOKENS,
-         keep_attribution: bool = False, record_to: Path | None = None) -> None:
+         keep_attribution: bool = False, record_to: Path | None = None,
+         strict_model: bool = False) -> None:
     app = create_app(router_address, keys, model_name, default_max_tokens, keep_attribution,
-                     record_to)
+                     record_to, strict_model)
     # log_config=None keeps the process's logging (set up by the CLI); loop="asyncio" because
     # grpc.aio wants the standard event loop.
     config = uvicorn.Config(app, host=host, port=port, loop="asyncio", log_config=None,
