@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Literal
 
 import anthropic
 import openai
@@ -489,28 +488,14 @@ def test_the_openai_agents_sdk_runs_a_tool_loop_on_its_default_responses_model(a
     them: the SDK takes an answer cut by max_output_tokens for an error."""
     import asyncio
 
-    from agents import (Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool,
-                        set_tracing_disabled)
-    from pydantic import BaseModel
+    from agents import ModelSettings, Runner
 
-    class Done(BaseModel):
-        done: bool
+    from apps.bench.agent_record import weather_agent
 
-    set_tracing_disabled(True)
     calls = []
-
-    @function_tool
-    def get_weather(city: Literal["Paris", "Oslo", "Lima"]) -> str:  # a call that must end
-        """The weather in a city now."""
-        calls.append(city)
-        return f"12 C and rain in {city}"
-
     client = openai.AsyncOpenAI(base_url=agent_stack.shim_url + "/v1", api_key="none",
                                 max_retries=0)
-    agent = Agent(name="coder", instructions="You are a coding agent.", tools=[get_weather],
-                  model=OpenAIResponsesModel("gpt-4.1", client), output_type=Done,
-                  model_settings=ModelSettings(tool_choice="get_weather", temperature=0,
-                                               max_tokens=MAX_TOKENS))
+    agent, Done = weather_agent(client, MAX_TOKENS, on_call=calls.append)
 
     async def runs():
         first = await Runner.run(agent, f"[{uuid.uuid4().hex}] Weather in Oslo?", max_turns=4)

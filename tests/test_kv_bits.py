@@ -238,7 +238,7 @@ def test_a_quantized_conversation_continues_exactly_from_ram_ssd_and_after_kill_
     dequantize(quantize(KV)) where the worker keeps it quantized."""
     from kvbank.tiny import make_arch_model
     from tests.conftest import start_stack
-    from tests.test_model_kinds import MAX_TOKENS, TEMPLATES, _check
+    from tests.test_model_kinds import MAX_TOKENS, TEMPLATES, _check, send_back
 
     template = (TEMPLATES / "qwen_tools.jinja").read_text()
     model = make_arch_model(tmp_path_factory.mktemp("qwen3-hd32") / "model", "qwen3", seed=1,
@@ -253,12 +253,8 @@ def test_a_quantized_conversation_continues_exactly_from_ram_ssd_and_after_kill_
         for turn, where in enumerate(("first", "ram", "ssd after a release", "ssd after kill -9",
                                       "ram after a prefetch")):
             with s.client() as c:
-                if where == "ssd after a release":
-                    c.release(session)
-                elif where == "ssd after kill -9":
-                    s.wait_durable(session)
-                    s.wait_restarted("worker", s.kill9("worker"))
-                elif where == "ram after a prefetch":
+                send_back(s, c, session if turn else None, where)
+                if where == "ram after a prefetch":
                     s.wait_durable(session)
                     c.release(session)
                     hint = c.prefetch(messages=messages)

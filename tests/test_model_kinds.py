@@ -137,6 +137,16 @@ def stripping(tmp_path_factory, cache_dir):
         s.stop()
 
 
+def send_back(s, c, session: str | None, where: str) -> None:
+    """Before a returning turn: the conversation out of RAM (`ssd after a release`), or the
+    worker killed once it is on SSD (`ssd after kill -9`); `first` and `ram` leave it be."""
+    if where == "ssd after a release":
+        c.release(session)
+    elif where == "ssd after kill -9":
+        s.wait_durable(session)
+        s.wait_restarted("worker", s.kill9("worker"))
+
+
 def _check(ref: Reference, got, prompt: list[int], marks: list[int], checkpointed: bool,
            where: str, unsplit: bool = True) -> None:
     cached = got.usage["cached_tokens"]
@@ -168,11 +178,7 @@ def test_a_conversation_continues_exactly_from_ram_ssd_and_after_kill_9(
         previous = 0
         for turn, where in enumerate(("first", "ram", "ssd after a release", "ssd after kill -9")):
             with s.client() as c:
-                if where == "ssd after a release":
-                    c.release(session)
-                elif where == "ssd after kill -9":
-                    s.wait_durable(session)
-                    s.wait_restarted("worker", s.kill9("worker"))
+                send_back(s, c, session if turn else None, where)
                 prompt = c.render(messages=messages, max_tokens=MAX_TOKENS)
                 got = c.generate(messages=messages, max_tokens=MAX_TOKENS, logprobs=True)
             session = got.usage["session_id"]

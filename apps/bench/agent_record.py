@@ -136,7 +136,29 @@ def _record_agents_sdk(stack, home: Path, turns: int, context: int, log: Path) -
     import asyncio
 
     import openai
-    from agents import (Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool,
+    from agents import Runner
+
+    client = openai.AsyncOpenAI(base_url=stack.shim_url + "/v1", api_key="kvbank",
+                                max_retries=0)
+    agent, _ = weather_agent(client, MAX_TOKENS)
+
+    async def runs():
+        history: list = []
+        for i in range(0, turns, 2):
+            history.append({"role": "user", "content": f"Weather, {PROMPTS[i // 2]}"})
+            result = await Runner.run(agent, history, max_turns=4)
+            history = result.to_input_list()
+        await client.close()
+
+    asyncio.run(runs())
+
+
+def weather_agent(client, max_tokens: int, on_call=None):
+    """(agent, its output type): an Agents SDK agent on its default Responses model whose one
+    function tool, `get_weather`, it is made to call (a random model calls none of its own
+    accord); its answer is structured output, so that a random model ends it. `on_call(city)`
+    sees each call. Tracing off: its traces go to OpenAI's servers otherwise."""
+    from agents import (Agent, ModelSettings, OpenAIResponsesModel, function_tool,
                         set_tracing_disabled)
     from pydantic import BaseModel
 
@@ -148,24 +170,15 @@ def _record_agents_sdk(stack, home: Path, turns: int, context: int, log: Path) -
     @function_tool
     def get_weather(city: Literal["Paris", "Oslo", "Lima"]) -> str:
         """The weather in a city now."""
+        if on_call is not None:
+            on_call(city)
         return f"12 C and rain in {city}"
 
-    client = openai.AsyncOpenAI(base_url=stack.shim_url + "/v1", api_key="kvbank",
-                                max_retries=0)
     agent = Agent(name="coder", instructions="You are a coding agent.", tools=[get_weather],
                   model=OpenAIResponsesModel("gpt-4.1", client), output_type=Done,
                   model_settings=ModelSettings(tool_choice="get_weather", temperature=0,
-                                               max_tokens=MAX_TOKENS))
-
-    async def runs():
-        history: list = []
-        for i in range(0, turns, 2):
-            history.append({"role": "user", "content": f"Weather, {PROMPTS[i // 2]}"})
-            result = await Runner.run(agent, history, max_turns=4)
-            history = result.to_input_list()
-        await client.close()
-
-    asyncio.run(runs())
+                                               max_tokens=max_tokens))
+    return agent, Done
 
 
 RECORDERS = {"claude-code": _record_claude_code, "codex": _record_codex,
