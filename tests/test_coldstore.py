@@ -1,300 +1,29 @@
 """The coldstore as a user notices it: what lands on SSD, when, and what survives a crash.
 
 Real LMDB, real ZeroMQ and, wherever the behaviour is the process's (lanes, deadlines, crash),
-the real coldstore process started as the supervisor starts it. The "worker" is this test: a
-ColdstoreClient + KVWriter + SessionBank with synthetic KV (no model needed), saying busy or
-quiet on the worker-state channel exactly as the engine does.
+the real coldstore process started as the supervisor starts it. The "worker" is this test: the
+engine's own `Holdings` (bank, writer, records, link; worker/holdings.py) over a fake cache
+kind (a test seam: full-attention caches holding synthetic KV, no model needed), committing
+turns with the engine's commit and saying busy or quiet on the worker-state channel exactly as
+the engine does.
 """
 
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-
 from coldstore.store import ColdStore
-from kvbank.contracts.coldstore_wire import outcome_of, pb
-from kvbank.contracts.health import coldstore_up
-from kvbank.blocks import chain_block_ids, chain_root, tail_block_id
-from kvbank.config import Layout
+from kvbank.blocks import chain_block_ids, tail_block_id
+from kvbank.contracts.coldstore_wire import outcome_of
+from tests.coldstore_rig import (B, TENANT, Disk, assert_kv_bit_equal, check_record_against_kv,
+                                 concat_kv, make_kv, root_for, start, tokens)  # noqa: F401
 from tests.waiting import wait_until
 from worker import kv
-from worker.bank import SessionBank
-from worker.link import ColdstoreClient
-from worker.writer import KVWriter
-
-B = 16
-FP = b"test-coldstore-fingerprint"
-TENANT = "acme"
-
-
-def root_for(tenant: str):
-    return chain_root(FP, tenant)
-
-
-# -- synthetic KV -----------------------------------------------------------------------------
-
-def make_kv(n: int, seed: int, *, dtype=mx.float32, n_layers: int = 2, heads: int = 2,
-            dim: int = 8) -> kv.Layers:
-    """Per-layer (1, H, n, D) K and V whose bits are random (every pattern, NaNs included)."""
-    rng = np.random.default_rng(seed)
-    shape = (1, heads, n, dim)
-    layers = []
-    for _ in range(n_layers):
-        pair = []
-        for _ in range(2):
-            if dtype == mx.bfloat16:
-                a = mx.array(rng.integers(0, 1 << 16, shape, dtype=np.uint16)).view(mx.bfloat16)
-            elif dtype == mx.float32:
-                a = mx.array(rng.integers(0, 1 << 32, shape, dtype=np.uint32)).view(mx.float32)
-            else:
-                raise ValueError(dtype)
-            pair.append(a)
-        layers.append(tuple(pair))
-    mx.eval(layers)
-    return layers
-
-
-def concat_kv(a: kv.Layers, b: kv.Layers) -> kv.Layers:
-    out = [(mx.concatenate([ka, kb], axis=2), mx.concatenate([va, vb], axis=2))
-           for (ka, va), (kb, vb) in zip(a, b)]
-    mx.eval(out)
-    return out
-
-
-def slice_kv(layers: kv.Layers, start: int, end: int) -> kv.Layers:
-    return [(k[:, :, start:end, :], v[:, :, start:end, :]) for k, v in layers]
-
-
-def bits(a: mx.array) -> np.ndarray:
-    a = mx.contiguous(a)
-    if a.dtype == mx.bfloat16:
-        a = a.view(mx.uint16)
-    elif a.dtype == mx.float32:
-        a = a.view(mx.uint32)
-    else:
-        raise AssertionError(f"unexpected dtype {a.dtype}")
-    return np.array(a)
-
-
-def assert_kv_bit_equal(got: kv.Layers, want: kv.Layers, what: str) -> None:
-    assert len(got) == len(want), f"{what}: {len(got)} layers, want {len(want)}"
-    for i, ((gk, gv), (wk, wv)) in enumerate(zip(got, want)):
-        for name, g, w in (("K", gk, wk), ("V", gv, wv)):
-            assert g.dtype == w.dtype, f"{what}: layer {i} {name} dtype {g.dtype} != {w.dtype}"
-            assert g.shape == w.shape, f"{what}: layer {i} {name} shape {g.shape} != {w.shape}"
-            assert np.array_equal(bits(g), bits(w)), f"{what}: layer {i} {name} bits differ"
-
-
-def tokens(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(100, 50_000, n).astype(np.uint32)
-
-
-# -- the store on disk, read as the worker reads it (read-only, beside the writer) ------------
-
-class Disk:
-    def __init__(self, store_dir: Path):
-        self.store_dir = store_dir
-
-    def _open(self) -> ColdStore:
-        return ColdStore(self.store_dir, readonly=True)
-
-    def record(self, session_id: str, tenant: str = TENANT):
-        s = self._open()
-        try:
-            return s.get_session(tenant, session_id)
-        finally:
-            s.close()
-
-    def durable(self, session_id: str, tenant: str = TENANT) -> int:
-        got = self.record(session_id, tenant)
-        return got[0].durable_tokens if got else 0
-
-    def stats(self) -> dict:
-        s = self._open()
-        try:
-            return s.stats()
-        finally:
-            s.close()
-
-    def blocks(self, ids) -> list[bytes | None]:
-        s = self._open()
-        try:
-            return s.get_blocks(list(ids))
-        finally:
-            s.close()
-
-
-def check_record_against_kv(disk: Disk, session_id: str, want: kv.Layers, want_tokens,
-                            what: str):
-    """Every block the record names exists, decodes, and equals its slice of `want` bitwise."""
-    got = disk.record(session_id)
-    assert got is not None, f"{what}: no record for {session_id}"
-    meta, toks = got
-    assert np.array_equal(toks, want_tokens), f"{what}: record's tokens differ"
-    ids = meta.block_ids()
-    payloads = disk.blocks(ids)
-    missing = [i for i, p in enumerate(payloads) if p is None]
-    assert not missing, f"{what}: record names blocks {missing} that the store lacks"
-    for i, p in enumerate(payloads):
-        start = i * meta.block_tokens
-        end = start + (meta.tail_tokens if (meta.tail and i == len(ids) - 1) else meta.block_tokens)
-        assert_kv_bit_equal(kv.decode_blocks([p]), slice_kv(want, start, end),
-                            f"{what}: block {i} [{start}, {end})")
-    if payloads:
-        assert_kv_bit_equal(kv.decode_blocks(payloads), slice_kv(want, 0, meta.durable_tokens),
-                            f"{what}: all blocks concatenated")
-    return meta
-
-
-# -- the coldstore process and the worker's side of the link ----------------------------------
-
-
-class ColdstoreProc:
-    def __init__(self, data_dir: Path, *, max_dirty_s: float = 3600.0,
-                 quiet_grace_s: float = 0.05, tail_delay_s: float = 0.0,
-                 payload_stall_s: float = 30.0):
-        self.layout = Layout(data_dir).ensure()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "apps.cli", "coldstore", "--data-dir", str(data_dir),
-             "--quiet-grace-s", str(quiet_grace_s), "--max-dirty-s", str(max_dirty_s),
-             "--tail-delay-s", str(tail_delay_s), "--payload-stall-s", str(payload_stall_s)])
-        wait_up(self.proc, self.layout)
-
-    def kill9(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-
-
-def wait_up(proc: subprocess.Popen, layout: Layout, timeout_s: float = 30) -> None:
-    """Until the coldstore process answers a ping (it must not exit meanwhile)."""
-    def up() -> bool:
-        assert proc.poll() is None, f"coldstore exited with {proc.returncode}"
-        return coldstore_up(layout.coldstore_address)
-
-    wait_until(up, "the coldstore to answer a ping", timeout_s)
-
-
-class Link:
-    """The worker's side: client, writer, bank, and a log of the coldstore's acknowledgements
-    (`progress`, `done`, `retired` messages) and of the ops the worker sent unasked."""
-
-    def __init__(self, layout: Layout):
-        self.layout = layout
-        self.disk = Disk(layout.store_dir)
-        self.events: list[pb.Message] = []
-        self.sent: list[dict] = []  # each send's op, e.g. {"write": pb.Write(...)}
-        self._lock = threading.Lock()
-        self.client = ColdstoreClient(layout, on_event=self._on_event)
-        self.client.start()
-        self.writer = KVWriter(self.client, block_tokens=B, root_for=root_for)
-        self.bank = SessionBank(block_tokens=B, root_for=root_for, max_bytes=1 << 30,
-                                active_pin_s=0, writer=self.writer)
-        send = self.client.send
-
-        def recording_send(frames=(), **op):
-            self.sent.append(op)
-            send(frames=frames, **op)
-
-        self.client.send = recording_send
-        self.set_busy(True)
-
-    def _on_event(self, msg: pb.Message) -> None:
-        self.writer.deliver(msg)  # the test thread (its owner) applies it
-        with self._lock:
-            self.events.append(msg)
-
-    def sent_writes(self) -> list[pb.Write]:
-        return [op["write"] for op in self.sent if "write" in op]
-
-    def close(self) -> None:
-        if self.client is not None:
-            self.writer.close()  # its thread sends no more before the link's sockets close
-            self.client.close()
-            self.client = None
-
-    def ping(self) -> pb.PingReply:
-        return self.client.ping(timeout_s=5)
-
-    def set_busy(self, busy: bool, timeout_s: float = 10) -> None:
-        """Say busy/quiet and wait until the coldstore has heard it (PUB/SUB joins late)."""
-        self.client.set_busy(busy)
-        want = "busy" if busy else "quiet"
-        wait_until(lambda: self.ping().worker_state == want,
-                   f"the coldstore to see the worker {want}", timeout_s, every_s=0.02)
-
-    def put_session(self, session_id: str, toks: np.ndarray) -> int:
-        return self.client.put_session(TENANT, session_id, B, toks.tobytes())
-
-    def wait_queued(self, job: int, timeout_s: float = 10) -> None:
-        """Until the coldstore holds the job, its first block's payload with it (that block
-        could be written from then on)."""
-        wait_until(lambda: job in self.ping().jobs, f"the coldstore to hold job {job}",
-                   timeout_s, every_s=0.01)
-
-    def turn(self, session_id: str, toks: np.ndarray, layers: kv.Layers, *, write: bool = True):
-        """Commit a turn as the engine does: record, bank entry, queued write-behind."""
-        self.put_session(session_id, toks)
-        e = self.bank.insert((TENANT, session_id), toks, layers)
-        if write:
-            assert self.writer.write_behind(e) is not None
-            self.writer.drain()  # encoded and sent (the kv-encode thread)
-        return e
-
-    def done(self, job: int) -> pb.Done | None:
-        with self._lock:
-            return next((m.done for m in self.events
-                         if m.WhichOneof("kind") == "done" and m.done.job == job), None)
-
-    def wait_done(self, job: int, timeout_s: float = 10) -> pb.Done:
-        return wait_until(lambda: self.done(job), f"the coldstore's 'done' for job {job}",
-                          timeout_s, every_s=0.01)
-
-    def progress(self, job: int) -> list[pb.Progress]:
-        with self._lock:
-            return [m.progress for m in self.events
-                    if m.WhichOneof("kind") == "progress" and m.progress.job == job]
-
-    def wait_durable(self, session_id: str, n: int, timeout_s: float = 10, what: str = "") -> None:
-        wait_until(lambda: self.disk.durable(session_id) >= n,
-                   f"{what or session_id}: {n} tokens durable", timeout_s, every_s=0.02)
-
-
-@pytest.fixture
-def start(tmp_path):
-    """start(max_dirty_s=...) -> (ColdstoreProc, Link); everything is stopped afterwards."""
-    procs: list[ColdstoreProc] = []
-    links: list[Link] = []
-
-    def _start(**kw) -> tuple[ColdstoreProc, Link]:
-        p = ColdstoreProc(tmp_path / "data", **kw)
-        procs.append(p)
-        link = Link(p.layout)
-        links.append(link)
-        return p, link
-
-    yield _start
-    for link in links:
-        link.close()
-    for p in procs:
-        p.stop()
 
 
 # -- 1. shared prefixes are stored once ---------------------------------------------------------
@@ -376,7 +105,7 @@ def test_partial_tail_waits_so_quick_turns_write_each_token_once(start):
     t1, kv1 = tokens(40, seed=12), make_kv(40, seed=12)  # 2 full blocks + tail of 8
     link.turn("q", t1, kv1)
     link.wait_durable("q", 32, what="turn 1's full blocks")
-    block = len(kv.encode_range(kv1, 0, B))
+    block = link.block_bytes(kv1)
     assert link.ping().written_bytes == 2 * block
     assert link.disk.durable("q") == 32, "the young tail was written at once"
 
@@ -386,7 +115,7 @@ def test_partial_tail_waits_so_quick_turns_write_each_token_once(start):
     link.wait_durable("q", 64, what="turn 2's full blocks")
     assert outcome_of(link.wait_done(e2.write_job, timeout_s=20)) == "written"
     check_record_against_kv(link.disk, "q", kv2, t2, "after the tail delay")
-    tail = len(kv.encode_range(kv2, 64, 72))
+    tail = link.block_bytes(kv2, 64, 72)
     assert link.ping().written_bytes == 4 * block + tail, "some KV was written twice"
 
 
@@ -498,7 +227,7 @@ def test_kv_round_trips_bit_exactly(tmp_path, dtype):
 # -- 7. kill -9 mid-write ----------------------------------------------------------------------
 
 def test_kill_9_during_a_write_leaves_only_correct_blocks(start):
-    proc, link = start()
+    proc, link = start(n_layers=4)
     n = 2048 + 8  # 128 full blocks and a tail
     t = tokens(n, seed=70)
     layers = make_kv(n, seed=70, n_layers=4, heads=4, dim=64)  # 128 KiB per block
@@ -519,7 +248,7 @@ def test_kill_9_during_a_write_leaves_only_correct_blocks(start):
     assert link.disk.stats()["blocks"] == len(meta.blocks), "blocks no record names survived"
 
     # A restarted coldstore on the same store takes the job again and finishes it.
-    proc2, link2 = start()
+    proc2, link2 = start(n_layers=4)
     e2 = link2.bank.insert((TENANT, "crash"), t, layers, durable_tokens=d)
     job2 = link2.writer.write_behind(e2)
     link2.writer.drain()

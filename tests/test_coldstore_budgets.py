@@ -72,7 +72,7 @@ def test_store_cap_retires_the_least_recently_used_kv_and_keeps_its_history(tmp_
     rig = Rig(probe.layout, model)
     e = rig.turn("size", 40, seed=1)
     rig.let_idle_lane_write(e)
-    one = ColdStore(probe.layout.store_dir, readonly=True).block_bytes()
+    one = rig.holdings.restorer.store().block_bytes()  # the worker's read-only view
     rig.close()
     probe.stop()
 
@@ -84,11 +84,10 @@ def test_store_cap_retires_the_least_recently_used_kv_and_keeps_its_history(tmp_
         second = rig.turn("second", 40, seed=3)
         rig.let_idle_lane_write(second)
         assert rig.durable_on_disk("first") == 0  # retired: its KV left the store...
-        store = ColdStore(cs.layout.store_dir, readonly=True)
+        store = rig.holdings.restorer.store()
         meta, toks = store.get_session("", "first")
         assert len(toks) == 40  # ...but its token history stays
         assert store.block_bytes() <= one * 1.5
-        store.close()
     finally:
         rig.close()
         cs.stop()

@@ -1,8 +1,8 @@
 """Write jobs whose payloads stream in behind their header: the coldstore starts committing
 before the whole job has arrived, and a job whose payloads stop coming does not wait forever.
 
-The same rig as test_coldstore.py: the real coldstore process, real ZeroMQ and LMDB, this test
-as the worker.
+The rig of tests/coldstore_rig.py: the real coldstore process, real ZeroMQ and LMDB, the
+engine's holdings driven by this test as the worker.
 """
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ import time
 import zmq
 
 from kvbank.contracts.coldstore_wire import outcome_of, pb
-from tests import test_coldstore
-from tests.test_coldstore import B, TENANT, Link, check_record_against_kv, make_kv, tokens
-
-start = test_coldstore.start  # the fixture: a coldstore process and the worker's link to it
+from tests.coldstore_rig import (B, TENANT, Link, check_record_against_kv, make_kv,  # noqa: F401
+                                 start, tokens)  # start: the fixture
 
 
 class HeldPayloads:

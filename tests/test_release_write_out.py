@@ -1,9 +1,11 @@
 """The seed PRs' scenarios: release with write-out, and trims that keep unwritten work.
 
-Real SessionBank with real MLX caches from the tiny model, real coldstore process, real
-ZeroMQ and LMDB. The "engine" is this test: it says busy on the worker-state channel, so the
-coldstore's idle lane writes nothing unless a test lets it (quiet) or a release promotes a
-job to a deadline.
+The engine's own `Holdings` (worker/holdings.py: its bank, writer, records and coldstore link)
+over the tiny model's real MLX caches, a real coldstore process, real ZeroMQ and LMDB. Each
+turn is committed by `Holdings.commit`, the code the engine runs. The engine's thread is this
+test: it pumps the coldstore's word as the engine's loop does, and it says busy on the
+worker-state channel, so the coldstore's idle lane writes nothing unless a test lets it
+(quiet) or a release promotes a job to a deadline.
 """
 
 from __future__ import annotations
@@ -15,16 +17,14 @@ import time
 import numpy as np
 import pytest
 
-from coldstore.store import ColdStore
 from kvbank.contracts.health import coldstore_up
 from kvbank.blocks import chain_root
 from kvbank.config import Layout
 from tests.waiting import wait_until
-from worker import kv
 from worker.bank import SessionBank
-from worker.link import ColdstoreClient
+from worker.cache_kinds import CacheKinds
+from worker.holdings import Holdings
 from worker.upkeep import keep_within_cap, pressure_trim, write_ahead
-from worker.writer import KVWriter
 
 B = 16
 FP = b"test-release-fingerprint"
@@ -67,37 +67,49 @@ def coldstore(tmp_path):
     proc.wait(timeout=30)
 
 
-class Rig:
-    """A bank wired to the coldstore as the worker wires it."""
+def forward(model, n_tokens: int, seed: int) -> tuple[np.ndarray, list]:
+    """`n_tokens` random prompt tokens and the model's caches after reading them."""
+    from mlx_lm.models.cache import make_prompt_cache
+    import mlx.core as mx
 
-    def __init__(self, layout: Layout | None, model):
+    tokens = np.random.default_rng(seed).integers(100, 5000, n_tokens).astype(np.uint32)
+    cache = make_prompt_cache(model)
+    model(mx.array(tokens)[None], cache=cache)
+    return tokens, cache
+
+
+def bank_without_coldstore(model, session_id: str, n_tokens: int, seed: int) -> SessionBank:
+    """A bank with no writer (no coldstore configured) holding one turn."""
+    bank = SessionBank(block_tokens=B, root_for=root_for, max_bytes=1 << 30, active_pin_s=0,
+                       writer=None)
+    tokens, cache = forward(model, n_tokens, seed)
+    bank.insert(("", session_id), tokens, CacheKinds.of(model).freeze(cache, n_tokens)[0])
+    return bank
+
+
+class Rig:
+    """The engine's holdings wired to the coldstore at `layout`, owned by the test's thread."""
+
+    def __init__(self, layout: Layout, model):
         self.model = model
         self.layout = layout
-        self.client = self.writer = None
-        if layout is not None:
-            self.client = ColdstoreClient(layout, on_event=lambda m: self.writer.deliver(m))
-            self.client.start()
-            self.client.set_busy(True)
-            self.wait_worker_state("busy")
-            self.writer = KVWriter(self.client, block_tokens=B, root_for=root_for)
-        self.bank = SessionBank(block_tokens=B, root_for=root_for, max_bytes=1 << 30,
-                                active_pin_s=0, writer=self.writer)
+        self.holdings = Holdings(layout, kinds=CacheKinds.of(model), fingerprint=FP,
+                                 block_tokens=B, bank_bytes=1 << 30, active_pin_s=0)
+        self.client, self.writer = self.holdings.coldstore, self.holdings.writer
+        self.bank = self.holdings.bank
+        self.client.set_busy(True)
+        self.wait_worker_state("busy")
 
-    def turn(self, session_id: str, n_tokens: int, seed: int, write: bool = True):
-        """Commit a turn as the engine does: record, bank entry, queued write."""
-        from mlx_lm.models.cache import make_prompt_cache
-        import mlx.core as mx
+    def turn(self, session_id: str, n_tokens: int, seed: int):
+        """A finished turn of `n_tokens`, committed."""
+        return self.commit(session_id, *forward(self.model, n_tokens, seed))
 
-        tokens = np.random.default_rng(seed).integers(100, 5000, n_tokens).astype(np.uint32)
-        cache = make_prompt_cache(self.model)
-        self.model(mx.array(tokens)[None], cache=cache)
+    def commit(self, session_id: str, tokens: np.ndarray, cache: list):
+        """As the engine commits a turn: record, bank entry, write-behind job, the cap's
+        policies. Its bank entry."""
         session = ("", session_id)
-        if self.client is not None:
-            self.client.put_session("", session_id, B, tokens.tobytes())
-        e = self.bank.insert(session, tokens, kv.freeze(cache, n_tokens))
-        if write and self.writer is not None:
-            self.writer.write_behind(e)
-        return e
+        self.holdings.commit(session, tokens, cache)
+        return self.bank.terminal(session)
 
     def wait_worker_state(self, state: str, timeout_s: float = 10) -> None:
         """Until the coldstore has heard our busy/quiet signal (PUB/SUB joins late)."""
@@ -105,25 +117,25 @@ class Rig:
                    f"the coldstore to see the worker {state}", timeout_s, every_s=0.02)
 
     def durable_on_disk(self, session_id: str) -> int:
-        store = ColdStore(self.layout.store_dir, readonly=True)
-        try:
-            got = store.get_session("", session_id)
-            return got[0].durable_tokens if got else 0
-        finally:
-            store.close()
+        """The record in LMDB, read through the worker's own read-only view of the store (one
+        process opens an LMDB environment once)."""
+        got = self.holdings.restorer.store().get_session("", session_id)
+        return got[0].durable_tokens if got else 0
+
+    def heard(self, e) -> bool:
+        """Applies the coldstore's word (the engine's loop does it every turn): `e` known
+        written in full."""
+        self.writer.pump()
+        return e.durable_tokens >= e.n_tokens and not e.awaits_queued_write
 
     def let_idle_lane_write(self, e, timeout_s: float = 20) -> None:
         self.client.set_busy(False)
-        wait_until(lambda: self.durable_on_disk(e.session[1]) >= e.n_tokens,
-                   f"the idle lane to write {e.session[1]}", timeout_s)
-        self.bank.mark_durable(e.session, e.n_tokens)
+        wait_until(lambda: self.heard(e), f"the idle lane to write {e.session[1]}", timeout_s)
         self.client.set_busy(True)
         self.wait_worker_state("busy")
 
     def close(self):
-        if self.client is not None:
-            self.writer.close()  # its thread sends no more before the link's sockets close
-            self.client.close()
+        self.holdings.close()
 
 
 @pytest.fixture
@@ -186,11 +198,10 @@ def test_an_entry_already_on_disk_is_not_written_again(rig):
 
 
 def test_no_coldstore_changes_nothing(model):
-    rig = Rig(None, model)
-    rig.turn("f", 40, seed=7)
-    r = rig.bank.release_sessions(None, reason="admission", write_out_before_release=True)
+    bank = bank_without_coldstore(model, "f", 40, seed=7)
+    r = bank.release_sessions(None, reason="admission", write_out_before_release=True)
     assert r.written_out_entries == 0 and r.rows[0].dropped_entries == 1
-    assert not rig.bank.entries
+    assert not bank.entries
 
 
 def test_a_session_that_starts_a_request_is_not_written(rig):
@@ -203,9 +214,10 @@ def test_a_session_that_starts_a_request_is_not_written(rig):
 
 
 def test_warning_trim_keeps_the_unwritten_and_takes_one_on_ssd(rig):
-    unwritten = rig.turn("old-unwritten", 40, seed=9)
     on_ssd = rig.turn("newer-on-ssd", 40, seed=10)
-    rig.let_idle_lane_write(on_ssd)
+    rig.let_idle_lane_write(on_ssd)  # before: the idle lane writes all that is queued
+    unwritten = rig.turn("old-unwritten", 40, seed=9)
+    rig.bank.touch(on_ssd)  # the unwritten one is the least recently used
     receipt = rig.bank.shrink_to_bytes(unwritten.nbytes, reason="pressure_trim:warning",
                                        protect_unwritten=True)
     assert list(rig.bank.entries) == [unwritten.key]
@@ -223,16 +235,15 @@ def test_warning_trim_keeps_the_unwritten_and_takes_one_on_ssd(rig):
 
 
 def test_without_coldstore_the_trim_takes_the_entry_as_before(model):
-    rig = Rig(None, model)
-    rig.turn("h", 40, seed=11)
-    receipt = rig.bank.shrink_to_bytes(0, reason="pressure_trim:warning", protect_unwritten=True)
+    bank = bank_without_coldstore(model, "h", 40, seed=11)
+    receipt = bank.shrink_to_bytes(0, reason="pressure_trim:warning", protect_unwritten=True)
     assert receipt.evicted_entries == 1 and receipt.unwritten_kept == 0
 
 
 def test_critical_trim_takes_everything_idle_and_counts_the_unwritten(rig):
-    rig.turn("i", 40, seed=12)
     durable = rig.turn("j", 40, seed=13)
-    rig.let_idle_lane_write(durable)
+    rig.let_idle_lane_write(durable)  # before: the idle lane writes all that is queued
+    rig.turn("i", 40, seed=12)
     receipt = rig.bank.shrink_to_bytes(0, reason="pressure_trim:critical")
     assert receipt.evicted_entries == 2 and receipt.unwritten_dropped == 1
     assert rig.bank.total_nbytes == 0
@@ -276,16 +287,16 @@ def test_ledger_counts_entries_running_requests_and_staged_bytes(rig):
 def test_staging_at_its_cap_puts_the_hand_over_off_and_keeps_the_entry_protected(rig):
     """Bounded staging, without stalling the engine: at the cap the second hand-over waits in
     RAM marked to be sent again, protected from trims, and goes once the first is on SSD."""
-    first = rig.turn("s1", 40, seed=21, write=False)
-    rig.writer.write_behind(first)
-    assert rig.writer.staged_bytes > 0
+    first = rig.turn("s1", 40, seed=21)  # its commit hands its write over
+    assert first.write_job is not None and rig.writer.staged_bytes > 0
     rig.writer.staging_max_bytes = rig.writer.staged_bytes + 1  # room for one entry
     assert rig.durable_on_disk("s1") == 0  # busy: the idle lane has not written it
 
-    second = rig.turn("s2", 40, seed=22, write=False)
+    tokens, cache = forward(rig.model, 40, seed=22)
     t0 = time.monotonic()
-    assert rig.writer.write_behind(second) is None  # at the cap: nothing handed over...
-    assert time.monotonic() - t0 < 1.0  # ...and no wait on the caller's thread
+    second = rig.commit("s2", tokens, cache)
+    assert second.write_job is None  # at the cap: nothing handed over...
+    assert time.monotonic() - t0 < 1.0  # ...and no wait on the committing thread
     assert rig.writer.staging_deferred == 1
     assert second.write_pending and second.awaits_queued_write
 
@@ -331,17 +342,19 @@ def test_under_a_binding_cap_the_next_release_is_written_ahead_and_then_does_not
     rig.bank.max_bytes = 3 * newest.nbytes
     assert keep_within_cap(rig.bank, protect_keys=(newest.key,)) is None  # all three fit
     assert write_ahead(rig.bank) == 1
-    wait_until(lambda: rig.durable_on_disk("old") == 48,
-               "the oldest conversation to be written ahead", 20)
-    rig.bank.mark_durable(old.session, 48)  # as the engine does on the coldstore's word
+    wait_until(lambda: rig.heard(old), "the oldest conversation to be written ahead", 20)
     assert mid.awaits_queued_write and newest.awaits_queued_write
     assert rig.durable_on_disk("mid") == rig.durable_on_disk("newest2") == 0
-    back = rig.turn("back", 48, seed=44)
-    r = keep_within_cap(rig.bank, protect_keys=(back.key,))
+    released = len(rig.bank.receipts)
+    back = rig.turn("back", 48, seed=44)  # its commit keeps the bank within the cap
     assert rig.bank.total_nbytes <= rig.bank.max_bytes
-    assert r is None  # the LRU trim took the oldest, on SSD: no write-out, no wait
+    # The LRU trim took the oldest, on SSD: no release, no write-out, no wait.
+    assert not [r for r in list(rig.bank.receipts)[released:] if r.kind == "release_write_out"]
+    last = rig.bank.eviction_log[-1]
+    assert (last.session_id, last.reason, last.release_write_out) == ("old", "bank_budget",
+                                                                       None)
     assert set(rig.bank.entries) == {mid.key, newest.key, back.key}
-    assert write_ahead(rig.bank) == 1  # and again: the next one to go is written now
+    # And again: the commit wrote the next one to go ahead, while the worker is busy.
     wait_until(lambda: rig.durable_on_disk("mid") == 48, "mid to be written ahead", 20)
     assert rig.durable_on_disk("newest2") == 0
 
@@ -386,9 +399,10 @@ def test_a_write_ahead_that_runs_out_of_time_keeps_the_entry_protected(slow_rig)
     from trims and is sent again, as the engine marks it on the coldstore's answer."""
     from kvbank.contracts import coldstore_wire as wire
 
-    ended = {}
-    slow_rig.writer.on_message = lambda m: (m.WhichOneof("kind") == "done"
-                                            and ended.setdefault(m.done.job, m.done))
+    ended, engine_hears = {}, slow_rig.writer.on_message
+    slow_rig.writer.on_message = lambda m: (
+        m.WhichOneof("kind") == "done" and ended.setdefault(m.done.job, m.done),
+        engine_hears(m))  # as the engine marks the entry on the coldstore's answer
     e = slow_rig.turn("ahead", 160, seed=51)
     job = e.write_job
     assert slow_rig.writer.write_ahead(e, give_up_at=time.time() + 1.0)
@@ -396,8 +410,6 @@ def test_a_write_ahead_that_runs_out_of_time_keeps_the_entry_protected(slow_rig)
                "the promoted write to end", 20)
     outcome = wire.outcome_of(ended[job])
     assert outcome == "deadline"
-    slow_rig.bank.mark_durable(e.session, ended[job].durable_tokens, lowered=True)
-    slow_rig.bank.mark_write_done(e.session, job, outcome)
     assert slow_rig.durable_on_disk("ahead") == 0  # all or nothing
     assert e.awaits_queued_write and e.write_pending
     r = slow_rig.bank.shrink_to_bytes(0, reason="test", protect_unwritten=True)

@@ -1,5 +1,5 @@
 """Scale: a conversation of a gigabyte through the real bank, writer and coldstore (the Link
-rig of tests/test_coldstore.py), its memory sampled through the write. Apart from the unit
+rig of tests/coldstore_rig.py), its memory sampled through the write. Apart from the unit
 tier (`make test-fast`): it moves a gigabyte."""
 
 from __future__ import annotations
@@ -7,9 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
-from tests.test_coldstore import B, make_kv, start, tokens  # noqa: F401 (start: a fixture)
+from tests.coldstore_rig import B, make_kv, start, tokens  # noqa: F401 (start: a fixture)
 from tests.waiting import wait_until
-from worker import kv
 
 
 def test_a_gigabyte_conversation_is_written_without_a_copy_of_it(start):
@@ -18,10 +17,10 @@ def test_a_gigabyte_conversation_is_written_without_a_copy_of_it(start):
     coldstore's (RSS sampled every few ms through the write), and every block lands whole."""
     import psutil
 
-    proc, link = start()
+    proc, link = start(n_layers=8)
     n = 1024 * B
     t, layers = tokens(n, seed=30), make_kv(n, seed=30, n_layers=8, heads=8, dim=128)
-    block = kv.encoded_views_nbytes(kv.layer_views(layers), "float32", 0, B)
+    block = link.block_bytes(layers)
     assert sum(k.nbytes + v.nbytes for k, v in layers) == 1 << 30
     slack = link.writer.window_bytes + 8 * block + (48 << 20)  # the window, a few blocks, noise
     me, coldstore = psutil.Process(), psutil.Process(proc.proc.pid)

@@ -1,5 +1,5 @@
 """Write jobs that stream, and blocks dropped for a failed checksum, through the real
-coldstore and the worker's link, writer and bank (the Link rig of tests/test_coldstore.py)."""
+coldstore and the worker's link, writer and bank (the Link rig of tests/coldstore_rig.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import numpy as np
 
 from kvbank.blocks import chain_block_ids
 from kvbank.contracts.coldstore_wire import pb
-from tests.test_coldstore import (B, TENANT, check_record_against_kv, concat_kv, make_kv,  # noqa: F401
+from tests.coldstore_rig import (B, TENANT, check_record_against_kv, concat_kv, make_kv,  # noqa: F401
                                   root_for, start, tokens)
 from tests.waiting import wait_until
-from worker import kv
 
 
 def test_a_corrupt_block_shared_by_two_sessions_is_dropped_from_both(start):
@@ -43,7 +42,7 @@ def test_a_write_streams_a_window_of_blocks_ahead_of_the_commits(start):
     _, link = start()  # the rig says busy: the idle lane commits nothing yet
     n = 10 * B
     t, layers = tokens(n, seed=20), make_kv(n, seed=20)
-    block = kv.encoded_views_nbytes(kv.layer_views(layers), "float32", 0, B)
+    block = link.block_bytes(layers)
     link.writer.window_bytes = 2 * block
     link.turn("big", t, layers)
     wait_until(lambda: link.ping().staged_bytes == 2 * block, "the first window staged")
@@ -61,7 +60,7 @@ def test_a_stream_stops_when_a_request_takes_its_entry_and_goes_on_when_given_ba
     _, link = start()
     n = 8 * B
     t, layers = tokens(n, seed=21), make_kv(n, seed=21)
-    link.writer.window_bytes = kv.encoded_views_nbytes(kv.layer_views(layers), "float32", 0, B)
+    link.writer.window_bytes = link.block_bytes(layers)
     e = link.turn("taken", t, layers)
     link.bank.hand_over(e)
     link.set_busy(False)

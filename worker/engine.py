@@ -1,5 +1,5 @@
-"""The engine: the one thread that owns the model, the SessionBank, the KV writer and the
-conversation records.
+"""The engine: the one thread that owns the model, the scheduler and, through its `Holdings`
+(worker/holdings.py), the SessionBank, the KV writer and the conversation records.
 
 It is an actor. Other threads never touch what it owns: they post commands
 (worker/commands.py) to its queue and read the `Snapshot` it publishes whole after every turn
@@ -28,32 +28,27 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvbank import events, metrics
+from kvbank import metrics
 from kvbank.blocks import BlockId, chain_block_ids, chain_root, common_prefix_len
 from kvbank.config import Layout
-from kvbank.contracts import coldstore_wire as wire
-from kvbank.contracts.failures import ColdstoreUnavailable, InvalidRequest, Refused
+from kvbank.contracts.failures import InvalidRequest, Refused
 from kvbank.contracts.pricing import Pricing
-from kvbank.contracts.vocabulary import Decision, Outcome, TrimReason
+from kvbank.contracts.vocabulary import Decision, TrimReason
 from kvbank.v1 import api_pb2, worker_pb2
 from worker import commands as cmd
 from worker import upkeep
 from worker.admission import (SchedulerConfig, calibrate, give_back_freed_memory, held_bytes,
                               make_room, memory_budget_bytes, mlx_cache_limit, resident_bytes,
                               serve_buffers_from_the_heap)
-from worker.bank import MAX_CHECKPOINTS, SessionBank, SessionKey
+from worker.bank import MAX_CHECKPOINTS, SessionKey
 from worker.served_model import load_served_model
-from worker.conversations import Conversations
 from worker.guard import Guard
-from worker.kv_events import EventsConfig, KVEvents, Publisher, held_conversations
-from worker.lineage import is_anonymous
-from worker.link import ColdstoreClient
+from worker.holdings import Holdings
+from worker.kv_events import EventsConfig, KVEvents, Publisher
 from worker.prefetch import Prefetcher
-from worker.restore import Restorer
 from worker import reports, sharing
 from worker.decoding import Decodings
 from worker.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running, warm_up
-from worker.writer import KVWriter
 
 logger = logging.getLogger(__name__)
 
@@ -94,39 +89,16 @@ class Engine:
         self.checkpoint_every = served.checkpoint_every(checkpoint_every, block_tokens)
         self.decodings = Decodings(self.tokenizer, self.vocab_size, self.model_path.name)
         self._queue: queue.Queue = queue.Queue()
-        self.coldstore = ColdstoreClient(layout, on_event=lambda msg: self.writer.deliver(msg))
-        self.writer = KVWriter(self.coldstore, block_tokens=block_tokens, root_for=self.root_for,
-                               kinds=self.kinds,
-                               staging_max_bytes=staging_max_bytes,
-                               on_message=self._on_coldstore_message, wake=self._wake)
-        self.coldstore.start()
-        self.bank = SessionBank(block_tokens=block_tokens, root_for=self.root_for,
-                                max_bytes=bank_bytes, writer=self.writer,
-                                active_pin_s=active_pin_s,
-                                restore_point=self.kinds.restore_point,
-                                max_checkpoints=max_checkpoints)
-        self.bank.write_out_deadline_s = write_out_deadline_s
-        self.conversations = Conversations(root_for=self.root_for, block_tokens=block_tokens)
-        self.restorer = Restorer(kinds=self.kinds, bank=self.bank, client=self.coldstore,
-                                 store_dir=self.layout.store_dir, root_for=self.root_for,
-                                 block_tokens=block_tokens, restore_via=restore_via)
-        self.conversations.load(self.restorer.store())
-        self.prefetcher = Prefetcher(
-            bank=self.bank, restorer=self.restorer, conversations=self.conversations,
-            root_for=self.root_for, block_tokens=block_tokens,
-            kv_bytes_per_token=self.kv_rest_bytes_per_token,  # what the bank holds of one
-            room=lambda: None if self._pending else min(  # waiting requests come first
-                self.bank.effective_max_bytes - self.bank.total_nbytes,
-                self.memory_budget - held_bytes(self.pricing, self.bank)))
-        self.kv_events = None
-        if kv_events is not None:  # several machines behind a router: say what we hold
-            publisher = Publisher(kv_events, on_subscribe=lambda: self.post(cmd.Announce()))
-            self.kv_events = KVEvents(publisher.start(), block_size=kv_events.block_size,
-                                      salt_for=lambda tenant: bytes(self.root_for(tenant)))
-            self.bank.listener = self.kv_events
-            for key, tokens in held_conversations(self.conversations.records.items()):
-                self.kv_events.ssd_holds(key, tokens)
-            self.kv_events.announce_all()
+        self._pending: deque[cmd.Generate] = deque()
+        self.holdings = h = Holdings(
+            layout, kinds=self.kinds, fingerprint=self.fingerprint, block_tokens=block_tokens,
+            bank_bytes=bank_bytes, staging_max_bytes=staging_max_bytes, restore_via=restore_via,
+            active_pin_s=active_pin_s, max_checkpoints=max_checkpoints,
+            write_out_deadline_s=write_out_deadline_s, kv_events=self._kv_events(kv_events),
+            wake=self._wake)
+        # The same objects, named as the policies' functions and reports take them.
+        self.coldstore, self.writer, self.bank = h.coldstore, h.writer, h.bank
+        self.conversations, self.restorer, self.kv_events = h.conversations, h.restorer, h.kv_events
         mx.set_cache_limit(0)  # until the budget is known (below)
         self.pricing = calibrate(self.model, Pricing(self.kv_bytes_per_token, 0,
                                                      prefill_chunk_tokens,
@@ -143,12 +115,15 @@ class Engine:
         cache_limit = mlx_cache_limit(self.memory_budget, self.pricing.fixed_bytes)
         mx.set_cache_limit(cache_limit)
         self.pricing.fixed_bytes += cache_limit  # MLX may keep that much: held, always
-        self._pending: deque[cmd.Generate] = deque()
-        self._ram_bytes: dict[SessionKey, int] = {}
-        self._checkpoint_bytes: dict[SessionKey, int] = {}
+        self.prefetcher = Prefetcher(
+            bank=self.bank, restorer=self.restorer, conversations=self.conversations,
+            root_for=self.root_for, block_tokens=block_tokens,
+            kv_bytes_per_token=self.kv_rest_bytes_per_token,  # what the bank holds of one
+            room=lambda: None if self._pending else min(  # waiting requests come first
+                self.bank.effective_max_bytes - self.bank.total_nbytes,
+                self.memory_budget - held_bytes(self.pricing, self.bank)))
         self._admissions: deque = deque(maxlen=1024)  # admission receipts, newest last
         self._retried_at = 0.0
-        self._bank_peak = 0  # kvbank_bank_peak_bytes: a benchmark reads it once, not polls
         self._held_seen = 0  # the ledger at the last _give_back_freed
         self._handlers = {
             cmd.DeleteSession: lambda c: self._delete_session(c.session),
@@ -184,6 +159,14 @@ class Engine:
 
     def root_for(self, tenant: str) -> BlockId:
         return chain_root(self.fingerprint, tenant)
+
+    def _kv_events(self, config: EventsConfig | None) -> KVEvents | None:
+        """Several machines behind a router: the events that say what this worker holds."""
+        if config is None:
+            return None
+        publisher = Publisher(config, on_subscribe=lambda: self.post(cmd.Announce()))
+        return KVEvents(publisher.start(), block_size=config.block_size,
+                        salt_for=lambda tenant: bytes(self.root_for(tenant)))
 
     # -- the queue --------------------------------------------------------------------------
 
@@ -234,7 +217,7 @@ class Engine:
         except Exception as e:
             logger.exception("%s failed", type(command).__name__)
             result, error = None, e
-        self._refresh_ram_bytes()
+        self.holdings.refresh_ram_bytes()
         self._publish()
         if error is None:
             command.reply.set_result(result)
@@ -248,8 +231,8 @@ class Engine:
         ledger = self.bank.ledger()  # once: this runs at every step of the loop
         held = self.pricing.fixed_bytes + self.pricing.unaccounted_bytes + ledger["held_bytes"]
         self.snapshot = cmd.Snapshot(
-            sessions=self.conversations.records, ram_bytes=self._ram_bytes,
-            checkpoint_bytes=self._checkpoint_bytes,
+            sessions=self.conversations.records, ram_bytes=self.holdings.ram_bytes,
+            checkpoint_bytes=self.holdings.checkpoint_bytes,
             busy=self.bank.busy_sessions(), held_bytes=held,
             kv_bytes=ledger["entries_bytes"] + ledger["active_bytes"],
             bank_bytes=self.bank.total_nbytes, bank_entries=len(self.bank.entries),
@@ -261,10 +244,7 @@ class Engine:
             self.ask(cmd.Stop(), timeout_s=5)
         except Exception:  # a step still running: the thread is a daemon, the process ends
             logger.warning("the engine did not stop within 5 s")
-        self.writer.close(timeout_s=5)  # what was handed over leaves before the link closes
-        self.coldstore.close()
-        if self.kv_events is not None:
-            self.kv_events.publisher.close()
+        self.holdings.close()
 
     # -- one generation ---------------------------------------------------------------------
 
@@ -318,7 +298,7 @@ class Engine:
             if sharing.share_answered_prefix(tokens, ids, tenant, self.batch, self.bank,
                                              self.restorer, self.block_tokens,
                                              self.kv_rest_bytes_per_token):
-                self._refresh_ram_bytes()
+                self.holdings.refresh_ram_bytes()
         session = self.conversations.resolve(
             tokens, ids, tenant, req.session_id, busy=self.bank.is_busy,
             in_ram=lambda k: bool(self.bank.session_entries(k)))
@@ -333,7 +313,7 @@ class Engine:
             reports.log_admission(self._admissions, req, session, e.receipt)
             raise
         finally:
-            self._refresh_ram_bytes()
+            self.holdings.refresh_ram_bytes()
         if receipt.decision == Decision.WAIT:
             return Start.WAIT_MEMORY
         reports.log_admission(self._admissions, req, session, receipt)
@@ -398,7 +378,7 @@ class Engine:
             done = self.batch.step()
             for r in self.batch.take_prefix_ready():
                 sharing.share_prefix(r, self.batch, self.bank)
-                self._refresh_ram_bytes()
+                self.holdings.refresh_ram_bytes()
         except Exception as e:  # a failed step fails every request in it, not the worker
             logger.exception("generation step failed")
             for r in list(self.batch.running.values()):
@@ -420,7 +400,7 @@ class Engine:
                 self._leave(r)
         if done:
             if self.prefetcher.live and self.prefetcher.retry():  # memory they held is free
-                self._refresh_ram_bytes()
+                self.holdings.refresh_ram_bytes()
             # The turns are in the snapshot (and their KV events out) before their clients
             # hear back: what a client reads next (its session, a router's view) includes it.
             self._publish()
@@ -441,7 +421,7 @@ class Engine:
     def _finish(self, r: Running, cache: list) -> worker_pb2.WorkerGenerateResponse:
         """Commit a finished turn; its last message, to send once the snapshot has it."""
         full = np.concatenate([r.tokens, np.asarray(r.completion, dtype=np.uint32)])
-        durable = self._commit(r.session, full, cache, r.started, handed=r.handed,
+        durable = self.holdings.commit(r.session, full, cache, r.started, handed=r.handed,
                                checkpoints=r.checkpoints, at_rest=r.at_rest)
         r.handed = None  # superseded by the turn, or gone with its deleted conversation
         reasoning = r.decoding.reasoning
@@ -474,114 +454,14 @@ class Engine:
 
     def _prefetch(self, c: cmd.Prefetch) -> cmd.PrefetchReport:
         report = self.prefetcher.hint(c.tenant, c.session_id, np.asarray(c.tokens, np.uint32))
-        self._refresh_ram_bytes()
+        self.holdings.refresh_ram_bytes()
         return report
-
-    # -- commit -----------------------------------------------------------------------------
-
-    def _commit(self, session: SessionKey, full: np.ndarray, cache: list,
-                started: float = 0.0, handed=None, checkpoints=None, at_rest=None) -> bool:
-        """The conversation's record (durable), then the bank entry, then the write-behind job.
-        `checkpoints`: those its request took on the way (prompt splits, the prompt's end).
-        `at_rest`: the quantized KV its cache was restored from, kept as it is.
-
-        A conversation deleted while its turn ran stays deleted: the turn is answered, not
-        kept."""
-        if self.conversations.deleted_since(session, started):
-            if handed is not None:
-                self.bank.let_go(handed)
-            return False
-        layers, end = self.kinds.freeze(cache, len(full), at_rest)
-        checkpoints = dict(checkpoints or {})
-        if end is not None:
-            checkpoints[len(full)] = end
-        durable, durable_tokens = False, 0
-        try:
-            durable_tokens = upkeep.put_record(self.coldstore, session, full, self.block_tokens)
-            durable = True
-        except ColdstoreUnavailable as e:
-            logger.warning("session %s: turn not durable: %s", session[1], e)
-        anonymous = is_anonymous(session[1])
-        entry = self.bank.insert(
-            session, full, layers, checkpoints=checkpoints, durable_tokens=durable_tokens,
-            supersede_slack=self.conversations.lineages.slack if anonymous else 0,
-            handed=handed)
-        self.conversations.committed(session, full, durable_tokens, durable, entry.block_ids)
-        self._ssd_changed(session)
-        events.emit("kv_resident", tenant=session[0], session_id=session[1],
-                    tokens=len(full), bytes=entry.nbytes, durable_tokens=durable_tokens)
-        if durable:
-            self.writer.write_behind(entry)
-        else:  # the coldstore is away: record and KV go when it is back
-            entry.write_pending = True
-        # Over --bank-bytes: entries on SSD leave first, unwritten ones are written out first.
-        upkeep.keep_within_cap(self.bank, protect_keys=(entry.key,), keep_sessions=(session,))
-        upkeep.write_ahead(self.bank)  # what the next commit's release would wait for
-        self._refresh_ram_bytes()
-        return durable
-
-    def _refresh_ram_bytes(self) -> None:
-        self._ram_bytes = {s: self.bank.session_nbytes(s) for s in self.bank.sessions()}
-        self._checkpoint_bytes = {s: self.bank.session_nbytes(s, checkpoints_only=True)
-                                  for s in self.bank.sessions()}
-        metrics.BANK_BYTES.set(self.bank.total_nbytes)
-        self._bank_peak = max(self._bank_peak, self.bank.total_nbytes)
-        metrics.BANK_PEAK_BYTES.set(self._bank_peak)
-        metrics.BANK_ENTRIES.set(len(self.bank.entries))
-
-    # -- the coldstore's word (applied by the writer's pump, on this thread) -----------------
-
-    def _on_coldstore_message(self, msg) -> None:
-        """A write job's progress or end, or a conversation the coldstore retired."""
-        kind = msg.WhichOneof("kind")
-        if kind == "retired":
-            r = msg.retired
-            key = (r.tenant, r.session_id)
-            if self.conversations.retired(key, r.removed, r.at, r.durable_tokens):
-                self.bank.mark_durable(key, r.durable_tokens, lowered=True)
-                self._ssd_changed(key)
-                logger.info("the coldstore retired %s (%s)", r.session_id, r.reason)
-            return
-        if kind == "progress":
-            p = msg.progress
-            key = (p.tenant, p.session_id)
-            self.conversations.durable(key, p.durable_tokens)
-            self.bank.mark_durable(key, p.durable_tokens)
-            self._ssd_changed(key)
-            return
-        d = msg.done
-        if not d.session_id:  # an unknown job's answer names no conversation
-            return
-        key, outcome = (d.tenant, d.session_id), wire.outcome_of(d)
-        # A write-out is all or nothing: a failed one's blocks were taken back.
-        lowered = outcome == Outcome.DEADLINE or d.taken_back
-        self.conversations.durable(key, d.durable_tokens, lowered=lowered)
-        self.bank.mark_durable(key, d.durable_tokens, lowered=lowered)
-        self._ssd_changed(key)
-        self.bank.mark_write_done(key, d.job, outcome)
-        if outcome == Outcome.WRITTEN:
-            events.emit("kv_durable", tenant=key[0], session_id=key[1],
-                        durable_tokens=d.durable_tokens)
-        elif outcome not in (Outcome.SUPERSEDED, Outcome.CANCELLED):
-            logger.warning("write of %s ended %s (%s): %s", key[1], outcome, d.reason, d.error)
-
-    def _ssd_changed(self, key: SessionKey) -> None:
-        """What LMDB holds of a conversation changed: the KV events follow."""
-        if self.kv_events is not None:
-            info = self.conversations.get(key)
-            self.kv_events.ssd_holds(key, info.tokens[:info.durable_tokens]
-                                     if info is not None and info.durable_tokens else None)
 
     # -- commands (engine thread) --------------------------------------------------------------
 
     def _delete_session(self, session: SessionKey) -> bool:
-        existed = session in self.conversations or bool(self.bank.session_entries(session))
         self.prefetcher.started(session)  # a deleted conversation never comes back
-        self.bank.drop_session(session, reason=TrimReason.SESSION_DELETED)
-        self.conversations.deleted(session, while_running=self.bank.is_busy(session))
-        self.coldstore.delete_session(*session)
-        self._ssd_changed(session)
-        return existed
+        return self.holdings.delete(session)
 
     def _tick(self, tick: cmd.Tick) -> None:
         """The guard's tick: the ledger meets RSS, the dynamic ceiling, writes sent again."""
@@ -593,7 +473,7 @@ class Engine:
             upkeep.retry_writes(self.bank, self.writer, self.coldstore, self.conversations,
                                 self.block_tokens)
         if self.prefetcher.live and self.prefetcher.retry():
-            self._refresh_ram_bytes()
+            self.holdings.refresh_ram_bytes()
         metrics.MEMORY_HELD.set(held_bytes(self.pricing, self.bank))
 
 

@@ -51,6 +51,12 @@ class Restorer:
                         self.store_dir)
         return self._store
 
+    def close(self) -> None:
+        """The read-only view goes (one process opens an LMDB environment once)."""
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
     def restore(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
                 session: SessionKey, no_cache: bool, anchor_at: int = 0
                 ) -> tuple[list, int, int, BankEntry | None]:
