@@ -274,13 +274,15 @@ def _arrays(state):
 @pytest.mark.parametrize("arch,bits", [("qwen3", 8), ("qwen3", 4), ("gemma3_text", 4),
                                        ("qwen3_5", 4)])
 def test_a_quantized_conversation_continues_exactly_from_ram_ssd_and_after_kill_9(
-        arch, bits, tmp_path_factory, cache_dir):
+        arch, bits, tmp_path_factory, cache_dir, capsys):
     """Five unnamed turns with --kv-bits: from RAM, from SSD after a release, from SSD after
     a kill -9, from RAM after a prefetch hint read it back from SSD. Each answer equals
     mlx-lm's with the same forwards and the restored prefix replaced by
     dequantize(quantize(KV)) where the worker keeps it quantized: full attention alone
     (qwen3), beside sliding windows (gemma3_text) and beside Gated DeltaNet (qwen3_5), whose
-    checkpoints stay full precision, and every prompt token comes back."""
+    checkpoints stay full precision, and every prompt token comes back. `kvbank status`
+    names the setting."""
+    from apps.cli import main
     from kvbank.tiny import make_arch_model
     from tests.conftest import start_stack
     from tests.test_model_kinds import MAX_TOKENS, TEMPLATES, WINDOW, _check, send_back
@@ -293,6 +295,8 @@ def test_a_quantized_conversation_continues_exactly_from_ram_ssd_and_after_kill_
     s = start_stack(model, tmp_path_factory.mktemp(f"{arch}-kvbits{bits}"),
                     cache_dir=cache_dir, shim=False, extra=["--kv-bits", str(bits)])
     try:
+        assert main(["status", "--address", s.address]) == 0
+        assert f"KV at rest: {bits} bits" in capsys.readouterr().out
         messages = [{"role": "system", "content": "You are a careful coding agent."},
                     {"role": "user", "content": "Read the parser and list its three bugs."}]
         previous = 0
@@ -377,6 +381,7 @@ def test_a_store_written_at_other_bits_is_recomputed_never_misread(tmp_path_fact
                 prompt = c.render(messages=messages, max_tokens=MAX_TOKENS)
                 got = c.generate(messages=messages, max_tokens=MAX_TOKENS, logprobs=True)
                 s.wait_durable(got.usage["session_id"])
+                assert c.status().kv_bits == (8 if extra else 0)  # 0: full precision
             log = s.log_tail(200_000)
         finally:
             s.stop()
