@@ -3,9 +3,11 @@ request runs (worker/cache_kinds.py, docs/decisions.md).
 
 First the seam on its own (a fake model with a full-attention and a window cache, head_dim
 64): bytes per token, a cut at any token, a commit that quantizes only the tokens its turn
-added, blocks that round-trip bit-exactly, fingerprints apart by bits. Then a real stack on a
-tiny qwen3 (head_dim 32) against tests/test_model_kinds.py's Reference, whose restored prefix
-is what the worker keeps: dequantize(quantize(KV)) of each token as its turn computed it.
+added, blocks that round-trip bit-exactly, fingerprints apart by bits. Then real stacks on
+tiny models (head_dim 32: qwen3, and gemma3_text and qwen3_5 with window and recurrent layers)
+against tests/test_model_kinds.py's Reference, whose restored prefix is what the worker keeps:
+dequantize(quantize(KV)) of each token as its turn computed it, and the other layers' full
+precision checkpoints.
 """
 
 from __future__ import annotations
@@ -197,31 +199,54 @@ def test_the_fingerprint_differs_by_bits_and_a_head_dim_it_cannot_group_is_refus
 
 class AtRest:
     """tests/test_model_kinds.py's Reference, with the worker's quantized bank: each token's
-    K/V quantized (mx.quantize, groups of 32 here) once, as the turn that computed it left
-    it; a restore reads them dequantized. Only the full-attention model (qwen3) is used."""
+    K/V of a full-attention layer quantized (mx.quantize, groups of 32 here) once, as the turn
+    that computed it left it; a restore reads them dequantized. Window and recurrent layers
+    are what the worker keeps of them, in full precision: the cache as it stood where a
+    forward stopped (a checkpoint), restored there, not replayed (a replay would compute them
+    over full-precision K/V where the worker's turn read dequantized ones)."""
 
     def __new__(cls, model_dir: Path, bits: int):
         from tests.test_model_kinds import Reference
 
         class _AtRest(Reference):
-            kept: list | None = None
+            kept: list | None = None  # per cache: a KVCache's quantized (K, V), else None
+
+            def __init__(self, model_dir):
+                super().__init__(model_dir)
+                self.checkpoints: dict[int, list] = {}  # position -> the others' state there
 
             def restored(self, prompt, cached):
                 from mlx_lm.models.cache import make_prompt_cache
 
                 cache = make_prompt_cache(self.model)
-                for c, pair in zip(cache, self.kept or []) if cached else ():
+                if not cached:
+                    return cache, []
+                full = all(type(c) is KVCache for c in cache)  # then any token restores
+                states = [None] * len(cache) if full else self.checkpoints[cached]
+                for c, pair, state in zip(cache, self.kept, states):
+                    if pair is None:
+                        c.state = _copied(state)
+                        continue
                     c.keys, c.values = (mx.dequantize(*(x[..., :cached, :] for x in q),
                                                       group_size=32, bits=bits) for q in pair)
                     c.offset = cached
-                return cache, [(0, cached)] if cached else []
+                return cache, [(0, cached)]
+
+            def stood(self, cache, pos):
+                self.checkpoints[pos] = [None if type(c) is KVCache else _copied(c.state)
+                                         for c in cache]
+                mx.eval([a for state in self.checkpoints[pos] if state
+                         for a in _arrays(state)])
 
             def committed(self, cache, cached, n_tokens):
+                self.stood(cache, n_tokens)
                 new = [tuple(mx.quantize(a[..., cached:n_tokens, :], group_size=32, bits=bits)
-                             for a in (c.keys, c.values)) for c in cache]
+                             for a in (c.keys, c.values)) if type(c) is KVCache else None
+                       for c in cache]
                 if cached:
-                    new = [tuple(tuple(mx.concatenate([o[..., :cached, :], x], axis=2)
-                                       for o, x in zip(old, q)) for old, q in zip(pair, qs))
+                    new = [qs and tuple(tuple(mx.concatenate([o[..., :cached, :], x], axis=2)
+                                              for o, x in zip(old, q))
+                                        for old, q in zip(pair, qs))
                            for pair, qs in zip(self.kept, new)]
                 mx.eval(new)
                 self.kept = new
@@ -229,24 +254,49 @@ class AtRest:
         return _AtRest(model_dir)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+def _copied(state):
+    """A cache's state with arrays of its own: mlx-lm writes a window's ring in place."""
+    if isinstance(state, mx.array):
+        return state[...]
+    if isinstance(state, (list, tuple)):
+        return type(state)(_copied(x) for x in state)
+    return state
+
+
+def _arrays(state):
+    if isinstance(state, mx.array):
+        yield state
+    elif isinstance(state, (list, tuple)):
+        for x in state:
+            yield from _arrays(x)
+
+
+@pytest.mark.parametrize("arch,bits", [("qwen3", 8), ("qwen3", 4), ("gemma3_text", 4),
+                                       ("qwen3_5", 4)])
 def test_a_quantized_conversation_continues_exactly_from_ram_ssd_and_after_kill_9(
-        bits, tmp_path_factory, cache_dir):
+        arch, bits, tmp_path_factory, cache_dir, capsys):
     """Five unnamed turns with --kv-bits: from RAM, from SSD after a release, from SSD after
     a kill -9, from RAM after a prefetch hint read it back from SSD. Each answer equals
     mlx-lm's with the same forwards and the restored prefix replaced by
-    dequantize(quantize(KV)) where the worker keeps it quantized."""
+    dequantize(quantize(KV)) where the worker keeps it quantized: full attention alone
+    (qwen3), beside sliding windows (gemma3_text) and beside Gated DeltaNet (qwen3_5), whose
+    checkpoints stay full precision, and every prompt token comes back. `kvbank status`
+    names the setting."""
+    from apps.cli import main
     from kvbank.tiny import make_arch_model
     from tests.conftest import start_stack
-    from tests.test_model_kinds import MAX_TOKENS, TEMPLATES, _check, send_back
+    from tests.test_model_kinds import MAX_TOKENS, TEMPLATES, WINDOW, _check, send_back
 
     template = (TEMPLATES / "qwen_tools.jinja").read_text()
-    model = make_arch_model(tmp_path_factory.mktemp("qwen3-hd32") / "model", "qwen3", seed=1,
-                            context=4096, template=template, cache_dir=cache_dir, head_dim=32)
+    model = make_arch_model(tmp_path_factory.mktemp(f"{arch}-hd32") / "model", arch, seed=1,
+                            context=4096, window=WINDOW, template=template,
+                            cache_dir=cache_dir, head_dim=32)
     ref = AtRest(model, bits)
-    s = start_stack(model, tmp_path_factory.mktemp(f"kvbits{bits}"), cache_dir=cache_dir,
-                    shim=False, extra=["--kv-bits", str(bits)])
+    s = start_stack(model, tmp_path_factory.mktemp(f"{arch}-kvbits{bits}"),
+                    cache_dir=cache_dir, shim=False, extra=["--kv-bits", str(bits)])
     try:
+        assert main(["status", "--address", s.address]) == 0
+        assert f"KV at rest: {bits} bits" in capsys.readouterr().out
         messages = [{"role": "system", "content": "You are a careful coding agent."},
                     {"role": "user", "content": "Read the parser and list its three bugs."}]
         previous = 0
@@ -265,7 +315,9 @@ def test_a_quantized_conversation_continues_exactly_from_ram_ssd_and_after_kill_
             session = got.usage["session_id"]
             assert got.usage["cache_source"] == ("none" if turn == 0 else where.split()[0])
             assert got.usage["cached_tokens"] >= previous, got.usage
-            _check(ref, got, prompt, [], False, f"kv-bits {bits} turn {turn} ({where})",
+            assert got.usage["prefix_lost_tokens"] == 0, got.usage
+            _check(ref, got, prompt, ref.prompts.checkpoints(messages, prompt),
+                   arch != "qwen3", f"{arch} kv-bits {bits} turn {turn} ({where})",
                    unsplit=False)  # full precision may answer otherwise: that is the bench's
             previous = len(prompt) + got.usage["completion_tokens"]
             messages += [{"role": "assistant", "content": got.text},
@@ -329,6 +381,7 @@ def test_a_store_written_at_other_bits_is_recomputed_never_misread(tmp_path_fact
                 prompt = c.render(messages=messages, max_tokens=MAX_TOKENS)
                 got = c.generate(messages=messages, max_tokens=MAX_TOKENS, logprobs=True)
                 s.wait_durable(got.usage["session_id"])
+                assert c.status().kv_bits == (8 if extra else 0)  # 0: full precision
             log = s.log_tail(200_000)
         finally:
             s.stop()
@@ -342,41 +395,3 @@ def test_a_store_written_at_other_bits_is_recomputed_never_misread(tmp_path_fact
             _check(ref, got, prompt, [], False, f"8 bits, worker {turn}", unsplit=False)
         messages += [{"role": "assistant", "content": got.text},
                      {"role": "user", "content": f"Now fix bug {turn + 1}."}]
-
-
-@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_5"])
-def test_a_model_with_window_or_recurrent_layers_restores_with_kv_bits(
-        arch, tmp_path_factory, cache_dir):
-    """Full-attention layers quantized, window / recurrent checkpoints in full precision: a
-    conversation comes back from RAM and from SSD (quantized blocks carrying float
-    checkpoints) with every prompt token restored. (Exactness against mlx-lm is the qwen3
-    test's: a reference for these would replay window forwards over dequantized prefixes.)"""
-    from kvbank.tiny import make_arch_model
-    from tests.conftest import start_stack
-    from tests.test_model_kinds import MAX_TOKENS, TEMPLATES, WINDOW
-
-    template = (TEMPLATES / "qwen_tools.jinja").read_text()
-    model = make_arch_model(tmp_path_factory.mktemp(f"{arch}-hd32") / "model", arch, seed=1,
-                            context=4096, window=WINDOW, template=template,
-                            cache_dir=cache_dir, head_dim=32)
-    s = start_stack(model, tmp_path_factory.mktemp(f"{arch}-kvbits"), cache_dir=cache_dir,
-                    shim=False, extra=["--kv-bits", "4"])
-    try:
-        messages = [{"role": "system", "content": "You are a careful coding agent."},
-                    {"role": "user", "content": "Read the parser and list its three bugs."}]
-        previous = 0
-        with s.client() as c:
-            for turn, where in enumerate(("none", "ram", "ssd")):
-                if where == "ssd":
-                    s.wait_durable(session)
-                    c.release(session)
-                got = c.generate(messages=messages, max_tokens=MAX_TOKENS)
-                session = got.usage["session_id"]
-                assert got.usage["cache_source"] == where, got.usage
-                assert got.usage["cached_tokens"] >= previous, got.usage
-                assert got.usage["prefix_lost_tokens"] == 0, got.usage
-                previous = got.usage["prompt_tokens"] + got.usage["completion_tokens"]
-                messages += [{"role": "assistant", "content": got.text},
-                             {"role": "user", "content": "Go on."}]
-    finally:
-        s.stop()

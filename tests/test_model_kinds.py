@@ -79,6 +79,7 @@ class Reference:
             logprobs = self._forward(cache, prompt[pos:pos + n])
             kept.append((pos, pos + n))
             pos += n
+            self.stood(cache, pos)
         answer, lps = self._greedy(cache, logprobs, MAX_TOKENS)
         self._forward(cache, answer[-1:])
         kept += [(len(prompt) + i, len(prompt) + i + 1) for i in range(len(answer))]
@@ -99,6 +100,9 @@ class Reference:
             kept.append((s, min(e, cached)))
             self._forward(cache, prompt[s:min(e, cached)])
         return cache, kept
+
+    def stood(self, cache, pos: int) -> None:
+        """A hook: a prompt's forward stopped at `pos`, where the worker may checkpoint."""
 
     def committed(self, cache, cached: int, n_tokens: int) -> None:
         """A hook: the worker committed the turn's cache (tokens [cached, n_tokens) new)."""
