@@ -328,12 +328,13 @@ def test_two_conversations_that_share_a_system_prompt_store_its_checkpoint_once(
     assert at_shared[0] == at_shared[1] and len(at_shared[0]) == 1
 
 
-def test_a_stripped_history_comes_back_from_ssd_at_the_previous_prompts_end(stripping):
-    """qwen3_5 with its reasoning-stripping template, the conversation released from RAM
-    after every turn: the checkpoint before each prompt's generation prompt stands inside a
-    block, and went to SSD as an anchor, so each next turn restores up to there from SSD and
-    answers as mlx-lm does."""
-    model, s = stripping("qwen3_5")
+@pytest.mark.parametrize("arch", ["qwen3_5", "gpt_oss"])  # recurrent state; sliding windows
+def test_a_stripped_history_comes_back_from_ssd_at_the_previous_prompts_end(arch, stripping):
+    """A hybrid and a sliding-window model with the reasoning-stripping template, the
+    conversation released from RAM after every turn: the checkpoint before each prompt's
+    generation prompt stands inside a block, and went to SSD as an anchor, so each next turn
+    restores up to there from SSD and answers as mlx-lm does."""
+    model, s = stripping(arch)
     ref = Reference(model)
     messages = [{"role": "system", "content": "Think it through, then answer."},
                 {"role": "user", "content": "Which file holds the parser?"}]
