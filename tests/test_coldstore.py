@@ -162,12 +162,13 @@ def test_write_out_beats_a_generous_deadline_while_busy(start):
     _, link = start()
     t, layers = tokens(72, seed=40), make_kv(72, seed=40)
     e = link.turn("w", t, layers)
-    link.wait_queued(e.write_job)
+    job = e.write_job  # the entry forgets it once its end is heard (write_out applies it)
+    link.wait_queued(job)
     assert link.disk.durable("w") == 0
     t0 = time.time()
     assert link.writer.write_out(e, give_up_at=t0 + 10) == "written"
     assert time.time() - t0 < 5
-    assert outcome_of(link.wait_done(e.write_job)) == "written"
+    assert outcome_of(link.wait_done(job)) == "written"
     assert link.ping().worker_state == "busy"
     check_record_against_kv(link.disk, "w", layers, t, "written out")
     assert link.disk.durable("w") == 72
@@ -186,10 +187,11 @@ def test_write_out_gives_up_at_a_past_deadline(start):
     t2 = np.concatenate([t1, tokens(40, seed=51)])
     kv2 = concat_kv(kv1, make_kv(40, seed=51))
     e2 = link.turn("d", t2, kv2)
+    job = e2.write_job  # the entry forgets it once its end is heard
     assert link.writer.write_out(e2, give_up_at=time.time() - 0.5) == "deadline"
-    done = link.wait_done(e2.write_job)
+    done = link.wait_done(job)
     assert outcome_of(done) == "deadline", f"the coldstore did not report the deadline: {done}"
-    assert not link.progress(e2.write_job), "a block was committed past the deadline"
+    assert not link.progress(job), "a block was committed past the deadline"
     assert link.ping().queued_jobs == 0
     after = check_record_against_kv(link.disk, "d", kv2, t2, "after the deadline")
     assert after.durable_tokens == 40 and after.blocks == before.blocks

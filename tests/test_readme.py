@@ -14,8 +14,10 @@ import pty
 import re
 import select
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,23 +104,40 @@ def test_ask_chat_and_status_as_the_readme_shows_them(module_stack, tmp_path):
     assert "mine" in table, table
 
     # --watch redraws until Ctrl-C, on a terminal (rich draws a live view only there): it
-    # starts and draws its first frame
+    # draws its first frame, and Ctrl-C ends it cleanly
     screen, terminal = pty.openpty()
     with open(tmp_path / "watch.err", "w+") as err:
         watch = subprocess.Popen([sys.executable, "-m", "apps.cli", "status", *at, "--watch"],
                                  stdout=terminal, stderr=err, cwd=ROOT)
         os.close(terminal)
         try:
-            drawn = b""
-            while b"mine" not in drawn and watch.poll() is None:
-                if select.select([screen], [], [], 1.0)[0]:
-                    drawn += os.read(screen, 65536)
+            drawn = _read_terminal(screen, watch, until=lambda d: b"mine" in d)
+            assert b"mine" in drawn, drawn[-2000:]
+            watch.send_signal(signal.SIGINT)
+            # Its last frame goes out as it stops: the terminal is read until it has exited
+            # (a terminal nobody reads would hold that write, and the exit with it).
+            drawn += _read_terminal(screen, watch, until=lambda d: False)
+            assert watch.wait(timeout=5) == 0, f"status --watch exited {watch.returncode}"
         finally:
-            watch.kill()
-            watch.wait()
+            if watch.poll() is None:
+                watch.kill()
+                watch.wait()
             os.close(screen)
         err.seek(0)
-        assert b"mine" in drawn and "Traceback" not in err.read(), drawn[-2000:]
+        assert "Traceback" not in err.read()
+
+
+def _read_terminal(screen: int, proc: subprocess.Popen, until, timeout_s: float = 60) -> bytes:
+    """What `proc` writes to its terminal, read until `until(all read)` or it exits."""
+    drawn, give_up = b"", time.monotonic() + timeout_s
+    while not until(drawn) and proc.poll() is None:
+        assert time.monotonic() < give_up, f"timed out reading the terminal: {drawn[-500:]}"
+        if select.select([screen], [], [], 0.2)[0]:
+            try:
+                drawn += os.read(screen, 65536)
+            except OSError:  # the other end closed: it has exited
+                break
+    return drawn
 
 
 def test_the_readmes_curl_request_answers(module_stack):
