@@ -187,9 +187,11 @@ def checksum(data: bytes | memoryview | bytearray) -> int:
 def encode_block(header: BlockHeader, arrays: Sequence[np.ndarray | None]) -> bytearray:
     """One value holding every array of `header.array_specs()` (its `checksum` is computed
     here): magic, header length, JSON header, data. Each array is copied once, straight into
-    the value (strided views welcome)."""
-    out = bytearray(header.data_nbytes)
-    at = 0
+    its place in the value (strided views welcome); the header, whose length does not depend
+    on the checksum, is written in front last, so the data is never copied again."""
+    start = len(_head(header, 0))
+    out = bytearray(start + header.data_nbytes)
+    at = start
     for a in arrays:
         if a is None:
             continue
@@ -197,8 +199,10 @@ def encode_block(header: BlockHeader, arrays: Sequence[np.ndarray | None]) -> by
         np.frombuffer(out, dtype=a.dtype, count=a.size, offset=at).reshape(a.shape)[...] = a
         at += a.nbytes
     if at != len(out):
-        raise ValueError(f"bug: arrays of {at} bytes for a header of {len(out)}")
-    return bytearray(_head(header, checksum(out))) + out
+        raise ValueError(f"bug: arrays of {at - start} bytes for a header of "
+                         f"{header.data_nbytes}")
+    out[:start] = _head(header, checksum(memoryview(out)[start:]))
+    return out
 
 
 def encoded_nbytes(header: BlockHeader) -> int:
