@@ -208,7 +208,7 @@ class ColdStore(StoreReader):
         def fn(txn):
             def keep(hexid: str) -> bool:
                 bid = BlockId(bytes.fromhex(hexid))
-                stored = txn.get(bid, db=self._db[b"blocks"]) is not None
+                stored = self._holds_block(txn, bid)
                 payload = b"" if stored else block(bid)
                 if payload is not None:
                     self._keep_block(txn, bid, payload)
@@ -376,7 +376,7 @@ class ColdStore(StoreReader):
 
     def _keep_block(self, txn, block_id: BlockId, payload) -> None:
         """A record names the block: stored if no one had (`last_written_bytes`), counted."""
-        if txn.get(block_id, db=self._db[b"blocks"]) is None:
+        if not self._holds_block(txn, block_id):
             if is_quantized_block(payload):
                 self._stamp_quantized(txn)
             txn.put(block_id, payload, db=self._db[b"blocks"])

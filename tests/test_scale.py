@@ -7,14 +7,18 @@ from __future__ import annotations
 import threading
 import time
 
-from tests.coldstore_rig import B, make_kv, start, tokens  # noqa: F401 (start: a fixture)
+from kvbank.blocks import chain_block_ids
+from tests.coldstore_rig import (B, TENANT, assert_kv_bit_equal, make_kv, root_for,  # noqa: F401
+                                 start, tokens)  # start: a fixture
 from tests.waiting import wait_until
 
 
-def test_a_gigabyte_conversation_is_written_without_a_copy_of_it(start):
+def test_a_gigabyte_conversation_is_written_and_restored_without_a_copy_of_it(start):
     """1 GiB of KV (16K tokens of 64 KiB) through the real bank, writer and coldstore: the
     worker's side never grows by more than the write's window and a few blocks, nor does the
-    coldstore's (RSS sampled every few ms through the write), and every block lands whole."""
+    coldstore's (RSS sampled every few ms through the write), and every block lands whole;
+    then restored from LMDB by the worker's restorer, holding a few blocks of the file at a
+    time."""
     import psutil
 
     proc, link = start(n_layers=8)
@@ -47,3 +51,47 @@ def test_a_gigabyte_conversation_is_written_without_a_copy_of_it(start):
     assert peak[0] - base[0] <= slack, f"the worker grew by {(peak[0] - base[0]) >> 20} MiB"
     assert peak[1] - base[1] <= slack, f"the coldstore grew by {(peak[1] - base[1]) >> 20} MiB"
     assert link.disk.stats()["block_bytes"] >= 1 << 30
+
+    # Back from SSD: what the worker maps of LMDB's file while it reads the gigabyte stays a
+    # few blocks (each block's pages leave its resident set once copied), beside the arrays
+    # it restores into. Its pages of the file sampled through the restore (smaps).
+    import numpy as np
+
+    released = link.bank.release_sessions(None, reason="test", write_out_before_release=True)
+    assert released.released_entries == 1 and not link.bank.entries
+    prompt = np.concatenate([t, tokens(1, seed=31)])
+    ids = chain_block_ids(prompt, root_for(TENANT), B)
+    data = link.layout.store_dir / "data.mdb"
+    file_base = _rss_of(data)
+    file_peak, done = [file_base], threading.Event()
+
+    def sample_file() -> None:
+        while not done.is_set():
+            file_peak[0] = max(file_peak[0], _rss_of(data))
+            time.sleep(0.003)
+
+    sampler = threading.Thread(target=sample_file, daemon=True)
+    sampler.start()
+    try:
+        got = link.holdings.restorer.ssd_prefix(prompt, ids, TENANT, (TENANT, "gig"),
+                                                better_than=0)
+    finally:
+        done.set()
+        sampler.join()
+    restored, _, n_restored = got
+    assert n_restored == n
+    assert_kv_bit_equal(restored[:1], [tuple(a for a in layers[0])], "layer 0 restored")
+    assert file_peak[0] - file_base <= 8 * block + (48 << 20), (
+        f"the restore mapped {(file_peak[0] - file_base) >> 20} MiB of LMDB's file at once")
+
+
+def _rss_of(path) -> int:
+    """This process's resident pages of the file at `path` (LMDB's map of it), in bytes."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if not line[0].isupper():  # a mapping's first line: its range and file
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total

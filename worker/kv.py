@@ -295,7 +295,7 @@ def _restore_lanes() -> tuple[ThreadPoolExecutor, list]:
     return _POOL, streams
 
 
-def decode_blocks(payloads: list[bytes], capacity: int = 0) -> Layers:
+def decode_blocks(payloads: list[bytes], capacity: int = 0, done_with=None) -> Layers:
     """Stored blocks (in order) back into per-layer (1, H, n, D) arrays, in one copy.
 
     MLX copies outside memory in (it refuses a CPU buffer without a copy), so each layer's K
@@ -304,7 +304,9 @@ def decode_blocks(payloads: list[bytes], capacity: int = 0) -> Layers:
     to back through the file, and check each block's checksum before they copy it. The
     arrays are head-major, as a request's cache is, with room for `capacity` tokens: the
     request that restores them (`restore(..., owned=True)`) appends in place, no second copy.
-    Quantized blocks come back as QArrays, tight (a request dequantizes them anyway)."""
+    Quantized blocks come back as QArrays, tight (a request dequantizes them anyway).
+    `done_with(payload)`: called by a lane once a block is copied and checked (the LMDB map's
+    views: `StoreReader.unmap`)."""
     decoded = [decode_block(raw, verify=False) for raw in payloads]
     kv_end = [data_end(raw, h) for raw, (h, _) in zip(payloads, decoded)]
     header = decoded[0][0]
@@ -347,6 +349,8 @@ def decode_blocks(payloads: list[bytes], capacity: int = 0) -> Layers:
                 h.update(memoryview(payloads[b])[kv_end[b]:])  # the checkpoint's arrays
                 if h.intdigest() != block_header.checksum:
                     raise CorruptBlock(f"block {b}: block checksum mismatch", index=b)
+            if done_with is not None:
+                done_with(payloads[b])
 
     lanes = len(streams)
     done, _ = wait([pool.submit(fill, range(i, len(decoded), lanes)) for i in range(lanes)])

@@ -200,16 +200,16 @@ class Restorer:
         """The blocks' KV up to the last restore point <= `limit`: decoded straight from the
         read-only LMDB map (zero-copy; the default, `kvbank bench coldstore` measured it
         faster), or fetched through the coldstore process. None when a block is missing."""
-        decode = lambda views: self._decode(views, limit, better_than, capacity)  # noqa: E731
-        if self.restore_via == "direct":
-            return store.get_blocks(ids, decode=decode)
+        if self.restore_via == "direct":  # views of the map: unmapped once copied
+            return store.get_blocks(ids, decode=lambda views: self._decode(
+                views, limit, better_than, capacity, done_with=StoreReader.unmap))
         frames = self.client.get_blocks([bytes(b) for b in ids], timeout_s=READ_TIMEOUT_S)
         if len(frames) != len(ids) or not all(len(f) for f in frames):
             return None
-        return decode(frames)
+        return self._decode(frames, limit, better_than, capacity)
 
-    def _decode(self, payloads: list, limit: int, better_than: int, capacity: int
-                ) -> tuple[kv.Layers, Checkpoint | None, int] | None:
+    def _decode(self, payloads: list, limit: int, better_than: int, capacity: int,
+                done_with=None) -> tuple[kv.Layers, Checkpoint | None, int] | None:
         """Blocks up to the restore point: the last block end <= limit (any token, for a model
         without checkpoints: the request writes past it) that carries a checkpoint."""
         ends, n = [], 0
@@ -223,7 +223,8 @@ class Restorer:
             ends.append(n)
         if not self.kinds.checkpointed:
             n = min(n, limit)
-            return (kv.decode_blocks(payloads, capacity), None, n) if n > better_than else None
+            return ((kv.decode_blocks(payloads, capacity, done_with), None, n)
+                    if n > better_than else None)
         for i in range(len(payloads) - 1, -1, -1):
             if ends[i] <= better_than:
                 return None
@@ -232,6 +233,7 @@ class Restorer:
                     state = self.kinds.checkpoint_from_arrays(kv.decode_state(payloads[i]))
                 except CorruptBlock as e:
                     raise CorruptBlock(str(e), index=i) from None
-                layers = kv.decode_blocks(payloads[:i + 1], capacity) if self.kinds.full else []
+                layers = (kv.decode_blocks(payloads[:i + 1], capacity, done_with)
+                          if self.kinds.full else [])
                 return layers, state, ends[i]
         return None

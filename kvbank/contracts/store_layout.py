@@ -21,7 +21,9 @@ many reader processes beside one writer, and a restore decodes blocks straight f
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -85,6 +87,11 @@ class SessionMeta:
     @classmethod
     def from_json(cls, raw: bytes) -> "SessionMeta":
         return cls(**json.loads(raw))
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_MADV_DONTNEED = 4  # Linux and macOS: drop the pages from this mapping (shared: no data lost)
 
 
 class StoreReader:
@@ -170,12 +177,34 @@ class StoreReader:
         """The blocks' bytes (None where missing), read in one snapshot.
 
         With `decode`, it gets views straight into the map (zero-copy) and its result is
-        returned instead, or None when a block is missing; without it, copies."""
+        returned instead, or None when a block is missing; without it, copies. py-lmdb reads
+        a value whole when it is got (it faults every page in, without the GIL), so each view
+        is `unmap`ped at once: the page cache keeps it, and a multi-GB read does not count in
+        this process's RSS all together (decode maps a block back as it copies it)."""
         with self._read_txn() as txn:
-            views = [txn.get(bid, db=self._db[b"blocks"]) for bid in ids]
             if decode is not None:
+                views = [self._got_unmapped(txn.get(bid, db=self._db[b"blocks"])) for bid in ids]
                 return None if any(v is None for v in views) else decode(views)
+            views = [txn.get(bid, db=self._db[b"blocks"]) for bid in ids]
             return [None if v is None else bytes(v) for v in views]
+
+    @staticmethod
+    def unmap(view: memoryview) -> None:
+        """A block read from the map (a `get_blocks` view) and copied out: its whole pages leave
+        this process's resident set (the page cache keeps them; a later read maps them again).
+        A multi-GB restore then holds its map pages only while it copies them, not all at
+        once: the worker's RSS stays its budget's. Pages the block shares with a neighbour
+        stay mapped (another lane may be reading it)."""
+        a = np.frombuffer(view, np.uint8)
+        start = -(-a.ctypes.data // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (a.ctypes.data + a.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+
+    def _got_unmapped(self, view: memoryview | None) -> memoryview | None:
+        if view is not None:
+            self.unmap(view)
+        return view
 
     def iter_blocks(self):
         """(block id, payload view) of every stored block, in key order, in one read
@@ -199,7 +228,12 @@ class StoreReader:
 
     def has_block(self, block_id: BlockId) -> bool:
         with self._read_txn() as txn:
-            return txn.get(block_id, db=self._db[b"blocks"]) is not None
+            return self._holds_block(txn, block_id)
+
+    def _holds_block(self, txn: lmdb.Transaction, block_id: BlockId) -> bool:
+        """Whether the store holds the block, its bytes unread: py-lmdb's `get` reads a value
+        whole (from the disk, when cold), a cursor's `set_key` only the tree."""
+        return txn.cursor(db=self._db[b"blocks"]).set_key(block_id)
 
     def stats(self) -> dict:
         with self._read_txn() as txn:
