@@ -300,8 +300,8 @@ def decode_blocks(payloads: list[bytes], capacity: int = 0, done_with=None) -> L
 
     MLX copies outside memory in (it refuses a CPU buffer without a copy), so each layer's K
     and V is allocated by MLX and filled through a NumPy view of it (documented: writing to the
-    view writes the array). The lanes take every n-th block, so a cold read still moves front
-    to back through the file, and check each block's checksum before they copy it. The
+    view writes the array). The lanes take every n-th block and check each block's checksum as
+    they copy it (the reads happened as the blocks were got: py-lmdb reads a value whole). The
     arrays are head-major, as a request's cache is, with room for `capacity` tokens: the
     request that restores them (`restore(..., owned=True)`) appends in place, no second copy.
     Quantized blocks come back as QArrays, tight (a request dequantizes them anyway).
