@@ -155,14 +155,21 @@ def check_record_against_kv(disk: Disk, session_id: str, want: kv.Layers, want_t
 
 
 class ColdstoreProc:
-    def __init__(self, data_dir: Path, *, max_dirty_s: float = 3600.0,
+    """`kvbank coldstore` on `data_dir` with `flags` beside the timings given, or with
+    `slow_disk_s` the same on a slow test disk (each block commit takes that long:
+    tests/slow_coldstore.py). Answering once constructed."""
+
+    def __init__(self, data_dir: Path, *flags: str, max_dirty_s: float = 3600.0,
                  quiet_grace_s: float = 0.05, tail_delay_s: float = 0.0,
-                 payload_stall_s: float = 30.0):
+                 payload_stall_s: float = 30.0, slow_disk_s: float | None = None):
         self.layout = Layout(data_dir).ensure()
+        cmd = (["-m", "tests.slow_coldstore", "--delay-s", str(slow_disk_s)] if slow_disk_s
+               else ["-m", "apps.cli", "coldstore"])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "apps.cli", "coldstore", "--data-dir", str(data_dir),
+            [sys.executable, *cmd, "--data-dir", str(data_dir),
              "--quiet-grace-s", str(quiet_grace_s), "--max-dirty-s", str(max_dirty_s),
-             "--tail-delay-s", str(tail_delay_s), "--payload-stall-s", str(payload_stall_s)])
+             "--tail-delay-s", str(tail_delay_s), "--payload-stall-s", str(payload_stall_s),
+             *flags])
         wait_up(self.proc, self.layout)
 
     def kill9(self) -> None:

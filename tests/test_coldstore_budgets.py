@@ -8,20 +8,10 @@ from __future__ import annotations
 import pytest
 
 from coldstore.store import ColdStore
-from kvbank.config import Layout
 from kvbank.contracts.coldstore_wire import outcome_of, pb
-from tests.test_release_write_out import Rig, start_coldstore
+from tests.coldstore_rig import ColdstoreProc
+from tests.test_release_write_out import Rig
 from tests.waiting import wait_until
-
-
-class Coldstore:
-    def __init__(self, data_dir, *args: str):
-        self.layout = Layout(data_dir).ensure()
-        self.proc = start_coldstore(self.layout, "--quiet-grace-s", "0.05", *args)
-
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +41,7 @@ def done_event(rig, timeout_s=10) -> pb.Done:
     ("--free-disk-floor-bytes", str(10**18), "disk_floor"),
 ])
 def test_each_budget_refuses_with_its_reason(tmp_path, model, flag, value, reason):
-    cs = Coldstore(tmp_path / "data", flag, value)
+    cs = ColdstoreProc(tmp_path / "data", flag, value)
     rig = recording_rig(cs.layout, model)
     try:
         rig.turn("a", 40, seed=1)
@@ -68,7 +58,7 @@ def test_each_budget_refuses_with_its_reason(tmp_path, model, flag, value, reaso
 
 
 def test_store_cap_retires_the_least_recently_used_kv_and_keeps_its_history(tmp_path, model):
-    probe = Coldstore(tmp_path / "probe")
+    probe = ColdstoreProc(tmp_path / "probe")
     rig = Rig(probe.layout, model)
     e = rig.turn("size", 40, seed=1)
     rig.let_idle_lane_write(e)
@@ -76,7 +66,7 @@ def test_store_cap_retires_the_least_recently_used_kv_and_keeps_its_history(tmp_
     rig.close()
     probe.stop()
 
-    cs = Coldstore(tmp_path / "data", "--store-max-bytes", str(int(one * 1.5)))
+    cs = ColdstoreProc(tmp_path / "data", "--store-max-bytes", str(int(one * 1.5)))
     rig = Rig(cs.layout, model)
     try:
         first = rig.turn("first", 40, seed=2)
@@ -94,7 +84,7 @@ def test_store_cap_retires_the_least_recently_used_kv_and_keeps_its_history(tmp_
 
 
 def test_a_store_over_its_cap_at_start_is_brought_under_it(tmp_path, model):
-    cs = Coldstore(tmp_path / "data")
+    cs = ColdstoreProc(tmp_path / "data")
     rig = Rig(cs.layout, model)
     for i in range(3):
         rig.let_idle_lane_write(rig.turn(f"s{i}", 40, seed=10 + i))
@@ -102,7 +92,7 @@ def test_a_store_over_its_cap_at_start_is_brought_under_it(tmp_path, model):
     cs.stop()
     before = ColdStore(cs.layout.store_dir, readonly=True).block_bytes()
     cap = before // 2
-    cs = Coldstore(tmp_path / "data", "--store-max-bytes", str(cap))
+    cs = ColdstoreProc(tmp_path / "data", "--store-max-bytes", str(cap))
     try:
         store = ColdStore(cs.layout.store_dir, readonly=True)
         assert store.block_bytes() <= cap

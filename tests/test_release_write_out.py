@@ -10,16 +10,14 @@ worker-state channel, so the coldstore's idle lane writes nothing unless a test 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from kvbank.contracts.health import coldstore_up
 from kvbank.blocks import chain_root
 from kvbank.config import Layout
+from tests.coldstore_rig import ColdstoreProc
 from tests.waiting import wait_until
 from worker.bank import SessionBank
 from worker.cache_kinds import CacheKinds
@@ -41,30 +39,11 @@ def model(tiny_model):
     return load(str(tiny_model))[0]
 
 
-def start_coldstore(layout: Layout, *flags: str,
-                     slow_disk_s: float | None = None) -> subprocess.Popen:
-    """`kvbank coldstore`, or with `slow_disk_s` the same on a slow test disk (each block
-    commit takes that long: tests/slow_coldstore.py)."""
-    cmd = (["-m", "tests.slow_coldstore", "--delay-s", str(slow_disk_s)] if slow_disk_s
-           else ["-m", "apps.cli", "coldstore"])
-    proc = subprocess.Popen([sys.executable, *cmd, "--data-dir", str(layout.data_dir),
-                             "--max-dirty-s", "3600", "--tail-delay-s", "0", *flags])
-
-    def up() -> bool:
-        assert proc.poll() is None, f"coldstore exited with {proc.returncode}"
-        return coldstore_up(layout.coldstore_address)
-
-    wait_until(up, "the coldstore to answer a ping", 30)
-    return proc
-
-
 @pytest.fixture
 def coldstore(tmp_path):
-    layout = Layout(tmp_path / "data").ensure()
-    proc = start_coldstore(layout, "--quiet-grace-s", "0.05")
-    yield layout
-    proc.terminate()
-    proc.wait(timeout=30)
+    proc = ColdstoreProc(tmp_path / "data")
+    yield proc.layout
+    proc.stop()
 
 
 def forward(model, n_tokens: int, seed: int) -> tuple[np.ndarray, list]:
@@ -368,13 +347,11 @@ def test_under_the_cap_nothing_is_written_out(rig):
 @pytest.fixture
 def slow_rig(tmp_path, model):
     """The rig over a coldstore whose every block commit takes 0.8 s (a stand-in disk)."""
-    layout = Layout(tmp_path / "slow").ensure()
-    proc = start_coldstore(layout, slow_disk_s=0.8)
-    r = Rig(layout, model)
+    proc = ColdstoreProc(tmp_path / "slow", slow_disk_s=0.8)
+    r = Rig(proc.layout, model)
     yield r
     r.close()
-    proc.terminate()
-    proc.wait(timeout=30)
+    proc.stop()
 
 
 def test_one_release_of_two_sessions_ends_at_its_deadline_and_counts_what_missed(slow_rig):

@@ -305,8 +305,8 @@ def decode_blocks(payloads: list[bytes], capacity: int = 0, done_with=None) -> L
     arrays are head-major, as a request's cache is, with room for `capacity` tokens: the
     request that restores them (`restore(..., owned=True)`) appends in place, no second copy.
     Quantized blocks come back as QArrays, tight (a request dequantizes them anyway).
-    `done_with(payload)`: called by a lane once a block is copied and checked (the LMDB map's
-    views: `StoreReader.unmap`)."""
+    `done_with(payload)`: called by a lane once a block is copied and checked (for the LMDB
+    map's views, `StoreReader.get_blocks` passes its `unmap`)."""
     decoded = [decode_block(raw, verify=False) for raw in payloads]
     kv_end = [data_end(raw, h) for raw, (h, _) in zip(payloads, decoded)]
     header = decoded[0][0]

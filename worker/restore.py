@@ -200,9 +200,9 @@ class Restorer:
         """The blocks' KV up to the last restore point <= `limit`: decoded straight from the
         read-only LMDB map (zero-copy; the default, `kvbank bench coldstore` measured it
         faster), or fetched through the coldstore process. None when a block is missing."""
-        if self.restore_via == "direct":  # views of the map: unmapped once copied
-            return store.get_blocks(ids, decode=lambda views: self._decode(
-                views, limit, better_than, capacity, done_with=StoreReader.unmap))
+        if self.restore_via == "direct":
+            return store.get_blocks(ids, decode=lambda views, done_with: self._decode(
+                views, limit, better_than, capacity, done_with))
         frames = self.client.get_blocks([bytes(b) for b in ids], timeout_s=READ_TIMEOUT_S)
         if len(frames) != len(ids) or not all(len(f) for f in frames):
             return None

@@ -180,9 +180,9 @@ def _restore(store_dir: Path, name: str, capacity: int):
         t0 = time.perf_counter()
         payloads_bytes = [0]
 
-        def decode(views):
+        def decode(views, done_with):
             payloads_bytes[0] = sum(len(v) for v in views)
-            return kv.decode_blocks(views, capacity, done_with=StoreReader.unmap)  # as restore
+            return kv.decode_blocks(views, capacity, done_with)
 
         layers = store.get_blocks(meta.block_ids(), decode=decode)
         dt = time.perf_counter() - t0

@@ -176,15 +176,17 @@ class StoreReader:
     def get_blocks(self, ids: list[BlockId], decode=None):
         """The blocks' bytes (None where missing), read in one snapshot.
 
-        With `decode`, it gets views straight into the map (zero-copy) and its result is
-        returned instead, or None when a block is missing; without it, copies. py-lmdb reads
-        a value whole when it is got (it faults every page in, without the GIL), so each view
-        is `unmap`ped at once: the page cache keeps it, and a multi-GB read does not count in
-        this process's RSS all together (decode maps a block back as it copies it)."""
+        With `decode(views, done_with=...)`, it gets views straight into the map (zero-copy)
+        and its result is returned instead, or None when a block is missing; without it,
+        copies. py-lmdb reads a value whole when it is got (it faults every page in, without
+        the GIL), so each view is `unmap`ped at once, and decode calls `done_with` (`unmap`)
+        on a block once it has copied it: the page cache keeps them, and a multi-GB read
+        counts in this process's RSS a few blocks at a time, not all together."""
         with self._read_txn() as txn:
             if decode is not None:
                 views = [self._got_unmapped(txn.get(bid, db=self._db[b"blocks"])) for bid in ids]
-                return None if any(v is None for v in views) else decode(views)
+                return (None if any(v is None for v in views)
+                        else decode(views, done_with=self.unmap))
             views = [txn.get(bid, db=self._db[b"blocks"]) for bid in ids]
             return [None if v is None else bytes(v) for v in views]
 
