@@ -39,14 +39,23 @@ def port_range() -> tuple[int, int]:
     return max(1024, low - 12000), low
 
 
+_handed_out: set[int] = set()  # every port this process's free_ports returned
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """`n` distinct free ports, all held open together while they are picked.
 
     Picked below the kernel's ephemeral range: a port planned now and bound seconds later
     (a stack starts after the one before it) must not be handed meanwhile to someone's
-    outgoing connection or `bind(0)`. CI lost a cluster test to exactly that."""
+    outgoing connection or `bind(0)`. CI lost a cluster test to exactly that. Nor is a port
+    handed out twice by one process while others remain: a caller that picks its ports and
+    then starts a stack (which picks its own) got the same port twice, as it was not yet
+    bound (CI lost a kv-events test to that)."""
     candidates = list(range(*port_range()))
     random.shuffle(candidates)
+    fresh = [p for p in candidates if p not in _handed_out]
+    if len(fresh) >= n:
+        candidates = fresh
     socks: list[socket.socket] = []
     try:
         for port in candidates:
@@ -64,7 +73,9 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
                 s = socket.socket()
                 s.bind((host, 0))
                 socks.append(s)
-        return [s.getsockname()[1] for s in socks]
+        ports = [s.getsockname()[1] for s in socks]
+        _handed_out.update(ports)
+        return ports
     finally:
         for s in socks:
             s.close()

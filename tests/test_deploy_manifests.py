@@ -418,6 +418,17 @@ def test_cluster_free_ports_are_distinct():
     assert [s.metrics_port for s in plan.stacks] == [9500, 9503, 9506, 9509]
 
 
+def test_ports_picked_but_not_yet_bound_are_not_handed_out_again(monkeypatch):
+    """A test picks ports for its own flags, then starts a stack that picks the router's:
+    neither is bound yet, so only the picker's memory keeps them apart."""
+    from deploy import local
+
+    monkeypatch.setenv("KVBANK_PORT_RANGE", "41000-41008")
+    monkeypatch.setattr(local, "_handed_out", set())
+    first, second = local.free_ports(4), local.free_ports(4)
+    assert not set(first) & set(second)
+
+
 def test_cluster_up_dry_run_passes_flags_to_every_stack(capsys):
     from apps.cli import main
 
