@@ -1,5 +1,5 @@
-"""`kvbank store verify`: every stored block's checksum checked offline, and which
-conversations name a block that failed.
+"""`kvbank store verify`: every stored block's and token record's checksum checked offline,
+and which conversations name a block that failed.
 
 Reads the store read-only (a running coldstore may keep writing: LMDB serves the reader one
 snapshot). A block written before checksums (format 1) is counted apart: it can only be
@@ -39,14 +39,21 @@ def verify(layout: Layout) -> dict:
                 unchecked += 1
             else:
                 ok += 1
-        sessions = sorted(f"{m.tenant}/{m.session_id}" if m.tenant else m.session_id
-                          for m in store.list_sessions()
+        metas = store.list_sessions()
+        sessions = sorted(_name(m) for m in metas
                           if any(h in bad for h in (*m.blocks, m.tail or "")))
+        records_bad = sorted(_name(m) for m in metas
+                             if store.get_session(m.tenant, m.session_id) is None)
         return {"store": str(layout.store_dir), "format_version": store.format_version,
                 "blocks_ok": ok, "blocks_without_checksum": unchecked,
-                "blocks_corrupt": len(bad), "corrupt": bad, "sessions_affected": sessions}
+                "blocks_corrupt": len(bad), "corrupt": bad, "sessions_affected": sessions,
+                "records": len(metas), "records_corrupt": records_bad}
     finally:
         store.close()
+
+
+def _name(m) -> str:
+    return f"{m.tenant}/{m.session_id}" if m.tenant else m.session_id
 
 
 def run_verify(data_dir, as_json: bool) -> int:
@@ -63,10 +70,15 @@ def run_verify(data_dir, as_json: bool) -> int:
     else:
         print(f"{report['store']} (format {report['format_version']}): "
               f"{report['blocks_ok']} blocks ok, {report['blocks_corrupt']} corrupt, "
-              f"{report['blocks_without_checksum']} written before checksums")
+              f"{report['blocks_without_checksum']} written before checksums; "
+              f"{report['records']} conversation records, "
+              f"{len(report['records_corrupt'])} with corrupt tokens")
         for bid, why in report["corrupt"].items():
             print(f"  corrupt {bid}: {why}")
         if report["sessions_affected"]:
             print("  conversations that restore through them (recomputed from there): "
                   + ", ".join(report["sessions_affected"]))
-    return 1 if report["blocks_corrupt"] or "damaged" in report else 0
+        if report["records_corrupt"]:
+            print("  records whose tokens failed (each is found as a new conversation; its "
+                  "blocks still restore by content): " + ", ".join(report["records_corrupt"]))
+    return 1 if report["blocks_corrupt"] or report.get("records_corrupt") or "damaged" in report else 0

@@ -157,8 +157,8 @@ def _copy(src: DataFile, store: ColdStore, report: Salvage) -> None:
             meta = SessionMeta.from_json(raw)
         except (TypeError, ValueError):
             continue
-        if toks is None or len(toks) != 4 * meta.token_count:
-            continue
+        if toks is None or len(toks) != 4 * meta.token_count or not meta.tokens_ok(toks):
+            continue  # a record whose tokens are lost: its conversation starts over
         got = store.get_session(meta.tenant, meta.session_id)  # salvaged before a stop
         kept = got[0] if got else store.put_salvaged(meta, np.frombuffer(toks, np.uint32), block)
         if kept.durable_tokens < meta.durable_tokens:

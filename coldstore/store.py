@@ -112,7 +112,9 @@ class ColdStore(StoreReader):
                 self._truncate_blocks(txn, meta, common)
             meta.token_count = len(tokens)
             meta.updated_at = now
-            txn.put(key, tokens.tobytes(), db=self._db[b"tokens"])
+            raw_tokens = tokens.tobytes()
+            meta.seal(raw_tokens)
+            txn.put(key, raw_tokens, db=self._db[b"tokens"])
             txn.put(key, meta.to_json(), db=self._db[b"sessions"])
             return meta
 
@@ -221,8 +223,9 @@ class ColdStore(StoreReader):
             out = replace(meta, blocks=meta.blocks[:n], tail=meta.tail if tail else None,
                           tail_tokens=meta.tail_tokens if tail else 0)
             out.anchors = [a for a in meta.anchors if a[1] <= n * meta.block_tokens and keep(a[0])]
-            txn.put(key, np.ascontiguousarray(tokens, dtype=np.uint32).tobytes(),
-                    db=self._db[b"tokens"])
+            raw_tokens = np.ascontiguousarray(tokens, dtype=np.uint32).tobytes()
+            out.seal(raw_tokens)
+            txn.put(key, raw_tokens, db=self._db[b"tokens"])
             txn.put(key, out.to_json(), db=self._db[b"sessions"])
             return out
 

@@ -177,3 +177,47 @@ def test_a_block_corrupted_on_disk_is_recomputed_deleted_and_written_again(
         s.stop()
     report = verify(s.layout)
     assert report["blocks_corrupt"] == 0 and bad.hex() not in report["corrupt"]
+
+
+def test_a_token_record_corrupted_on_disk_is_refused_and_its_kv_still_restores(
+        tiny_model, tmp_path, cache_dir):
+    """One byte of an unnamed conversation's stored token record flips while the stack is
+    stopped. The record fails its checksum: `kvbank store verify` names it, and the worker
+    never continues it from those tokens (the next turn is found as a new conversation), yet
+    the turn restores the KV from SSD by its own tokens and answers as from scratch."""
+    import lmdb
+
+    from apps.store_verify import verify
+    from kvbank.contracts.store_layout import session_key
+
+    data = tmp_path / "data"
+    prompt = np.random.default_rng(7).integers(1000, 20000, 80).tolist()
+    s = start_stack(tiny_model, data, cache_dir=cache_dir, shim=False)
+    try:
+        with s.client() as c:
+            first = c.generate(token_ids=prompt, max_tokens=4)
+            session = first.usage["session_id"]
+            s.wait_durable(session)
+    finally:
+        s.stop()
+    env = lmdb.open(str(s.layout.store_dir), max_dbs=8)
+    with env.begin(write=True) as txn:  # a token id's high byte, as a disk might
+        db = env.open_db(b"tokens", txn=txn)
+        raw = bytearray(txn.get(session_key("", session), db=db))
+        raw[4 * 10 + 3] ^= 0x01
+        txn.put(session_key("", session), bytes(raw), db=db)
+    env.close()
+    report = verify(s.layout)
+    assert report["records_corrupt"] == [session] and report["blocks_corrupt"] == 0
+
+    s = start_stack(tiny_model, data, cache_dir=cache_dir, shim=False)
+    try:
+        with s.client() as c:
+            longer = prompt + first.token_ids + [1234, 4321]
+            t = c.generate(token_ids=longer, max_tokens=4)
+            assert t.usage["session_id"] != session  # not continued from a record it can't trust
+            assert t.usage["cache_source"] == "ssd" and t.usage["cached_tokens"] >= 64
+            scratch = c.generate(token_ids=longer, max_tokens=4, no_cache=True)
+            assert t.token_ids == scratch.token_ids
+    finally:
+        s.stop()

@@ -4,7 +4,8 @@ Named databases:
     blocks    block id (16 B)          -> encoded block (kvbank.blocks.encode_block)
     refs      block id                 -> u32 number of session records naming it
     sessions  tenant \\0 session id     -> JSON meta (block list, durable extent, timestamps)
-    tokens    tenant \\0 session id     -> committed token ids, uint32 little-endian
+    tokens    tenant \\0 session id     -> committed token ids, uint32 little-endian (their
+                                          xxh3-64 is in the meta: `tokens_xxh3`)
     responses tenant \\0 response id    -> a stored Responses API response: u64 created_at
                                           (unix ms) then its JSON (apps/shim/responses_store.py)
     meta      b"block_bytes"           -> u64 total bytes of stored blocks (the size cap's measure)
@@ -28,10 +29,14 @@ import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import logging
+
 import lmdb
 import numpy as np
 
-from kvbank.blocks import BlockId
+from kvbank.blocks import BlockId, checksum
+
+logger = logging.getLogger(__name__)
 
 INITIAL_MAP_BYTES = 1 << 30
 DBS = (b"blocks", b"refs", b"sessions", b"tokens", b"meta", b"responses")
@@ -70,6 +75,16 @@ class SessionMeta:
     # Partial blocks inside the conversation that carry a checkpoint other conversations
     # share (the end of a system prompt): [hex id, start, tokens] each.
     anchors: list[list] = field(default_factory=list)
+    # xxh3-64 of the tokens value, hex (None: a record written before token checksums)
+    tokens_xxh3: str | None = None
+
+    def seal(self, tokens: bytes) -> None:
+        """The record's checksum of `tokens`, its tokens value as stored."""
+        self.tokens_xxh3 = f"{checksum(tokens):016x}"
+
+    def tokens_ok(self, tokens: bytes | memoryview) -> bool:
+        """The stored tokens are the ones the record was sealed with (unsealed: unchecked)."""
+        return self.tokens_xxh3 is None or int(self.tokens_xxh3, 16) == checksum(tokens)
 
     @property
     def durable_tokens(self) -> int:
@@ -160,14 +175,21 @@ class StoreReader:
             return None if raw is None else bytes(raw[8:])
 
     def get_session(self, tenant: str, session_id: str) -> tuple[SessionMeta, np.ndarray] | None:
+        """The record and its tokens; None when there is none, or when its tokens fail their
+        checksum (logged): the conversation is then found as a new one, and its stored blocks
+        still restore by their content (block ids chain the prompt's own tokens)."""
         key = session_key(tenant, session_id)
         with self._read_txn() as txn:
             raw = txn.get(key, db=self._db[b"sessions"])
             if raw is None:
                 return None
             meta = SessionMeta.from_json(bytes(raw))
-            toks = np.frombuffer(bytes(txn.get(key, db=self._db[b"tokens"]) or b""), dtype=np.uint32)
-        return meta, toks
+            raw_tokens = bytes(txn.get(key, db=self._db[b"tokens"]) or b"")
+        if not meta.tokens_ok(raw_tokens):
+            logger.error("session %s: its stored token record failed its checksum; it is "
+                         "treated as absent (its KV blocks still restore by content)", session_id)
+            return None
+        return meta, np.frombuffer(raw_tokens, dtype=np.uint32)
 
     def list_sessions(self) -> list[SessionMeta]:
         with self._read_txn() as txn:
