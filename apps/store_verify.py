@@ -18,9 +18,35 @@ from kvbank.config import Layout
 from kvbank.contracts.store_layout import StoreReader
 
 
+def _damage(store_dir) -> object:
+    """`pages.check` of the data file, a read transaction held while it walks: a running
+    coldstore reuses a freed page only once no reader's snapshot may need it, so the pages
+    walked stay the ones the commit wrote. LMDB maps the file only when it is as long as its
+    last commit needs (a read of a mapped page past the end would be SIGBUS)."""
+    import lmdb
+
+    from coldstore.pages import DataFile, NoMetaPage
+
+    path = store_dir / "data.mdb"
+    try:
+        f = DataFile(path)
+    except NoMetaPage:
+        return check(path)
+    short = f.size < f.needed_bytes
+    f.close()
+    if short:
+        return check(path)
+    env = lmdb.open(str(store_dir), readonly=True, max_dbs=16)
+    try:
+        with env.begin():
+            return check(path)
+    finally:
+        env.close()
+
+
 def verify(layout: Layout) -> dict:
     try:
-        damage = check(layout.store_dir / "data.mdb")
+        damage = _damage(layout.store_dir)
     except LayoutError:  # not laid out as this reader knows: LMDB's own reads decide
         damage = None
     if damage is not None:

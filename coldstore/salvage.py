@@ -81,9 +81,13 @@ def open_store(store_dir: Path, **store_kw) -> tuple[ColdStore, Salvage | None]:
 def describe(damage: Damage) -> str:
     if not damage.needed_bytes:
         return f"the data file holds {damage.file_bytes} bytes and no LMDB meta page"
+    where = ", ".join(damage.trees)
+    if damage.file_bytes >= damage.needed_bytes:
+        return (f"{damage.missing_pages} of the pages the data file's last commit uses are not "
+                f"the pages it wrote: zeroed or overwritten (in {where})")
     return (f"the data file holds {damage.file_bytes} bytes but its last commit needs "
             f"{damage.needed_bytes}: {damage.missing_pages} of the pages it uses are past "
-            f"its end (in {', '.join(damage.trees)})")
+            f"its end or not the pages it wrote (in {where})")
 
 
 def set_aside(store_dir: Path, damage: Damage) -> dict:

@@ -1,4 +1,5 @@
-"""A damaged store: its data file cut short while the stack is stopped, LMDB's map full.
+"""A damaged store: its data file cut short (or its tail zeroed) while the stack is stopped,
+LMDB's map full.
 
 Real processes and real LMDB files. A file cut short was SIGBUS at the coldstore's first read
 (its supervisor restarted it into the same death); now the coldstore finds it before LMDB maps
@@ -93,11 +94,14 @@ def test_the_page_reader_reads_what_lmdb_reads(tmp_path):
 # -- a data file cut short while the stack is stopped ---------------------------------------
 
 def _cut(store_dir, how: str) -> None:
-    """Half the file, or its last pages: as few as lose a page the store uses."""
+    """Half the file, or its last pages: as few as lose a page the store uses; or its second
+    half zeroed at the same length (a file system's tail after a crash: LMDB aborts on it)."""
     path = store_dir / "data.mdb"
     size, psize = path.stat().st_size, DataFile(path).psize
-    if how == "half":
+    if how in ("half", "zeroed"):
         os.truncate(path, size // 2)
+        if how == "zeroed":
+            os.truncate(path, size)
         return
     for k in range(1, 65):
         os.truncate(path, size - k * psize)
@@ -144,7 +148,7 @@ def test_a_salvage_stopped_midway_goes_on_at_the_next_start(tmp_path):
     store.close()
 
 
-@pytest.mark.parametrize("how", ["last-pages", "half"])
+@pytest.mark.parametrize("how", ["last-pages", "half", "zeroed"])
 def test_a_data_file_cut_short_is_set_aside_and_what_verifies_restores(
         tiny_model, tmp_path, cache_dir, how):
     """The coldstore finds the file short before LMDB maps it, keeps it aside, salvages what
@@ -166,7 +170,8 @@ def test_a_data_file_cut_short_is_set_aside_and_what_verifies_restores(
     s = start_stack(tiny_model, data, cache_dir=cache_dir, shim=False)
     try:
         [ev] = _events(s, "store_damaged")
-        assert "past its end" in ev["found"] and os.path.exists(ev["set_aside"])
+        assert ("zeroed" if how == "zeroed" else "past its end") in ev["found"]
+        assert os.path.exists(ev["set_aside"])
         assert "delete it once you no longer need it" in s.log_tail(20000)
         with s.client() as c:
             salvaged = {x.session_id for x in c.list_sessions()}
