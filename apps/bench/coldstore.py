@@ -13,7 +13,9 @@ this disk's speed drifts between runs):
   mapped in that process, so the page cache cannot be dropped for it again);
 - write amplification: a 20-turn conversation through a real stack (tiny model, default block
   size and delays), bytes the coldstore wrote / bytes of distinct KV it holds at the end;
-- restore vs recompute: an N-token conversation of the model (default 8K, SmolLM2).
+- restore vs recompute: an N-token conversation of the model (default 8K, SmolLM2);
+- what checking every block's checksum adds to a restore: with and without it, back to back,
+  from the disk and from memory (goal: at most 2 % of a restore from the disk).
 """
 
 from __future__ import annotations
@@ -243,29 +245,58 @@ def _write_pairs(tmp: Path, cs: _Coldstore, conv: np.ndarray, payloads: list[byt
     return pairs
 
 
+def _restore_direct(tmp: Path, ids: list, tokens: int, *, cold: bool = True,
+                    verify: bool = True) -> float:
+    """The worker's restore from the read-only map (page cache dropped first, `cold`)."""
+    from coldstore.store import ColdStore
+    from worker import kv
+
+    if cold:
+        _drop_page_cache(tmp / "cs" / "store" / "data.mdb")
+    store = ColdStore(tmp / "cs" / "store", readonly=True)
+    try:
+        return _restore(lambda i: store.get_blocks(i, decode=lambda views, done_with:
+                                                   kv.decode_blocks(views, 0, done_with,
+                                                                    verify=verify)),
+                        ids, tokens)
+    finally:
+        store.close()
+
+
 def _read_pairs(tmp: Path, ids: list, tokens: int, repeats: int) -> list[tuple[float, float]]:
     """(raw, restore) read times of the first conversation, page cache dropped each time,
     under the worker's allocator settings (it returns freed memory after each request)."""
-    from coldstore.store import ColdStore
-    from worker import kv
     from worker.admission import give_back_freed_memory
-
-    def restore_direct() -> float:
-        _drop_page_cache(tmp / "cs" / "store" / "data.mdb")
-        store = ColdStore(tmp / "cs" / "store", readonly=True)
-        try:
-            return _restore(lambda i: store.get_blocks(i, decode=kv.decode_blocks), ids, tokens)
-        finally:
-            store.close()
 
     pairs = []
     for r in range(repeats):
         timed = {}
         for side in _in_turns(r):
             give_back_freed_memory()
-            timed[side] = _raw_read(tmp / "raw0", ids) if side == "raw" else restore_direct()
+            timed[side] = (_raw_read(tmp / "raw0", ids) if side == "raw"
+                           else _restore_direct(tmp, ids, tokens))
         pairs.append((timed["raw"], timed["coldstore"]))
     return pairs
+
+
+def _checksum_cost(tmp: Path, ids: list, tokens: int, repeats: int) -> dict:
+    """What verifying every block's checksum adds to a restore: restores with and without
+    it back to back (who goes first alternates), from the disk (page cache dropped) and
+    from memory (the file's pages cached: the copy alone, the check's worst case)."""
+    from worker.admission import give_back_freed_memory
+
+    out = {}
+    for where, cold in (("cold", True), ("warm", False)):
+        pairs = []
+        for r in range(repeats):
+            timed = {}
+            for verify in ((True, False) if r % 2 == 0 else (False, True)):
+                give_back_freed_memory()
+                timed[verify] = _restore_direct(tmp, ids, tokens, cold=cold, verify=verify)
+            pairs.append((timed[True], timed[False]))
+        out[f"checksum_cost_{where}"] = round(statistics.median(a / b for a, b in pairs) - 1, 4)
+        out[f"checksum_costs_{where}"] = [round(a / b - 1, 4) for a, b in pairs]
+    return out
 
 
 def run(*, model: str | None, tokens: int = 8192, block_tokens: int = 256, turns: int = 20,
@@ -298,6 +329,7 @@ def run(*, model: str | None, tokens: int = 8192, block_tokens: int = 256, turns
             writes = _write_pairs(tmp, cs, conv, payloads, block_tokens, repeats)
             ids = _ids(conv, chain_root(FINGERPRINT + b"0", TENANT), block_tokens)
             reads = _read_pairs(tmp, ids, tokens, repeats)
+            checksum = _checksum_cost(tmp, ids, tokens, repeats)
             _drop_page_cache(tmp / "cs" / "store" / "data.mdb")
             via_s = _restore(lambda i: kv.decode_blocks(cs.read(i)), ids, tokens)
         finally:
@@ -319,6 +351,7 @@ def run(*, model: str | None, tokens: int = 8192, block_tokens: int = 256, turns
         "restore_default": "direct" if direct_s <= via_s else "coldstore",
         "restore_ratio": round(_median_ratio(reads), 3),
         "restore_ratios": [round(a / b, 3) for a, b in reads],
+        **checksum,
         "recompute_s": round(recompute_s, 2),
         "restore_vs_recompute": round(recompute_s / min(direct_s, via_s), 1),
         **amp,
