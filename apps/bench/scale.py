@@ -178,10 +178,10 @@ def run(*, geometry: str = "qwen3.6-27b", tokens: int = 65536, conversations: in
 
                 prefetch = run_prefetch(w, g, held, rounds=prefetch_rounds,
                                         turn_tokens=turn_tokens, every=every,
-                                        first_chunk=first_chunk, bank_bytes=2 * bank_bytes,
+                                        first_chunk=first_chunk, bank_bytes=2 * conv_bytes,
                                         rng=rng)
                 prefetch["peak_rss_bytes"] = vm_hwm()
-                prefetch["peak_rss_vs_budget"] = round(vm_hwm() / (base_rss + 2 * bank_bytes), 3)
+                prefetch["peak_rss_vs_budget"] = round(vm_hwm() / (base_rss + 2 * conv_bytes), 3)
         finally:
             w.close()
             raw.close()

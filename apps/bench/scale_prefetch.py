@@ -3,8 +3,9 @@
 At this size a restore from SSD takes seconds, so the hint (`/v1/kvbank/prefetch`, sent when
 an agent's think time starts) should pay: the worker's own `Prefetcher` (worker/prefetch.py)
 reads the conversation back while the agent thinks, and its return finds it in RAM. The bank
-holds two conversations here, so that a hinted one has room to land (the prefetcher displaces
-an idle one, written out first, as it does in the worker).
+holds two conversations here (twice one at its largest: its KV after every turn and
+MAX_CHECKPOINTS checkpoints; three never fit), so that a hinted one has room to land: the
+prefetcher displaces an idle one, on SSD already, as it does in the worker.
 
 Each round, three returns, each timed from its arrival to its first forward evaluated (the
 worker's restore, `with_room`, one prefill chunk):
@@ -63,9 +64,10 @@ def run_prefetch(rig, g: dict, held: dict, *, rounds: int, turn_tokens: int, eve
         t0 = time.perf_counter()
         report = pf.hint(TENANT, y, np.zeros(0, np.uint32))  # y's think time starts
         hint_s = time.perf_counter() - t0
+        in_bank = sorted(s for _, s in rig.bank.sessions())  # y, and whom it displaced not
         row = back(y, "hinted", r)
         row.update(hint_status=report.status, hint_restored_tokens=report.restored_tokens,
-                   hint_s=round(hint_s, 3))
+                   hint_s=round(hint_s, 3), in_bank_after_hint=in_bank)
         rows.append(row)
 
     def times(kind: str) -> list[float]:
