@@ -23,4 +23,19 @@ def test_bench_scale_quick_reports_writes_restores_and_releases(tmp_path):
     assert r["release_unwritten_bytes_max"] <= r["turn_bytes"]
     assert r["unwritten_dropped"] == 0
     assert r["peak_rss_bytes"] >= r["rss_before_bytes"] > 0
+    # the tiny geometry is hybrid, as Qwen3.6-27B: each build and each turn carries its
+    # recurrent checkpoints, and each restore from SSD reads the one at its end
+    assert r["checkpoint_bytes"] > 0 and "state:2" in r["cache_layout"]
+    assert all(b["checkpoints"] >= 2 and b["checkpoint_bytes"] >= 2 * r["checkpoint_bytes"]
+               for b in r["builds"])
+    assert all(x["checkpoint_bytes"] == r["checkpoint_bytes"] for x in r["restores"])
+    assert all(t["source"] == "ssd" and t["checkpoints"] >= 1 for t in r["turn_rows"])
+    # prefetch: the hint read the conversation back, and its return found it in RAM
+    p = r["prefetch"]
+    kinds = {x["kind"]: x["source"] for x in p["returns"]}
+    assert kinds == {"unhinted": "ssd", "ram_hit": "ram", "hinted": "ram"}
+    assert p["hint_status"] == ["restored"] and len(p["hinted_vs_ram_hit"]) == 1
+    assert all(x["cached_tokens"] == x["tokens"] - 256 for x in p["returns"])  # all of it
+    est = r["restore_vs_recompute_estimate"]
+    assert est["estimate"] is True and est["recompute_s"] > 0 and est["restore_s"] > 0
     assert list(tmp_path.iterdir()) == []  # the store it made is gone
