@@ -113,6 +113,15 @@ class PrefetchReport:
 
 
 @dataclass
+class History(Command):
+    """A conversation's record and committed tokens, read where they are
+    (worker/conversations.py): (None, None) without a record. LMDB is read on the engine's
+    thread only: a map resize there remaps what another thread would be reading."""
+
+    session: SessionKey
+
+
+@dataclass
 class Announce(Command):
     """A KV-event subscriber joined: announce every block held, after clearing."""
 
@@ -122,15 +131,20 @@ class Stop(Command):
     pass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SessionInfo:
-    """What the worker knows of a conversation's record (replaced, never mutated)."""
+    """What the worker knows of a conversation's record (replaced, never mutated). Its tokens
+    are the store's once it has them (`Conversations.history`): a store holds many
+    conversations of 100K tokens, and RAM keeps only what no read can give."""
 
-    tokens: Any  # np.ndarray, uint32
+    n_tokens: int
     durable_tokens: int
     created_at: float
     updated_at: float
-    recorded: bool = True  # the record on disk holds these tokens
+    recorded: bool = True  # the record on disk holds this history
+    held: Any = None  # the history itself (np.ndarray) while the store may lack it
+    ram: Any = None  # weakref to the bank entry's tokens: read there while it is in RAM
+    tail: Any = None  # an anonymous one's tokens after its lineage anchor (worker/lineage.py)
 
 
 @dataclass(frozen=True)
@@ -159,7 +173,7 @@ class Snapshot:
         ram = self.ram_bytes.get(key, 0)
         if key in self.busy:
             return "active"
-        if ram and info is not None and info.durable_tokens < len(info.tokens):
+        if ram and info is not None and info.durable_tokens < info.n_tokens:
             return "resident-dirty"
         if ram:
             return "resident-clean"

@@ -142,6 +142,8 @@ class Engine:
                 c.tokens, chain_block_ids(c.tokens, self.root_for(c.tenant), self.block_tokens),
                 c.tenant),
             cmd.Prefetch: self._prefetch,
+            cmd.History: lambda c: (self.conversations.get(c.session),
+                                    self.conversations.history(c.session)),
             cmd.Announce: lambda c: self.kv_events and self.kv_events.announce_all(),
         }
         self.snapshot = cmd.Snapshot()
@@ -321,7 +323,7 @@ class Engine:
             return Start.WAIT_MEMORY
         reports.log_admission(self._admissions, req, session, receipt)
         job.emit(worker_pb2.WorkerGenerateResponse())  # admitted: a client's stream may open
-        info = self.conversations.get(session)
+        history = self.conversations.history(session)
         self.prefetcher.started(session)
         self.bank.begin_request(session)
         self.bank.reserve_active(session, need)
@@ -333,7 +335,7 @@ class Engine:
             reports.count_restore(req, session, len(tokens), cached, source)
             r = Running(job=job, tokens=tokens, bank_key=session, session=session,
                         cached=cached, source=source,
-                        known=common_prefix_len(info.tokens, tokens) if info is not None else 0,
+                        known=common_prefix_len(history, tokens) if history is not None else 0,
                         started=time.monotonic(), stops=list(req.stop),
                         detok=self.tokenizer.detokenizer, decoding=decoding, handed=handed,
                         at_rest=self.kinds.at_rest(cache),

@@ -24,7 +24,7 @@ from worker import upkeep
 from worker.bank import MAX_CHECKPOINTS, SessionBank, SessionKey
 from worker.cache_kinds import CacheKinds
 from worker.conversations import Conversations
-from worker.kv_events import KVEvents, held_conversations
+from worker.kv_events import KVEvents
 from worker.lineage import is_anonymous
 from worker.link import ColdstoreClient
 from worker.restore import Restorer
@@ -54,16 +54,17 @@ class Holdings:
                                 active_pin_s=active_pin_s, restore_point=kinds.restore_point,
                                 max_checkpoints=max_checkpoints)
         self.bank.write_out_deadline_s = write_out_deadline_s
-        self.conversations = Conversations(root_for=self.root_for, block_tokens=block_tokens)
         self.restorer = Restorer(kinds=kinds, bank=self.bank, client=self.coldstore,
                                  store_dir=self.layout.store_dir, root_for=self.root_for,
                                  block_tokens=block_tokens, restore_via=restore_via)
-        self.conversations.load(self.restorer.store())
+        self.conversations = Conversations(root_for=self.root_for, block_tokens=block_tokens,
+                                           store=self.restorer.store)
+        self.conversations.load()
         self.kv_events = kv_events
         if kv_events is not None:  # several machines behind a router: say what we hold
             self.bank.listener = kv_events
-            for key, tokens in held_conversations(self.conversations.records.items()):
-                kv_events.ssd_holds(key, tokens)
+            for key in self.conversations.records:
+                self._ssd_changed(key)
             kv_events.announce_all()
         self.ram_bytes: dict[SessionKey, int] = {}  # per conversation, for the Snapshot
         self.checkpoint_bytes: dict[SessionKey, int] = {}  # the checkpoints' part of it
@@ -105,7 +106,9 @@ class Holdings:
             session, full, layers, checkpoints=checkpoints, durable_tokens=durable_tokens,
             supersede_slack=self.conversations.lineages.slack if anonymous else 0,
             handed=handed)
-        self.conversations.committed(session, full, durable_tokens, durable, entry.block_ids)
+        # The entry's own tokens: the record reads them there while the entry lives.
+        self.conversations.committed(session, entry.tokens, durable_tokens, durable,
+                                     entry.block_ids)
         self._ssd_changed(session)
         events.emit("kv_resident", tenant=session[0], session_id=session[1],
                     tokens=len(full), bytes=entry.nbytes, durable_tokens=durable_tokens)
@@ -184,5 +187,6 @@ class Holdings:
         """What LMDB holds of a conversation changed: the KV events follow."""
         if self.kv_events is not None:
             info = self.conversations.get(key)
-            self.kv_events.ssd_holds(key, info.tokens[:info.durable_tokens]
-                                     if info is not None and info.durable_tokens else None)
+            tokens = self.conversations.history(key) if info and info.durable_tokens else None
+            self.kv_events.ssd_holds(key, tokens[:info.durable_tokens]
+                                     if tokens is not None else None)

@@ -34,7 +34,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable
 
 import msgpack
 import numpy as np
@@ -292,10 +292,3 @@ class KVEvents:
                 "token_ids": tokens[i * B:j * B].tolist(), "block_size": B, "lora_id": None,
                 "medium": medium, "lora_name": None})
             i = j
-
-
-def held_conversations(records: Iterable) -> Iterable:
-    """(key, tokens LMDB holds) for every conversation record with durable KV."""
-    for key, info in records:
-        if info.durable_tokens:
-            yield key, info.tokens[:info.durable_tokens]

@@ -8,7 +8,9 @@ write-behind, protection, write-out, restore after a crash) applies unchanged.
 The index maps an *anchor* to the conversations that have it: the chained id of the last full
 block that lies at least `slack` tokens before the end of the history (the tenant's root when
 there is none). A prompt's own block ids are walked from the longest prefix down, so a lookup
-costs one dict probe per block of the prompt plus a token check of the few candidates.
+costs one dict probe per block of the prompt plus a token check of the few candidates. A
+matching anchor is a hash chain over every token up to it, so only the tokens after it (fewer
+than `block_tokens + slack`) are compared: each record keeps that `tail`, not its history.
 `slack` lets a client that re-renders the last few tokens of an answer differently (a turn end
 written another way) still continue its conversation.
 
@@ -19,12 +21,12 @@ by tenant and model, as block ids are): short enough to type in `kvbank admin re
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
-from kvbank.blocks import (ANONYMOUS_PREFIX, BlockId, chain_block_ids, common_prefix_len,
-                           is_anonymous, tail_block_id)
+from kvbank.blocks import (ANONYMOUS_PREFIX, BlockId, common_prefix_len, is_anonymous,
+                           tail_block_id)
 
 SessionKey = tuple[str, str]  # (tenant, session_id)
 
@@ -45,12 +47,16 @@ class Lineages:
     def __len__(self) -> int:
         return len(self._anchor_of)
 
+    def anchor_at(self, n_tokens: int) -> int:
+        """Where a history of `n_tokens` is anchored: its tail starts there."""
+        return max(0, n_tokens - self.slack) // self.block_tokens * self.block_tokens
+
     def set(self, key: SessionKey, n_tokens: int, block_ids: list[BlockId]) -> None:
         """The conversation's committed history is now `n_tokens` long, with these chained
         ids of its full blocks; it is filed under the last one at least `slack` tokens before
         its end (the tenant's root when there is none)."""
         self.drop(key)
-        full = max(0, n_tokens - self.slack) // self.block_tokens
+        full = self.anchor_at(n_tokens) // self.block_tokens
         a = block_ids[full - 1] if full else self.root_for(key[0])
         self._anchor_of[key] = a
         self._by_anchor.setdefault(a, set()).add(key)
@@ -68,7 +74,9 @@ class Lineages:
              busy: Callable[[SessionKey], bool]) -> SessionKey | None:
         """The idle conversation whose history `tokens` (chained block ids `ids`) extends, all
         but `slack` of its last tokens, the longest first. A conversation with a request
-        running is not continued by a second request at once: that one starts its own."""
+        running is not continued by a second request at once: that one starts its own. Found
+        under block `k`, the prompt's first k blocks are the history's (the chain proves it):
+        the record's `tail` is compared with the prompt from there."""
         root = self.root_for(tenant)
         for k in range(len(ids), -1, -1):
             keys = self._by_anchor.get(ids[k - 1] if k else root)
@@ -79,9 +87,9 @@ class Lineages:
                 info = histories.get(key)
                 if info is None or busy(key):
                     continue
-                history = info.tokens
-                n = common_prefix_len(history, tokens)
-                if n >= len(history) - self.slack and n > best_n:
+                start = k * self.block_tokens
+                n = start + common_prefix_len(info.tail, tokens[start:])
+                if n >= info.n_tokens - self.slack and n > best_n:
                     best, best_n = key, n
             if best is not None:
                 return best
@@ -98,10 +106,6 @@ class Lineages:
                 return sid
         raise RuntimeError("no free anonymous conversation id")
 
-    def rebuild(self, histories: Iterable[tuple[SessionKey, np.ndarray]]) -> None:
+    def clear(self) -> None:
         self._by_anchor.clear()
         self._anchor_of.clear()
-        for key, history in histories:
-            if is_anonymous(key[1]):
-                root = self.root_for(key[0])
-                self.set(key, len(history), chain_block_ids(history, root, self.block_tokens))

@@ -63,8 +63,8 @@ class Prefetcher:
         """A hint from a client: read the KV back now if it is on SSD only, and keep the hint
         live until the conversation's next turn starts (or HINT_TTL_S)."""
         if not len(tokens) and session_id:
-            info = self.conversations.get((tenant, session_id))
-            tokens = info.tokens if info is not None else tokens
+            history = self.conversations.history((tenant, session_id))
+            tokens = history if history is not None else tokens
         if not len(tokens):
             return self._counted(PrefetchReport("unknown"))
         ids = chain_block_ids(tokens, self.root_for(tenant), self.block_tokens)

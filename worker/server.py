@@ -27,6 +27,7 @@ from kvbank.config import Layout
 from kvbank.contracts.failures import ColdstoreUnavailable, KvbankError, grpc_status
 from kvbank.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 from worker import commands as cmd
+from worker.conversations import history_in_ram
 from worker.engine import Engine
 
 logger = logging.getLogger(__name__)
@@ -96,31 +97,35 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             **_tool_calling(e.tokenizer))
 
     @staticmethod
-    def _session_pb(snap: cmd.Snapshot, key, info, with_tokens: bool) -> api_pb2.Session:
-        s = api_pb2.Session(session_id=key[1], token_count=len(info.tokens),
+    def _session_pb(snap: cmd.Snapshot, key, info, tokens=None) -> api_pb2.Session:
+        s = api_pb2.Session(session_id=key[1], token_count=info.n_tokens,
                             durable_tokens=info.durable_tokens,
                             ram_bytes=snap.ram_bytes.get(key, 0), created_at=info.created_at,
                             checkpoint_bytes=snap.checkpoint_bytes.get(key, 0),
                             updated_at=info.updated_at, state=snap.state(key), tenant=key[0])
-        if with_tokens:
-            s.token_ids.extend(info.tokens.tolist())
+        if tokens is not None:
+            s.token_ids.extend(tokens.tolist())
         return s
 
     async def ListSessions(self, request, context):
         tenant = _tenant(context)
         snap = self.engine.snapshot
         return api_pb2.ListSessionsResponse(sessions=[
-            self._session_pb(snap, k, v, False) for k, v in sorted(snap.sessions.items())
+            self._session_pb(snap, k, v) for k, v in sorted(snap.sessions.items())
             if k[0] == tenant])
 
     async def GetSession(self, request, context):
         key = (_tenant(context), request.session_id)
         snap = self.engine.snapshot
         info = snap.sessions.get(key)
-        if info is None:
+        tokens = None if info is None else history_in_ram(info)
+        if info is not None and tokens is None:  # on SSD only: the engine reads LMDB
+            info, tokens = await self._ask(cmd.History(key))
+            snap = self.engine.snapshot
+        if info is None or tokens is None:  # unknown, or the coldstore just retired it
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"no session {request.session_id!r}: list them with Sessions.List")
-        return self._session_pb(snap, key, info, True)
+        return self._session_pb(snap, key, info, tokens)
 
     async def DeleteSession(self, request, context):
         key = (_tenant(context), request.session_id)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 
 import mlx.core as mx
 
@@ -177,15 +176,13 @@ def retry_writes(bank: SessionBank, writer: KVWriter, client: ColdstoreClient,
         info = conversations.get(e.session)
         if info is None:
             continue
-        if not info.recorded:
+        if not info.recorded:  # the record holds its history until the store does
             try:
-                durable = put_record(client, e.session, info.tokens, block_tokens,
+                durable = put_record(client, e.session, info.held, block_tokens,
                                      timeout_s=2.0)
             except ColdstoreUnavailable:
                 continue
-            if conversations.get(e.session) is info:
-                conversations.set(e.session, replace(info, recorded=True,
-                                                     durable_tokens=durable))
+            conversations.recorded_again(e.session, info, durable)
         if writer.write_behind(e) is not None:
             sent += 1
     if sent:
