@@ -185,10 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     admission_arguments(bad)
     bad.set_defaults(func=_run_bench_admission)
     bo = bsub.add_parser("overhead", help="streamed decode through shim+router vs in-process")
-    model_flag(bo)
-    bo.add_argument("--prompt-tokens", type=int, default=256)
-    bo.add_argument("--max-tokens", type=int, default=64)
-    bo.add_argument("--json", action="store_true")
+    from apps.bench.overhead import add_arguments as overhead_arguments
+    overhead_arguments(bo)
     bo.set_defaults(func=_run_bench_overhead)
     bc = bsub.add_parser("compare", help="kvbank vs mlx_lm.server on one loadgen scenario")
     from apps.bench.compare import add_arguments as compare_arguments
@@ -231,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     kvbits_arguments(bk)
     bk.set_defaults(func=_run_bench_kvbits)
+    from apps.bench.restore import register as register_bench_restore  # its handler with it
+    register_bench_restore(bsub)
     return ap
 
 

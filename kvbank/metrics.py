@@ -51,6 +51,11 @@ WORKER_STAGE = Histogram("kvbank_worker_stage_seconds",
                          "(queue and admission), restore (KV from RAM or SSD), first_token "
                          "(prompt forwards and the first token)", ["stage"],
                          buckets=LATENCY_BUCKETS)
+RESTORE_STALL = Histogram("kvbank_worker_restore_stall_seconds",
+                          "The engine thread's time on one restore from SSD, which no other "
+                          "request decodes through: the whole restore inline, or its start "
+                          "and its hand-over when read on a thread (worker/restoring.py)",
+                          ["where"], buckets=LATENCY_BUCKETS)
 GENERATION_TOKENS = Counter("kvbank_generation_tokens_total", "Tokens generated")
 CORRUPT_BLOCKS = Counter("kvbank_corrupt_blocks_total",
                          "Stored blocks that failed their checksum on a restore (recomputed)")

@@ -61,10 +61,11 @@ def tool_model(tiny_model, tmp_path_factory) -> Path:
 
 def start_stack(model: Path, data_dir: Path, *, extra: list[str] = (),
                 cache_dir: Path | None = None, shim: bool = True,
-                slow_disk_s: float | None = None) -> LocalStack:
+                slow_disk_s: float | None = None, env: dict | None = None) -> LocalStack:
     """A stack with small blocks, a short quiet grace and no tail delay, as tests want it;
-    with `slow_disk_s`, its coldstore commits each block that much later (tests/slow_coldstore.py)."""
-    env = {"KVBANK_CACHE_DIR": str(cache_dir)} if cache_dir else {}
+    with `slow_disk_s`, its coldstore commits each block that much later (tests/slow_coldstore.py);
+    `env`: its processes' environment, over this one's."""
+    env = {**({"KVBANK_CACHE_DIR": str(cache_dir)} if cache_dir else {}), **(env or {})}
     launcher = (("-m", "tests.slow_coldstore", "--delay-s", str(slow_disk_s))
                 if slow_disk_s else ("-m", "apps.cli"))
     return LocalStack.start(model, data_dir, env=env, timeout_s=120, shim=shim,

@@ -47,6 +47,7 @@ from worker.holdings import Holdings
 from worker.kv_events import EventsConfig, KVEvents, Publisher
 from worker.prefetch import Prefetcher
 from worker import reports, sharing
+from worker.restoring import Restores, Restoring
 from worker.decoding import Decodings
 from worker.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running, warm_up
 
@@ -122,6 +123,7 @@ class Engine:
             room=lambda: None if self._pending else min(  # waiting requests come first
                 self.bank.effective_max_bytes - self.bank.total_nbytes,
                 self.memory_budget - held_bytes(self.pricing, self.bank)))
+        self.restores = Restores(self._wake, self.kv_bytes_per_token)  # reads on a thread
         self._admissions: deque = deque(maxlen=1024)  # admission receipts, newest last
         self._retried_at = 0.0
         self._held_seen = 0  # the ledger at the last _give_back_freed
@@ -182,7 +184,7 @@ class Engine:
         return self.post(command).reply.result(timeout=timeout_s)
 
     def _wake(self) -> None:
-        """The writer's inbox has mail: a blocked loop turns once."""
+        """The writer's inbox has mail, or a restore's read ended: a blocked loop turns once."""
         self._queue.put(_WAKE)
 
     def _run(self) -> None:
@@ -197,16 +199,19 @@ class Engine:
             self.writer.pump()  # acknowledgements first: they free staging and mark durable
             for item in items:
                 if isinstance(item, cmd.Stop):
+                    for r in self.restores.stop(timeout_s=4):
+                        self._end_restoring(r, None)
                     item.reply.set_result(None)
                     return
                 if isinstance(item, cmd.Generate):
                     self._pending.append(item)
                 elif item is not _WAKE:
                     self._handle(item)
-            self.coldstore.set_busy(bool(self.batch or self._pending))
-            running = len(self.batch)
+            self.coldstore.set_busy(bool(self.batch or self._pending or self.restores))
+            running = self._running()
+            self._join_restored()
             self._admit_pending()
-            if len(self.batch) > running:  # seen running (guard, Status) before it answers
+            if self._running() > running:  # seen running (guard, Status) before it answers
                 self._publish()
             self._give_back_freed()  # what commands, acknowledged writes and evictions freed
             if self.batch:
@@ -241,7 +246,11 @@ class Engine:
             busy=self.bank.busy_sessions(), held_bytes=held,
             kv_bytes=ledger["entries_bytes"] + ledger["active_bytes"],
             bank_bytes=self.bank.total_nbytes, bank_entries=len(self.bank.entries),
-            running=len(self.batch), waiting=len(self._pending))
+            running=self._running(), waiting=len(self._pending))
+
+    def _running(self) -> int:
+        """Admitted requests: in the batch, or restoring from SSD on a thread."""
+        return len(self.batch) + len(self.restores)
 
     def close(self) -> None:
         self.guard.close()
@@ -258,7 +267,7 @@ class Engine:
         request waiting for memory stops the line (it is first in it); one waiting for the
         prefix a running request is computing lets the requests behind it start."""
         i = 0
-        while i < len(self._pending) and len(self.batch) < self.scheduler.max_active:
+        while i < len(self._pending) and self._running() < self.scheduler.max_active:
             job = self._pending[i]
             if job.cancelled.is_set():
                 del self._pending[i]
@@ -327,23 +336,48 @@ class Engine:
         self.prefetcher.started(session)
         self.bank.begin_request(session)
         self.bank.reserve_active(session, need)
-        handed = None
+        t0 = time.monotonic()
         try:
-            t0 = time.monotonic()
-            cache, cached, source, handed = self.restorer.restore(
-                tokens, ids, tenant, session, req.no_cache, anchor_at=req.shared_checkpoint_at)
+            look = self.restorer.look(tokens, ids, tenant, req.no_cache)
+            restoring = Restoring(job=job, tokens=tokens, ids=ids, session=session,
+                                  history=history,
+                                  decoding=decoding, look=look, t0=t0)
+            read = lambda on_corrupt: self.restorer.read_ssd(  # noqa: E731
+                look, tokens, ids, tenant, session, req.shared_checkpoint_at, on_corrupt)
+            if self.restores.worth_a_thread(look):  # the batch steps on while it reads
+                self.restores.start(restoring, read)
+                restoring.stall_s = time.monotonic() - t0
+                return Start.STARTED
+            restoring.ssd = read(None)
+        except Exception:
+            self.bank.end_request(session)
+            raise
+        self._join(restoring, where="inline")
+        return Start.STARTED
+
+    def _join(self, restoring: Restoring, where: str) -> None:
+        """A request's restored cache (from `restoring.ssd`, else RAM's hit) into the batch.
+        Raises, the bank given back, when it cannot join."""
+        job, tokens, session, history = (restoring.job, restoring.tokens, restoring.session,
+                                         restoring.history)
+        req = job.request
+        t_join, handed = time.monotonic(), None
+        try:
+            cache, cached, source, handed = self.restorer.take(restoring.look, restoring.ssd,
+                                                               session)
+            restoring.ssd = None  # the cache holds it now
             reports.count_restore(req, session, len(tokens), cached, source)
             r = Running(job=job, tokens=tokens, bank_key=session, session=session,
                         cached=cached, source=source,
                         known=common_prefix_len(history, tokens) if history is not None else 0,
                         started=time.monotonic(), stops=list(req.stop),
-                        detok=self.tokenizer.detokenizer, decoding=decoding, handed=handed,
-                        at_rest=self.kinds.at_rest(cache),
+                        detok=self.tokenizer.detokenizer, decoding=restoring.decoding,
+                        handed=handed, at_rest=self.kinds.at_rest(cache),
                         split_at=self.kinds.splits(cached, len(tokens), req.checkpoint_at,
                                                    self.checkpoint_every))
-            r.restore_s = r.started - t0
+            r.restore_s = r.started - restoring.t0
             if not req.no_cache:
-                r.prefix_lost = self.restorer.lost(tokens, ids, tenant, cached)
+                r.prefix_lost = self.restorer.lost(tokens, restoring.ids, req.tenant, cached)
                 metrics.PREFIX_LOST.labels("no_checkpoint").inc(r.prefix_lost)
             self.batch.add(r, cache, req.max_tokens)
         except Exception:
@@ -351,7 +385,37 @@ class Engine:
                 self.bank.take_back(handed)
             self.bank.end_request(session)
             raise
-        return Start.STARTED
+        if source == api_pb2.CACHE_SOURCE_SSD:
+            stall = (r.restore_s if where == "inline"
+                     else restoring.stall_s + time.monotonic() - t_join)
+            metrics.RESTORE_STALL.labels(where).observe(stall)
+
+    def _join_restored(self) -> None:
+        """Restores whose read on a thread ended: each request joins the batch, or ends (its
+        client went away, the read failed); a corrupt block the read found is reported here,
+        on the thread that owns the coldstore link."""
+        for r in self.restores.take_done():
+            for block, e in r.corrupt:
+                self.restorer.corrupt(block, e, r.job.request.tenant, r.session)
+            if r.job.cancelled.is_set() or r.error is not None:
+                self._end_restoring(r, r.error)
+                continue
+            if r.ssd is None:  # RAM's hit, then: the bank may have changed while it read
+                r.look = self.restorer.look(r.tokens, r.ids, r.job.request.tenant, False)
+            try:
+                self._join(r, where="thread")
+            except Exception as e:
+                logger.exception("could not start a request")
+                r.job.emit(e)
+
+    def _end_restoring(self, r: Restoring, error: BaseException | None) -> None:
+        """A request that ends while, or as, its KV was read on a thread: its reservation and
+        what was read go; its client hears the error, or the end of its stream."""
+        r.ssd = None
+        self.bank.end_request(r.session)
+        if error is not None:
+            logger.error("restore of session %s failed: %s", r.session[1], error)
+        r.job.emit(error if isinstance(error, Exception) else None)
 
     def _leave(self, r: Running) -> None:
         """A request is done with the bank (answered, failed or cancelled): a conversation's

@@ -33,7 +33,7 @@ def status(engine) -> dict:
         "bank_max_bytes": e.bank.max_bytes,
         "bank_ceiling_bytes": e.bank.ceiling_bytes or 0,
         "bank_entries": len(e.bank.entries), "scheduler": e.scheduler.mode,
-        "running_requests": len(e.batch), "waiting_requests": len(e._pending),
+        "running_requests": e._running(), "waiting_requests": len(e._pending),
         "kv_bytes_per_token": e.kv_bytes_per_token, "kv_bits": e.kinds.kv_bits or 0,
         "prefill_chunk_tokens": e.pricing.chunk_tokens,
         "transient_base_bytes": e.pricing.transient_base,

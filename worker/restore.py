@@ -4,7 +4,9 @@ from SSD, whichever covers more (engine thread)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -22,6 +24,18 @@ logger = logging.getLogger(__name__)
 
 READ_TIMEOUT_S = 3.0
 RAM = api_pb2.CACHE_SOURCE_RAM
+
+
+@dataclass
+class Look:
+    """`Restorer.look`: RAM's hit over the prompt (None: none, or no_cache), its tokens, the
+    prompt's restorable limit (0: no_cache), and how many more tokens LMDB holds in whole
+    blocks (what a read from SSD may add, before checkpoints and anchors)."""
+
+    hit: Any
+    ram_n: int
+    limit: int
+    ssd_more: int
 
 
 class Restorer:
@@ -63,25 +77,51 @@ class Restorer:
         """The request's own cache over the longest known prefix: (cache, tokens, source, the
         bank entry handed over to it, which its commit supersedes or its failure gives back).
         `anchor_at`: where the prompt's shared prefix (system and tools) ends, whose checkpoint
-        another conversation may have stored (`ssd_prefix`)."""
-        none = (self.kinds.new_cache(), 0, api_pb2.CACHE_SOURCE_NONE, None)
+        another conversation may have stored (`ssd_prefix`). In three steps, so that the SSD
+        read may run on another thread (worker/restoring.py): `look`, `read_ssd`, `take`."""
+        look = self.look(tokens, ids, tenant, no_cache)
+        return self.take(look, self.read_ssd(look, tokens, ids, tenant, session, anchor_at),
+                         session)
+
+    def look(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
+             no_cache: bool) -> Look:
+        """What RAM holds of the prompt, and how much more LMDB may add (engine thread)."""
         if no_cache:
-            return none
+            return Look(None, 0, 0, 0)
         limit = len(tokens) - 1  # leave one token to compute: its logits give the next token
         hit = self.bank.lookup(tokens, tenant, ids, limit=limit)
         ram_n = hit.n_tokens if hit else 0
-        # SSD can only add when RAM leaves something to restore: skip its reads.
+        store = self.store() if ram_n < limit else None  # SSD adds only when RAM leaves some
+        n_full = 0
+        while store is not None and n_full < len(ids) and store.has_block(ids[n_full]):
+            n_full += 1
+        return Look(hit, ram_n, limit, max(0, min(n_full * self.block_tokens, limit) - ram_n))
+
+    def read_ssd(self, look: Look, tokens: np.ndarray, ids: list[BlockId], tenant: str,
+                 session: SessionKey, anchor_at: int = 0, on_corrupt=None
+                 ) -> tuple[kv.Layers, Checkpoint | None, int] | None:
+        """What LMDB restores beyond RAM's hit (None: nothing better). Any thread: it touches
+        neither the bank nor the coldstore link; a corrupt block found goes to `on_corrupt`
+        (None: reported here, `corrupt`), which a thread hands to the engine's."""
+        if look.limit == 0 or look.ram_n >= look.limit:
+            return None
         # Room for the rest of the prompt and the first answer tokens (as a cache grows): the
         # request appends in place to the arrays it reads from SSD, no second copy.
-        ssd = (self.ssd_prefix(tokens, ids, tenant, session, better_than=ram_n,
-                               capacity=kv.capacity(len(tokens)), anchor_at=anchor_at)
-               if ram_n < limit else None)
+        return self.ssd_prefix(tokens, ids, tenant, session, better_than=look.ram_n,
+                               capacity=kv.capacity(len(tokens)), anchor_at=anchor_at,
+                               on_corrupt=on_corrupt)
+
+    def take(self, look: Look, ssd, session: SessionKey
+             ) -> tuple[list, int, int, BankEntry | None]:
+        """`restore`'s answer from what SSD read (`read_ssd`) or else RAM's hit (engine
+        thread: the bank hands its entry over)."""
         if ssd is not None:
             layers, checkpoint, n = ssd
             return (self.kinds.restore(layers, checkpoint, n, owned=True), n,
                     api_pb2.CACHE_SOURCE_SSD, None)
+        ram_n = look.ram_n
         if ram_n > 0:
-            e = hit.entry
+            e = look.hit.entry
             self.bank.touch(e)
             checkpoint = e.checkpoints.get(ram_n)
             # Not when kept quantized: the request dequantizes into a buffer of its own, and
@@ -92,7 +132,7 @@ class Restorer:
                 self.bank.hand_over(e)
                 return self.kinds.restore(e.layers, checkpoint, ram_n, owned=True), ram_n, RAM, e
             return self.kinds.restore(e.layers, checkpoint, ram_n), ram_n, RAM, None
-        return none
+        return self.kinds.new_cache(), 0, api_pb2.CACHE_SOURCE_NONE, None
 
     def lost(self, tokens: np.ndarray, ids: list[BlockId], tenant: str, cached: int) -> int:
         """Prompt tokens RAM or LMDB hold past `cached` that no checkpoint let a restore reach
@@ -115,7 +155,7 @@ class Restorer:
 
     def ssd_prefix(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
                    session: SessionKey, better_than: int, capacity: int = 0,
-                   limit: int | None = None, anchor_at: int = 0
+                   limit: int | None = None, anchor_at: int = 0, on_corrupt=None
                    ) -> tuple[kv.Layers, Checkpoint | None, int] | None:
         """The longest prefix LMDB can restore, up to `limit` (None: short of the prompt's
         last token, whose logits a request needs), if it beats `better_than`: its blocks
@@ -157,10 +197,11 @@ class Restorer:
                             (0, None))
         if min(max(n, at), limit) <= better_than:
             return None
-        got = self._read_checked(store, want, limit, better_than, capacity, tenant, session)
+        report = on_corrupt or (lambda block, e: self.corrupt(block, e, tenant, session))
+        got = self._read_checked(store, want, limit, better_than, capacity, report)
         if anchored and (got is None or got[2] < at):
-            got = self._read_checked(store, anchored, limit, better_than, capacity, tenant,
-                                     session) or got
+            got = self._read_checked(store, anchored, limit, better_than, capacity,
+                                     report) or got
         return got
 
     def _anchored(self, store: StoreReader, tokens: np.ndarray, ids: list[BlockId],
@@ -175,24 +216,30 @@ class Restorer:
         return list(ids[:s // B]) + [anchor] if store.has_block(anchor) else None
 
     def _read_checked(self, store: StoreReader, want: list[BlockId], limit: int,
-                      better_than: int, capacity: int, tenant: str, session: SessionKey):
-        """`_read_blocks`, with each corrupt block reported, deleted and read around."""
+                      better_than: int, capacity: int, report):
+        """`_read_blocks`, read around each corrupt block, which goes to `report(block id or
+        None, error)`."""
         while True:
             try:
                 # None: a block was collected since we looked, or no checkpoint beats it
                 return self._read_blocks(store, want, limit, better_than, capacity)
             except CorruptBlock as e:  # never restored from: computed again from there on
-                metrics.CORRUPT_BLOCKS.inc()
-                events.emit("kv_corrupt_block", tenant=tenant, session_id=session[1],
-                            block_id=bytes(want[e.index]).hex() if e.index is not None else "",
-                            error=str(e))
-                logger.error("session %s: a stored block failed its check (%s); what follows "
-                             "it is recomputed, and the coldstore deletes it", session[1], e)
-                if self.client is not None and e.index is not None:
-                    self.client.send(drop_blocks=wire.pb.DropBlocks(ids=[bytes(want[e.index])]))
+                report(want[e.index] if e.index is not None else None, e)
                 if not e.index:
                     return None
                 want = want[:e.index]
+
+    def corrupt(self, block: BlockId | None, e: CorruptBlock, tenant: str,
+                session: SessionKey) -> None:
+        """A corrupt block a restore found: counted, told, and the coldstore deletes it
+        (engine thread: the link is not thread-safe)."""
+        metrics.CORRUPT_BLOCKS.inc()
+        events.emit("kv_corrupt_block", tenant=tenant, session_id=session[1],
+                    block_id=bytes(block).hex() if block is not None else "", error=str(e))
+        logger.error("session %s: a stored block failed its check (%s); what follows "
+                     "it is recomputed, and the coldstore deletes it", session[1], e)
+        if self.client is not None and block is not None:
+            self.client.send(drop_blocks=wire.pb.DropBlocks(ids=[bytes(block)]))
 
     def _read_blocks(self, store: StoreReader, ids: list[BlockId], limit: int,
                      better_than: int, capacity: int = 0

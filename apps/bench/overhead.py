@@ -24,6 +24,16 @@ from deploy.local import LocalStack
 SESSION = "bench-overhead"
 
 
+def add_arguments(p) -> None:
+    """`kvbank bench overhead`'s flags."""
+    from apps.flags import model_flag
+
+    model_flag(p)
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--json", action="store_true")
+
+
 def _prompt(prompt_tokens: int, seed: int) -> list[int]:
     # Ordinary vocabulary, clear of the special tokens at the start of most vocabularies.
     return np.random.default_rng(seed).integers(1000, 20000, size=prompt_tokens).tolist()

@@ -26,6 +26,8 @@ import ctypes
 import json
 import mmap
 import struct
+import threading
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -110,7 +112,12 @@ _MADV_DONTNEED = 4  # Linux and macOS: drop the pages from this mapping (shared:
 
 
 class StoreReader:
-    """Reads (any process). `readonly=False` only for the coldstore's `ColdStore`."""
+    """Reads (any process). `readonly=False` only for the coldstore's `ColdStore`.
+
+    Several threads may read at once, each in a read txn of its own (the worker's engine, and
+    a restore read on a thread beside it, worker/restoring.py); `_read_txn` counts them,
+    because adopting the writer's larger map (`set_mapsize`) is only safe while no txn of
+    this process is open, and so is `close`."""
 
     def __init__(self, path: Path, *, readonly: bool = False):
         self.path = Path(path)
@@ -128,6 +135,8 @@ class StoreReader:
             metasync=True,
             create=not readonly,
         )
+        self._txns = 0  # read txns open in this process, under _txns_changed's lock
+        self._txns_changed = threading.Condition()
         self._db = {}
         for name in DBS:
             try:
@@ -156,15 +165,33 @@ class StoreReader:
                 txn.put(FORMAT_KEY, struct.pack("<I", STORE_FORMAT), db=self._db[b"meta"])
         return version
 
-    def close(self) -> None:
-        self.env.close()
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Once the read txns open in other threads end (a restore's read, at most
+        `timeout_s`; past it the environment stays open: the process is ending)."""
+        with self._txns_changed:
+            if self._txns_changed.wait_for(lambda: self._txns == 0, timeout_s):
+                self.env.close()
 
-    def _read_txn(self) -> lmdb.Transaction:
+    @contextmanager
+    def _read_txn(self):
+        """A read txn; the writer's larger map adopted first when it grew, once no other
+        txn of this process is open (LMDB's rule for `set_mapsize`): a read that began with
+        the smaller map waits for the others to end, a restore's read at the longest."""
+        with self._txns_changed:
+            try:
+                txn = self.env.begin(buffers=True)
+            except lmdb.MapResizedError:
+                self._txns_changed.wait_for(lambda: self._txns == 0)
+                self.env.set_mapsize(0)  # adopt the writer's larger map
+                txn = self.env.begin(buffers=True)
+            self._txns += 1
         try:
-            return self.env.begin(buffers=True)
-        except lmdb.MapResizedError:
-            self.env.set_mapsize(0)  # adopt the writer's larger map
-            return self.env.begin(buffers=True)
+            with txn:
+                yield txn
+        finally:
+            with self._txns_changed:
+                self._txns -= 1
+                self._txns_changed.notify_all()
 
     def get_response(self, tenant: str, response_id: str) -> bytes | None:
         """A stored Responses API response's JSON, or None."""
