@@ -35,6 +35,7 @@ RUN_ELSEWHERE = {
     ("bench", "cluster"): "tests/test_bench_cluster.py",
     ("bench", "agents"): "tests/test_bench_agents.py",
     ("bench", "kvbits"): "tests/test_kv_bits.py",
+    ("bench", "restore"): "tests/test_background_restore.py",
 }
 RUN_HERE = {("ask",), ("chat",), ("status",), ("bench", "overhead"), ("bench", "compare")}
 
