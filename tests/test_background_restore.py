@@ -80,7 +80,7 @@ def test_a_request_keeps_decoding_while_another_restores_from_ssd(held_stack):
     with s.client() as c:
         history = _on_ssd_only(c, s, "long", 300, seed=1)
         streaming = _Stream(c, session_id="streaming", token_ids=_tokens(40, seed=2),
-                            max_tokens=1500)
+                            max_tokens=800)
         wait_until(lambda: streaming.tokens, "the streaming request's first token")
         prompt = history + _tokens(8, seed=3)
         returning = _Stream(c, session_id="long", token_ids=prompt, max_tokens=6)
@@ -98,7 +98,7 @@ def test_a_request_keeps_decoding_while_another_restores_from_ssd(held_stack):
         scratch = c.generate(token_ids=prompt, max_tokens=6, no_cache=True)
         assert returning.tokens == scratch.token_ids
         streaming.thread.join(120)
-        alone = c.generate(token_ids=_tokens(40, seed=2), max_tokens=1500, no_cache=True)
+        alone = c.generate(token_ids=_tokens(40, seed=2), max_tokens=800, no_cache=True)
         assert streaming.tokens == alone.token_ids  # the restore beside it changed nothing
     assert _metric(s, "kvbank_worker_restore_stall_seconds_count", where="thread") >= 1
 

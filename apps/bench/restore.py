@@ -147,8 +147,10 @@ def run(model: Path | None = None, tokens: int = 8000, repeats: int = 3, around:
                 history = rng.integers(1000, 20000, tokens).tolist()
                 c.generate(session_id="long", token_ids=history, max_tokens=4, timeout_s=900)
                 for i in range(repeats):
-                    stack.wait_durable("long", timeout_s=600)
-                    c.release("long")
+                    # written out first (its tail too, which write-behind keeps back for
+                    # --tail-delay-s), then gone from RAM
+                    if c.release("long").dropped_unwritten_entries:
+                        raise RuntimeError("the conversation was not written out in time")
                     _drop_page_cache(stack.layout.store_dir / "data.mdb")
                     stall0 = _stall(stack.metrics_url("worker"))
                     history = list(c.get_session("long").token_ids)
