@@ -4,7 +4,8 @@ The worker's test seam (`KVBANK_TEST_HOLD_RESTORE`, worker/restoring.py) holds a
 read on its thread until the test releases it, so the test sees, by events and never by
 time, that a streaming request kept receiving tokens while another conversation's restore
 was in flight; then that the restored conversation answers as from scratch (greedy), and
-that a request cancelled while its restore is held ends cleanly.
+that a request cancelled while its restore is held ends cleanly; and that a prefetch hint's
+read runs the same way, its conversation's request waiting for it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ def held_stack(tiny_model, tmp_path_factory, cache_dir):
     yield s
     (hold / "release").touch()
     s.stop()
+
+
+def _armed(s):
+    """The seam's folder, cleared: the next read on a thread is held until `release`."""
+    for name in ("release", "held"):
+        (s.hold / name).unlink(missing_ok=True)
+    return s.hold
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -74,9 +82,7 @@ def _metric(s, name: str, **labels) -> float:
 
 
 def test_a_request_keeps_decoding_while_another_restores_from_ssd(held_stack):
-    s, hold = held_stack, held_stack.hold
-    (hold / "release").unlink(missing_ok=True)
-    (hold / "held").unlink(missing_ok=True)
+    s, hold = held_stack, _armed(held_stack)
     with s.client() as c:
         history = _on_ssd_only(c, s, "long", 300, seed=1)
         streaming = _Stream(c, session_id="streaming", token_ids=_tokens(40, seed=2),
@@ -104,9 +110,7 @@ def test_a_request_keeps_decoding_while_another_restores_from_ssd(held_stack):
 
 
 def test_a_request_cancelled_while_its_restore_is_in_flight_ends_cleanly(held_stack):
-    s, hold = held_stack, held_stack.hold
-    (hold / "release").unlink(missing_ok=True)
-    (hold / "held").unlink(missing_ok=True)
+    s, hold = held_stack, _armed(held_stack)
     with s.client() as c:
         history = _on_ssd_only(c, s, "gone", 200, seed=4)
         prompt = history + _tokens(8, seed=5)
@@ -121,6 +125,30 @@ def test_a_request_cancelled_while_its_restore_is_in_flight_ends_cleanly(held_st
         t = c.generate(session_id="gone", token_ids=prompt, max_tokens=6)
         assert t.usage["cache_source"] == "ssd" and t.usage["cached_tokens"] > 0
         assert t.token_ids == c.generate(token_ids=prompt, max_tokens=6, no_cache=True).token_ids
+
+
+def test_a_hints_read_runs_beside_the_batch_and_its_conversation_waits_for_it(held_stack):
+    s, hold = held_stack, _armed(held_stack)
+    with s.client() as c:
+        history = _on_ssd_only(c, s, "hinted", 300, seed=6)
+        hint = c.prefetch(session_id="hinted")
+        assert hint.status == "restoring" and hint.ssd_tokens >= 256, hint  # answered at once
+        wait_until((hold / "held").exists, "the hint's read to be held")
+        other = c.generate(session_id="other", token_ids=_tokens(20, seed=7), max_tokens=5)
+        assert len(other.token_ids) == 5  # served while the hint reads
+        prompt = history + _tokens(8, seed=8)
+        returning = _Stream(c, session_id="hinted", token_ids=prompt, max_tokens=6)
+        wait_until(lambda: c.status().waiting_requests == 1,
+                   "the hinted conversation's request to wait for the hint's read")
+        assert c.status().running_requests == 0  # it reserved nothing, read nothing
+        (hold / "release").touch()
+        returning.thread.join(60)
+        assert returning.usage is not None
+        assert returning.usage.cache_source == api_pb2.CACHE_SOURCE_RAM  # the hint's read
+        assert returning.usage.cached_tokens >= 256
+        assert returning.tokens == c.generate(token_ids=prompt, max_tokens=6,
+                                              no_cache=True).token_ids
+    assert _metric(s, "kvbank_prefetched_tokens_total") >= 256
 
 
 def test_bench_restore_runs_and_reports_the_gaps(tiny_model):

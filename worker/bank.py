@@ -353,8 +353,15 @@ class SessionBank:
         self._last_use[session] = self.clock()
 
     def reserve_active(self, session: SessionKey, nbytes: int) -> None:
-        """Bytes a running request's own cache will reach (prompt + max_tokens)."""
+        """Bytes a running request's own cache will reach (prompt + max_tokens), or a
+        prefetch hint's read (until `unreserve_active`: it runs no request)."""
         self._active_nbytes[session] = self._active_nbytes.get(session, 0) + nbytes
+
+    def unreserve_active(self, session: SessionKey, nbytes: int) -> None:
+        if (left := self._active_nbytes.get(session, 0) - nbytes) > 0:
+            self._active_nbytes[session] = left
+        else:
+            self._active_nbytes.pop(session, None)
 
     def ledger(self) -> dict[str, int]:
         """Every byte the bank answers for: entries, running requests' caches, and KV handed

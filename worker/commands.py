@@ -106,7 +106,7 @@ class Prefetch(Command):
 
 @dataclass(frozen=True)
 class PrefetchReport:
-    status: str  # restored | in_ram | not_held | no_room | unknown
+    status: str  # restored | restoring | in_ram | not_held | no_room | unknown
     ram_tokens: int = 0   # held in RAM before the hint
     ssd_tokens: int = 0   # whole blocks committed in LMDB
     restored_tokens: int = 0

@@ -55,8 +55,8 @@ logger = logging.getLogger(__name__)
 
 class Start(enum.Enum):
     """What `_start` says of a request: running now, or still waiting, for memory held by
-    requests in flight (it stops the line) or for a prefix a running request is computing (it
-    does not)."""
+    requests in flight (it stops the line) or for a prefix a running request is computing, or a
+    prefetch hint is reading from SSD (it does not)."""
 
     STARTED = "started"
     WAIT_MEMORY = "wait_memory"
@@ -122,7 +122,8 @@ class Engine:
             kv_bytes_per_token=self.kv_rest_bytes_per_token,  # what the bank holds of one
             room=lambda: None if self._pending else min(  # waiting requests come first
                 self.bank.effective_max_bytes - self.bank.total_nbytes,
-                self.memory_budget - held_bytes(self.pricing, self.bank)))
+                self.memory_budget - held_bytes(self.pricing, self.bank)),
+            reads=Restores(self._wake, self.kv_rest_bytes_per_token))
         self.restores = Restores(self._wake, self.kv_bytes_per_token)  # reads on a thread
         self._admissions: deque = deque(maxlen=1024)  # admission receipts, newest last
         self._retried_at = 0.0
@@ -201,15 +202,19 @@ class Engine:
                 if isinstance(item, cmd.Stop):
                     for r in self.restores.stop(timeout_s=4):
                         self._end_restoring(r, None)
+                    self.prefetcher.stop(timeout_s=2)
                     item.reply.set_result(None)
                     return
                 if isinstance(item, cmd.Generate):
                     self._pending.append(item)
                 elif item is not _WAKE:
                     self._handle(item)
-            self.coldstore.set_busy(bool(self.batch or self._pending or self.restores))
+            self.coldstore.set_busy(bool(self.batch or self._pending or self.restores
+                                         or self.prefetcher.reading))
             running = self._running()
             self._join_restored()
+            if self.prefetcher.land():  # hints' reads that ended, into the bank
+                self.holdings.refresh_ram_bytes()
             self._admit_pending()
             if self._running() > running:  # seen running (guard, Status) before it answers
                 self._publish()
@@ -316,6 +321,8 @@ class Engine:
         session = self.conversations.resolve(
             tokens, ids, tenant, req.session_id, busy=self.bank.is_busy,
             in_ram=lambda k: bool(self.bank.session_entries(k)))
+        if self.prefetcher.reading_for(session):  # its hint's read lands first: a RAM hit
+            return Start.WAIT_PREFIX
         need = self._price(len(tokens), req.max_tokens)
         try:
             receipt = make_room(bank=self.bank, pricing=self.pricing, budget=self.memory_budget,
@@ -344,7 +351,7 @@ class Engine:
                                   decoding=decoding, look=look, t0=t0)
             read = lambda on_corrupt: self.restorer.read_ssd(  # noqa: E731
                 look, tokens, ids, tenant, session, req.shared_checkpoint_at, on_corrupt)
-            if self.restores.worth_a_thread(look):  # the batch steps on while it reads
+            if self.restores.worth_a_thread(look.ssd_more):  # the batch steps on while it reads
                 self.restores.start(restoring, read)
                 restoring.stall_s = time.monotonic() - t0
                 return Start.STARTED

@@ -13,11 +13,16 @@ later, so it ends later) or idle with no hint at all. Such a conversation leaves
 of it is on SSD (its unwritten tail is written first, within DISPLACE_WRITE_OUT_S): nothing is
 lost, only a read later. A hint never takes memory from a request, running or waiting.
 
-Engine thread only, like everything it touches.
+A read of `THREAD_MIN_BYTES` or more (worker/restoring.py) runs on a thread while the batch
+decodes, and lands in the bank on the engine's turn after it ends: the hint answers
+`restoring` at once; its conversation's next request waits for the read, then finds its KV in
+RAM. The memory is reserved from the start (`reserve_active`). Everything else runs on the
+engine thread, like everything it touches.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -31,6 +36,9 @@ from worker.bank import SessionBank, SessionKey
 from worker.commands import PrefetchReport
 from worker.conversations import Conversations
 from worker.restore import Restorer
+from worker.restoring import Read, Restores
+
+logger = logging.getLogger(__name__)
 
 DISPLACE_WRITE_OUT_S = 2.0  # a hint (or a retry of all) waits this long at most for writes
 HINT_TTL_S = 300.0  # a hint outlives the tool calls agents make; then it is forgotten
@@ -44,20 +52,33 @@ class _Hint:
     until: float
 
 
+@dataclass(kw_only=True)
+class _Fetch(Read):
+    """A hint's read on a thread (worker/restoring.py); what `_bring_back` knew of it."""
+
+    key: SessionKey
+    ram: int  # tokens RAM held, and LMDB, when it began
+    ssd_tokens: int
+    need: int  # bytes reserved for it
+    later: bool  # a retry's
+
 class Prefetcher:
     def __init__(self, *, bank: SessionBank, restorer: Restorer, conversations: Conversations,
                  root_for: Callable[[str], bytes], block_tokens: int, kv_bytes_per_token: int,
-                 room: Callable[[], int | None],
+                 room: Callable[[], int | None], reads: Restores | None = None,
                  clock: Callable[[], float] = time.monotonic):
         """`room`: the bytes the bank may take without anything leaving (the smaller of what
         its cap and the memory budget leave); None while requests wait for memory (they come
-        first: a hint takes nothing then)."""
+        first: a hint takes nothing then). `reads`: where a long read runs on a thread (the
+        engine's loop calls `land` when one ends); None: every read inline."""
         self.bank, self.restorer, self.conversations = bank, restorer, conversations
         self.root_for, self.block_tokens = root_for, block_tokens
         self.kv_bytes_per_token = kv_bytes_per_token
         self.room, self.clock = room, clock
         bank.hinted_at = self._hinted_at  # the bank keeps hinted conversations longest
         self.live: dict[SessionKey, _Hint] = {}
+        self.reads = reads
+        self.reading: dict[SessionKey, _Fetch] = {}  # reads on a thread, by conversation
 
     def hint(self, tenant: str, session_id: str, tokens: np.ndarray) -> PrefetchReport:
         """A hint from a client: read the KV back now if it is on SSD only, and keep the hint
@@ -97,25 +118,44 @@ class Prefetcher:
             if now > h.until:
                 del self.live[key]
                 continue
-            report = self._bring_back(key, h, give_up_at)
+            report = self._bring_back(key, h, give_up_at, later=True)
             if report.status == "restored":
                 metrics.PREFETCHES.labels("restored_later").inc()
                 brought += report.restored_tokens
         return brought
 
-    def _bring_back(self, key: SessionKey, h: _Hint, give_up_at: float) -> PrefetchReport:
-        """`give_up_at` (unix s): when waiting for displaced conversations' writes stops."""
+    def _bring_back(self, key: SessionKey, h: _Hint, give_up_at: float, *,
+                    later: bool = False) -> PrefetchReport:
+        """`give_up_at` (unix s): when waiting for displaced conversations' writes stops.
+        `later`: a retry's, not a client's (counted as `restored_later` when it lands)."""
         tenant = key[0]
         ram, ssd = self.restorer.held(h.tokens, h.ids, tenant)
-        if ssd <= ram:
-            return PrefetchReport("in_ram" if ram else "not_held", ram, ssd)
+        if key in self.reading:
+            return PrefetchReport("restoring", ram, ssd)
+        if ssd <= ram or self.bank.is_busy(key):  # busy: its request holds it in RAM
+            return PrefetchReport("in_ram" if ram or self.bank.is_busy(key) else "not_held",
+                                  ram, ssd)
         need = (ssd + self.block_tokens) * self.kv_bytes_per_token  # whole blocks and a tail
         room = self.room()
+        if room is not None:  # what reads in flight will take (counted once more: prudent)
+            room -= sum(f.need for f in self.reading.values())
         if room is None or (need > room and not self._displace(key, h, need - room,
                                                                      give_up_at)):
             return PrefetchReport("no_room", ram, ssd)
-        found = self.restorer.ssd_prefix(h.tokens, h.ids, tenant, key, better_than=ram,
-                                         limit=len(h.tokens))
+        read = lambda on_corrupt: self.restorer.ssd_prefix(  # noqa: E731
+            h.tokens, h.ids, tenant, key, better_than=ram, limit=len(h.tokens),
+            on_corrupt=on_corrupt)
+        if self.reads is not None and self.reads.worth_a_thread(ssd - ram):
+            f = self.reading[key] = _Fetch(key=key, ram=ram, ssd_tokens=ssd, need=need,
+                                           later=later)
+            self.bank.reserve_active(key, need)  # admission counts it until it lands
+            self.reads.start(f, read)
+            return PrefetchReport("restoring", ram, ssd)
+        return self._landed(key, h, ram, ssd, read(None))
+
+    def _landed(self, key: SessionKey, h: _Hint, ram: int, ssd: int,
+                found) -> PrefetchReport:
+        """What a read found, into the bank."""
         if found is None:
             return PrefetchReport("in_ram" if ram else "not_held", ram, ssd)
         layers, checkpoint, n = found
@@ -124,6 +164,35 @@ class Prefetcher:
                          checkpoints={n: checkpoint} if checkpoint is not None else None)
         metrics.PREFETCHED_TOKENS.inc(n)
         return PrefetchReport("restored", ram, ssd, n)
+
+    def land(self) -> int:
+        """Reads on a thread that ended: into the bank, if their hint is still live (it ends
+        when its conversation is deleted; a request of it waits for the read, `reading`).
+        Engine thread. Returns the tokens brought back."""
+        brought = 0
+        for f in self.reads.take_done() if self.reads is not None else []:
+            del self.reading[f.key]
+            self.bank.unreserve_active(f.key, f.need)
+            for block, e in f.corrupt:  # the link is the engine thread's
+                self.restorer.corrupt(block, e, f.key[0], f.key)
+            h, found, f.ssd = self.live.get(f.key), f.ssd, None
+            if f.error is not None:
+                logger.error("prefetch of session %s failed: %s", f.key[1], f.error)
+            elif h is not None:
+                report = self._landed(f.key, h, f.ram, f.ssd_tokens, found)
+                if report.status == "restored" and f.later:
+                    metrics.PREFETCHES.labels("restored_later").inc()
+                brought += report.restored_tokens
+        return brought
+
+    def reading_for(self, key: SessionKey) -> bool:
+        """A hint's read of this conversation is in flight: its request waits for it, then
+        finds it in RAM, rather than read it a second time."""
+        return key in self.reading
+
+    def stop(self, timeout_s: float) -> None:
+        if self.reads is not None:
+            self.reads.stop(timeout_s)  # what they read is dropped with them
 
     def _displace(self, key: SessionKey, h: _Hint, short: int, give_up_at: float) -> bool:
         """Free `short` bytes for `key` from conversations back later than it (module

@@ -10,7 +10,8 @@ before, its entry handed over after), the coldstore link and the events (a corru
 found is handed back, `Restorer.corrupt` reports it), the snapshot. The request's memory was
 reserved before the read, as for any restore; a request cancelled while it reads, or a
 worker stopping, drops what was read when the thread ends. A RAM hit, or a short read, stays
-inline: a thread would cost more than it saves.
+inline: a thread would cost more than it saves. A prefetch hint's read (worker/prefetch.py)
+runs the same way, in a `Restores` of its own: it is no request.
 """
 
 from __future__ import annotations
@@ -29,11 +30,25 @@ THREAD_MIN_BYTES = int(os.environ.get("KVBANK_RESTORE_THREAD_MIN_BYTES", 32 << 2
 HOLD_ENV = "KVBANK_TEST_HOLD_RESTORE"
 
 
-@dataclass
-class Restoring:
+@dataclass(kw_only=True)
+class Read:
+    """A read from SSD on a thread. `ssd`, `error` and `corrupt` are the thread's until
+    `done` is set, the engine's after."""
+
+    ssd: Any = None
+    error: BaseException | None = None
+    corrupt: list = field(default_factory=list)  # (block id, CorruptBlock) found by the read
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def gone(self) -> bool:
+        """Nobody waits for it any more: a read not begun need not begin."""
+        return False
+
+
+@dataclass(kw_only=True)
+class Restoring(Read):
     """An admitted request whose KV is read from SSD on a thread; what `Engine._start` knew
-    of it, kept for its hand-over (`Engine._join`). `ssd`, `error` and `corrupt` are the
-    thread's until `done` is set, the engine's after."""
+    of it, kept for its hand-over (`Engine._join`)."""
 
     job: Any  # commands.Generate
     tokens: Any
@@ -44,52 +59,53 @@ class Restoring:
     look: Any  # restore.Look
     t0: float  # when its restore began
     stall_s: float = 0.0  # the engine thread's share of the restore
-    ssd: Any = None
-    error: BaseException | None = None
-    corrupt: list = field(default_factory=list)  # (block id, CorruptBlock) found by the read
-    done: threading.Event = field(default_factory=threading.Event)
+
+    def gone(self) -> bool:
+        return self.job.cancelled.is_set()
 
 
 class Restores:
-    """The restores in flight (engine thread; each thread sets only its own `Restoring`)."""
+    """The reads in flight (engine thread; each thread sets only its own `Read`): requests'
+    restores, and apart from them prefetch hints' (worker/prefetch.py)."""
 
     def __init__(self, wake: Callable[[], None], kv_bytes_per_token: int):
         self.wake = wake
         self.kv_bytes_per_token = kv_bytes_per_token
         self.stopping = threading.Event()
-        self._inflight: list[Restoring] = []
+        self._inflight: list[Read] = []
 
     def __len__(self) -> int:
         return len(self._inflight)
 
-    def worth_a_thread(self, look) -> bool:
-        """A read from SSD long enough that a thread costs less than the others' wait."""
-        return look.ssd_more > 0 and look.ssd_more * self.kv_bytes_per_token >= THREAD_MIN_BYTES
+    def worth_a_thread(self, more_tokens: int) -> bool:
+        """A read from SSD of `more_tokens` beyond what RAM holds, long enough that a thread
+        costs less than the others' wait."""
+        return more_tokens > 0 and more_tokens * self.kv_bytes_per_token >= THREAD_MIN_BYTES
 
-    def start(self, r: Restoring, read: Callable[[Callable], Any]) -> None:
+    def start(self, r: Read, read: Callable[[Callable], Any]) -> None:
         """`read(on_corrupt)` on a thread; the engine hears of its end through `wake`."""
         self._inflight.append(r)
         threading.Thread(target=self._read, args=(r, read), name="restore",
                          daemon=True).start()
 
-    def _read(self, r: Restoring, read) -> None:
+    def _read(self, r: Read, read) -> None:
         try:
-            _held_for_test(lambda: r.job.cancelled.is_set() or self.stopping.is_set())
-            if not (r.job.cancelled.is_set() or self.stopping.is_set()):
+            _held_for_test(lambda: r.gone() or self.stopping.is_set())
+            if not (r.gone() or self.stopping.is_set()):
                 r.ssd = read(lambda block, e: r.corrupt.append((block, e)))
-        except BaseException as e:  # the engine fails the request with it
+        except BaseException as e:  # the engine fails the request (or hint) with it
             r.error = e
         finally:
             r.done.set()
             self.wake()
 
-    def take_done(self) -> list[Restoring]:
+    def take_done(self) -> list:
         """The restores whose read has ended, out of the in-flight list."""
         done = [r for r in self._inflight if r.done.is_set()]
         self._inflight = [r for r in self._inflight if not r.done.is_set()]
         return done
 
-    def stop(self, timeout_s: float) -> list[Restoring]:
+    def stop(self, timeout_s: float) -> list:
         """The worker stops: reads not begun never begin; those under way end (they are not
         interruptible), for `timeout_s` at most. Returns them all, for their requests' end."""
         self.stopping.set()
