@@ -39,3 +39,23 @@ def test_bench_scale_quick_reports_writes_restores_and_releases(tmp_path):
     est = r["restore_vs_recompute_estimate"]
     assert est["estimate"] is True and est["recompute_s"] > 0 and est["restore_s"] > 0
     assert list(tmp_path.iterdir()) == []  # the store it made is gone
+
+
+def test_bench_scale_picks_the_longest_conversations_this_machine_takes(tmp_path):
+    """Without --tokens the bench sizes its conversations to this machine (issue #35): the
+    bank it will hold (two at their largest, with prefetch) fits the memory available now, a
+    dense model's 4x larger KV a token gets shorter conversations than the hybrid's, and a
+    size below the scenario's 32K tokens says so."""
+    from apps.bench import scale
+    from apps.bench.scale_kv import GEOMETRIES
+
+    args = dict(conversations=3, turns=2, turn_tokens=1536, prefetch=True, data_dir=tmp_path)
+    picked = {name: scale.pick_tokens(GEOMETRIES[name], **args)
+              for name in ("qwen3.6-27b", "qwen3-32b")}
+    for name, (tokens, bound) in picked.items():
+        assert tokens in scale.SIZES
+        bank = 2 * scale.conversation_bytes(GEOMETRIES[name], tokens, 2, 1536)
+        if tokens > min(scale.SIZES):  # the smallest is taken when nothing fits
+            assert bank < bound["mem_available_bytes"]
+        assert ("note" in bound) == (tokens < 32768)
+    assert picked["qwen3-32b"][0] <= picked["qwen3.6-27b"][0]

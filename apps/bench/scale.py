@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -80,7 +81,52 @@ def estimate(geometry: str, g: dict, restore_bytes_per_s: float | None) -> dict 
                    "this machine's CPU"}
 
 
-def run(*, geometry: str = "qwen3.6-27b", tokens: int = 65536, conversations: int = 3,
+SIZES = (131072, 98304, 65536, 49152, 32768, 16384, 8192)  # the issue asks 32K-128K
+RAM_SHARE, DISK_SHARE = 0.75, 0.8  # of what is available when the run starts
+SLACK_BYTES = 2 << 30  # the process before the bank, the raw samples, the allocator
+
+
+def conversation_bytes(g: dict, tokens: int, turns: int, turn_tokens: int) -> int:
+    """One conversation at its largest, as the bank holds it: its KV after every turn, and
+    for a hybrid geometry its newest checkpoints."""
+    from worker.bank import MAX_CHECKPOINTS
+
+    return ((tokens + turns * turn_tokens) * g["bytes_per_token"]
+            + MAX_CHECKPOINTS * checkpoint_bytes(g))
+
+
+def pick_tokens(g: dict, *, conversations: int, turns: int, turn_tokens: int,
+                prefetch: bool, data_dir: Path | None) -> tuple[int, dict]:
+    """The longest conversations this machine's RAM and disk take (issue #35: the largest
+    that fit): the bank holds one of them (two in the prefetch part) beside the process, and
+    the store all of them, each written and rewritten once a turn, within RAM_SHARE of the
+    memory available and DISK_SHARE of the disk free now. Returns it and why."""
+    mem = _mem_available()
+    disk = shutil.disk_usage(data_dir or tempfile.gettempdir()).free
+    held = 2.0 if prefetch else 1.25  # the prefetch part's bank, else one and its room
+    for tokens in SIZES:
+        conv = conversation_bytes(g, tokens, turns, turn_tokens)
+        ram_ok = held * conv + SLACK_BYTES <= RAM_SHARE * mem
+        disk_ok = conversations * conv * 1.5 + SLACK_BYTES <= DISK_SHARE * disk
+        if ram_ok and disk_ok:
+            break
+    bound = {"mem_available_bytes": mem, "disk_free_bytes": disk, "ram_share": RAM_SHARE,
+             "disk_share": DISK_SHARE, "bank_holds_conversations": held,
+             "chosen_by": "the bench (the largest of %s that fit)" % (SIZES,)}
+    if tokens < 32768:
+        bound["note"] = (f"below the 32K tokens the scenario asks: {tokens} tokens is the "
+                         "largest this machine's RAM and disk take for this geometry")
+    return tokens, bound
+
+
+def _mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def run(*, geometry: str = "qwen3.6-27b", tokens: int | None = None, conversations: int = 3,
         turns: int = 2, turn_tokens: int = 1536, block_tokens: int = 256,
         checkpoint_every_tokens: int | None = None, prefetch_rounds: int = 2,
         first_chunk: int = FIRST_CHUNK, data_dir: Path | None = None) -> dict:
@@ -96,11 +142,19 @@ def run(*, geometry: str = "qwen3.6-27b", tokens: int = 65536, conversations: in
     serve_buffers_from_the_heap()  # the worker's allocator: freed KV goes back to the OS
     mx.set_cache_limit(0)
     g = GEOMETRIES[geometry]
+    if tokens is None:
+        tokens, sized = pick_tokens(g, conversations=conversations, turns=turns,
+                                    turn_tokens=turn_tokens,
+                                    prefetch=bool(prefetch_rounds and conversations >= 2),
+                                    data_dir=data_dir)
+    else:
+        sized = {"chosen_by": "--tokens"}
+    logger.info("%d conversations of %d tokens of %s (%s)", conversations, tokens, geometry,
+                sized["chosen_by"])
     kinds = kinds_for(g)
     every = checkpoint_every(g, checkpoint_every_tokens, block_tokens)
     cp_bytes = checkpoint_bytes(g)
-    kv_bytes = (tokens + turns * turn_tokens) * g["bytes_per_token"]
-    conv_bytes = kv_bytes + (MAX_CHECKPOINTS * cp_bytes)  # the bank keeps at most that many
+    conv_bytes = conversation_bytes(g, tokens, turns, turn_tokens)
     bank_bytes = int(conv_bytes * 1.25)  # one conversation, room and turn included
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="kvbank-scale-", dir=data_dir) as tmp:
@@ -190,7 +244,7 @@ def run(*, geometry: str = "qwen3.6-27b", tokens: int = 65536, conversations: in
         return round(float(np.median([r[key] for r in rows])), 3) if rows else None
     restore_mb_s = median(restores, "mb_s")
     return {
-        "geometry": geometry, "geometry_config": g, "tokens": tokens,
+        "geometry": geometry, "geometry_config": g, "tokens": tokens, "sized": sized,
         "conversation_bytes": tokens * g["bytes_per_token"],
         "conversations": conversations, "turns": turns, "turn_tokens": turn_tokens,
         "block_tokens": block_tokens, "bank_bytes": bank_bytes, "cache_layout": kinds.layout,
@@ -231,7 +285,9 @@ def add_arguments(p) -> None:
     p.add_argument("--geometry", choices=[g for g in GEOMETRIES if g != "tiny"],
                    default="qwen3.6-27b", help="whose KV: its layers, heads and sizes "
                                                "(default: %(default)s)")
-    p.add_argument("--tokens", type=int, default=65536, help="each conversation's length")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="each conversation's length (default: the longest of %s that this "
+                        "machine's RAM and disk take, printed)" % (SIZES,))
     p.add_argument("--conversations", type=int, default=3)
     p.add_argument("--turns", type=int, default=2, help="rounds in which each agent returns")
     p.add_argument("--turn-tokens", type=int, default=1536)
