@@ -63,6 +63,7 @@ class Holdings:
         self.kv_events = kv_events
         if kv_events is not None:  # several machines behind a router: say what we hold
             self.bank.listener = kv_events
+            kv_events.ssd_tokens = self.conversations.history  # announced again from LMDB
             for key in self.conversations.records:
                 self._ssd_changed(key)
             kv_events.announce_all()
