@@ -23,6 +23,8 @@ def test_bench_scale_quick_reports_writes_restores_and_releases(tmp_path):
     assert r["release_unwritten_bytes_max"] <= r["turn_bytes"]
     assert r["unwritten_dropped"] == 0
     assert r["peak_rss_bytes"] >= r["rss_before_bytes"] > 0
+    # each write's memory beyond its KV is reported (bounded at real sizes: test_scale.py)
+    assert r["write_extra_bytes_max"] == max(b["write_extra_bytes"] for b in r["builds"])
     # the tiny geometry is hybrid, as Qwen3.6-27B: each build and each turn carries its
     # recurrent checkpoints, and each restore from SSD reads the one at its end
     assert r["checkpoint_bytes"] > 0 and "state:2" in r["cache_layout"]

@@ -118,12 +118,19 @@ class AnonPeak:
         import threading
 
         self.peak, self._stop = 0, threading.Event()
+        self.window_peak = 0
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(0.02):
-            self.peak = max(self.peak, status("RssAnon"))
+            now = status("RssAnon")
+            self.peak, self.window_peak = max(self.peak, now), max(self.window_peak, now)
+
+    def window(self) -> int:
+        """The peak since the last call, and a new window from now (a write's own peak)."""
+        got, self.window_peak = self.window_peak, status("RssAnon")
+        return got
 
     def stop(self) -> int:
         self._stop.set()
