@@ -77,19 +77,26 @@ class Walk:
 
 
 class DataFile:
-    """A data file, read with pread. `psize`, `last_pgno`, `txnid`: the newest meta's."""
+    """A data file, read with pread. `psize`, `last_pgno`, `txnid` and the trees: the newest
+    meta's, or the one before it after `use_meta(1)`."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self.fd = os.open(self.path, os.O_RDONLY)
         self.size = os.fstat(self.fd).st_size
         first = self._meta(0, 0)
-        newest = max(filter(None, [first, first and self._meta(1, first[0])]),
-                     key=lambda m: m[1], default=None)
-        if newest is None:
+        # LMDB writes each commit's meta over the older of the two: the other is the commit
+        # before, whose pages LMDB does not reuse before the next one (a salvage reads both).
+        self.metas = sorted(filter(None, [first, first and self._meta(1, first[0])]),
+                            key=lambda m: m[1], reverse=True)
+        if not self.metas:
             os.close(self.fd)
             raise NoMetaPage(f"{self.path}: no LMDB meta page in its {self.size} bytes")
-        self.psize, self.txnid, self.last_pgno, self.free, self.main = newest
+        self.use_meta(0)
+
+    def use_meta(self, i: int) -> None:
+        """Read the trees of the newest commit (0) or of the one before it (1)."""
+        self.psize, self.txnid, self.last_pgno, self.free, self.main = self.metas[i]
 
     def close(self) -> None:
         os.close(self.fd)

@@ -5,8 +5,9 @@ is never served from and never deleted: it moves to `<store>/damaged-<UTC time>/
 and a fresh store takes what it still holds that can be trusted, read with pread, so no
 SIGBUS can reach the coldstore: each record whose record and tokens are readable, cut short
 at its first block that is missing or fails its checksum (a block written before checksums
-cannot be verified, and goes too), and the stored responses that are readable. What is lost
-is computed again when its conversation comes back, and counted there.
+cannot be verified, and goes too), and the stored responses that are readable: through the
+trees of the file's last commit, then of the commit before it (`_copy`). What is lost is
+computed again when its conversation comes back, and counted there.
 
 One record per transaction. While the salvage runs, a marker (SALVAGING) in the store's
 folder names the file set aside: a coldstore killed meanwhile goes on from there at its next
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coldstore.pages import Damage, DataFile, LayoutError, check
+from coldstore.pages import Damage, DataFile, LayoutError, Walk, check
 from coldstore.store import ColdStore, SessionMeta
 from kvbank import events, metrics
 from kvbank.blocks import BlockId, CorruptBlock, verify_block
@@ -137,49 +138,81 @@ def _salvage(store_dir: Path, state: dict, store_kw: dict) -> tuple[ColdStore, S
 
 
 def _copy(src: DataFile, store: ColdStore, report: Salvage) -> None:
-    trees = src.named()
-    if not trees:
+    """What the file holds that verifies, into `store`: through the trees of its newest
+    commit, then of the one before it (`DataFile.metas`), which adds what the newest one's
+    damaged pages hid; a conversation's newest record wins, a block is taken from either."""
+    commits = []
+    for i in range(len(src.metas)):
+        src.use_meta(i)
+        if trees := src.named():
+            commits.append(trees)
+    if not commits:
         report.error = "LMDB's list of the store's databases is lost: the store starts empty"
         return
-    sessions, tokens, blocks, responses = (trees.get(n) for n in (
-        b"sessions", b"tokens", b"blocks", b"responses"))
     bad: set[bytes] = set()
 
     def block(bid: BlockId) -> bytes | None:
-        payload = None if blocks is None or bid in bad else src.get(blocks, bid)
-        try:
-            if payload is None or verify_block(payload)[0].checksum is None:
-                raise CorruptBlock("missing, or written before checksums")
-        except CorruptBlock:
-            bad.add(bid)
-            return None
-        return payload
+        for trees in commits if bid not in bad else ():
+            payload = src.get(trees[b"blocks"], bid) if b"blocks" in trees else None
+            try:
+                if payload is not None and verify_block(payload)[0].checksum is not None:
+                    return payload
+            except CorruptBlock:
+                pass
+        bad.add(bid)  # missing, failed its checksum, or written before checksums
+        return None
 
-    for key, raw in src.items(sessions) if sessions and tokens else ():
-        toks = None if raw is None else src.get(tokens, key)
-        try:
-            meta = SessionMeta.from_json(raw)
-        except (TypeError, ValueError):
-            continue
-        if toks is None or len(toks) != 4 * meta.token_count or not meta.tokens_ok(toks):
-            continue  # a record whose tokens are lost: its conversation starts over
-        got = store.get_session(meta.tenant, meta.session_id)  # salvaged before a stop
-        kept = got[0] if got else store.put_salvaged(meta, np.frombuffer(toks, np.uint32), block)
-        if kept.durable_tokens < meta.durable_tokens:
-            report.records_cut += 1
-            report.tokens_recomputed += meta.durable_tokens - kept.durable_tokens
-        else:
-            report.records_whole += 1
-    report.records = sessions.entries if sessions else 0
-    report.blocks = blocks.entries if blocks else 0
-    report.responses = responses.entries if responses else 0
-    for key, raw in src.items(responses) if responses else ():
-        tenant, _, rid = key.decode(errors="replace").partition("\0")
-        if raw is None or len(raw) < 8:
-            continue
-        if store.get_response(tenant, rid) is None:
-            store.put_response(tenant, rid, struct.unpack("<Q", raw[:8])[0] / 1000, raw[8:])
-        report.responses_kept += 1
+    newest: dict[bytes, set | None] = {}  # its keys (None: it hid some: pages lost)
+
+    def entries(trees: dict, name: bytes, again: int):
+        """A tree's (key, value)s; from the commit before the newest, only keys the newest
+        names (its value lost) or, where the newest hid keys, any: a key the newest dropped
+        whole was deleted there, and must not come back."""
+        tree, walk = trees.get(name), Walk()
+        for key, raw in src.items(tree, walk) if tree else ():
+            if not again or newest.get(name) is None or key in newest[name]:
+                yield key, raw
+            if not again:
+                newest.setdefault(name, set()).add(key)
+        if not again:
+            hidden = tree is None or walk.entries < tree.entries
+            newest[name] = None if hidden else newest.get(name, set())
+
+    for again, trees in enumerate(commits):
+        sessions, tokens, blocks, responses = (trees.get(n) for n in (
+            b"sessions", b"tokens", b"blocks", b"responses"))
+        for key, raw in entries(trees, b"sessions", again) if tokens else ():
+            try:
+                meta = SessionMeta.from_json(raw)
+            except (TypeError, ValueError):
+                continue
+            got = store.get_session(meta.tenant, meta.session_id)  # salvaged before a stop
+            if got and again:
+                continue
+            toks = src.get(tokens, key)
+            if toks is None or len(toks) != 4 * meta.token_count or not meta.tokens_ok(toks):
+                continue  # a record whose tokens are lost: its conversation starts over
+            kept = got[0] if got else store.put_salvaged(meta, np.frombuffer(toks, np.uint32),
+                                                         block)
+            if kept.durable_tokens < meta.durable_tokens:
+                report.records_cut += 1
+                report.tokens_recomputed += meta.durable_tokens - kept.durable_tokens
+            else:
+                report.records_whole += 1
+        if not again:  # what the store held: its newest commit's own counts
+            report.records = sessions.entries if sessions else 0
+            report.blocks = blocks.entries if blocks else 0
+            report.responses = responses.entries if responses else 0
+        for key, raw in entries(trees, b"responses", again):
+            tenant, _, rid = key.decode(errors="replace").partition("\0")
+            if raw is None or len(raw) < 8:
+                continue
+            if store.get_response(tenant, rid) is None:
+                store.put_response(tenant, rid, struct.unpack("<Q", raw[:8])[0] / 1000,
+                                   raw[8:])
+            elif again:
+                continue
+            report.responses_kept += 1
 
 
 def _report(r: Salvage) -> None:

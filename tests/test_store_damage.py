@@ -110,24 +110,61 @@ def _cut(store_dir, how: str) -> None:
     raise AssertionError("no cut of the last 64 pages loses a page the store uses")
 
 
-def test_a_salvage_stopped_midway_goes_on_at_the_next_start(tmp_path):
-    """Killed after the damaged file moved aside (the marker names it), the next start
-    salvages from the file set aside: records whose blocks verify come back whole, one is cut
-    short at its block past the end, a stored response is kept; the marker goes."""
-    from coldstore.salvage import SALVAGING, set_aside, open_store
+def _small_store(path, conversations):
+    """A real ColdStore of (name, blocks) conversations of 16-token blocks, each record and
+    block its own commit; and each one's tokens."""
     from coldstore.store import ColdStore
     from kvbank.blocks import BlockHeader, chain_block_ids, chain_root, encode_block
 
     B, root, rng = 16, chain_root(b"fp", ""), np.random.default_rng(0)
     header = BlockHeader("float32", B, (((B, 2, 16), (B, 2, 16)),) * 2)
-    store, want = ColdStore(tmp_path), {}
-    for name, n in (("a", 5), ("b", 5), ("c", 6)):  # "c": its last blocks are the file's last
+    store, want = ColdStore(path), {}
+    for name, n in conversations:
         toks = rng.integers(0, 1 << 20, n * B).astype(np.uint32)
         store.put_session_tokens("", name, toks, B)
         for i, bid in enumerate(chain_block_ids(toks, root, B)):
             arrays = [rng.standard_normal((B, 2, 16), dtype=np.float32) for _ in range(4)]
             store.commit_block("", name, root, bid, i * B, encode_block(header, arrays))
         want[name] = n * B
+    return store, want
+
+
+def test_a_salvage_takes_from_the_commit_before_what_the_newest_lost(tmp_path):
+    """The newest commit's blocks tree lost its root page (zeroed): the salvage takes the
+    blocks from the commit before it (LMDB reuses none of its pages before the next commit)
+    and the records from the newest, so the conversations come back whole, and the one the
+    newest commit deleted stays deleted."""
+    from coldstore.salvage import open_store
+
+    store, want = _small_store(tmp_path, (("a", 5), ("b", 5), ("d", 4)))
+    store.delete_session("", "d")  # the newest commit: its blocks go, the blocks tree changes
+    store.close()
+    path = tmp_path / "data.mdb"
+    f = DataFile(path)
+    newest = f.named()[b"blocks"].root
+    f.use_meta(1)
+    assert f.named()[b"blocks"].root != newest  # copied on write: the older root stands
+    psize = f.psize
+    f.close()
+    fd = os.open(path, os.O_WRONLY)
+    os.pwrite(fd, bytes(psize), newest * psize)
+    os.close(fd)
+    assert check(path).trees == ["blocks"]
+
+    store, report = open_store(tmp_path)
+    got = {m.session_id: m.durable_tokens for m in store.list_sessions()}
+    assert got == {"a": want["a"], "b": want["b"]}  # whole, and "d" not back
+    assert (report.records_whole, report.records_cut, report.records) == (2, 0, 2)
+    store.close()
+
+
+def test_a_salvage_stopped_midway_goes_on_at_the_next_start(tmp_path):
+    """Killed after the damaged file moved aside (the marker names it), the next start
+    salvages from the file set aside: records whose blocks verify come back whole, one is cut
+    short at its block past the end, a stored response is kept; the marker goes."""
+    from coldstore.salvage import SALVAGING, set_aside, open_store
+
+    store, want = _small_store(tmp_path, (("a", 5), ("b", 5), ("c", 6)))  # "c": the file's last
     store.put_response("", "resp_1", 1.0, b'{"id": "resp_1"}')
     store.close()
     path = tmp_path / "data.mdb"
