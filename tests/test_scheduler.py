@@ -243,3 +243,31 @@ def test_a_first_token_is_sent_before_the_next_forward_starts(
     assert pauses == [scheduler.HANDOFF_S]
     assert len(r.completion) == max_tokens
     assert r.completion == _alone(model, tokenizer, tokens)[:max_tokens]
+
+
+def test_answers_whose_contexts_are_far_apart_decode_on_their_own_caches(model_and_tokenizer):
+    """With `own_lead_tokens` 128: S (20 tokens) answers; L (300) reads its prompt and then
+    decodes on its own cache beside S, not batched with it (no padding to 300, no merge);
+    T (30), close to S, joins S in the batch, L still on its own. All three answer as alone."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = model_and_tokenizer
+    rng = np.random.default_rng(12)
+    s_tokens, l_tokens, t_tokens = (_tokens(tokenizer, rng, n) for n in (20, 300, 30))
+    s = _scheduler(model, tokenizer, chunk=64, own_lead_tokens=128)
+    short, long_, third = (_request(tokenizer, t) for t in (s_tokens, l_tokens, t_tokens))
+    s.add(short, make_prompt_cache(model), ANSWER)
+    s.step()
+    s.add(long_, make_prompt_cache(model), ANSWER)
+    while long_.first_token_at is None:
+        s.step()
+    s.step()
+    assert len(long_.completion) == 2 and len(short.completion) == 2
+    assert short.uid < 0 and long_.uid < 0  # both on their own caches: no batch
+    s.add(third, make_prompt_cache(model), ANSWER)
+    s.step()
+    assert third.first_token_at is not None
+    assert short.uid >= 0 and third.uid >= 0 and long_.uid < 0  # S and T batched, L alone
+    assert sorted(map(id, _drain(s))) == sorted(map(id, [short, long_, third]))
+    for r, tokens in ((short, s_tokens), (long_, l_tokens), (third, t_tokens)):
+        assert r.completion == _alone(model, tokenizer, tokens)

@@ -15,7 +15,8 @@ split), and hand each token out one step after computing it; on this CPU four 51
 prompts on 1,600-token histories read together ran at 0.85 of one after another
 (docs/decisions.md). A request whose prompt is read decodes alone on its own cache while
 nothing else decodes, and joins the batch when a second one would (the batch is then worth
-its copies). `hyper` (and `serial`, its alias) use the same path with one request at a time. After a
+its copies), unless their contexts differ by `own_lead_tokens` or more: then it decodes on its
+own cache beside the batch (`_close`). `hyper` (and `serial`, its alias) use the same path with one request at a time. After a
 request's first token the next forward waits 5 ms, so the token reaches its client before the
 forward takes the cores (`_hand_off`).
 
@@ -52,6 +53,9 @@ logger = logging.getLogger(__name__)
 
 PREFILL_STEP_TOKENS = 512
 LAST_FORWARD_TOKENS = 64  # a prompt's last forward, the one with logits, reads at most this
+# A decoder whose context is this share of the weights (in KV bytes) longer or shorter than
+# another's decodes on its own cache rather than batched with it (`_close`).
+OWN_LEAD_OF_WEIGHTS = 0.25
 HANDOFF_S = 0.005  # after a first token, before the next forward (`_hand_off`)
 
 
@@ -87,10 +91,10 @@ class Running:
     at_rest: Any = None  # the quantized KV its cache was restored from (CacheKinds.at_rest)
 
 
-@dataclass
+@dataclass(eq=False)  # found in lists by identity
 class _Own:
-    """A request on its own cache, outside the batch: reading its prompt, or the one decoder
-    while the batch is empty."""
+    """A request on its own cache, outside the batch: reading its prompt, or decoding (alone,
+    or beside a batch of contexts far from its own length)."""
 
     r: Running
     cache: list
@@ -103,9 +107,12 @@ class BatchScheduler:
     def __init__(self, model, *, max_active: int, eos_token_ids: list[int], decode,
                  kinds: CacheKinds | None = None,
                  prefill_step_tokens: int = PREFILL_STEP_TOKENS,
-                 decode_wait_s: float = DEFAULT_DECODE_WAIT_S):
+                 decode_wait_s: float = DEFAULT_DECODE_WAIT_S,
+                 own_lead_tokens: int | None = None):
         """`decode`: the tokenizer's ids -> text, for the tokens of log-probabilities.
-        `decode_wait_s`: how long answers may pause for prompts being read (`_answers_wait`)."""
+        `decode_wait_s`: how long answers may pause for prompts being read (`_answers_wait`).
+        `own_lead_tokens`: contexts this far apart decode on their own caches, not batched
+        together (`_close`; default: `OWN_LEAD_OF_WEIGHTS` of the weights in KV bytes)."""
         from mlx_lm.generate import BatchGenerator
 
         self.max_active = max_active
@@ -118,7 +125,9 @@ class BatchScheduler:
         self.last_forward_tokens = min(LAST_FORWARD_TOKENS, prefill_step_tokens)
         self.eos = frozenset(eos_token_ids)
         self._readers: list[_Own] = []  # in arrival order
-        self._solo: _Own | None = None
+        self._decoders: list[_Own] = []  # past their prompt, on their own caches
+        self.own_lead_tokens = (own_lead_tokens if own_lead_tokens is not None
+                                else _own_lead(model, self.kinds))
         self._own_uids = itertools.count(-1, -1)  # the batch's uids are >= 0
         self.gen = BatchGenerator(model, stop_tokens=[[t] for t in eos_token_ids],
                                   completion_batch_size=max_active,
@@ -159,16 +168,31 @@ class BatchScheduler:
         return any(uid >= 0 for uid in self.running)
 
     def _decodes(self, o: _Own) -> None:
-        """`o` has read its prompt and answers on: alone on its own cache while nothing else
-        decodes, else in the batch (with the one that was alone)."""
+        """`o` has read its prompt and answers on: in the batch when its context is close to
+        every one there (`_close`); with no batch, in a new one with the decoders on their own
+        caches close to it; else on its own cache (alone, or beside the batch)."""
         self._readers.remove(o)
-        if self._solo is None and not self._in_batch():
-            self._solo = o
+        batch = [r for uid, r in self.running.items() if uid >= 0]
+        if batch:
+            mates = [o] if all(self._close(o.r, r) for r in batch) else []
+        else:
+            mates = [d for d in self._decoders if self._close(o.r, d.r)]
+            mates = mates + [o] if mates else []
+        if not mates:
+            self._decoders.append(o)
             return
-        for d in ([self._solo] if self._solo is not None else []) + [o]:
+        for d in mates:
+            self._decoders = [x for x in self._decoders if x is not d]
             r = self.running.pop(d.r.uid)  # its last token is sampled, not in the cache yet
             self._insert(r, r.completion[-1:], d.cache, d.max_tokens - len(r.completion))
-        self._solo = None
+
+    def _close(self, a: Running, b: Running) -> bool:
+        """Whether two answers decode together in the batch: their contexts differ by less than
+        `own_lead_tokens`. In the batch the shorter attends over the longer's length (padding)
+        and joining copies both caches into one (mlx-lm's merge): bench restore, 4K tokens beside
+        a short answer, a batch step took 0.40-0.45 s against 0.34 for two forwards on their own
+        caches, and the join's step 1.3-1.9 s, no token out (docs/decisions.md)."""
+        return abs(_context(a) - _context(b)) < self.own_lead_tokens
 
     def take_cancelled(self) -> list[Running]:
         """Requests whose client went away, taken out before the next step (in prefill too)."""
@@ -186,8 +210,7 @@ class BatchScheduler:
     def _forget(self, gone: list[Running]) -> None:
         ids = {id(r) for r in gone}
         self._readers = [o for o in self._readers if id(o.r) not in ids]
-        if self._solo is not None and id(self._solo.r) in ids:
-            self._solo = None
+        self._decoders = [o for o in self._decoders if id(o.r) not in ids]
         batch = [r.uid for r in gone if r.uid >= 0]
         if batch:
             self.gen.remove(batch)
@@ -201,8 +224,8 @@ class BatchScheduler:
         done: list[tuple[Running, list]] = []
         if not self._answers_wait():
             done = self._batch_step() if self._in_batch() else []
-            if self._solo is not None:
-                done += self._own_step(self._solo)
+            for o in list(self._decoders):
+                done += self._own_step(o)
         if self._readers:
             o = min(self._readers,  # min() keeps the first of equals: arrival order
                     key=lambda o: self._forwards_left(o) - o.passed)
@@ -220,7 +243,7 @@ class BatchScheduler:
         its caches in again. mlx-lm's own server reads every waiting prompt first, unbounded;
         the bound keeps an answer streaming behind a stream of long prompts."""
         now = time.monotonic()
-        answering = self._solo is not None or self._in_batch()
+        answering = bool(self._decoders) or self._in_batch()
         prompts_in_batch = any(r.first_token_at is None  # the batch reads them in its step
                                for uid, r in self.running.items() if uid >= 0)
         if (answering and self._readers and not prompts_in_batch
@@ -281,7 +304,7 @@ class BatchScheduler:
 
     def prompt_cache(self, r: Running) -> list:
         """A running request's cache as it is now (a copy, without the batch's padding)."""
-        for o in self._readers + ([self._solo] if self._solo is not None else []):
+        for o in self._readers + self._decoders:
             if o.r is r:  # views: MLX copies on write
                 return self.kinds.view(o.cache)
         return self.gen.extract_cache([r.uid])[r.uid][0]
@@ -335,7 +358,7 @@ class BatchScheduler:
             resp = SimpleNamespace(uid=r.uid, token=token, logprobs=logprobs[0],
                                    finish_reason=finish)
             if not self._take(r, resp) and finish is None:
-                if o is not self._solo:
+                if any(x is o for x in self._readers):
                     self._decodes(o)
                 return []
             self._hand_off()
@@ -429,6 +452,22 @@ class BatchScheduler:
         msg.text = text
         if msg.text or msg.reasoning or msg.token_ids or msg.tool_calls:
             r.job.emit(msg)
+
+
+def _context(r: Running) -> int:
+    """A running request's context: its prompt and its answer so far."""
+    return len(r.tokens) + len(r.completion)
+
+
+def _own_lead(model, kinds: CacheKinds) -> int:
+    """`OWN_LEAD_OF_WEIGHTS` of the model's weights, in tokens of a running request's KV: the
+    padding past which a second forward costs less than the batch (SmolLM2-135M: ~2.9K
+    tokens; a 32B model: more than its context, so always batched)."""
+    from mlx.utils import tree_flatten
+
+    weights = sum(int(v.nbytes) for _, v in tree_flatten(model.parameters()))
+    per_token = kinds.measure()[0]
+    return int(OWN_LEAD_OF_WEIGHTS * weights / per_token) if per_token else 1 << 62
 
 
 def stop_cut(text: str, stops: list[str]) -> tuple[int, str]:
