@@ -54,8 +54,11 @@ logger = logging.getLogger(__name__)
 PREFILL_STEP_TOKENS = 512
 LAST_FORWARD_TOKENS = 64  # a prompt's last forward, the one with logits, reads at most this
 # A decoder whose context is this share of the weights (in KV bytes) longer or shorter than
-# another's decodes on its own cache rather than batched with it (`_close`).
-OWN_LEAD_OF_WEIGHTS = 0.25
+# another's decodes on its own cache rather than batched with it (`_close`). On a GPU a decode
+# step reads the weights once for the whole batch, so a second forward is a second read of
+# them: it costs less than the padding only past all of the weights. On a CPU the matmuls cost
+# by the row, batched or not: a quarter already paid here (docs/decisions.md).
+OWN_LEAD_OF_WEIGHTS = {"gpu": 1.0, "cpu": 0.25}
 HANDOFF_S = 0.005  # after a first token, before the next forward (`_hand_off`)
 
 
@@ -461,13 +464,17 @@ def _context(r: Running) -> int:
 
 def _own_lead(model, kinds: CacheKinds) -> int:
     """`OWN_LEAD_OF_WEIGHTS` of the model's weights, in tokens of a running request's KV: the
-    padding past which a second forward costs less than the batch (SmolLM2-135M: ~2.9K
-    tokens; a 32B model: more than its context, so always batched)."""
+    padding past which a second forward costs less than the batch (SmolLM2-135M on a CPU:
+    ~2.9K tokens; Qwen3.6-27B in 4 bits on a GPU, 16 of its 64 layers with KV: ~230K, more
+    than its context, so always batched there)."""
+    import mlx.core as mx
     from mlx.utils import tree_flatten
 
+    share = OWN_LEAD_OF_WEIGHTS["cpu" if mx.default_device().type == mx.DeviceType.cpu
+                                else "gpu"]
     weights = sum(int(v.nbytes) for _, v in tree_flatten(model.parameters()))
     per_token = kinds.measure()[0]
-    return int(OWN_LEAD_OF_WEIGHTS * weights / per_token) if per_token else 1 << 62
+    return int(share * weights / per_token) if per_token else 1 << 62
 
 
 def stop_cut(text: str, stops: list[str]) -> tuple[int, str]:
