@@ -19,9 +19,9 @@ its `CacheKinds` over the model's real cache layout (scale_kv.SynthModel), its r
    prefetch hint and RAM hits, each timed from its arrival to its first forward.
 
 Beside each write and each restore, on the same disk (its speed moves from one minute to the
-next): up to 1 GiB of blocks of the same size written to a new LMDB environment as fast as
-it commits (`raw_write_mb_s`; in new file space, as the store grows: see `Raw`), and read back
-with the page cache dropped (`raw_read_mb_s`; single-threaded, where a restore reads with
+next): as many bytes as the build wrote, in blocks of the same size, written to a new LMDB
+environment as fast as it commits (`raw_write_mb_s`; in new file space, as the store grows:
+see `Raw`), and the latest of them read back with the page cache dropped (`raw_read_mb_s`; single-threaded, where a restore reads with
 several lanes). Goals: write-behind >= 0.7 of raw writes, restore >= 0.8 of raw reads, peak
 RSS (the kernel's VmHWM, through parts 1 and 2) <= 1.1 x (what the process held before + the
 bank's budget), every release's write-out only the last turn's blocks, nothing unwritten
@@ -107,7 +107,7 @@ def pick_tokens(g: dict, *, conversations: int, turns: int, turn_tokens: int,
     for tokens in SIZES:
         conv = conversation_bytes(g, tokens, turns, turn_tokens)
         ram_ok = held * conv + SLACK_BYTES <= RAM_SHARE * mem
-        disk_ok = conversations * conv * 1.5 + SLACK_BYTES <= DISK_SHARE * disk
+        disk_ok = conversations * conv * 2.5 + SLACK_BYTES <= DISK_SHARE * disk  # raw too
         if ram_ok and disk_ok:
             break
     bound = {"mem_available_bytes": mem, "disk_free_bytes": disk, "ram_share": RAM_SHARE,
@@ -163,8 +163,7 @@ def run(*, geometry: str = "qwen3.6-27b", tokens: int | None = None, conversatio
         w = Rig(Path(tmp) / "data", kinds, f"bench-scale:{geometry}".encode(), block_tokens,
                 bank_bytes)
         store = w.layout.store_dir / "data.mdb"
-        raw = Raw(Path(tmp) / "raw", min(1 << 30, tokens * g["bytes_per_token"]),
-                  block_tokens * g["bytes_per_token"])
+        raw = Raw(Path(tmp) / "raw", block_bytes)
         base_rss, anon_base, anon = vm_hwm(), status("RssAnon"), AnonPeak()
         builds, releases, restores, turns_done = [], [], [], []
         try:
@@ -191,7 +190,7 @@ def run(*, geometry: str = "qwen3.6-27b", tokens: int | None = None, conversatio
                 extra = max(0, anon.window() - before_write)
                 nbytes = tokens * g["bytes_per_token"] + cps_nbytes
                 mb_s = nbytes / write_s / 1e6
-                raw_mb_s = raw.write_mb_s()
+                raw_mb_s = raw.write_mb_s(nbytes)
                 builds.append({"tokens": tokens, "bytes": nbytes, "checkpoints": n_cps,
                                "checkpoint_bytes": cps_nbytes, "write_s": round(write_s, 3),
                                "mb_s": round(mb_s, 1), "raw_write_mb_s": round(raw_mb_s, 1),
@@ -270,7 +269,8 @@ def run(*, geometry: str = "qwen3.6-27b", tokens: int | None = None, conversatio
         "restore_mb_s": restore_mb_s, "raw_read_mb_s": median(restores, "raw_read_mb_s"),
         "restore_vs_raw": median(restores, "vs_raw"),
         "restore_s_median": median(restores, "restore_s"),
-        "raw_sample_bytes": len(raw.ids) * raw.block_bytes,
+        "raw_sample_bytes": "each as many as the build's write it is paired with; a restore "
+                            "reads the latest",
         "raw_write_space": "new: each sample a new environment, none deleted (see Raw)",
         "page_cache": ("dropped before each read (drop_caches)"
                        if os.access("/proc/sys/vm/drop_caches", os.W_OK) else
