@@ -45,9 +45,9 @@ def test_bench_scale_quick_reports_writes_restores_and_releases(tmp_path):
 
 def test_bench_scale_picks_the_longest_conversations_this_machine_takes(tmp_path):
     """Without --tokens the bench sizes its conversations to this machine (issue #35): the
-    bank it will hold (two at their largest, with prefetch) fits the memory available now, a
-    dense model's 4x larger KV a token gets shorter conversations than the hybrid's, and a
-    size below the scenario's 32K tokens says so."""
+    most it will hold (two at their largest and a return's copy, with prefetch) fits the
+    memory available, a dense model's 4x larger KV a token gets no longer conversations than
+    the hybrid's, and a size below the scenario's 32K tokens says so."""
     from apps.bench import scale
     from apps.bench.scale_kv import GEOMETRIES
 
@@ -56,7 +56,8 @@ def test_bench_scale_picks_the_longest_conversations_this_machine_takes(tmp_path
               for name in ("qwen3.6-27b", "qwen3-32b")}
     for name, (tokens, bound) in picked.items():
         assert tokens in scale.SIZES
-        bank = 2 * scale.conversation_bytes(GEOMETRIES[name], tokens, 2, 1536)
+        bank = scale.HELD_WITH_PREFETCH * scale.conversation_bytes(GEOMETRIES[name], tokens,
+                                                                   2, 1536)
         if tokens > min(scale.SIZES):  # the smallest is taken when nothing fits
             assert bank < bound["mem_available_bytes"]
         assert ("note" in bound) == (tokens < 32768)

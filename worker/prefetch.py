@@ -57,10 +57,12 @@ class _Fetch(Read):
     """A hint's read on a thread (worker/restoring.py); what `_bring_back` knew of it."""
 
     key: SessionKey
+    hint: _Hint  # the tokens it reads (a newer hint of the conversation may name others)
     ram: int  # tokens RAM held, and LMDB, when it began
     ssd_tokens: int
     need: int  # bytes reserved for it
     later: bool  # a retry's
+
 
 class Prefetcher:
     def __init__(self, *, bank: SessionBank, restorer: Restorer, conversations: Conversations,
@@ -146,8 +148,8 @@ class Prefetcher:
             h.tokens, h.ids, tenant, key, better_than=ram, limit=len(h.tokens),
             on_corrupt=on_corrupt)
         if self.reads is not None and self.reads.worth_a_thread(ssd - ram):
-            f = self.reading[key] = _Fetch(key=key, ram=ram, ssd_tokens=ssd, need=need,
-                                           later=later)
+            f = self.reading[key] = _Fetch(key=key, hint=h, ram=ram, ssd_tokens=ssd,
+                                           need=need, later=later)
             self.bank.reserve_active(key, need)  # admission counts it until it lands
             self.reads.start(f, read)
             return PrefetchReport("restoring", ram, ssd)
@@ -175,11 +177,11 @@ class Prefetcher:
             self.bank.unreserve_active(f.key, f.need)
             for block, e in f.corrupt:  # the link is the engine thread's
                 self.restorer.corrupt(block, e, f.key[0], f.key)
-            h, found, f.ssd = self.live.get(f.key), f.ssd, None
+            found, f.ssd = f.ssd, None
             if f.error is not None:
                 logger.error("prefetch of session %s failed: %s", f.key[1], f.error)
-            elif h is not None:
-                report = self._landed(f.key, h, f.ram, f.ssd_tokens, found)
+            elif f.key in self.live:
+                report = self._landed(f.key, f.hint, f.ram, f.ssd_tokens, found)
                 if report.status == "restored" and f.later:
                     metrics.PREFETCHES.labels("restored_later").inc()
                 brought += report.restored_tokens
