@@ -10,13 +10,12 @@ read runs the same way, its conversation's request waiting for it.
 
 from __future__ import annotations
 
-import threading
-
 import httpx
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from apps.bench.restore import Stream
 from kvbank.v1 import api_pb2
 from tests.conftest import start_stack
 from tests.waiting import wait_until
@@ -53,28 +52,6 @@ def _on_ssd_only(c, s, name: str, n: int, seed: int) -> list[int]:
     return list(c.get_session(name).token_ids)
 
 
-class _Stream:
-    """A generation streamed on a thread, its tokens counted as they arrive."""
-
-    def __init__(self, c, *, session_id: str, token_ids: list[int], max_tokens: int):
-        req = api_pb2.GenerateRequest(session_id=session_id, max_tokens=max_tokens)
-        req.tokens.ids.extend(token_ids)  # greedy: temperature 0 by default
-        self.call = c.generation.Generate(req)
-        self.tokens: list[int] = []
-        self.usage = None
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self) -> None:
-        try:
-            for ev in self.call:
-                self.tokens.extend(ev.token_ids)
-                if ev.HasField("usage"):
-                    self.usage = ev.usage
-        except Exception:  # cancelled
-            pass
-
-
 def _metric(s, name: str, **labels) -> float:
     text = httpx.get(s.metrics_url("worker"), timeout=10).text
     return sum(m.value for f in text_string_to_metric_families(text) for m in f.samples
@@ -85,11 +62,11 @@ def test_a_request_keeps_decoding_while_another_restores_from_ssd(held_stack):
     s, hold = held_stack, _armed(held_stack)
     with s.client() as c:
         history = _on_ssd_only(c, s, "long", 300, seed=1)
-        streaming = _Stream(c, session_id="streaming", token_ids=_tokens(40, seed=2),
+        streaming = Stream(c, session_id="streaming", token_ids=_tokens(40, seed=2),
                             max_tokens=800)
         wait_until(lambda: streaming.tokens, "the streaming request's first token")
         prompt = history + _tokens(8, seed=3)
-        returning = _Stream(c, session_id="long", token_ids=prompt, max_tokens=6)
+        returning = Stream(c, session_id="long", token_ids=prompt, max_tokens=6)
         wait_until((hold / "held").exists, "the returning conversation's restore to be held")
         n0 = len(streaming.tokens)
         wait_until(lambda: len(streaming.tokens) >= n0 + 30,
@@ -97,13 +74,13 @@ def test_a_request_keeps_decoding_while_another_restores_from_ssd(held_stack):
         assert returning.usage is None and streaming.usage is None  # both still running
         assert c.status().running_requests == 2  # the held one counts as running
         (hold / "release").touch()
-        returning.thread.join(60)
+        returning.ended.wait(60)
         assert returning.usage is not None
         assert returning.usage.cache_source == api_pb2.CACHE_SOURCE_SSD
         assert returning.usage.cached_tokens > 0
         scratch = c.generate(token_ids=prompt, max_tokens=6, no_cache=True)
         assert returning.tokens == scratch.token_ids
-        streaming.thread.join(120)
+        streaming.ended.wait(120)
         alone = c.generate(token_ids=_tokens(40, seed=2), max_tokens=800, no_cache=True)
         assert streaming.tokens == alone.token_ids  # the restore beside it changed nothing
     assert _metric(s, "kvbank_worker_restore_stall_seconds_count", where="thread") >= 1
@@ -114,7 +91,7 @@ def test_a_request_cancelled_while_its_restore_is_in_flight_ends_cleanly(held_st
     with s.client() as c:
         history = _on_ssd_only(c, s, "gone", 200, seed=4)
         prompt = history + _tokens(8, seed=5)
-        going = _Stream(c, session_id="gone", token_ids=prompt, max_tokens=6)
+        going = Stream(c, session_id="gone", token_ids=prompt, max_tokens=6)
         wait_until((hold / "held").exists, "the restore to be held")
         assert c.status().running_requests == 1
         going.call.cancel()
@@ -137,12 +114,12 @@ def test_a_hints_read_runs_beside_the_batch_and_its_conversation_waits_for_it(he
         other = c.generate(session_id="other", token_ids=_tokens(20, seed=7), max_tokens=5)
         assert len(other.token_ids) == 5  # served while the hint reads
         prompt = history + _tokens(8, seed=8)
-        returning = _Stream(c, session_id="hinted", token_ids=prompt, max_tokens=6)
+        returning = Stream(c, session_id="hinted", token_ids=prompt, max_tokens=6)
         wait_until(lambda: c.status().waiting_requests == 1,
                    "the hinted conversation's request to wait for the hint's read")
         assert c.status().running_requests == 0  # it reserved nothing, read nothing
         (hold / "release").touch()
-        returning.thread.join(60)
+        returning.ended.wait(60)
         assert returning.usage is not None
         assert returning.usage.cache_source == api_pb2.CACHE_SOURCE_RAM  # the hint's read
         assert returning.usage.cached_tokens >= 256

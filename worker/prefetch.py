@@ -134,9 +134,9 @@ class Prefetcher:
         ram, ssd = self.restorer.held(h.tokens, h.ids, tenant)
         if key in self.reading:
             return PrefetchReport("restoring", ram, ssd)
-        if ssd <= ram or self.bank.is_busy(key):  # busy: its request holds it in RAM
-            return PrefetchReport("in_ram" if ram or self.bank.is_busy(key) else "not_held",
-                                  ram, ssd)
+        busy = self.bank.is_busy(key)  # a request of it runs: its KV is in that cache
+        if ssd <= ram or busy:
+            return PrefetchReport("in_ram" if ram or busy else "not_held", ram, ssd)
         need = (ssd + self.block_tokens) * self.kv_bytes_per_token  # whole blocks and a tail
         room = self.room()
         if room is not None:  # what reads in flight will take (counted once more: prudent)

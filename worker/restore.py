@@ -92,9 +92,7 @@ class Restorer:
         hit = self.bank.lookup(tokens, tenant, ids, limit=limit)
         ram_n = hit.n_tokens if hit else 0
         store = self.store() if ram_n < limit else None  # SSD adds only when RAM leaves some
-        n_full = 0
-        while store is not None and n_full < len(ids) and store.has_block(ids[n_full]):
-            n_full += 1
+        n_full = _stored_blocks(store, ids)
         return Look(hit, ram_n, limit, max(0, min(n_full * self.block_tokens, limit) - ram_n))
 
     def read_ssd(self, look: Look, tokens: np.ndarray, ids: list[BlockId], tenant: str,
@@ -148,10 +146,7 @@ class Restorer:
         """How much of `tokens` RAM and LMDB hold (whole blocks on SSD), nothing restored."""
         hit = self.bank.lookup(tokens, tenant, ids)
         store = self.store()
-        n_full = 0
-        while store is not None and n_full < len(ids) and store.has_block(ids[n_full]):
-            n_full += 1
-        return (hit.n_tokens if hit else 0), n_full * self.block_tokens
+        return (hit.n_tokens if hit else 0), _stored_blocks(store, ids) * self.block_tokens
 
     def ssd_prefix(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
                    session: SessionKey, better_than: int, capacity: int = 0,
@@ -169,9 +164,7 @@ class Restorer:
             return None
         B = self.block_tokens
         root = self.root_for(tenant)
-        n_full = 0
-        while n_full < len(ids) and store.has_block(ids[n_full]):
-            n_full += 1
+        n_full = _stored_blocks(store, ids)
         want = list(ids[:n_full])
         n = n_full * B
         got = store.get_session(*session)
@@ -284,3 +277,11 @@ class Restorer:
                           if self.kinds.full else [])
                 return layers, state, ends[i]
         return None
+
+
+def _stored_blocks(store: StoreReader | None, ids: list[BlockId]) -> int:
+    """How many of the chain's first blocks LMDB holds (0 without a store)."""
+    n = 0
+    while store is not None and n < len(ids) and store.has_block(ids[n]):
+        n += 1
+    return n

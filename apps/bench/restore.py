@@ -60,8 +60,9 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Stream:
-    """A generation streamed on a thread: when each of its token events arrived."""
+class Stream:
+    """A generation streamed on a thread: its tokens, and when each of its token events
+    arrived (tests/test_background_restore.py reads the tokens)."""
 
     def __init__(self, client, *, session_id: str, token_ids: list[int], max_tokens: int):
         from kvbank.v1 import api_pb2
@@ -70,6 +71,7 @@ class _Stream:
         req.tokens.ids.extend(token_ids)  # greedy: temperature 0 by default
         self.call = client.generation.Generate(req)
         self.times: list[float] = []
+        self.tokens: list[int] = []
         self.usage = None
         self.ended = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
@@ -79,6 +81,7 @@ class _Stream:
             for ev in self.call:
                 if ev.token_ids:
                     self.times.append(time.monotonic())
+                    self.tokens.extend(ev.token_ids)
                 if ev.HasField("usage"):
                     self.usage = ev.usage
         except Exception:  # cancelled
@@ -154,12 +157,12 @@ def run(model: Path | None = None, tokens: int = 8000, repeats: int = 3, around:
                     _drop_page_cache(stack.layout.store_dir / "data.mdb")
                     stall0 = _stall(stack.metrics_url("worker"))
                     history = list(c.get_session("long").token_ids)
-                    streaming = _Stream(c, session_id=f"stream-{i}",
+                    streaming = Stream(c, session_id=f"stream-{i}",
                                         token_ids=rng.integers(1000, 20000, 128).tolist(),
                                         max_tokens=stream_tokens)
                     streaming.wait_tokens(SKIP_GAPS + around)
                     start = time.monotonic()
-                    returning = _Stream(c, session_id="long", max_tokens=8,
+                    returning = Stream(c, session_id="long", max_tokens=8,
                                         token_ids=history + rng.integers(1000, 20000,
                                                                          16).tolist())
                     returning.ended.wait(600)
