@@ -184,13 +184,19 @@ def checksum(data: bytes | memoryview | bytearray) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def encode_block(header: BlockHeader, arrays: Sequence[np.ndarray | None]) -> bytearray:
+def encode_block(header: BlockHeader, arrays: Sequence[np.ndarray | None],
+                 out: bytearray | memoryview | None = None) -> bytearray | memoryview:
     """One value holding every array of `header.array_specs()` (its `checksum` is computed
     here): magic, header length, JSON header, data. Each array is copied once, straight into
     its place in the value (strided views welcome); the header, whose length does not depend
-    on the checksum, is written in front last, so the data is never copied again."""
+    on the checksum, is written in front last, so the data is never copied again. Into `out`
+    where given (a writable buffer of `encoded_nbytes(header)`), else a new bytearray."""
     start = len(_head(header, 0))
-    out = bytearray(start + header.data_nbytes)
+    if out is None:
+        out = bytearray(start + header.data_nbytes)
+    elif len(out) != start + header.data_nbytes:
+        raise ValueError(f"bug: a buffer of {len(out)} bytes for a block of "
+                         f"{start + header.data_nbytes}")
     at = start
     for a in arrays:
         if a is None:

@@ -73,3 +73,40 @@ def test_a_stream_stops_when_a_request_takes_its_entry_and_goes_on_when_given_ba
     wait_until(lambda: link.writer.pump() >= 0 and link.disk.durable("taken") >= n,
                "the rest written")
     check_record_against_kv(link.disk, "taken", layers, t, "given back")
+
+
+def test_an_encode_buffer_is_written_again_only_once_zeromq_let_go_of_its_frame():
+    """The kv-encode thread encodes blocks into buffers it reuses (worker/writer.py
+    `_Buffers`). A frame still queued in ZeroMQ keeps its buffer: the next block goes into
+    another, so what arrives is what was encoded; once ZeroMQ let go, the buffer is reused."""
+    import zmq
+
+    from worker.writer import _Buffers
+
+    n = 256 << 10  # above pyzmq's copy threshold: the frame is the buffer itself
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    pull.bind("inproc://buffers-test")
+    push.connect("inproc://buffers-test")
+    try:
+        buffers = _Buffers(keep_bytes=4 * n)
+        address = lambda frame: np.frombuffer(frame.buffer, np.uint8).ctypes.data  # noqa: E731
+        sent, trackers = [], []
+        for fill in (1, 2):
+            frame = buffers.frame(n, lambda out, fill=fill: out.__setitem__(slice(None),
+                                                                            bytes([fill]) * n))
+            sent.append(address(frame))
+            trackers.append(frame.tracker)
+            push.send(frame, copy=False)
+            del frame  # as the kv-encode thread lets go of its frames once sent
+        assert sent[0] != sent[1]  # the first frame is still in ZeroMQ's queue
+        got = [pull.recv(copy=False) for _ in range(2)]
+        assert [bytes(g.buffer) for g in got] == [b"\x01" * n, b"\x02" * n]
+        del got
+        wait_until(lambda: all(t.done for t in trackers), "ZeroMQ letting go of both frames")
+        again = buffers.frame(n, lambda out: out.__setitem__(slice(None), b"\x03" * n))
+        assert address(again) in sent  # a buffer back from ZeroMQ, not a new one
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()

@@ -210,9 +210,11 @@ def _token_major(a, start: int, end: int):
 
 
 def encode_views(views: list, dtype: str, start: int, end: int, *, layout: str = "",
-                 state: StateViews | None = None, bits: int | None = None) -> bytearray:
-    """The stored form of tokens [start, end) of an entry: one block, one copy; with `state`,
-    the checkpoint that stands at `end` goes in it too.
+                 state: StateViews | None = None, bits: int | None = None,
+                 out=None) -> bytearray | memoryview:
+    """The stored form of tokens [start, end) of an entry: one block, one copy (into `out`
+    where given: `encoded_views_nbytes` of it); with `state`, the checkpoint that stands at
+    `end` goes in it too.
 
     Each layer's K and V are stored token-major, (n, kv_heads, head_dim), so the blocks of a
     conversation concatenate by appending bytes: a restore makes one contiguous copy. A
@@ -220,7 +222,7 @@ def encode_views(views: list, dtype: str, start: int, end: int, *, layout: str =
     parts = [tuple(_token_major(a, start, end) for a in pair) for pair in views]
     arrays = [x for pair in parts for a in pair for x in (a if isinstance(a, tuple) else (a,))]
     arrays += [None if s is None else s[1] for s in state or []]
-    return encode_block(_header(parts, dtype, end - start, layout, state, bits), arrays)
+    return encode_block(_header(parts, dtype, end - start, layout, state, bits), arrays, out)
 
 
 def encoded_views_nbytes(views: list, dtype: str, start: int, end: int, *, layout: str = "",

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from apps.bench.scale_kv import GEOMETRIES, checkpoint_bytes, checkpoint_every, forward, presize
-from apps.bench.scale_rig import AnonPeak, Raw, Rig, drop_caches, status, vm_hwm
+from apps.bench.scale_rig import AnonPeak, Raw, Rig, cpu_s, drop_caches, status, vm_hwm
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +148,8 @@ def run(*, geometry: str = "qwen3.6-27b", tokens: int | None = None, conversatio
     serve_buffers_from_the_heap()  # the worker's allocator: freed KV goes back to the OS
     mx.set_cache_limit(0)
     g = GEOMETRIES[geometry]
+    if data_dir is not None:
+        Path(data_dir).mkdir(parents=True, exist_ok=True)
     if tokens is None:
         tokens, sized = pick_tokens(g, conversations=conversations, turns=turns,
                                     turn_tokens=turn_tokens,
@@ -184,6 +186,7 @@ def run(*, geometry: str = "qwen3.6-27b", tokens: int | None = None, conversatio
                                  splits=kinds.splits(0, tokens, (), every))
                 anon.window()  # the write's own window: what it holds beyond the KV
                 before_write = status("RssAnon")
+                cpu, cs_cpu = cpu_s(), cpu_s(w.proc.pid)
                 t0 = time.perf_counter()
                 w.h.commit(w.key(name), toks, cache, checkpoints=cps)
                 e = w.bank.terminal(w.key(name))
@@ -192,16 +195,23 @@ def run(*, geometry: str = "qwen3.6-27b", tokens: int | None = None, conversatio
                 del cache, cps, e  # the bank's alone: a release frees it
                 w.wait_durable(name)
                 write_s = time.perf_counter() - t0
+                cpu, cs_cpu = cpu_s() - cpu, cpu_s(w.proc.pid) - cs_cpu
                 extra = max(0, anon.window() - before_write)
                 nbytes = tokens * g["bytes_per_token"] + cps_nbytes
                 mb_s = nbytes / write_s / 1e6
                 raw_mb_s = raw.write_mb_s(nbytes)
+                gb = nbytes / 1e9
                 builds.append({"tokens": tokens, "bytes": nbytes, "checkpoints": n_cps,
                                "checkpoint_bytes": cps_nbytes, "write_s": round(write_s, 3),
                                "mb_s": round(mb_s, 1), "raw_write_mb_s": round(raw_mb_s, 1),
                                "vs_raw": round(mb_s / raw_mb_s, 3),
                                "write_extra_bytes": extra,
-                               "write_extra_blocks": round(extra / block_bytes, 2)})
+                               "write_extra_blocks": round(extra / block_bytes, 2),
+                               # CPU seconds a GB took: the worker's side (this process) and
+                               # the coldstore's, against the raw writer's on the same cores
+                               "cpu_s_per_gb": {"worker": round(cpu / gb, 3),
+                                                "coldstore": round(cs_cpu / gb, 3),
+                                                "raw": round(raw.write_cpu_s / gb, 3)}})
                 held[name] = toks
             for t in range(turns):  # 2. each agent comes back in turn
                 for i in range(conversations):
@@ -265,6 +275,10 @@ def run(*, geometry: str = "qwen3.6-27b", tokens: int | None = None, conversatio
         "write_behind_mb_s": median(builds, "mb_s"),
         "raw_write_mb_s": median(builds, "raw_write_mb_s"),
         "write_vs_raw": median(builds, "vs_raw"),
+        # on 2 cores the write's own threads (encode, ZeroMQ both sides) take the core the
+        # raw writer leaves to the kernel's writeback: medians of each build's CPU s per GB
+        "write_cpu_s_per_gb": {k: median([b["cpu_s_per_gb"] for b in builds], k)
+                               for k in ("worker", "coldstore", "raw")},
         # a write's memory beyond the KV it writes: RssAnon sampled every 20 ms through each
         # build's write-behind; the writer streams a window of STREAM_WINDOW_BYTES at a time
         "block_bytes": block_bytes,

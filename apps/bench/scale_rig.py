@@ -110,6 +110,14 @@ def vm_hwm() -> int:
     return status("VmHWM")
 
 
+def cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user and system, every thread) a process has used: this one, or `pid`."""
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
 class AnonPeak:
     """RssAnon sampled every 20 ms: the worker's own memory (a restore's reads of the LMDB
     map are file pages, counted in VmHWM, not here; kvbank's budget counts what this counts)."""
@@ -172,6 +180,7 @@ class Raw:
 
         self.scratch, self.block_bytes = scratch, block_bytes
         self.ids: list[bytes] = []  # the latest sample's keys
+        self.write_cpu_s = 0.0  # the latest write sample's CPU seconds
         self.samples = 0
         # In a process of its own: its copies and map pages are not the worker's memory (the
         # bench reads the worker's peak from this process's VmHWM).
@@ -188,8 +197,9 @@ class Raw:
         self.samples += 1
         self.ids = [i.to_bytes(16, "big") for i in range(max(1, nbytes // self.block_bytes))]
         self.latest.mkdir(parents=True)
-        dt = self.child.submit(_raw_write_sample, self.latest, self.ids, self.block_bytes)
-        return len(self.ids) * self.block_bytes / dt.result() / 1e6
+        dt, self.write_cpu_s = self.child.submit(_raw_write_sample, self.latest, self.ids,
+                                                 self.block_bytes).result()
+        return len(self.ids) * self.block_bytes / dt / 1e6
 
     def read_mb_s(self) -> float:
         from apps.bench.coldstore import _raw_read
@@ -202,11 +212,13 @@ class Raw:
         self.child.shutdown()
 
 
-def _raw_write_sample(path: Path, ids: list[bytes], block_bytes: int) -> float:
-    """`_raw_write` of one random payload under every key (in the raw child process)."""
+def _raw_write_sample(path: Path, ids: list[bytes], block_bytes: int) -> tuple[float, float]:
+    """`_raw_write` of one random payload under every key (in the raw child process): its
+    seconds, and the CPU seconds it took."""
     from apps.bench.coldstore import _raw_write
 
     payload = os.urandom(block_bytes)
-    return _raw_write(path, ids, [payload] * len(ids))
+    cpu = cpu_s()
+    return _raw_write(path, ids, [payload] * len(ids)), cpu_s() - cpu
 
 
