@@ -8,7 +8,9 @@ redraws every `--every` seconds; `--json` prints the same as JSON.
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 import time
 
 import grpc
@@ -111,12 +113,24 @@ def run_status(address: str, *, watch: bool, every_s: float, as_json: bool,
                     console = Console(width=160)
                 console.print(draw(c))
                 return 0
-            with Live(draw(c), refresh_per_second=4) as live:
-                while True:
-                    time.sleep(every_s)
-                    live.update(draw(c))
+            return _watch(c, draw, every_s)
     except grpc.RpcError as e:
         print(f"kvbank status: {address}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0
+
+
+def _watch(c: Client, draw, every_s: float) -> int:
+    """Redraw until Ctrl-C. Ctrl-C only sets a flag: raised as KeyboardInterrupt in the middle
+    of a gRPC call, it can leave the channel's close waiting on that call for good (the
+    process never exits; grpc/grpc#19973), so the loop stops between calls instead."""
+    stop = threading.Event()
+    before = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        with Live(draw(c), refresh_per_second=4) as live:
+            while not stop.wait(every_s):
+                live.update(draw(c))
+    finally:
+        signal.signal(signal.SIGINT, before)
+    return 0

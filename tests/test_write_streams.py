@@ -77,11 +77,11 @@ def test_a_stream_stops_when_a_request_takes_its_entry_and_goes_on_when_given_ba
 
 def test_an_encode_buffer_is_written_again_only_once_zeromq_let_go_of_its_frame():
     """The kv-encode thread encodes blocks into buffers it reuses (worker/writer.py
-    `_Buffers`). A frame still queued in ZeroMQ keeps its buffer: the next block goes into
+    `EncodeBuffers`). A frame still queued in ZeroMQ keeps its buffer: the next block goes into
     another, so what arrives is what was encoded; once ZeroMQ let go, the buffer is reused."""
     import zmq
 
-    from worker.writer import _Buffers
+    from worker.writer import EncodeBuffers
 
     n = 256 << 10  # above pyzmq's copy threshold: the frame is the buffer itself
     ctx = zmq.Context()
@@ -89,7 +89,7 @@ def test_an_encode_buffer_is_written_again_only_once_zeromq_let_go_of_its_frame(
     pull.bind("inproc://buffers-test")
     push.connect("inproc://buffers-test")
     try:
-        buffers = _Buffers(keep_bytes=4 * n)
+        buffers = EncodeBuffers(keep_bytes=4 * n)
         address = lambda frame: np.frombuffer(frame.buffer, np.uint8).ctypes.data  # noqa: E731
         sent, trackers = [], []
         for fill in (1, 2):

@@ -4,7 +4,7 @@ release. The worker's side of a write job; the coldstore's is coldstore/lanes.py
 A write streams: the coldstore is handed a job's header (every block's id and size) and the
 payloads of its first blocks, up to `window_bytes`; each block it commits (`progress`) lets
 the next ones go. A write's extra memory is that window (and up to as much again of encode buffers
-kept for the next blocks, `_Buffers`), whatever the entry's size, and views
+kept for the next blocks, `EncodeBuffers`), whatever the entry's size, and views
 of the entry's arrays live only while a batch of blocks is encoded. A stream goes on while its
 entry is in the bank: an entry a request took over (its next turn) stops its stream, and that
 turn's commit writes on from the durable extent.
@@ -61,7 +61,7 @@ class _Stream:
     committed: int = 0
 
 
-class _Buffers:
+class EncodeBuffers:
     """Buffers the kv-encode thread encodes blocks into and reuses (its own state).
 
     A new 16 MB buffer is faulted in page by page, and on a VM that costs more than the copy
@@ -156,7 +156,7 @@ class KVWriter:
         self._unsent: set[int] = set()  # jobs still being encoded
         self._ahead: dict[int, None] = {}  # jobs promoted by write_ahead (oldest first)
         self._outbox: queue.Queue = queue.Queue()
-        self._buffers = _Buffers(keep_bytes=window_bytes)  # the kv-encode thread's
+        self._buffers = EncodeBuffers(keep_bytes=window_bytes)  # the kv-encode thread's
         self._thread = threading.Thread(target=self._send_loop, name="kv-encode", daemon=True)
         self._thread.start()
 
