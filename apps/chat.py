@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 
 import grpc
@@ -14,14 +15,44 @@ def _describe(e: grpc.RpcError) -> str:
     return f"{e.code().name}: {e.details()}"
 
 
+class _CtrlC:
+    """Ctrl-C while an answer streams cancels its call: the answer stops there and the
+    conversation keeps what was said. No KeyboardInterrupt is raised inside the gRPC call (one
+    that is can leave the channel's close waiting on it for good: grpc/grpc#19973)."""
+
+    def __init__(self):
+        self.call, self.pressed = None, False
+
+    def __enter__(self) -> "_CtrlC":
+        self._before = signal.signal(signal.SIGINT, self._press)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self._before)
+
+    def on_call(self, call) -> None:
+        self.call = call
+        if self.pressed:  # pressed before the call had started
+            call.cancel()
+
+    def _press(self, *_) -> None:
+        self.pressed = True
+        if self.call is not None:
+            self.call.cancel()
+
+
 def ask(address: str, session: str, text: str, *, max_tokens: int, temperature: float,
         as_json: bool) -> int:
-    with Client(address) as c:
+    with Client(address) as c, _CtrlC() as ctrl_c:
         try:
             turn = c.generate(session_id=session, messages=[{"role": "user", "content": text}],
                               append=True, max_tokens=max_tokens, temperature=temperature,
-                              on_text=None if as_json else lambda t: print(t, end="", flush=True))
+                              on_text=None if as_json else lambda t: print(t, end="", flush=True),
+                              on_call=ctrl_c.on_call)
         except grpc.RpcError as e:
+            if ctrl_c.pressed:
+                print("\nkvbank ask: stopped (Ctrl-C)", file=sys.stderr)
+                return 130
             print(f"kvbank ask: {_describe(e)}", file=sys.stderr)
             return 1
     if as_json:
@@ -33,7 +64,8 @@ def ask(address: str, session: str, text: str, *, max_tokens: int, temperature: 
 
 
 def chat(address: str, session: str, *, max_tokens: int, temperature: float) -> int:
-    print(f"kvbank chat: session {session!r} at {address}. Ctrl-D to leave.")
+    print(f"kvbank chat: session {session!r} at {address}. "
+          "Ctrl-C stops an answer, Ctrl-D leaves.")
     with Client(address) as c:
         while True:
             try:
@@ -44,14 +76,15 @@ def chat(address: str, session: str, *, max_tokens: int, temperature: float) -> 
             if not line:
                 continue
             print("kvbank> ", end="", flush=True)
-            try:
-                turn = c.generate(session_id=session, append=True, max_tokens=max_tokens,
-                                  messages=[{"role": "user", "content": line}],
-                                  temperature=temperature,
-                                  on_text=lambda t: print(t, end="", flush=True))
-            except grpc.RpcError as e:
-                print(f"\n[{_describe(e)}]")
-                continue
+            with _CtrlC() as ctrl_c:
+                try:
+                    turn = c.generate(session_id=session, append=True, max_tokens=max_tokens,
+                                      messages=[{"role": "user", "content": line}],
+                                      temperature=temperature, on_call=ctrl_c.on_call,
+                                      on_text=lambda t: print(t, end="", flush=True))
+                except grpc.RpcError as e:
+                    print("\n[stopped]" if ctrl_c.pressed else f"\n[{_describe(e)}]")
+                    continue
             u = turn.usage
             print(f"\n[{u['prompt_tokens']} prompt tokens, {u['cached_tokens']} cached from "
                   f"{u['cache_source']}, {u['completion_tokens']} new, TTFT {u['ttft_s']:.2f}s]")

@@ -82,14 +82,20 @@ class Client:
                  append: bool = False, max_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 0.0, seed: int | None = None, stop: Iterable[str] = (),
                  no_cache: bool = False, on_text: Callable[[str], None] | None = None,
-                 timeout_s: float | None = None, logprobs: bool = False) -> Turn:
+                 timeout_s: float | None = None, logprobs: bool = False,
+                 on_call: Callable[[grpc.Call], None] | None = None) -> Turn:
+        """One turn, streamed (`on_text` sees each piece). `on_call` gets the streaming call as
+        it starts, for a caller that may cancel it (Ctrl-C in `kvbank chat`)."""
         req = _request(session_id=session_id, messages=messages, prompt=prompt,
                        token_ids=token_ids, append=append, max_tokens=max_tokens,
                        temperature=temperature, top_p=top_p, seed=seed, stop=stop,
                        no_cache=no_cache)
         req.sampling.logprobs = logprobs
         text, ids, finish, usage, lps, reasoning = [], [], "", {}, [], []
-        for ev in self.generation.Generate(req, timeout=timeout_s):
+        call = self.generation.Generate(req, timeout=timeout_s)
+        if on_call is not None:
+            on_call(call)
+        for ev in call:
             reasoning.append(ev.reasoning)
             if ev.text:
                 text.append(ev.text)

@@ -128,6 +128,34 @@ def test_ask_chat_and_status_as_the_readme_shows_them(module_stack, tmp_path):
         assert "Traceback" not in err.read()
 
 
+def test_ctrl_c_in_chat_stops_the_answer_and_the_chat_goes_on(module_stack):
+    """Ctrl-C while an answer streams stops that answer, and the chat takes the next line
+    (the model answers greedily: where its first text comes is the same every run)."""
+    chat = subprocess.Popen([sys.executable, "-m", "apps.cli", "chat", "--address",
+                             module_stack.address, "--session", "interrupted",
+                             "--max-tokens", "300"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    try:
+        out = chat.stdout.fileno()
+        chat.stdin.write(b"Tell me a long story.\n")
+        chat.stdin.flush()
+        # the answer has begun: text after its prompt
+        _read_terminal(out, chat, until=lambda d: re.search(rb"kvbank> [\s\S]", d))
+        chat.send_signal(signal.SIGINT)
+        drawn = _read_terminal(out, chat, until=lambda d: b"[stopped]" in d)
+        assert b"[stopped]" in drawn and b"prompt tokens" not in drawn, drawn[-2000:]
+        chat.stdin.write(b"Hi\n")  # the next turn answers as any other
+        chat.stdin.close()
+        drawn = _read_terminal(out, chat, until=lambda d: False)
+        assert chat.wait(timeout=60) == 0
+        assert b"kvbank> " in drawn and b" new, TTFT " in drawn, drawn[-2000:]  # in full
+    finally:
+        if chat.poll() is None:
+            chat.kill()
+            chat.wait()
+    assert b"Traceback" not in chat.stderr.read()
+
+
 def _read_terminal(screen: int, proc: subprocess.Popen, until, timeout_s: float = 60) -> bytes:
     """What `proc` writes to its terminal, read until `until(all read)` or it exits."""
     drawn, give_up = b"", time.monotonic() + timeout_s
