@@ -16,9 +16,9 @@ def _describe(e: grpc.RpcError) -> str:
 
 
 class _CtrlC:
-    """Ctrl-C while an answer streams cancels its call: the answer stops there and the
-    conversation keeps what was said. No KeyboardInterrupt is raised inside the gRPC call (one
-    that is can leave the channel's close waiting on it for good: grpc/grpc#19973)."""
+    """Ctrl-C while an answer streams cancels its call, and the answer stops there. No
+    KeyboardInterrupt is raised inside the gRPC call (one that is can leave the channel's
+    close waiting on it for good: grpc/grpc#19973)."""
 
     def __init__(self):
         self.call, self.pressed = None, False

@@ -3,9 +3,9 @@ release. The worker's side of a write job; the coldstore's is coldstore/lanes.py
 
 A write streams: the coldstore is handed a job's header (every block's id and size) and the
 payloads of its first blocks, up to `window_bytes`; each block it commits (`progress`) lets
-the next ones go. A write's extra memory is that window (and up to as much again of encode buffers
-kept for the next blocks, `EncodeBuffers`), whatever the entry's size, and views
-of the entry's arrays live only while a batch of blocks is encoded. A stream goes on while its
+the next ones go. A write's extra memory is that window (and up to as much again of encode
+buffers kept for the next blocks, `EncodeBuffers`), whatever the entry's size, and views of
+the entry's arrays live only while a batch of blocks is encoded. A stream goes on while its
 entry is in the bank: an entry a request took over (its next turn) stops its stream, and that
 turn's commit writes on from the durable extent.
 
@@ -365,13 +365,15 @@ class KVWriter:
         views, dtype = layer_views(st.entry.layers), dtype_name(st.entry.layers)
         layout, bits = self._layout(), self._bits()
         states = {e: self._state(st.entry, e) for _, e in ranges}
-        sizes = st.sizes[first:end]
         write = st.write if first == 0 else None
 
+        def encode(s: int, e: int):
+            kw = dict(layout=layout, state=states[e], bits=bits)
+            return self._buffers.frame(encoded_views_nbytes(views, dtype, s, e, **kw),
+                                       lambda out: encode_views(views, dtype, s, e, out=out, **kw))
+
         def send() -> None:
-            frames = [self._buffers.frame(n, lambda out, s=s, e=e: encode_views(
-                          views, dtype, s, e, layout=layout, state=states[e], bits=bits, out=out))
-                      for (s, e), n in zip(ranges, sizes)]
+            frames = [encode(s, e) for s, e in ranges]
             if write is None:
                 self.client.send_payloads(job, frames)
                 return
