@@ -63,7 +63,7 @@ def test_a_request_keeps_decoding_while_another_restores_from_ssd(held_stack):
     with s.client() as c:
         history = _on_ssd_only(c, s, "long", 300, seed=1)
         streaming = Stream(c, session_id="streaming", token_ids=_tokens(40, seed=2),
-                            max_tokens=800)
+                           max_tokens=800)
         wait_until(lambda: streaming.tokens, "the streaming request's first token")
         prompt = history + _tokens(8, seed=3)
         returning = Stream(c, session_id="long", token_ids=prompt, max_tokens=6)

@@ -158,13 +158,13 @@ def run(model: Path | None = None, tokens: int = 8000, repeats: int = 3, around:
                     stall0 = _stall(stack.metrics_url("worker"))
                     history = list(c.get_session("long").token_ids)
                     streaming = Stream(c, session_id=f"stream-{i}",
-                                        token_ids=rng.integers(1000, 20000, 128).tolist(),
-                                        max_tokens=stream_tokens)
+                                       token_ids=rng.integers(1000, 20000, 128).tolist(),
+                                       max_tokens=stream_tokens)
                     streaming.wait_tokens(SKIP_GAPS + around)
                     start = time.monotonic()
                     returning = Stream(c, session_id="long", max_tokens=8,
-                                        token_ids=history + rng.integers(1000, 20000,
-                                                                         16).tolist())
+                                       token_ids=history + rng.integers(1000, 20000,
+                                                                        16).tolist())
                     returning.ended.wait(600)
                     end = time.monotonic()
                     streaming.wait_tokens(len(streaming.times) + around)

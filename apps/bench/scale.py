@@ -21,8 +21,8 @@ its `CacheKinds` over the model's real cache layout (scale_kv.SynthModel), its r
 Beside each write and each restore, on the same disk (its speed moves from one minute to the
 next): as many bytes as the build wrote, in blocks of the same size, written to a new LMDB
 environment as fast as it commits (`raw_write_mb_s`; in new file space, as the store grows:
-see `Raw`), and the latest of them read back with the page cache dropped (`raw_read_mb_s`; single-threaded, where a restore reads with
-several lanes). Goals: write-behind >= 0.7 of raw writes, restore >= 0.8 of raw reads, peak
+see `Raw`), and the latest of them read back with the page cache dropped (`raw_read_mb_s`;
+single-threaded, where a restore reads with several lanes). Goals: write-behind >= 0.7 of raw writes, restore >= 0.8 of raw reads, peak
 RSS (the kernel's VmHWM, through parts 1 and 2) <= 1.1 x (what the process held before + the
 bank's budget), every release's write-out only the last turn's blocks, nothing unwritten
 dropped, a hinted return's time to first forward within 1.1x of a RAM hit's.
