@@ -4,7 +4,10 @@ coldstore and the worker's link, writer and bank (the Link rig of tests/coldstor
 from __future__ import annotations
 
 import numpy as np
+import psutil
+import pytest
 
+from kvbank import heap
 from kvbank.blocks import chain_block_ids
 from kvbank.contracts.coldstore_wire import pb
 from tests.coldstore_rig import (B, TENANT, check_record_against_kv, concat_kv, make_kv,  # noqa: F401
@@ -110,3 +113,34 @@ def test_an_encode_buffer_is_written_again_only_once_zeromq_let_go_of_its_frame(
         push.close(linger=0)
         pull.close(linger=0)
         ctx.term()
+
+
+def _minor_faults(pid: int) -> int:
+    """Pages a process has faulted in so far (/proc's minflt)."""
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[7])
+
+
+@pytest.mark.skipif(not heap.glibc(), reason="glibc's allocator settings")
+def test_blocks_past_glibcs_mmap_threshold_reuse_the_coldstores_pages_then_go_back(start):
+    """Blocks larger than any mmap threshold glibc takes (as a hybrid model's checkpoints
+    are: 154 MB for Qwen3.6-27B): the coldstore receives and commits each into pages the ones
+    before it freed, not pages faulted in afresh (CPU a write shares with decode), and once it
+    is idle its memory is back where it was."""
+    proc, link = start(n_layers=1)
+    pid = proc.proc.pid
+    n = 6 * B
+    t, layers = tokens(n, seed=30), make_kv(n, seed=30, n_layers=1, heads=72, dim=4096)
+    block = link.block_bytes(layers)
+    assert block > 32 << 20
+    rss = lambda: psutil.Process(pid).memory_info().rss  # noqa: E731
+    before_rss, before_faults = rss(), _minor_faults(pid)
+    link.set_busy(False)
+    link.turn("big", t, layers)
+    wait_until(lambda: link.writer.pump() >= 0 and link.disk.durable("big") >= n,
+               "the whole entry written, a window at a time")
+    faults = _minor_faults(pid) - before_faults
+    # Afresh, each block is faulted in twice (ZeroMQ's buffer, LMDB's pages): 12 blocks' pages.
+    assert faults < 4 * block // 4096, f"{faults} page faults for 6 blocks of {block} bytes"
+    check_record_against_kv(link.disk, "big", layers, t, "large blocks")
+    wait_until(lambda: rss() < before_rss + block // 2,
+               f"the coldstore's freed pages to go back (RSS {rss()}, {before_rss} before)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from kvbank import heap
 from kvbank.config import DEFAULT_DECODE_WAIT_S
 from kvbank.contracts.failures import Refused
 from kvbank.contracts.pricing import Pricing
@@ -154,24 +155,7 @@ def drop_stale_buffers() -> None:
     mx.clear_cache()
 
 
-_LIBC = None
-_M_MMAP_THRESHOLD = -3  # mallopt parameter, from glibc's malloc.h
 MMAP_THRESHOLD_BYTES = 32 << 20  # the largest glibc takes
-
-
-def _libc():
-    global _LIBC
-    if _LIBC is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
-            _LIBC.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-        except (OSError, AttributeError):
-            _LIBC = False
-    return _LIBC
 
 
 def serve_buffers_from_the_heap() -> None:
@@ -185,15 +169,14 @@ def serve_buffers_from_the_heap() -> None:
     the threshold does not drift with what was freed last. The heap keeps freed pages until
     `give_back_freed_memory`, which the engine calls after every turn and whenever the ledger
     shrinks, so RSS still follows the ledger."""
-    if _libc() and not _LIBC.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
+    if heap.glibc() and not heap.mallopt(heap.M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
         logger.warning("glibc refused an mmap threshold of %d bytes", MMAP_THRESHOLD_BYTES)
 
 
 def give_back_freed_memory() -> None:
     """Return the heap's free pages to the OS, so resident memory follows the ledger (glibc
     keeps them otherwise)."""
-    if _libc():
-        _LIBC.malloc_trim(0)
+    heap.give_back_freed_pages()
 
 
 def held_bytes(pricing: Pricing, bank) -> int:

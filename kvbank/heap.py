@@ -1,0 +1,48 @@
+"""glibc's allocator settings, for the processes that move KV through their own memory.
+
+The worker and the coldstore copy KV in buffers of 16 MB (a block) to hundreds of MB (a
+recurrent-state checkpoint). glibc maps a buffer above its mmap threshold on its own and
+unmaps it when freed, so the next one is faulted in page by page, and on a VM a page fault
+costs more CPU than the copy into the page. Each process says here what it keeps of what it
+frees (worker/admission.py, coldstore/server.py). Without glibc (macOS, musl) these do
+nothing.
+"""
+
+from __future__ import annotations
+
+M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
+M_MMAP_THRESHOLD = -3
+M_MMAP_MAX = -4
+M_ARENA_MAX = -8
+
+_LIBC = None
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+            _LIBC.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        except (OSError, AttributeError):
+            _LIBC = False
+    return _LIBC
+
+
+def glibc() -> bool:
+    return bool(_libc())
+
+
+def mallopt(param: int, value: int) -> bool:
+    """glibc's `mallopt`: False where it refused (or there is no glibc)."""
+    return bool(_libc() and _LIBC.mallopt(param, value))
+
+
+def give_back_freed_pages() -> None:
+    """Return every free page of the heap to the OS (glibc keeps them otherwise)."""
+    if _libc():
+        _LIBC.malloc_trim(0)
