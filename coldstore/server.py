@@ -78,9 +78,11 @@ def keep_freed_pages() -> None:
     for the commit. Qwen3.6-27B's recurrent-state checkpoint is 154 MB, past the largest mmap
     threshold glibc takes (32 MB), and libzmq's I/O thread allocates in an arena of its own,
     whose heaps go back to the OS once empty: each such buffer was mapped, faulted in page by
-    page and unmapped, twice per payload. On this 2-core VM that was 190-220 K page faults per
-    GB written (`kvbank bench scale --tokens 16384`, every GB a build wrote after the first,
-    Dec 2026); from one heap, untrimmed while writing, about none."""
+    page and unmapped, twice per payload: 190-220 K page faults for each 1.38 GB the
+    coldstore wrote (`kvbank bench scale --tokens 16384`: 1 GiB of KV and two checkpoints a
+    build, this 2-core VM, Dec 2026), where a fault costs more CPU than the copy into its
+    page. From one heap, untrimmed while writing: 94 K for the first build, under 30 each
+    after it."""
     if heap.glibc() and not (heap.mallopt(heap.M_ARENA_MAX, 1)
                              and heap.mallopt(heap.M_MMAP_MAX, 0)
                              and heap.mallopt(heap.M_TRIM_THRESHOLD, KEEP_FREED_BYTES)):
