@@ -303,8 +303,10 @@ class CacheKinds:
     def checkpoint_views(self, checkpoint: Checkpoint) -> kv.StateViews:
         """Zero-copy NumPy views of a checkpoint's arrays, for a block's payload (engine
         thread; reading them is plain NumPy after)."""
-        return [None if a is None else (str(a.dtype).split(".")[-1], kv.numpy_view(a))
-                for a in checkpoint.flat()]
+        arrays = checkpoint.flat()
+        views = iter(kv.numpy_views([a for a in arrays if a is not None]))
+        return [None if a is None else (str(a.dtype).split(".")[-1], next(views))
+                for a in arrays]
 
     def checkpoint_from_arrays(self, arrays: list[mx.array | None]) -> Checkpoint:
         """A checkpoint decoded from a block, in `checkpoint_views`' order."""

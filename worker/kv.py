@@ -181,21 +181,25 @@ def layers_nbytes(layers: Layers) -> int:
                for pair in layers for a in pair)
 
 
-def numpy_view(a: mx.array) -> np.ndarray:
-    """A zero-copy NumPy view of an MLX array (bf16 as its uint16 bits: NumPy has no bf16).
+def numpy_views(arrays: list[mx.array]) -> list[np.ndarray]:
+    """Zero-copy NumPy views of MLX arrays (bf16 as its uint16 bits: NumPy has no bf16).
 
-    The view is of a new array over the same buffer: that array keeps the buffer alive (a
+    Each view is of a new array over the same buffer: that array keeps the buffer alive (a
     NumPy view keeps only its Python object), and while it lives a borrower's write copies
-    rather than writes into the buffer being read."""
-    a = a.view(mx.uint16 if a.dtype == mx.bfloat16 else a.dtype)
-    mx.eval(a)
-    return np.array(a, copy=False)
+    rather than writes into the buffer being read. One `mx.eval` for them all: one each took
+    45 us an array, 1.4 ms for Qwen3.6-27B's 32 K and V arrays on every block a write sends,
+    against 0.1 ms together."""
+    views = [a.view(mx.uint16 if a.dtype == mx.bfloat16 else a.dtype) for a in arrays]
+    mx.eval(views)
+    return [np.array(v, copy=False) for v in views]
 
 
 def layer_views(layers: Layers) -> list[tuple[np.ndarray, np.ndarray]]:
     """Zero-copy NumPy views of an entry's K and V. Take them on the engine thread; reading
     them is then plain NumPy, safe on any thread."""
-    return [tuple(tuple(numpy_view(x) for x in a) if isinstance(a, tuple) else numpy_view(a)
+    flat = [x for pair in layers for a in pair for x in (a if isinstance(a, tuple) else (a,))]
+    views = iter(numpy_views(flat))
+    return [tuple(tuple(next(views) for _ in a) if isinstance(a, tuple) else next(views)
                   for a in pair) for pair in layers]
 
 
