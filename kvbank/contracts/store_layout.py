@@ -28,7 +28,7 @@ import mmap
 import struct
 import threading
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import logging
@@ -99,7 +99,9 @@ class SessionMeta:
         return ids
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
+        # Fields as they are, not `asdict`: its deep copy of every block id took 8 % of the
+        # coldstore's thread while it commits a 32K-token conversation (py-spy).
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> "SessionMeta":
