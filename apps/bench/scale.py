@@ -191,8 +191,8 @@ def run(*, geometry: str = "qwen3.6-27b", tokens: int | None = None, conversatio
                 nbytes = tokens * g["bytes_per_token"] + ends * cp_bytes
                 # The raw sample goes first in every other build: on this VM memory gets
                 # faster as the page cache fills and is recycled, so the pair's second write
-                # meets faster memory than its first (raw, written second in all three pairs,
-                # caught it in the third of each default run: 1.28-1.47 GB/s against 0.35-0.49)
+                # meets faster memory than its first (raw, written second in every pair, caught
+                # it in the third of each default run: 1.28-1.47 GB/s, the build 0.45-0.87)
                 raw_first = i % 2 == 1
                 if raw_first:
                     raw_mb_s = raw.write_mb_s(nbytes)
