@@ -188,14 +188,14 @@ def run(*, geometry: str = "qwen3.6-27b", tokens: int | None = None, conversatio
                 # what the write will carry: the KV, and a checkpoint at each split and at
                 # the end (the commit takes that one), as many as the bank keeps
                 ends = min(len(set(cps) | {tokens}), MAX_CHECKPOINTS) if kinds.other else 0
-                nbytes = tokens * g["bytes_per_token"] + ends * cp_bytes
+                raw_bytes = tokens * g["bytes_per_token"] + ends * cp_bytes
                 # The raw sample goes first in every other build: on this VM memory gets
                 # faster as the page cache fills and is recycled, so the pair's second write
                 # meets faster memory than its first (raw, written second in every pair, caught
                 # it in the third of each default run: 1.28-1.47 GB/s, the build 0.45-0.87)
                 raw_first = i % 2 == 1
                 if raw_first:
-                    raw_mb_s = raw.write_mb_s(nbytes)
+                    raw_mb_s = raw.write_mb_s(raw_bytes)
                 anon.window()  # the write's own window: what it holds beyond the KV
                 before_write = status("RssAnon")
                 cpu, cs_cpu = cpu_s(), cpu_s(w.proc.pid)
@@ -209,7 +209,7 @@ def run(*, geometry: str = "qwen3.6-27b", tokens: int | None = None, conversatio
                 write_s = time.perf_counter() - t0
                 cpu, cs_cpu = cpu_s() - cpu, cpu_s(w.proc.pid) - cs_cpu
                 extra = max(0, anon.window() - before_write)
-                raw_bytes, nbytes = nbytes, tokens * g["bytes_per_token"] + cps_nbytes
+                nbytes = tokens * g["bytes_per_token"] + cps_nbytes
                 mb_s = nbytes / write_s / 1e6
                 if not raw_first:
                     raw_bytes, raw_mb_s = nbytes, raw.write_mb_s(nbytes)
