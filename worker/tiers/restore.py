@@ -250,33 +250,33 @@ class Restorer:
 
     def _decode(self, payloads: list, limit: int, better_than: int, capacity: int,
                 done_with=None) -> tuple[arrays.Layers, Checkpoint | None, int] | None:
-        """Blocks up to the restore point: the last block end <= limit (any token, for a model
-        without checkpoints: the request writes past it) that carries a checkpoint."""
-        ends, n = [], 0
+        """Blocks up to the restore point <= limit that the kinds find over them
+        (`CacheKinds.restore_point`): any token for a model without checkpoints (the request
+        writes past it), else the end of a block that carries one."""
+        ends, stated, n = [], [], 0
         for i, p in enumerate(payloads):
             try:
                 header = decode_header(p)[0]
                 self.kinds.check_block(header)
-                n += header.n_tokens
             except CorruptBlock as e:
                 raise CorruptBlock(str(e), index=i) from None
+            n += header.n_tokens
             ends.append(n)
+            if header.has_state:
+                stated.append(i)
+        n = self.kinds.restore_point([ends[i] for i in stated], min(n, limit))
+        if n <= better_than:
+            return None
         if not self.kinds.checkpointed:
-            n = min(n, limit)
-            return ((codec.decode_blocks(payloads, capacity, done_with), None, n)
-                    if n > better_than else None)
-        for i in range(len(payloads) - 1, -1, -1):
-            if ends[i] <= better_than:
-                return None
-            if ends[i] <= limit and decode_header(payloads[i])[0].has_state:
-                try:
-                    state = self.kinds.checkpoint_from_arrays(codec.decode_state(payloads[i]))
-                except CorruptBlock as e:
-                    raise CorruptBlock(str(e), index=i) from None
-                layers = (codec.decode_blocks(payloads[:i + 1], capacity, done_with)
-                          if self.kinds.full else [])
-                return layers, state, ends[i]
-        return None
+            return codec.decode_blocks(payloads, capacity, done_with), None, n
+        i = max(i for i in stated if ends[i] == n)
+        try:
+            state = self.kinds.checkpoint_from_arrays(codec.decode_state(payloads[i]))
+        except CorruptBlock as e:
+            raise CorruptBlock(str(e), index=i) from None
+        layers = (codec.decode_blocks(payloads[:i + 1], capacity, done_with)
+                  if self.kinds.has_full else [])
+        return layers, state, n
 
 
 def _stored_blocks(store: StoreReader | None, ids: list[BlockId]) -> int:

@@ -189,7 +189,7 @@ def run(*, geometry: str = "qwen3.6-27b", tokens: int | None = None, conversatio
                                  splits=kinds.splits(0, tokens, (), every))
                 # what the write will carry: the KV, and a checkpoint at each split and at
                 # the end (the commit takes that one), as many as the bank keeps
-                ends = min(len(set(cps) | {tokens}), MAX_CHECKPOINTS) if kinds.other else 0
+                ends = min(len(set(cps) | {tokens}), MAX_CHECKPOINTS) if kinds.checkpointed else 0
                 raw_bytes = tokens * g["bytes_per_token"] + ends * cp_bytes
                 # The raw sample goes first in every other build: on this VM memory gets
                 # faster as the page cache fills and is recycled, so the pair's second write
