@@ -121,9 +121,11 @@ def test_returning_turn_takes_its_entry_and_writes_in_place(model_and_tokenizer,
     restorer = Restorer(kinds=CacheKinds.of(model), bank=bank, client=None, store_dir=tmp_path,
                         root_for=root_for, block_tokens=4)
 
-    def restore(tokens, session):
+    def restore(tokens, session):  # the steps the KV manager takes: look, read SSD, take
         ids = chain_block_ids(tokens, root_for(TENANT), 4)
-        return restorer.restore(tokens, ids, TENANT, (TENANT, session), False)
+        look = restorer.look(tokens, ids, TENANT, False)
+        ssd = restorer.read_ssd(look, tokens, ids, TENANT, (TENANT, session))
+        return restorer.take(look, ssd, (TENANT, session))
 
     def unchanged() -> bool:
         return _same([(k[..., :n, :], v[..., :n, :]) for k, v in entry.layers], snap)

@@ -410,18 +410,18 @@ def test_a_prompt_read_stops_where_the_router_says_and_every_interval(kinds):
 
 
 def test_the_engines_commit_release_and_restore_over_the_fake_kind(kinds, tmp_path):
-    """The engine's own holdings (worker/tiers/holdings.py: bank, records, writer, restorer, link)
+    """The engine's own KV manager (worker/tiers/manager.py: bank, records, writer, restorer, link)
     over the fake kind and a real coldstore process, no model and no stack: a turn committed,
     restored from RAM, released with its write-out, restored from LMDB. Each restore continues
     exactly as recomputation of the whole prompt does."""
     from kvbank.contracts.vocabulary import TrimReason
     from kvbank.v1 import api_pb2
     from tests.coldstore_rig import ColdstoreProc
-    from kvbank.worker.tiers.holdings import Holdings
+    from kvbank.worker.tiers.manager import KVManager
 
     proc = ColdstoreProc(tmp_path / "data")
-    h = Holdings(proc.layout, kinds=kinds, fingerprint=b"fake-kind", block_tokens=B,
-                 bank_bytes=1 << 30, active_pin_s=0)
+    h = KVManager(proc.layout, kinds=kinds, fingerprint=b"fake-kind", block_tokens=B,
+                  bank_bytes=1 << 30, active_pin_s=0)
     try:
         session, tokens = (TENANT, "s"), np.arange(1, 11, dtype=np.uint32)  # 2 blocks + 2
         assert h.commit(session, tokens, _run(kinds, tokens)), "the record is not durable"
@@ -429,19 +429,18 @@ def test_the_engines_commit_release_and_restore_over_the_fake_kind(kinds, tmp_pa
         prompt = np.concatenate([tokens, more]).astype(np.uint32)
         ids = chain_block_ids(prompt, h.root_for(TENANT), B)
 
-        cache, cached, source, handed = h.restorer.restore(prompt, ids, TENANT, session, False)
-        assert (cached, source) == (10, api_pb2.CACHE_SOURCE_RAM)
-        assert _continues(kinds, cache, prompt.tolist(), more)
-        h.bank.take_back(handed)  # the request ended without a commit: the entry comes back
+        t = h.restore(prompt, TENANT, session)
+        assert (t.cached, t.source) == (10, api_pb2.CACHE_SOURCE_RAM)
+        assert _continues(kinds, t.cache, prompt.tolist(), more)
+        h.bank.take_back(t.handed)  # the request ended without a commit: the entry comes back
 
-        r = h.bank.release_sessions(None, reason=TrimReason.ADMIN_RELEASE,
-                                    write_out_before_release=True)
+        r = h.release(session, write_out=True)
         assert (r.written_out_entries, r.unwritten_dropped, len(h.bank.entries)) == (1, 0, 0)
         assert h.conversations.get(session).durable_tokens == 10  # the coldstore's word, heard
 
-        cache, cached, source, handed = h.restorer.restore(prompt, ids, TENANT, session, False)
-        assert (cached, source, handed) == (10, api_pb2.CACHE_SOURCE_SSD, None)
-        assert _continues(kinds, cache, prompt.tolist(), more)
+        t = h.restore(prompt, TENANT, session)
+        assert (t.cached, t.source, t.handed) == (10, api_pb2.CACHE_SOURCE_SSD, None)
+        assert _continues(kinds, t.cache, prompt.tolist(), more)
     finally:
         h.close()
         proc.stop()

@@ -204,8 +204,8 @@ class FullKind(CacheKind):
         keys, values, offset = cache.state
         if keys is not None and keys.shape[2] <= n_tokens:
             pad = [(0, 0), (0, 0), (0, arrays.capacity(n_tokens) - offset), (0, 0)]
-            cache.state = (mx.pad(keys[..., :offset, :], pad), mx.pad(values[..., :offset, :], pad),
-                           offset)
+            cache.state = (mx.pad(keys[..., :offset, :], pad),
+                           mx.pad(values[..., :offset, :], pad), offset)
 
     def freeze_layers(self, caches: list, n_tokens: int, prefix: tuple[Layers, int] | None = None
                       ) -> Layers:

@@ -117,7 +117,7 @@ def _sizes(kinds, layers, n: int, budget: int, block_tokens: int) -> dict:
         toks = np.arange(n, dtype=np.uint32) + np.uint32(held * 7 + 1)
         e = bank.insert(("", f"c{held}"), toks, layers)
         if bank.total_nbytes > budget:
-            bank._remove(e)
+            bank.withdraw(e)
             break
         held += 1
         if held > 1_000_000:
