@@ -44,8 +44,8 @@ class Salvage:
     set_aside: str
     records: int = 0  # in the damaged store, by its own count; so are blocks and responses
     records_whole: int = 0
-    records_cut: int = 0  # kept, short of the blocks that were lost
-    tokens_recomputed: int = 0  # the cut records' tokens no longer on SSD
+    records_cut: int = 0  # kept, short of what the store held of them
+    tokens_recomputed: int = 0  # the cut records' tokens no longer on SSD (see _copy)
     blocks: int = 0
     blocks_kept: int = 0
     responses: int = 0
@@ -194,9 +194,14 @@ def _copy(src: DataFile, store: ColdStore, report: Salvage) -> None:
                 continue  # a record whose tokens are lost: its conversation starts over
             kept = got[0] if got else store.put_salvaged(meta, np.frombuffer(toks, np.uint32),
                                                          block)
-            if kept.durable_tokens < meta.durable_tokens:
+            # What the store held of it: its newest record says. One from the commit before
+            # (the newest's page lost) is older than what the store held: by then its blocks
+            # had followed it, all of its tokens as far as can be known (the coldstore writes
+            # them right behind the record), so what it lacks of them is computed again.
+            held = meta.token_count if again else meta.durable_tokens
+            if kept.durable_tokens < held:
                 report.records_cut += 1
-                report.tokens_recomputed += meta.durable_tokens - kept.durable_tokens
+                report.tokens_recomputed += held - kept.durable_tokens
             else:
                 report.records_whole += 1
         if not again:  # what the store held: its newest commit's own counts

@@ -297,26 +297,35 @@ def test_a_negative_decode_wait_is_refused_at_start(tmp_path):
 
 
 def test_hyper_runs_exactly_one_request_at_a_time(tiny_model, tmp_path, cache_dir):
+    """A second request waits in line while the first runs, and the worker admits it only
+    once it has committed the first turn: the order of the worker's own event log, no clock."""
+    from kvbank.v1 import api_pb2
+
     s = _stack(tiny_model, tmp_path, cache_dir, "--scheduler", "hyper")
     try:
-        spans = {}
+        first, done = _long_request(s, "h0", 30, seed=20)  # streams 1,500 tokens
 
-        def run(name, seed):
+        def run_second():
             with s.client() as c2:
-                t0 = time.monotonic()
-                turn = _turn(c2, name, 30, seed=seed, max_tokens=200)
-                spans[name] = (t0 + turn.usage["queue_s"], time.monotonic())
+                done["second"] = _turn(c2, "h1", 30, seed=21, max_tokens=200)
 
-        threads = [threading.Thread(target=run, args=(f"h{i}", 20 + i)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        second = threading.Thread(target=run_second)
+        second.start()
         with s.client() as c:
-            st = c.status()
-        assert st.scheduler == "hyper"
-        (a0, a1), (b0, b1) = sorted(spans.values())
-        assert b0 >= a1 - 0.05, f"the second request started before the first ended: {spans}"
+            def in_line():
+                load = c.generation.Load(api_pb2.LoadRequest(), timeout=30)
+                return load.running == 1 and load.waiting == 1
+
+            wait_until(in_line, "the second request in line while the first runs")
+            first.join(120)
+            second.join(120)
+            assert done["turn"].finish_reason and done["second"].finish_reason
+            assert c.status().scheduler == "hyper"
+        order = [(e["kind"], e["session_id"]) for e in map(json.loads,
+                 s.layout.events_path.read_text().splitlines())
+                 if e["kind"] in ("admission", "kv_resident")]
+        assert order == [("admission", "h0"), ("kv_resident", "h0"),
+                         ("admission", "h1"), ("kv_resident", "h1")], order
     finally:
         s.stop()
 

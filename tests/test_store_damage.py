@@ -158,6 +158,34 @@ def test_a_salvage_takes_from_the_commit_before_what_the_newest_lost(tmp_path):
     store.close()
 
 
+def test_a_record_whose_newest_version_was_lost_counts_what_it_lacks(tmp_path):
+    """The newest commit extended a's record over its last block, and that record's page is
+    lost (zeroed): a comes back from the commit before, one block short of what the store
+    held, and the report counts that block as computed again (it did not: `whole`, 0)."""
+    from kvbank.coldstore.salvage import open_store
+
+    B = 16
+    store, want = _small_store(tmp_path, (("b", 3), ("a", 5)))  # the newest commit: a's last block
+    store.close()
+    path = tmp_path / "data.mdb"
+    f = DataFile(path)
+    newest = f.named()[b"sessions"].root
+    f.use_meta(1)
+    assert f.named()[b"sessions"].root != newest
+    psize = f.psize
+    f.close()
+    fd = os.open(path, os.O_WRONLY)
+    os.pwrite(fd, bytes(psize), newest * psize)
+    os.close(fd)
+    assert check(path).trees == ["sessions"]
+
+    store, report = open_store(tmp_path)
+    got = {m.session_id: m.durable_tokens for m in store.list_sessions()}
+    assert got == {"a": want["a"] - B, "b": want["b"]}
+    assert (report.records_whole, report.records_cut, report.tokens_recomputed) == (1, 1, B)
+    store.close()
+
+
 def test_a_salvage_stopped_midway_goes_on_at_the_next_start(tmp_path):
     """Killed after the damaged file moved aside (the marker names it), the next start
     salvages from the file set aside: records whose blocks verify come back whole, one is cut
