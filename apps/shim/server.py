@@ -52,6 +52,11 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "kvbank"
 HEALTH_TIMEOUT_S = 1.0
+# The load endpoints' deadline for the router's Load: a scraper (Prometheus: 10 s by default)
+# or a gateway's poll waits for it. With the health check's 1 s, a machine busy with other
+# work (load average 20 on 2 cores) had /metrics answer 503 "router unavailable" 2 times in
+# 300 while the router served (p99 1.7 s): a busy stack looked down.
+LOAD_TIMEOUT_S = 5.0
 RENDER_TIMEOUT_S = 30.0  # a render only tokenizes (and reads a session's history in append mode)
 
 
@@ -133,17 +138,20 @@ class Shim:
 
     # -- load, as gateways read it (no key: it names no tenant's data) ----------------------
 
-    async def _load(self) -> api_pb2.LoadResponse | None:
+    async def _load(self) -> api_pb2.LoadResponse | str:
+        """The router's Load, or why there is none (a sentence)."""
         try:
-            return await self.generation.Load(api_pb2.LoadRequest(), timeout=HEALTH_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
-            return None
+            return await self.generation.Load(api_pb2.LoadRequest(), timeout=LOAD_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return f"the router did not answer within {LOAD_TIMEOUT_S:.0f} s"
+            return "router unavailable"
 
     async def metrics(self, request: Request) -> Response:
         """vLLM's load gauges, under vLLM's names, for gateways that scrape /metrics."""
         load = await self._load()
-        if load is None:
-            return PlainTextResponse("# router unavailable\n", status_code=503)
+        if isinstance(load, str):
+            return PlainTextResponse(f"# {load}\n", status_code=503)
         labels = f'{{engine="0",model_name="{self.model_name}"}}'
         out = []
         for name, help_, value in (
@@ -161,8 +169,8 @@ class Shim:
     async def loads(self, request: Request) -> JSONResponse:
         """SMG's `/v1/loads`: one scheduler (data-parallel rank 0)."""
         load = await self._load()
-        if load is None:
-            return JSONResponse({"error": "router unavailable"}, status_code=503)
+        if isinstance(load, str):
+            return JSONResponse({"error": load}, status_code=503)
         return JSONResponse({
             "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "dp_rank_count": 1,
@@ -177,8 +185,8 @@ class Shim:
     async def get_load(self, request: Request) -> JSONResponse:
         """vllm-router's `/get_load`: one integer, requests running and waiting."""
         load = await self._load()
-        if load is None:
-            return JSONResponse({"error": "router unavailable"}, status_code=503)
+        if isinstance(load, str):
+            return JSONResponse({"error": load}, status_code=503)
         return JSONResponse({"load": load.running + load.waiting})
 
     async def models(self, request: Request) -> JSONResponse:
