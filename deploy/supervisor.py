@@ -25,6 +25,10 @@ from kvbank.contracts.health import coldstore_up, grpc_healthy
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = {"shim": 5.0, "router": 5.0, "worker": 15.0, "coldstore": 20.0}
+# The longest an orderly stop takes: the front doors together, then the worker, then the
+# coldstore, each given its grace before a kill. A caller waits longer than this before it kills
+# the supervisor itself (which would leave its children's pid files behind).
+STOP_BOUND_S = STOP_GRACE_S["router"] + STOP_GRACE_S["worker"] + STOP_GRACE_S["coldstore"]
 MAX_BACKOFF_S = 10.0
 
 

@@ -498,7 +498,8 @@ def test_cluster_stack_serves_through_the_router(tiny_model, cache_dir, tmp_path
     assert c.router.returncode is not None
     assert all(s.proc.returncode is not None for s in c.stacks)
     for s in c.stacks:  # each supervisor stopped its own processes
-        assert not list(s.layout.run_dir.glob("*.pid")), f"{s.log}: pid files left"
+        left = list(s.layout.run_dir.glob("*.pid"))
+        assert not left, f"pid files left: {left}; the end of {s.log}:\n{s.log_tail()}"
 
 
 # -- the MLX backend an install picks ---------------------------------------------------------
