@@ -17,8 +17,9 @@ import os
 import sys
 from pathlib import Path
 
-from apps.flags import (FLAG_GROUPS, address_flag, coldstore_flags, data_dir_flag, forward,
-                        metrics_flag, model_flag, router_flags, shim_flags, worker_flags)
+from apps.flags import (FLAG_GROUPS, address_flag, client_key_flags, coldstore_flags,
+                        data_dir_flag, forward, metrics_flag, model_flag, router_flags,
+                        shim_flags, worker_flags)
 from kvbank.config import DEFAULT_BLOCK_TOKENS, DEFAULT_METRICS_PORT, DEFAULT_ROUTER_PORT, Layout
 from kvbank.tiny import ARCHS
 
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="interactive chat with a running kvbank")
     address_flag(chat)
+    client_key_flags(chat, admin=False)
     chat.add_argument("--session", default="chat", help="session name (default: %(default)s)")
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.0)
@@ -100,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ask = sub.add_parser("ask", help="one turn of a session (append mode)")
     address_flag(ask)
+    client_key_flags(ask, admin=False)
     ask.add_argument("--session", required=True)
     ask.add_argument("--max-tokens", type=int, default=128)
     ask.add_argument("--temperature", type=float, default=0.0)
@@ -109,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     stp = sub.add_parser("status", help="sessions, tiers, budgets and pressure of a running kvbank")
     address_flag(stp)
+    client_key_flags(stp, admin=True)
     stp.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
     stp.add_argument("--every", type=float, default=2.0, help="seconds between redraws")
     stp.add_argument("--json", action="store_true")
@@ -119,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     adm = sub.add_parser("admin", help="operator tools (over the router's Admin service)")
     address_flag(adm)
+    client_key_flags(adm, admin=True)
     adm.set_defaults(func=_run_admin)  # apps/admin.py dispatches on args.admin
     asub = adm.add_subparsers(dest="admin", required=True)
     ap_ = asub.add_parser("pressure", help="inject a memory-pressure level, or `auto`")
@@ -127,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     asub.add_parser("flush", help="write every conversation not on SSD yet, now")
     ar = asub.add_parser("release", help="move one conversation out of RAM (written out first)")
     ar.add_argument("session")
+    ar.add_argument("--tenant", default="",
+                    help="whose conversation, with API keys configured (the operator's key; "
+                         "`kvbank status --admin-key` lists them)")
     ar.add_argument("--no-write-out", action="store_true",
                     help="drop its KV from RAM even if it is not on SSD yet")
 
@@ -432,7 +440,8 @@ def _run_status(args: argparse.Namespace) -> int:
     from apps.status import run_status
 
     return run_status(args.address, watch=args.watch, every_s=args.every, as_json=args.json,
-                      show_evictions=args.evictions)
+                      show_evictions=args.evictions, api_key=args.api_key,
+                      admin_key=args.admin_key)
 
 
 def _run_store_verify(args: argparse.Namespace) -> int:
@@ -469,14 +478,14 @@ def _run_chat(args: argparse.Namespace) -> int:
     from apps.chat import chat
 
     return chat(args.address, args.session, max_tokens=args.max_tokens,
-                temperature=args.temperature)
+                temperature=args.temperature, api_key=args.api_key)
 
 
 def _run_ask(args: argparse.Namespace) -> int:
     from apps.chat import ask
 
     return ask(args.address, args.session, args.text, max_tokens=args.max_tokens,
-               temperature=args.temperature, as_json=args.json)
+               temperature=args.temperature, as_json=args.json, api_key=args.api_key)
 
 
 def _bench_result(args: argparse.Namespace, result: dict) -> int:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import contextlib
-import hmac
 import json
 import logging
+import math
 import signal
 import time
 import uuid
@@ -30,13 +30,14 @@ from kvbank.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvbank.contracts.failures import (RELAYED_METADATA, ContextTooLong, KvbankError,
                                       WorkerUnavailable, grpc_status)
 from router.admission import AdmissionQueue, Ceilings, check_ceilings, worker_pricing
-from router.auth import tenant_for
+from router.auth import ADMIN_KEY, OPERATOR, operator_or_tenant, tenant_for
 from router.tokenizer import AnswerTokens, PromptTokenizer, answer_key, lift_system
 from router.validation import InvalidRequest, ValidRequest, validate
 
 logger = logging.getLogger(__name__)
 
 TENANT_KEY = "x-kvbank-tenant"
+SCOPE_KEY, SERVER_SCOPE = "x-kvbank-scope", "server"  # the operator's call: every tenant
 
 
 def _status_for(exc: Exception) -> tuple[grpc.StatusCode, str, tuple]:
@@ -63,8 +64,9 @@ class Backend:
 
     def __init__(self, model_dir: Path, worker_address: str, keys: dict[str, str] | None = None,
                  ceilings: Ceilings = Ceilings(), max_queue: int = 64,
-                 max_queue_wait_s: float = 300.0):
+                 max_queue_wait_s: float = 300.0, admin_key: str | None = None):
         self.keys = keys or {}
+        self.admin_key = admin_key  # the operator's (router/auth.py)
         self.ceilings = ceilings
         self._queue_limits = (max_queue, max_queue_wait_s)
         self._queue: AdmissionQueue | None = None
@@ -190,14 +192,35 @@ class Backend:
     def tenant(self, context) -> str:
         return tenant_for(self.keys, context.invocation_metadata())
 
-    async def forward(self, method, request, context, timeout_s: float):
-        """One unary call to the worker as the caller's tenant; errors go through the table."""
+    def scope(self, context) -> str | None:
+        """OPERATOR (None) or the caller's tenant (router/auth.py `operator_or_tenant`)."""
+        return operator_or_tenant(self.keys, self.admin_key, context.invocation_metadata(),
+                                  context.peer())
+
+    async def forward(self, method, request, context, timeout_s: float,
+                      scope: str | None | object = ...):
+        """One unary call to the worker as the caller's tenant, or in `scope` (a tenant, or
+        OPERATOR: every tenant's); errors go through the table."""
         try:
-            return await method(request, metadata=((TENANT_KEY, self.tenant(context)),),
-                                timeout=timeout_s)
+            tenant = self.tenant(context) if scope is ... else scope
+            md = ((SCOPE_KEY, SERVER_SCOPE),) if tenant is OPERATOR else ((TENANT_KEY, tenant),)
+            return await method(request, metadata=md, timeout=timeout_s)
         except Exception as e:
             code, msg, md = _status_for(e)
             await context.abort(code, msg, trailing_metadata=md)
+
+
+LOAD_STEPS = 16  # keyless load figures, with API keys: KV usage in sixteenths of capacity
+
+
+def _coarse(kv_bytes: int, capacity: int) -> float:
+    """The share of the KV capacity in use, rounded up to a sixteenth. Load answers without a
+    key (the gateways send none), and with exact bytes one tenant could read another's prompt
+    and answer sizes off it (a 1,055-token turn moved it by exactly that). A step of 1/16
+    still ranks machines for a gateway, and any use at all still shows (rounded up)."""
+    if capacity <= 0 or kv_bytes <= 0:
+        return 0.0
+    return min(LOAD_STEPS, -(-kv_bytes * LOAD_STEPS // capacity)) / LOAD_STEPS
 
 
 def _copy(request: api_pb2.GenerateRequest) -> api_pb2.GenerateRequest:
@@ -300,20 +323,26 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             await context.abort(code, msg, trailing_metadata=md)
 
     async def Load(self, request, context):
-        """The worker's load, with the requests waiting in the router's own queue."""
-        try:  # no tenant's data in it: any caller may ask (gateways send no key)
+        """The worker's load, with the requests waiting in the router's own queue. Any caller
+        may ask (gateways send no key): with API keys its KV figures are coarse (`_coarse`),
+        request counts exact (they say how many, not how big)."""
+        try:
             info = await self.b.info()
             w = await self.b.stub.Load(worker_pb2.WorkerLoadRequest(), timeout=5)
         except Exception as e:
             code, msg, md = _status_for(e)
             await context.abort(code, msg, trailing_metadata=md)
         queued = self.b.queued
+        cap, kv_bytes = w.kv_capacity_bytes, w.kv_bytes
+        usage = min(1.0, kv_bytes / cap) if cap else 0.0
+        if self.b.keys:
+            usage = _coarse(kv_bytes, cap)
+            kv_bytes = int(cap * usage)
         return api_pb2.LoadResponse(
-            running=w.running, waiting=w.waiting + queued, kv_bytes=w.kv_bytes,
-            kv_capacity_bytes=w.kv_capacity_bytes, max_running=info.max_active_requests,
-            kv_tokens=w.kv_bytes // max(1, info.kv_bytes_per_token),
-            kv_capacity_tokens=w.kv_capacity_bytes // max(1, info.kv_bytes_per_token),
-            kv_cache_usage=min(1.0, w.kv_bytes / w.kv_capacity_bytes) if w.kv_capacity_bytes else 0.0)
+            running=w.running, waiting=w.waiting + queued, kv_bytes=kv_bytes,
+            kv_capacity_bytes=cap, max_running=info.max_active_requests,
+            kv_tokens=kv_bytes // max(1, info.kv_bytes_per_token),
+            kv_capacity_tokens=cap // max(1, info.kv_bytes_per_token), kv_cache_usage=usage)
 
     async def _relay(self, v: ValidRequest, tokens: list[int], tenant: str, received_at: float,
                      t0: float, queue_s: float, checkpoints: tuple[list[int], int] = ((), 0)):
@@ -380,7 +409,14 @@ class SessionsServicer(api_pb2_grpc.SessionsServicer):
         return await self.b.forward(method, request, context, timeout_s=30)
 
     async def List(self, request, context):
-        return await self._call(self.b.stub.ListSessions, request, context)
+        """The caller's own sessions; with the operator's key, every tenant's."""
+        scope = ...
+        if ADMIN_KEY in dict(context.invocation_metadata()):
+            try:
+                scope = self.b.scope(context)
+            except KvbankError as e:
+                await context.abort(grpc_status(e), str(e))
+        return await self.b.forward(self.b.stub.ListSessions, request, context, 30, scope=scope)
 
     async def Get(self, request, context):
         if not request.session_id:
@@ -415,28 +451,29 @@ class ResponsesServicer(api_pb2_grpc.ResponsesServicer):
 
 
 class AdminServicer(api_pb2_grpc.AdminServicer):
-    """Operator tools, relayed to the worker. Loopback only unless an admin key is set."""
+    """Operator tools, relayed to the worker in the caller's scope (router/auth.py
+    `operator_or_tenant`): the operator's call acts on every tenant, a tenant's on its own
+    conversations; pressure acts on the whole server, so it is the operator's alone."""
 
-    def __init__(self, backend: Backend, admin_key: str | None = None):
+    def __init__(self, backend: Backend):
         self.b = backend
-        self.admin_key = admin_key
 
-    async def _allowed(self, context) -> None:
-        peer = context.peer()
-        if peer.startswith(("ipv4:127.", "ipv6:[::1]", "unix:")):
-            return
-        key = dict(context.invocation_metadata()).get("x-kvbank-admin-key", "")
-        if self.admin_key and hmac.compare_digest(key.encode(), self.admin_key.encode()):
-            return
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                            "the Admin service answers loopback clients, or clients that send "
-                            "the router's --admin-key as x-kvbank-admin-key metadata")
+    async def _scope(self, context) -> str | None:
+        try:
+            return self.b.scope(context)
+        except KvbankError as e:
+            await context.abort(grpc_status(e), str(e))
 
     async def _relay(self, method, request, context, timeout_s: float = 120):
-        await self._allowed(context)
-        return await self.b.forward(method, request, context, timeout_s)
+        scope = await self._scope(context)
+        return await self.b.forward(method, request, context, timeout_s, scope=scope)
 
     async def SetPressure(self, request, context):
+        if await self._scope(context) is not OPERATOR:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "SetPressure acts on every tenant's conversations: it needs "
+                                "the operator key (the router's --admin-key, sent as "
+                                "x-kvbank-admin-key)")
         return await self._relay(self.b.stub.SetPressure, request, context)
 
     async def Trim(self, request, context):
@@ -449,10 +486,16 @@ class AdminServicer(api_pb2_grpc.AdminServicer):
         return await self._relay(self.b.stub.Status, request, context)
 
     async def Release(self, request, context):
-        await self._allowed(context)
+        scope = await self._scope(context)
         if not request.session_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is empty: name a session")
-        return await self.b.forward(self.b.stub.Release, request, context, timeout_s=60)
+        tenant = request.tenant if scope is OPERATOR else scope
+        if scope is not OPERATOR and request.tenant not in ("", scope):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "releasing another tenant's conversation needs the operator "
+                                "key (the router's --admin-key, sent as x-kvbank-admin-key)")
+        return await self.b.forward(self.b.stub.Release, request, context, timeout_s=60,
+                                    scope=tenant)
 
 
 def _add_service(server, service, servicer) -> None:
@@ -499,17 +542,16 @@ class _Undecodable:
 
 
 async def serve(model_dir: Path, worker_address: str, host: str, port: int, *,
-                run_dir: Path, metrics_port: int = -1, admin_key: str | None = None,
-                **limits) -> None:
-    """`limits`: Backend's keys, ceilings, max_queue, max_queue_wait_s. `run_dir`: where the
-    metrics port is written (the deployment's Layout.run_dir)."""
+                run_dir: Path, metrics_port: int = -1, **limits) -> None:
+    """`limits`: Backend's keys, admin_key, ceilings, max_queue, max_queue_wait_s. `run_dir`:
+    where the metrics port is written (the deployment's Layout.run_dir)."""
     metrics.serve("router", run_dir, metrics_port)
     backend = Backend(model_dir, worker_address, **limits)
     server = grpc.aio.server()
     for name, servicer in (("Generation", GenerationServicer(backend)),
                            ("Sessions", SessionsServicer(backend)),
                            ("Responses", ResponsesServicer(backend)),
-                           ("Admin", AdminServicer(backend, admin_key))):
+                           ("Admin", AdminServicer(backend))):
         _add_service(server, api_pb2.DESCRIPTOR.services_by_name[name], servicer)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

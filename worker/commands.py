@@ -53,19 +53,24 @@ class Release(Command):
 
 @dataclass
 class Trim(Command):
-    """Admin: every idle conversation already on SSD leaves RAM."""
+    """Admin: every idle conversation already on SSD leaves RAM: `tenant`'s, or (None, the
+    operator's call) every tenant's."""
+
+    tenant: str | None = None
 
 
 @dataclass
 class Flush(Command):
-    """Admin: write every conversation not on SSD yet, now."""
+    """Admin: write every conversation not on SSD yet, now: `tenant`'s, or (None) all."""
+
+    tenant: str | None = None
 
 
 @dataclass
 class Status(Command):
-    """The status numbers and the receipts `tenant` may see."""
+    """The status numbers and the receipts `tenant` may see (None: the operator, all)."""
 
-    tenant: str
+    tenant: str | None
 
 
 @dataclass

@@ -133,9 +133,9 @@ class Engine:
             cmd.Release: lambda c: self.bank.release_sessions(
                 None, only_sessions=[c.session], reason=TrimReason.ADMIN_RELEASE,
                 write_out_before_release=c.write_out),
-            cmd.Trim: lambda c: upkeep.trim(self.bank),
-            cmd.Flush: lambda c: upkeep.flush(self.bank, self.writer),
-            cmd.Status: lambda c: (reports.status(self),
+            cmd.Trim: lambda c: upkeep.trim(self.bank, c.tenant),
+            cmd.Flush: lambda c: upkeep.flush(self.bank, self.writer, c.tenant),
+            cmd.Status: lambda c: (reports.status(self, c.tenant),
                                    *reports.recent_receipts(self._admissions, self.bank,
                                                             c.tenant)),
             cmd.Tick: self._tick,

@@ -108,11 +108,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return s
 
     async def ListSessions(self, request, context):
-        tenant = _tenant(context)
+        scope = _scope(context)
         snap = self.engine.snapshot
         return api_pb2.ListSessionsResponse(sessions=[
             self._session_pb(snap, k, v) for k, v in sorted(snap.sessions.items())
-            if k[0] == tenant])
+            if scope is None or k[0] == scope])
 
     async def GetSession(self, request, context):
         key = (_tenant(context), request.session_id)
@@ -174,19 +174,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return api_pb2.PressureResponse(level=level, source=source)
 
     async def Trim(self, request, context):
-        r = await self._ask(cmd.Trim())
+        """The operator's: every tenant's idle conversations; a tenant's: its own, and the
+        bytes after are its own conversations'."""
+        scope = _scope(context)
+        r = await self._ask(cmd.Trim(scope))
+        after = r.bytes_after if scope is None else sum(
+            n for k, n in self.engine.snapshot.ram_bytes.items() if k[0] == scope)
         return api_pb2.TrimResponse(evicted_entries=r.evicted_entries,
-                                    unwritten_kept=r.unwritten_kept,
-                                    bank_bytes_after=r.bytes_after)
+                                    unwritten_kept=r.unwritten_kept, bank_bytes_after=after)
 
     async def Flush(self, request, context):
-        r = await self._ask(cmd.Flush())
+        r = await self._ask(cmd.Flush(_scope(context)))
         return api_pb2.FlushResponse(written_entries=r.written_entries,
                                      failed_entries=r.failed_entries, seconds=r.seconds)
 
     async def Status(self, request, context):
-        """The caller's tenant sees its own admission receipts only."""
-        st, receipts, evictions = await self._ask(cmd.Status(_tenant(context)))
+        """The operator's: the whole server. A tenant's: its own figures and receipts
+        (worker/reports.py `tenant_status`), no SSD tier."""
+        scope = _scope(context)
+        st, receipts, evictions = await self._ask(cmd.Status(scope))
+        if scope is not None:
+            return api_pb2.StatusResponse(**st, recent_receipts_json=map(json.dumps, receipts),
+                                          recent_evictions_json=map(json.dumps, evictions))
         try:
             cs = await asyncio.to_thread(self.engine.coldstore.ping, 2.0)
             tier = {"store_bytes": cs.stats.block_bytes, "sessions": cs.stats.sessions,
@@ -203,6 +212,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 def _tenant(context) -> str:
     return dict(context.invocation_metadata()).get("x-kvbank-tenant", "")
+
+
+def _scope(context) -> str | None:
+    """Whose conversations an admin call acts on: the router's `x-kvbank-scope: server` for
+    the operator's (None: every tenant's), else the caller's tenant."""
+    md = dict(context.invocation_metadata())
+    return None if md.get("x-kvbank-scope") == "server" else md.get("x-kvbank-tenant", "")
 
 
 def _matmul_gflops() -> float:

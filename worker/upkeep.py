@@ -125,19 +125,24 @@ def pressure_trim(bank: SessionBank, level: PressureLevel, source: PressureSourc
     return receipt
 
 
-def trim(bank: SessionBank) -> ShrinkReceipt:
-    """Admin: every idle conversation already on SSD leaves RAM."""
+def trim(bank: SessionBank, tenant: str | None = None) -> ShrinkReceipt:
+    """Admin: every idle conversation already on SSD leaves RAM; a tenant's call, its own
+    only (None: the operator's, every tenant's)."""
+    others = {e.session for e in bank.entries.values()
+              if tenant is not None and e.session[0] != tenant}
     return bank.shrink_to_bytes(0, reason=TrimReason.ADMIN_TRIM, protect_active=False,
-                                protect_unwritten=True)
+                                protect_unwritten=True, protect_sessions=others)
 
 
-def flush(bank: SessionBank, writer: KVWriter) -> FlushReceipt:
-    """Admin: write every conversation not on SSD yet, now; they stay in RAM."""
+def flush(bank: SessionBank, writer: KVWriter, tenant: str | None = None) -> FlushReceipt:
+    """Admin: write every conversation not on SSD yet, now; they stay in RAM. A tenant's
+    call, its own only (None: every tenant's)."""
     t0 = time.monotonic()
     deadline_s = bank.write_out_deadline_s
     give_up_at = time.time() + (RELEASE_WRITE_OUT_MAX_S if deadline_s is None else deadline_s)
     written = failed = 0
-    for e in [e for e in bank.entries.values() if e.awaits_queued_write]:
+    for e in [e for e in bank.entries.values() if e.awaits_queued_write
+              and (tenant is None or e.session[0] == tenant)]:
         if writer.write_out(e, give_up_at) == Outcome.WRITTEN:
             written += 1
         else:
