@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from kvbank import metrics
 from kvbank.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvbank.contracts.failures import (RELAYED_METADATA, ContextTooLong, KvbankError,
-                                      WorkerUnavailable, grpc_status)
+                                      MaxTokensTooLarge, WorkerUnavailable, grpc_status)
 from router.admission import AdmissionQueue, Ceilings, check_ceilings, worker_pricing
 from router.auth import ADMIN_KEY, OPERATOR, operator_or_tenant, tenant_for
 from router.tokenizer import AnswerTokens, PromptTokenizer, answer_key, lift_system
@@ -176,8 +176,13 @@ class Backend:
             raise InvalidRequest("the input tokenizes to nothing: send some text")
         full = history + new
         answer = 1 if v.fit_max_tokens else v.max_tokens  # fit: lowered to the room left
-        if len(full) + answer > info.max_context_tokens:
-            raise ContextTooLong(len(full), answer, info.max_context_tokens)
+        ctx = info.max_context_tokens
+        if len(full) >= ctx:
+            raise ContextTooLong(len(full), None, ctx)
+        if len(full) + answer > ctx:
+            if answer >= ctx:  # too large for any prompt: the field is at fault
+                raise MaxTokensTooLarge(len(full), answer, ctx)
+            raise ContextTooLong(len(full), answer, ctx)
         return full
 
     def checkpoints(self, v: ValidRequest, tokens: list[int], info) -> tuple[list[int], int]:

@@ -6,9 +6,9 @@ given, so a client knows what to change.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
+from kvbank import json_input
 from kvbank.contracts.failures import InvalidRequest
 from kvbank.contracts.vocabulary import MAX_TOP_LOGPROBS
 from kvbank.v1 import api_pb2
@@ -147,8 +147,11 @@ def _arguments(text: str, where: str) -> dict:
 
 
 def _json(text: str, where: str, param: str | None = None):
+    """Parsed, nested at most MAX_JSON_DEPTH deep (kvbank/json_input.py)."""
     try:
-        return json.loads(text)
+        return json_input.loads(text, where)
+    except json_input.BadJson as e:
+        raise InvalidRequest(str(e), param=param or where) from None
     except ValueError as e:
         raise InvalidRequest(f"{where} is not valid JSON ({e}); given {text[:80]!r}",
                              param=param or where) from None

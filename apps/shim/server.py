@@ -43,6 +43,7 @@ from apps.shim.openai_answer import Answer
 from apps.shim.errors import error_for
 from apps.shim.recorder import Recorder
 from apps.shim.openai_format import DEFAULT_MAX_TOKENS, ApiError, invalid, parse, parse_render
+from kvbank import json_input
 from kvbank.contracts.failures import Unauthenticated
 from kvbank.v1 import api_pb2, api_pb2_grpc
 from router.auth import AUTH_KEY, tenant_for
@@ -281,18 +282,26 @@ class Shim:
             req = parse(kind, await self._body(request), session_header=_session_header(request),
                         default_max_tokens=self.default_max_tokens)
             answer = Answer(kind, self.model_name, include_usage=req.include_usage)
+            sent = request.state.body
+            params = ({"max_tokens": "max_completion_tokens"}
+                      if isinstance(sent, dict) and "max_completion_tokens" in sent else {})
             return await self._answer(request, req.generate, metadata, req.fit_max_tokens,
-                                      answer, _events if req.stream else None)
+                                      answer, _events if req.stream else None, params=params)
         except ApiError as e:
             return error_response(e)
 
     async def _answer(self, request: Request, generate: api_pb2.GenerateRequest, metadata,
-                      fit: bool, answer, events, finish=None) -> Response:
+                      fit: bool, answer, events, finish=None,
+                      params: dict[str, str] | None = None) -> Response:
         """Run the request and answer with `answer`'s body, or with the stream `events(call,
         first, answer)` makes of it; 499 (nginx's "client closed request") if the client left
         before anything was sent. Once a stream starts, sse-starlette cancels it on a
-        hang-up."""
-        started = await self._start(request, generate, metadata, fit=fit)
+        hang-up. `params`: the router's field names as this API spells them, for a refusal."""
+        try:
+            started = await self._start(request, generate, metadata, fit=fit)
+        except ApiError as e:
+            e.param = (params or {}).get(e.param, e.param)
+            raise
         if started is HUNG_UP:
             return Response(status_code=499)
         call, first = started
@@ -360,7 +369,9 @@ class Shim:
 
             return await self._answer(request, req.chat.generate, metadata,
                                       req.chat.fit_max_tokens, answer,
-                                      _responses_events if req.chat.stream else None, keep)
+                                      _responses_events if req.chat.stream else None, keep,
+                                      params={"max_tokens": "max_output_tokens",
+                                              "messages": "input"})
         except ApiError as e:
             return error_response(e)
 
@@ -439,9 +450,13 @@ async def _disconnected(request: Request) -> None:
 
 
 async def _json(request: Request) -> object:
+    """The body, parsed and checked (kvbank/json_input.py: nesting, lone surrogates)."""
+    raw = await request.body()
     try:
-        request.state.body = json.loads(await request.body())
+        request.state.body = json_input.loads(raw)
         return request.state.body
+    except json_input.BadJson as e:
+        raise invalid(e.param or None, str(e)) from None
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
         raise invalid(None, f"the body is not valid JSON: {e}") from None
 
