@@ -50,8 +50,8 @@ class ContextTooLong(InvalidRequest):
         if max_tokens is None:
             super().__init__(
                 f"prompt is too long: {prompt_tokens} tokens > {context_tokens - 1} maximum: "
-                f"the model's context is {context_tokens} tokens, and the answer needs at "
-                f"least one; shorten the prompt (or compact the conversation)",
+                f"with one answer token it would exceed the model's context of "
+                f"{context_tokens} tokens; shorten the prompt (or compact the conversation)",
                 param="messages")
             return
         super().__init__(
