@@ -8,6 +8,7 @@ from typing import Callable, Iterable
 
 import grpc
 
+from kvbank.config import RECONNECT_OPTIONS
 from kvbank.v1 import api_pb2, api_pb2_grpc
 
 CACHE_SOURCES = {
@@ -67,7 +68,7 @@ class Client:
         """`api_key`: a tenant's (the router maps it to the tenant); `admin_key`: the
         operator's (the router's --admin-key), for the Admin service and the list of every
         tenant's sessions."""
-        self.channel = grpc.insecure_channel(address)
+        self.channel = grpc.insecure_channel(address, options=list(RECONNECT_OPTIONS))
         if api_key or admin_key:  # every call carries them
             self.channel = grpc.intercept_channel(self.channel, _Keys(api_key, admin_key))
         self.generation = api_pb2_grpc.GenerationStub(self.channel)

@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvbank import metrics
+from kvbank.config import PEER_READY_WAIT_S, RECONNECT_OPTIONS, RETRY_AFTER_UNAVAILABLE_S
 from kvbank.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvbank.contracts.failures import (RELAYED_METADATA, ContextTooLong, KvbankError,
                                       MaxTokensTooLarge, WorkerUnavailable, grpc_status)
@@ -47,14 +48,24 @@ def _status_for(exc: Exception) -> tuple[grpc.StatusCode, str, tuple]:
     if isinstance(exc, grpc.aio.AioRpcError):  # the worker's: its reasons go on
         md = tuple((k, v) for k, v in (exc.trailing_metadata() or ())
                    if k in RELAYED_METADATA)
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and "x-kvbank-reason" not in dict(md):
+            return _status_unavailable()  # the transport's, not the worker's own word
         return (*_code_for(exc), md)
     return (*_code_for(exc), ())
 
 
+def _status_unavailable() -> tuple[grpc.StatusCode, str, tuple]:
+    """The worker went away or is not back yet: our sentence, never the transport's."""
+    e = WorkerUnavailable(WORKER_AWAY)
+    return grpc_status(e), str(e), e.trailing_metadata()
+
+
+WORKER_AWAY = (f"the worker is not answering (it is starting or restarting): retry in "
+               f"{RETRY_AFTER_UNAVAILABLE_S} s")
+
+
 def _code_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, grpc.aio.AioRpcError):
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            return exc.code(), "the worker is not reachable (restarting?); retry in a few seconds"
         return exc.code(), exc.details() or ""
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
 
@@ -73,19 +84,30 @@ class Backend:
         self.tokenizer = PromptTokenizer(model_dir)
         self.answers = AnswerTokens()  # what the model generated, for clients that send it back
         self.channel = grpc.aio.insecure_channel(
-            worker_address, options=[("grpc.max_receive_message_length", 64 << 20)])
+            worker_address, options=[("grpc.max_receive_message_length", 64 << 20),
+                                     *RECONNECT_OPTIONS])
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._info: worker_pb2.InfoResponse | None = None
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
 
+    async def ready(self) -> None:
+        """The worker's channel, connected: a request that comes while the worker (re)starts
+        waits for it up to PEER_READY_WAIT_S (the channel tries again every half second at
+        most, RECONNECT_OPTIONS), then is answered UNAVAILABLE with a retry-after."""
+        if self.channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
+            return
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), PEER_READY_WAIT_S)
+        except asyncio.TimeoutError:
+            raise WorkerUnavailable(WORKER_AWAY) from None
+
     async def info(self) -> worker_pb2.InfoResponse:
         if self._info is None:
+            await self.ready()
             try:
                 self._info = await self.stub.Info(worker_pb2.InfoRequest(), timeout=5)
             except grpc.aio.AioRpcError as e:
-                raise WorkerUnavailable(
-                    "the worker is still starting (loading the model); retry in a few seconds"
-                ) from e
+                raise WorkerUnavailable(WORKER_AWAY) from e
         return self._info
 
     async def queue(self) -> AdmissionQueue:
@@ -137,6 +159,7 @@ class Backend:
         return self._locks.setdefault((tenant, session_id), asyncio.Lock())
 
     async def history(self, tenant: str, session_id: str) -> list[int]:
+        await self.ready()
         try:
             s = await self.stub.GetSession(api_pb2.GetSessionRequest(session_id=session_id),
                                            metadata=((TENANT_KEY, tenant),), timeout=10)
@@ -209,6 +232,7 @@ class Backend:
         try:
             tenant = self.tenant(context) if scope is ... else scope
             md = ((SCOPE_KEY, SERVER_SCOPE),) if tenant is OPERATOR else ((TENANT_KEY, tenant),)
+            await self.ready()
             return await method(request, metadata=md, timeout=timeout_s)
         except Exception as e:
             code, msg, md = _status_for(e)
@@ -319,6 +343,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             elif not request.session_id:
                 raise InvalidRequest("a prefetch names a session_id or sends the request's "
                                      "input (chat, prompt or tokens)")
+            await self.b.ready()
             return await self.b.stub.Prefetch(worker_pb2.PrefetchRequest(
                 tenant=tenant, session_id=request.session_id, token_ids=tokens), timeout=30)
         except Exception as e:
@@ -360,6 +385,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             tool_choice=v.tool_choice, response_format=v.response_format,
             checkpoint_at=checkpoints[0], shared_checkpoint_at=checkpoints[1],
             split_reasoning=v.kind == "chat")
+        await self.b.ready()  # the worker may have restarted while this one queued
         first_at = last_at = None
         texts: list[str] = []
         ids: list[int] = []

@@ -155,7 +155,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             return await asyncio.to_thread(call, *args)
         except ColdstoreUnavailable as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the store is unavailable: {e}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the store is unavailable: {e}",
+                                trailing_metadata=e.trailing_metadata())
 
     async def Release(self, request, context):
         key = (_tenant(context), request.session_id)

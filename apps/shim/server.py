@@ -40,10 +40,11 @@ from starlette.routing import Route
 
 from apps.shim import anthropic_format, responses_format, responses_store
 from apps.shim.openai_answer import Answer
-from apps.shim.errors import error_for
+from apps.shim.errors import error_for, router_away
 from apps.shim.recorder import Recorder
 from apps.shim.openai_format import DEFAULT_MAX_TOKENS, ApiError, invalid, parse, parse_render
 from kvbank import json_input
+from kvbank.config import PEER_READY_WAIT_S, RECONNECT_OPTIONS
 from kvbank.contracts.failures import Unauthenticated
 from kvbank.v1 import api_pb2, api_pb2_grpc
 from router.auth import AUTH_KEY, tenant_for
@@ -83,7 +84,8 @@ class Shim:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette):
         """The channel belongs to the server's event loop, so it is made inside it."""
-        self.channel = grpc.aio.insecure_channel(self.router_address)
+        self.channel = grpc.aio.insecure_channel(self.router_address,
+                                                 options=list(RECONNECT_OPTIONS))
         self.generation = api_pb2_grpc.GenerationStub(self.channel)
         self.stored = api_pb2_grpc.ResponsesStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
@@ -118,6 +120,17 @@ class Shim:
         if header and header.isascii() and header.isprintable():
             return ((AUTH_KEY, header),)
         return ()
+
+    async def router_ready(self) -> None:
+        """The router's channel, connected: a request that comes while the router (re)starts
+        waits for it up to PEER_READY_WAIT_S (the channel tries again every half second at
+        most), then is a 503 with Retry-After."""
+        if self.channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
+            return
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), PEER_READY_WAIT_S)
+        except asyncio.TimeoutError:
+            raise router_away() from None
 
     # -- endpoints ------------------------------------------------------------------------
 
@@ -342,6 +355,7 @@ class Shim:
         """The router's Generate call and its first message; HUNG_UP if the client left first.
         With `fit`, max_tokens is a bound the router lowers to what fits (`fit_max_tokens`)."""
         generate.fit_max_tokens = fit
+        await self.router_ready()
         call = self.generation.Generate(generate, metadata=metadata)
         try:
             first = await _unless_hung_up(request, call, call.read())

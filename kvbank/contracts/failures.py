@@ -108,11 +108,19 @@ class Unavailable(KvbankError):
 
 
 class WorkerUnavailable(Unavailable):
-    """The router cannot reach the worker."""
+    """The router cannot reach the worker (it is starting or restarting): retry in a second."""
+
+    reason = "worker_unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class ColdstoreUnavailable(Unavailable):
     """The worker cannot reach the coldstore in time, or it refused the request."""
+
+    reason = "coldstore_unavailable"
 
 
 GRPC_STATUS: dict[type[KvbankError], grpc.StatusCode] = {
