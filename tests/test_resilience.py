@@ -78,7 +78,7 @@ def test_a_client_sending_all_along_is_answered_as_soon_as_the_stack_serves(
     7.6 s after the new one served; the first 503s carried gRPC's own text. Now no request
     sent after the stack (or the new worker) serves fails, and every 503 before is ours, with
     Retry-After. Counted by events (each attempt, the ready file, the worker's health), never
-    by a clock."""
+    by a clock. The restarted worker says each step and reads its memory calibration."""
     from kvbank.contracts.health import grpc_healthy
 
     s = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir, wait=False)
@@ -90,6 +90,7 @@ def test_a_client_sending_all_along_is_answered_as_soon_as_the_stack_serves(
         tried = _first_after(sender, ready_at, '"kvbank is up"')
         assert all(a[1] == 200 for a in tried), tried  # none refused after the stack serves
 
+        logged = len(s.log.read_text(errors="replace"))
         old = s.kill9("worker")
         wait_until(lambda: s.pid("worker") != old, "the supervisor to start a new worker")
         serving_at = wait_until(lambda: grpc_healthy(s.layout.worker_address, 0.5)
@@ -97,6 +98,13 @@ def test_a_client_sending_all_along_is_answered_as_soon_as_the_stack_serves(
         down = [a for a in sender.attempts if a[1] is not None and a[1] != 200]
         tried = _first_after(sender, serving_at, "the new worker serves")
         assert all(a[1] == 200 for a in tried), tried
+        # The new worker said what it did, and read its memory calibration (measured once,
+        # kept per model and chunk size) rather than run its chunks and warm-up again.
+        restart = s.log.read_text(errors="replace")[logged:]
+        for said in ("worker    INFO worker.served_model: loading the model",
+                     "memory calibration read from", "loading session records from the store"):
+            assert said in restart, said
+        assert "calibrating memory" not in restart and "warming up" not in restart
         assert down, "no request met the worker down"
         for _, status, text in down:
             assert status == 503, (status, text)

@@ -31,6 +31,7 @@ import numpy as np
 from kvbank import metrics
 from kvbank.blocks import BlockId, chain_block_ids, chain_root, common_prefix_len
 from kvbank.config import Layout
+from kvbank.models import default_cache_dir
 from kvbank.contracts.failures import InvalidRequest, Refused
 from kvbank.contracts.pricing import Pricing
 from kvbank.contracts.vocabulary import Decision, TrimReason
@@ -38,7 +39,7 @@ from kvbank.v1 import api_pb2, worker_pb2
 from worker import commands as cmd
 from worker import upkeep
 from worker.admission import (SchedulerConfig, calibrate, give_back_freed_memory, held_bytes,
-                              make_room, memory_budget_bytes, mlx_cache_limit, resident_bytes,
+                              make_room, memory_budget_bytes, mlx_cache_limit,
                               serve_buffers_from_the_heap)
 from worker.bank import MAX_CHECKPOINTS, SessionKey
 from worker.served_model import load_served_model
@@ -46,7 +47,7 @@ from worker.guard import Guard
 from worker.holdings import Holdings
 from worker.kv_events import EventsConfig, KVEvents, Publisher
 from worker.prefetch import Prefetcher
-from worker import reports, sharing
+from worker import reports, sharing, starting
 from worker.restoring import Restores, Restoring
 from worker.decoding import Decodings
 from worker.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running, warm_up
@@ -101,17 +102,22 @@ class Engine:
         self.coldstore, self.writer, self.bank = h.coldstore, h.writer, h.bank
         self.conversations, self.restorer, self.kv_events = h.conversations, h.restorer, h.kv_events
         mx.set_cache_limit(0)  # until the budget is known (below)
-        self.pricing = calibrate(self.model, Pricing(self.kv_bytes_per_token, 0,
-                                                     prefill_chunk_tokens,
-                                                     state_bytes=2 * self.checkpoint_bytes))
         self.admission_chain_shed = admission_chain_shed
         self.batch = BatchScheduler(self.model, kinds=self.kinds, max_active=scheduler.max_active,
                                     eos_token_ids=self.eos_token_ids,
                                     decode=self.tokenizer.decode,
                                     prefill_step_tokens=prefill_chunk_tokens,
                                     decode_wait_s=scheduler.decode_wait_s)
-        warm_up(self.batch, self.kinds, self.tokenizer, prefill_chunk_tokens)
-        self.pricing.fixed_bytes = resident_bytes()
+        # The prefill transients and what a first request leaves behind (the fixed part of
+        # the budget): measured at a first start, read from kvbank's cache at every other.
+        self.pricing = starting.measured(
+            Pricing(self.kv_bytes_per_token, 0, prefill_chunk_tokens,
+                    state_bytes=2 * self.checkpoint_bytes),
+            starting.CalibrationFile(default_cache_dir(), self.fingerprint,
+                                     prefill_chunk_tokens),
+            calibrate=lambda pricing, on_chunk: calibrate(self.model, pricing, on_chunk),
+            warm_up=lambda: warm_up(self.batch, self.kinds, self.tokenizer,
+                                    prefill_chunk_tokens))
         self.memory_budget = memory_budget_bytes(memory_budget, self.pricing)
         cache_limit = mlx_cache_limit(self.memory_budget, self.pricing.fixed_bytes)
         mx.set_cache_limit(cache_limit)
