@@ -57,7 +57,8 @@ test: install agents
 # The unit tier for the edit-test loop (under a minute): no stack, no gateway. `make test`
 # runs these too, with everything else.
 FAST_TESTS := bank bank_restore cache_kinds layers scheduler memory bench_bank coldstore \
-	coldstore_streaming coldstore_budgets release_write_out grammar models write_streams
+	coldstore_streaming coldstore_budgets release_write_out grammar models write_streams \
+	admission_queue grammar_compile
 test-fast: install
 	$(PY) -m pytest -q $(FAST_TESTS:%=tests/test_%.py) $(ARGS)
 

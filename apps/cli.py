@@ -239,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
     bk.set_defaults(func=_run_bench_kvbits)
     from apps.bench.restore import register as register_bench_restore  # its handler with it
     register_bench_restore(bsub)
+    btn = bsub.add_parser("tenants", help="one API key floods; another's short request: its "
+                                          "time to first token and stream gaps, against idle")
+    from apps.bench.tenants import add_arguments as tenants_arguments
+
+    tenants_arguments(btn)
+    btn.set_defaults(func=_run_bench_tenants)
     return ap
 
 
@@ -337,11 +343,18 @@ def _run_router(args: argparse.Namespace) -> int:
     from router.auth import load_keys
     from router.server import main as router_main
 
+    for flag in ("max_active_per_tenant", "max_queue_per_tenant"):
+        value = getattr(args, flag)
+        if value is not None and value < (1 if flag == "max_active_per_tenant" else 0):
+            raise SystemExit(f"--{flag.replace('_', '-')} {value}: must be at least "
+                             f"{1 if flag == 'max_active_per_tenant' else 0}")
     layout = Layout(args.data_dir).ensure()
     router_main(args.model, layout.worker_address, args.host, args.port,
                 keys=load_keys(args.api_key, args.api_keys_file),
                 ceilings=Ceilings(args.max_prompt_tokens, args.max_request_tokens),
                 max_queue=args.max_queue, max_queue_wait_s=args.max_queue_wait_s,
+                max_active_per_tenant=args.max_active_per_tenant,
+                max_queue_per_tenant=args.max_queue_per_tenant,
                 metrics_port=args.metrics_port, admin_key=args.admin_key,
                 run_dir=layout.run_dir)
     return 0
@@ -370,7 +383,9 @@ def _run_worker(args: argparse.Namespace) -> int:
                     write_out_deadline_s=args.write_out_deadline_s,
                     max_checkpoints=args.max_checkpoints,
                     checkpoint_every=args.checkpoint_every, kv_bits=args.kv_bits,
-                    kv_events=_kv_events(args), metrics_port=args.metrics_port)
+                    kv_events=_kv_events(args), metrics_port=args.metrics_port,
+                    grammar_timeout_s=args.grammar_timeout_s,
+                    max_grammar_bytes=args.max_grammar_bytes)
     except UnsupportedModel as e:  # never served wrong: refused, with what to do
         raise SystemExit(f"kvbank worker: refused to serve {args.model}: {e}") from None
     return 0
@@ -486,6 +501,19 @@ def _run_ask(args: argparse.Namespace) -> int:
 
     return ask(args.address, args.session, args.text, max_tokens=args.max_tokens,
                temperature=args.temperature, as_json=args.json, api_key=args.api_key)
+
+
+def _run_bench_tenants(args: argparse.Namespace) -> int:
+    _setup_logging("bench")
+    from apps.bench.report import print_result, write_json
+    from apps.bench.tenants import run_cli
+
+    result = run_cli(args)
+    if args.json:
+        write_json(result, args.json)
+    else:
+        print_result("tenants", result, False)
+    return 0
 
 
 def _bench_result(args: argparse.Namespace, result: dict) -> int:

@@ -180,6 +180,13 @@ def worker_flags(p: argparse.ArgumentParser) -> None:
                  "request restores them dequantized and runs in full precision; window and "
                  "recurrent layers stay full precision; a store written at another setting is "
                  "recomputed, never misread (default: off, full precision)")),
+           (["--grammar-timeout-s"], dict(type=float, default=5.0,
+            help="a JSON schema or forced tool call whose grammar takes longer to compile is "
+                 "refused (400); compiles run beside the engine, one per API key at a time, "
+                 "each schema once (default: %(default)s)")),
+           (["--max-grammar-bytes"], dict(type=int, default=256 << 10,
+            help="a larger JSON schema (or forced call's tools) is refused at once (400) "
+                 "(default: 256 KiB)")),
            (["--kv-events-endpoint"], dict(default=None, metavar="tcp://HOST:PORT",
             help="publish which KV blocks this machine holds (RAM, SSD) in vLLM's KV-event "
                  "format on this ZeroMQ endpoint, for `vllm-router --policy kv_aware "
@@ -215,6 +222,13 @@ def router_flags(p: argparse.ArgumentParser) -> None:
                  "(default: %(default)s)")),
            (["--max-queue-wait-s"], dict(type=float, default=300.0,
             help="longest wait for a slot before a refusal (default: %(default)s)")),
+           (["--max-active-per-tenant"], dict(type=int, default=None, metavar="N",
+            help="with API keys: requests one key may have at the worker at once; slots that "
+                 "free go to the keys by turns (default: one fewer than the worker runs, so "
+                 "one key's flood never takes them all)")),
+           (["--max-queue-per-tenant"], dict(type=int, default=None, metavar="N",
+            help="with API keys: requests one key may have waiting; more are refused with "
+                 "retry-after (default: half of --max-queue)")),
            (["--admin-key"], dict(default=None,
             help="the operator's key, sent as x-kvbank-admin-key (`kvbank status|admin "
                  "--admin-key`). With API keys it is the only way to act beyond one's own "

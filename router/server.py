@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -19,6 +20,7 @@ import signal
 import time
 import uuid
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import grpc
 from jinja2.exceptions import TemplateError
@@ -37,6 +39,7 @@ from router.validation import InvalidRequest, ValidRequest, validate
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 TENANT_KEY = "x-kvbank-tenant"
 SCOPE_KEY, SERVER_SCOPE = "x-kvbank-scope", "server"  # the operator's call: every tenant
 
@@ -70,18 +73,47 @@ def _code_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
 
 
+LARGE_PROMPT_BYTES = 64 << 10  # tokenized on the tokenizing thread, not the router's loop
+
+
+class LargePrompts:
+    """The tokenizing thread: one, with its own tokenizer (a tokenizer is not shared between
+    threads), for prompts of LARGE_PROMPT_BYTES or more. A 3.9 MB prompt held the router's
+    loop for ~2 s, and every other tenant's request with it; here it waits only for the large
+    prompts before it."""
+
+    def __init__(self, model_dir: Path):
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._tokenizer = self._pool.submit(PromptTokenizer, model_dir)  # loads meanwhile
+
+    async def run(self, work: Callable[[PromptTokenizer], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, lambda: work(self._tokenizer.result()))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 class Backend:
     """The router's view of the worker: its channel, its facts, per-session ordering."""
 
     def __init__(self, model_dir: Path, worker_address: str, keys: dict[str, str] | None = None,
                  ceilings: Ceilings = Ceilings(), max_queue: int = 64,
-                 max_queue_wait_s: float = 300.0, admin_key: str | None = None):
+                 max_queue_wait_s: float = 300.0, admin_key: str | None = None,
+                 max_active_per_tenant: int | None = None,
+                 max_queue_per_tenant: int | None = None):
+        """Per tenant (with API keys): `max_active_per_tenant` (None: one fewer than the
+        worker runs, so a flood never takes every slot) and `max_queue_per_tenant` (None:
+        half of `max_queue`). Without keys there is one tenant, and no share."""
         self.keys = keys or {}
         self.admin_key = admin_key  # the operator's (router/auth.py)
         self.ceilings = ceilings
         self._queue_limits = (max_queue, max_queue_wait_s)
+        self._shares = (max_active_per_tenant, max_queue_per_tenant)
         self._queue: AdmissionQueue | None = None
         self.tokenizer = PromptTokenizer(model_dir)
+        self.tokenizer.max_token_bytes  # at start: a prompt's first check needs it
+        self.large = LargePrompts(model_dir)
         self.answers = AnswerTokens()  # what the model generated, for clients that send it back
         self.channel = grpc.aio.insecure_channel(
             worker_address, options=[("grpc.max_receive_message_length", 64 << 20),
@@ -114,7 +146,12 @@ class Backend:
         """Sized by the worker's scheduler (its max_active_requests), known once it answers."""
         if self._queue is None:
             info = await self.info()
-            self._queue = AdmissionQueue(info.max_active_requests or 1, *self._queue_limits)
+            active, (queue, wait_s) = info.max_active_requests or 1, self._queue_limits
+            per_active, per_queue = self._shares
+            if len(set(self.keys.values())) > 1:  # tenants to share between
+                per_active = per_active or max(1, active - 1)
+                per_queue = queue // 2 if per_queue is None else per_queue
+            self._queue = AdmissionQueue(active, queue, wait_s, per_active, per_queue)
         return self._queue
 
     @property
@@ -169,11 +206,34 @@ class Backend:
             raise
         return list(s.token_ids)
 
-    async def prompt_tokens(self, v: ValidRequest, tenant: str, info) -> list[int]:
+    async def prompt_tokens(self, v: ValidRequest, tenant: str, info,
+                            with_checkpoints: bool = False):
+        """The prompt's tokens (history and new), checked against the model's context as
+        early as its size allows: refused on its byte count alone when that many bytes are
+        more tokens than the context holds, else tokenized (on the tokenizing thread when
+        large, `LargePrompts`, so the loop never waits seconds for one prompt). With
+        `with_checkpoints`, (tokens, `checkpoints`) computed beside them."""
         if not info.tool_parser:
             _refuse_tools(v, Path(info.model_path).name)
         history = await self.history(tenant, v.session_id) if v.append else []
-        tok = self.tokenizer
+        ctx = info.max_context_tokens
+        least = len(history) + (len(v.token_ids) if v.kind == "tokens"
+                                else -(-v.text_bytes // self.tokenizer.max_token_bytes))
+        if least >= ctx:
+            raise ContextTooLong(least, None, ctx, at_least=v.text_bytes)
+
+        def work(tok: PromptTokenizer):
+            full = self._tokens(tok, v, tenant, history, info)
+            return (full, self.checkpoints(v, full, info, tok)) if with_checkpoints else full
+
+        if v.text_bytes >= LARGE_PROMPT_BYTES:
+            return await self.large.run(work)
+        return work(self.tokenizer)
+
+    def _tokens(self, tok: PromptTokenizer, v: ValidRequest, tenant: str, history: list[int],
+                info) -> list[int]:
+        """`prompt_tokens`'s rendering and its checks, with `tok` (the loop's or the
+        tokenizing thread's own)."""
         tools = list(v.tools) or None
         if v.kind == "chat":
             def render(messages: list[dict]) -> list[int]:
@@ -208,14 +268,15 @@ class Backend:
             raise ContextTooLong(len(full), answer, ctx)
         return full
 
-    def checkpoints(self, v: ValidRequest, tokens: list[int], info) -> tuple[list[int], int]:
+    def checkpoints(self, v: ValidRequest, tokens: list[int], info,
+                    tok: PromptTokenizer) -> tuple[list[int], int]:
         """Where the worker keeps checkpoints of a model with window or recurrent caches, and
         which of them ends the prefix other conversations share (the system and tools)."""
         if v.kind != "chat" or not info.checkpointed:
             return [], 0
         messages, tools = list(v.messages), list(v.tools) or None
-        return (self.tokenizer.checkpoints(messages, tokens, tools=tools, template=v.template),
-                self.tokenizer.shared_end(messages, tokens, tools=tools, template=v.template))
+        return (tok.checkpoints(messages, tokens, tools=tools, template=v.template),
+                tok.shared_end(messages, tokens, tools=tools, template=v.template))
 
     def tenant(self, context) -> str:
         return tenant_for(self.keys, context.invocation_metadata())
@@ -282,23 +343,25 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             info = await self.b.info()
             v = validate(request, vocab_size=self.b.tokenizer.vocab_size)
             async with self.b.session_lock(tenant, v.session_id):
-                tokens = await self.b.prompt_tokens(v, tenant, info)
+                tokens, checkpoints = await self.b.prompt_tokens(v, tenant, info,
+                                                                 with_checkpoints=True)
                 v = self.b.fit(v, tokens, info)
                 self.b.admit_sizes(tokens, v.max_tokens, info)
                 gate = await self.b.queue()
                 metrics.QUEUE_DEPTH.set(gate.depth + 1)
                 try:
-                    queue_s = await gate.acquire(holds=lambda: self.b.holds(tenant, tokens))
+                    queue_s = await gate.acquire(tenant,
+                                                 holds=lambda: self.b.holds(tenant, tokens))
                 finally:
                     metrics.QUEUE_DEPTH.set(gate.depth)
                 metrics.QUEUE_WAIT.observe(queue_s)
                 started = time.monotonic()
                 try:
                     async for out in self._relay(v, tokens, tenant, received_at, t0, queue_s,
-                                                 self.b.checkpoints(v, tokens, info)):
+                                                 checkpoints):
                         yield out
                 finally:
-                    gate.release(time.monotonic() - started)
+                    gate.release(tenant, time.monotonic() - started)
         except Exception as e:
             code, msg, md = _status_for(e)
             if code == grpc.StatusCode.INTERNAL:
@@ -603,6 +666,7 @@ async def serve(model_dir: Path, worker_address: str, host: str, port: int, *,
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace=5)
         await backend.channel.close()
+        backend.large.close()
         logger.info("router stopped")
 
 

@@ -42,6 +42,10 @@ class ValidRequest:
     tool_choice: str = ""              # auto | none | required | function:NAME ("" : auto)
     response_format: api_pb2.ResponseFormat = field(default_factory=api_pb2.ResponseFormat)
     enable_thinking: bool | None = None  # the template's reasoning switch (None: its default)
+    # UTF-8 bytes of the text the model surely reads (the prompt; the user, system and tool
+    # messages, ends trimmed as a template may): at least this / the longest token's bytes
+    # tokens, known before tokenizing (router/server.py `prompt_tokens`)
+    text_bytes: int = 0
 
     @property
     def template(self) -> dict:
@@ -104,8 +108,11 @@ def validate(req: api_pb2.GenerateRequest, *, vocab_size: int) -> ValidRequest:
         # The answer is the call, as OpenAI's is: the format is for text answers (an agent
         # framework sends its output schema with every request, a forced call's too).
         fmt = api_pb2.ResponseFormat()
+    text_bytes = (len(req.prompt.encode()) if kind == "prompt" else
+                  sum(len(m["content"].strip().encode()) for m in messages
+                      if m["role"] != "assistant"))  # a template may drop an answer's part
     return ValidRequest(
-        session_id=sid, kind=kind, messages=messages, prompt=req.prompt,
+        session_id=sid, kind=kind, messages=messages, prompt=req.prompt, text_bytes=text_bytes,
         token_ids=tuple(req.tokens.ids), append=req.append, max_tokens=req.max_tokens,
         stop=tuple(req.stop), no_cache=req.no_cache, fit_max_tokens=req.fit_max_tokens,
         sampling=s, tools=tools, tool_choice=choice, response_format=fmt,

@@ -781,3 +781,22 @@ def test_deep_json_in_a_grpc_field_is_invalid_argument_naming_it(fuzz, depth):
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (param, err.details())
         assert dict(err.trailing_metadata())["x-kvbank-param"] == param, err.details()
         assert "deeper than 128" in err.details()
+
+
+def test_a_schema_over_the_grammar_size_limit_is_refused_at_once_naming_it(fuzz):
+    """A 1.1 MB schema was compiled on the worker's engine thread (every stream stalled 3.4 s)
+    and refused with llguidance's panic and backtrace. Compiles run beside the engine now, and
+    one over --max-grammar-bytes (256 KiB) is not compiled at all."""
+    schema = {"type": "object", "properties": {
+        f"field_{i}": {"type": "string", "enum": [f"v{i}_{j}" for j in range(3)]}
+        for i in range(4000)}}
+    r = httpx.post(fuzz.stack.shim_url + "/v1/chat/completions", timeout=CALL_TIMEOUT_S,
+                   headers={"authorization": f"Bearer {KEY}"}, json={
+                       "model": "kvbank", "max_tokens": 2,
+                       "messages": [{"role": "user", "content": "Fill it in."}],
+                       "response_format": {"type": "json_schema",
+                                           "json_schema": {"name": "big", "schema": schema}}})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "response_format" and "--max-grammar-bytes" in error["message"]
+    assert "panic" not in r.text and "backtrace" not in r.text

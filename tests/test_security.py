@@ -298,6 +298,62 @@ def test_keyless_load_figures_are_coarse_with_keys(keyed, alice):
     assert httpx.get(url + "/get_load", timeout=10).json() == {"load": 0}
 
 
+def test_one_tenants_flood_leaves_a_slot_and_the_other_tenant_is_served_first(keyed, alice,
+                                                                              bob):
+    """The worker runs 4 requests; alice holds 3 (her share) streaming long answers and has a
+    4th waiting: bob's request takes the 4th slot at once and is answered while all of hers
+    still run and wait. In one FIFO line, alice's 4th took the slot and bob waited behind all
+    of them (222 s in the issue). Counted by events: the router's queue, the answers."""
+    def hold() -> grpc.Future:
+        req = api_pb2.GenerateRequest(max_tokens=1900)  # the tiny model's context is 2,048
+        req.tokens.ids.extend(_unique_prompt()[:20])
+        return alice.generation.Generate(req, metadata=alice.metadata, timeout=120)
+
+    def waiting() -> int:
+        return alice.generation.Load(api_pb2.LoadRequest(), timeout=10).waiting
+
+    holders = [hold() for _ in range(3)]
+    try:
+        for call in holders:
+            next(call)  # admitted and streaming
+        fourth = hold()
+        wait_until(lambda: waiting() == 1, "alice's 4th request to wait in the router")
+        answer = bob.generate(_unique_prompt(), max_tokens=2)
+        assert answer.completion_tokens == 2
+        assert waiting() == 1  # alice's 4th still waits: bob did not wait behind it
+        assert all(call.running() for call in holders)
+    finally:
+        for call in holders:
+            call.cancel()
+    assert next(fourth).token_ids or True  # a slot freed: her 4th runs now
+    fourth.cancel()
+
+
+def test_a_prompt_too_long_by_its_bytes_is_refused_without_tokenizing(keyed, alice,
+                                                                      tiny_model):
+    """A 3.9 MB prompt was tokenized on the router's loop (~2 s, every other request waiting)
+    before it was refused; more bytes than the context holds tokens of the longest is refused
+    on its byte count. Below that, a large prompt is tokenized on its own thread: the same
+    tokens the model's tokenizer gives."""
+    from transformers import AutoTokenizer
+
+    req = api_pb2.GenerateRequest(prompt="word " * 200_000, max_tokens=2)  # 1 MB
+    err = rpc_error(lambda: list(alice.generation.Generate(req, metadata=alice.metadata,
+                                                          timeout=60)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert err.details().startswith("prompt is too long: ")
+    assert "counted from its 1000000 bytes, without tokenizing it" in err.details()
+
+    # 66 KB in ~820 tokens (the vocabulary's longest token is a line break and 80 spaces):
+    # large, and inside the tiny model's context of 2,048 tokens
+    text = ("\n" + " " * 80) * 820
+    assert len(text.encode()) > 64 << 10
+    rendered = alice.generation.Render(api_pb2.GenerateRequest(prompt=text, max_tokens=1),
+                                       metadata=alice.metadata, timeout=60).token_ids
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    assert list(rendered) == tok.encode(text, add_special_tokens=False)
+
+
 def test_no_prefix_hit_across_tenants_from_ram(alice, bob):
     prompt = _unique_prompt()
     first = alice.generate(prompt)

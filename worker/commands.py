@@ -36,6 +36,8 @@ class Generate:
     emit: Callable[[Any], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.monotonic)
+    grammar: Any = None  # its grammar, compiled off the engine (worker/grammar_compile.py)
+    decoding: Any = None  # its Decoding, made once by the engine (it may wait several turns)
 
 
 @dataclass

@@ -313,7 +313,9 @@ class Engine:
             raise InvalidRequest(
                 f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                 f"model's context of {self.max_context_tokens} tokens")
-        decoding = self.decodings.for_request(req)  # a request the model cannot serve: refused
+        if job.decoding is None:  # once: a request may wait here for several turns
+            job.decoding = self.decodings.for_request(req, job.grammar)  # or refused
+        decoding = job.decoding
         tenant = req.tenant
         ids = chain_block_ids(tokens, self.root_for(tenant), self.block_tokens)  # hashed once
         if not req.no_cache:  # a running request's prompt: wait for it, or take it

@@ -16,9 +16,11 @@ prompts on 1,600-token histories read together ran at 0.85 of one after another
 (docs/decisions.md). A request whose prompt is read decodes alone on its own cache while
 nothing else decodes, and joins the batch when a second one would (the batch is then worth
 its copies), unless their contexts differ by `own_lead_tokens` or more: then it decodes on its
-own cache beside the batch (`_close`). `hyper` (and `serial`, its alias) use the same path with one request at a time. After a
-request's first token the next forward waits 5 ms, so the token reaches its client before the
-forward takes the cores (`_hand_off`).
+own cache beside the batch (`_close`). Answers pause for prompts of their own tenant only
+(an API key's flood of prompts never stalls another key's stream). `hyper` (and `serial`, its
+alias) use the same path with one request at a time. After a request's first token the next
+forward waits 5 ms, so the token reaches its client before the forward takes the cores
+(`_hand_off`).
 
 A request enters with its own restored cache (RAM bank or SSD) and leaves with the cache of
 everything it read and wrote, which the engine commits. Stop strings and cancellation are
@@ -250,10 +252,17 @@ class BatchScheduler:
         prompts_in_batch = any(r.first_token_at is None  # the batch reads them in its step
                                for uid, r in self.running.items() if uid >= 0)
         if (answering and self._readers and not prompts_in_batch
-                and now - self._decoded_at < self.decode_wait_s):
+                and now - self._decoded_at < self.decode_wait_s
+                and self._reading_for_every_answer()):
             return True
         self._decoded_at = now
         return False
+
+    def _reading_for_every_answer(self) -> bool:
+        """Answers pause only for their own tenant's prompts: while one tenant's long prompts
+        were read, another's stream stalled for seconds."""
+        reading = {o.r.job.request.tenant for o in self._readers}
+        return all(r.job.request.tenant in reading for r in self.answering())
 
     def _hand_off(self) -> None:
         """A first token just sent waits here, not behind the next forward. The token goes out

@@ -29,21 +29,29 @@ from kvbank.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 from worker import commands as cmd
 from worker.conversations import history_in_ram
 from worker.engine import Engine
+from worker.grammar_compile import (DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES,
+                                    GrammarCompiles)
 
 logger = logging.getLogger(__name__)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, compiles: GrammarCompiles):
         self.engine = engine
+        self.compiles = compiles
 
     async def Generate(self, request, context):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
+        try:  # a grammar compiles here, on a thread, never on the engine's
+            grammar = await self.compiles.grammar(request)
+        except KvbankError as e:
+            await context.abort(grpc_status(e), str(e), trailing_metadata=e.trailing_metadata())
         job = self.engine.post(cmd.Generate(
-            request, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)))
+            request, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+            grammar=grammar))
         try:
             while True:
                 ev = await events.get()
@@ -234,7 +242,9 @@ def _matmul_gflops() -> float:
     return 4 * 2 * 1024**3 / (time.perf_counter() - t0) / 1e9
 
 
-async def serve(model: Path, layout: Layout, *, metrics_port: int = -1, **engine_kw) -> None:
+async def serve(model: Path, layout: Layout, *, metrics_port: int = -1,
+                grammar_timeout_s: float = DEFAULT_GRAMMAR_TIMEOUT_S,
+                max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES, **engine_kw) -> None:
     """`engine_kw`: the Engine's settings (block_tokens, bank_bytes, scheduler, ...)."""
     events.open_log(layout.events_path)
     metrics.serve("worker", layout.ensure().run_dir, metrics_port)
@@ -248,7 +258,9 @@ async def serve(model: Path, layout: Layout, *, metrics_port: int = -1, **engine
         logger.info("matmul check: %.0f GFLOP/s (float32 1024x1024)", gflops)
     engine = Engine(model, layout, **engine_kw)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), server)
+    compiles = GrammarCompiles(engine.decodings, timeout_s=grammar_timeout_s,
+                               max_bytes=max_grammar_bytes)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine, compiles), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     sock = layout.sockets_dir / "worker.sock"
@@ -270,6 +282,7 @@ async def serve(model: Path, layout: Layout, *, metrics_port: int = -1, **engine
     finally:
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace=5)
+        compiles.close()
         engine.close()
         logger.info("worker stopped")
 

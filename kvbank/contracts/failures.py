@@ -45,12 +45,16 @@ class ContextTooLong(InvalidRequest):
 
     reason = "context_length_exceeded"
 
-    def __init__(self, prompt_tokens: int, max_tokens: int | None, context_tokens: int):
-        """`max_tokens` None: the prompt alone leaves no room for an answer."""
+    def __init__(self, prompt_tokens: int, max_tokens: int | None, context_tokens: int, *,
+                 at_least: int | None = None):
+        """`max_tokens` None: the prompt alone leaves no room for an answer. `at_least`: the
+        prompt was not tokenized; its text of this many bytes is `prompt_tokens` at least."""
         if max_tokens is None:
+            counted = (f" (at least: counted from its {at_least} bytes, without tokenizing it)"
+                       if at_least is not None else "")
             super().__init__(
-                f"prompt is too long: {prompt_tokens} tokens > {context_tokens - 1} maximum: "
-                f"with one answer token it would exceed the model's context of "
+                f"prompt is too long: {prompt_tokens} tokens > {context_tokens - 1} maximum"
+                f"{counted}: with one answer token it would exceed the model's context of "
                 f"{context_tokens} tokens; shorten the prompt (or compact the conversation)",
                 param="messages")
             return
