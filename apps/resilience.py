@@ -323,13 +323,43 @@ def run(*, model: str | None, agents: int, turns: int, kills: int, seed: int,
         tmp = Path(tmp)
         model_dir = (make_tiny_model(tmp / "tiny", seed=0, cache_dir=default_cache_dir())
                      if model is None else prepare_model(model))
-        stack = LocalStack.start(model_dir, tmp / "data", shim=False, extra=[
+        stack = LocalStack.start(model_dir, tmp / "data", shim=False, wait=False, extra=[
             "--block-tokens", "16", "--quiet-grace-s", "0.1", "--tail-delay-s", "1",
             "--max-dirty-s", "2"])
         try:
+            start_to_answer = _answered_after_start(stack)
             summary = Run(stack, agents=agents, turns=turns, kills=kills, seed=seed).run().summary()
+            summary["start_to_answer_s"] = round(start_to_answer, 3)
         finally:
             stack.stop()
     if report_path is not None:
         report_path.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _answered_after_start(stack) -> float:
+    """A client that sends from the moment `kvbank up` starts (again at once on a refusal,
+    again after a second on UNAVAILABLE, as it asks): from the stack's "kvbank is up" (its
+    ready file) to that client's first answer (goal: <= 1 s)."""
+    answered: list[float] = []
+    stop = threading.Event()
+
+    def send() -> None:
+        with stack.client() as c:
+            while not stop.is_set():
+                try:
+                    c.generate(prompt="Are you up?", max_tokens=2, timeout_s=30)
+                    answered.append(time.monotonic())
+                    return
+                except grpc.RpcError:
+                    stop.wait(1.0)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    stack.wait_started(300)
+    ready_at = time.monotonic()
+    sender.join(120)
+    stop.set()
+    if not answered:
+        raise RuntimeError("no answer within 120 s of the stack's start")
+    return max(0.0, answered[0] - ready_at)

@@ -17,7 +17,9 @@ prompts on 1,600-token histories read together ran at 0.85 of one after another
 nothing else decodes, and joins the batch when a second one would (the batch is then worth
 its copies), unless their contexts differ by `own_lead_tokens` or more: then it decodes on its
 own cache beside the batch (`_close`). Answers pause for prompts of their own tenant only
-(an API key's flood of prompts never stalls another key's stream). `hyper` (and `serial`, its
+(an API key's flood of prompts never stalls another key's stream), and while two tenants have
+requests running a prompt is read in quarter chunks (`_chunk`), so another's request waits
+less for the forward in flight. `hyper` (and `serial`, its
 alias) use the same path with one request at a time. After a request's first token the next
 forward waits 5 ms, so the token reaches its client before the forward takes the cores
 (`_hand_off`).
@@ -62,6 +64,7 @@ LAST_FORWARD_TOKENS = 64  # a prompt's last forward, the one with logits, reads 
 # by the row, batched or not: a quarter already paid here (docs/decisions.md).
 OWN_LEAD_OF_WEIGHTS = {"gpu": 1.0, "cpu": 0.25}
 HANDOFF_S = 0.005  # after a first token, before the next forward (`_hand_off`)
+SHARED_STEP_DIVISOR = 4  # a prompt's chunk while another tenant runs a request (`_chunk`)
 
 
 @dataclass
@@ -389,10 +392,16 @@ class BatchScheduler:
 
     def _chunk(self, o: _Own) -> int:
         """How many prompt tokens the next forward reads without logits (0: the rest, with
-        them): a step's worth, short of the last forward's, and never past a split."""
+        them): a step's worth, short of the last forward's, and never past a split. A step's
+        worth is a quarter while another tenant has a request running: a request that comes
+        waits for the forward in flight (it cannot be cut short), and one tenant's long
+        prompts made another's 8-token request wait a whole 512-token chunk at every step."""
         r, last = o.r, self.last_forward_tokens
         pos = len(r.tokens) - len(o.prompt)
-        n = min(self.prefill_step_tokens, len(o.prompt) - last) if len(o.prompt) > last else 0
+        step = self.prefill_step_tokens
+        if any(x.job.request.tenant != r.job.request.tenant for x in self.running.values()):
+            step = max(last, step // SHARED_STEP_DIVISOR)
+        n = min(step, len(o.prompt) - last) if len(o.prompt) > last else 0
         split = next((p for p in r.split_at if pos < p < len(r.tokens)), None)
         if split is not None and (n == 0 or split < pos + n):
             n = split - pos

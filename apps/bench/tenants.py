@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import random
 import statistics
 import tempfile
@@ -44,14 +45,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     model_flag(p)
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
                    help="which floods, comma-separated (default: all)")
-    p.add_argument("--probes", type=int, default=4,
+    p.add_argument("--probes", type=int, default=3,
                    help="probe requests per scenario and round (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=2,
                    help="rounds of idle and every scenario, alternated (default: %(default)s)")
     p.add_argument("--probe-tokens", type=int, default=40,
                    help="the probe's max_tokens (default: %(default)s)")
-    p.add_argument("--long-prompt-tokens", type=int, default=1500,
+    p.add_argument("--long-prompt-tokens", type=int, default=1000,
                    help="about how long each long request's prompt is (default: %(default)s)")
+    p.add_argument("--stack-dir", type=Path, default=None,
+                   help="run the stack from the code in this checkout (a before/after)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="write the result as JSON to FILE (- or nothing: one line to stdout)")
 
@@ -63,11 +66,12 @@ def run_cli(args: argparse.Namespace) -> dict:
         raise SystemExit(f"kvbank bench tenants: unknown scenarios {sorted(unknown)}; "
                          f"choose from {', '.join(SCENARIOS)}")
     return run(model=args.model, scenarios=scenarios, probes=args.probes, rounds=args.rounds,
-               probe_tokens=args.probe_tokens, long_prompt_tokens=args.long_prompt_tokens)
+               probe_tokens=args.probe_tokens, long_prompt_tokens=args.long_prompt_tokens,
+               stack_dir=args.stack_dir)
 
 
 def run(*, model: str | None, scenarios: list[str], probes: int, rounds: int,
-        probe_tokens: int, long_prompt_tokens: int) -> dict:
+        probe_tokens: int, long_prompt_tokens: int, stack_dir: Path | None = None) -> dict:
     from apps.bench.report import provenance
     from deploy.local import LocalStack
     from kvbank.models import prepare_model
@@ -78,23 +82,31 @@ def run(*, model: str | None, scenarios: list[str], probes: int, rounds: int,
         keys = Path(tmp) / "keys"
         keys.write_text(f"flood {FLOOD_KEY}\nprobe {PROBE_KEY}\n")
         stack = LocalStack.start(model_dir, Path(tmp) / "data", extra=[
-            "--api-keys-file", str(keys), "--admin-key", OPERATOR_KEY])
+            "--api-keys-file", str(keys), "--admin-key", OPERATOR_KEY],
+            popen={"cwd": str(stack_dir)} if stack_dir else None)
         try:
             bench = Bench(stack, probe_tokens, long_prompt_tokens)
             bench.probe(1)  # warm: the first request's kernels and allocations
             samples: dict[str, list[Probe]] = {"idle": []}
             floods: dict[str, Counter] = {}
+            errors: list[str] = []
             for _ in range(rounds):
                 for scenario in scenarios:
                     samples["idle"] += bench.probe(probes)
-                    got, seen = bench.during(scenario, probes)
+                    try:
+                        got, seen = bench.during(scenario, probes)
+                    except Exception as e:  # one scenario's failure is a finding, not the end
+                        errors.append(f"{scenario}: {type(e).__name__}: {e}"[:300])
+                        continue
                     samples.setdefault(scenario, []).extend(got)
                     floods.setdefault(scenario, Counter()).update(seen)
         finally:
             stack.stop()
-    return {"model": model_dir.name, **report(samples, floods), "rounds": rounds,
+    return {"model": model_dir.name, **report(samples, floods), "errors": errors,
+            "rounds": rounds,
             "probes_per_round": probes, "probe_tokens": probe_tokens,
-            "long_prompt_tokens": long_prompt_tokens, "wall_s": round(time.monotonic() - t0),
+            "long_prompt_tokens": long_prompt_tokens, "stack_dir": str(stack_dir or "."),
+            "wall_s": round(time.monotonic() - t0),
             **provenance()}
 
 
@@ -151,16 +163,21 @@ class Bench:
         proc = ctx.Process(target=flood, args=(self.url, scenario, self.long_prompt_tokens,
                                                stop, started, counts), daemon=True)
         proc.start()
+        seen = Counter()
         try:
             self._in_effect(scenario, started)
-            got = self.probe(probes)
-            stop.set()
-            return got, Counter(counts.get(timeout=300))
+            return self.probe(probes), seen
         finally:
             stop.set()
-            proc.join(timeout=120)
-            if proc.is_alive():
-                proc.kill()
+            try:  # its counts so far, then it goes: its connections close, and the shim
+                while True:  # cancels what they waited for
+                    last = counts.get(timeout=2)
+                    seen.clear()
+                    seen.update(last)
+            except queue.Empty:
+                pass
+            proc.kill()
+            proc.join(timeout=60)
             self._idle()
 
     def _in_effect(self, scenario: str, started: threading.Event) -> None:
@@ -208,21 +225,22 @@ def flood(url: str, scenario: str, long_prompt_tokens: int, stop, started, count
         while not stop.is_set():
             try:
                 status = c.post(url + "/v1/chat/completions", content=make()).status_code
-            except Exception as e:  # httpx's, or its client closed under it (the end)
+            except Exception as e:  # httpx's
                 status = type(e).__name__
             with lock:
                 seen[str(status)] += 1
             started.set()
             if status == 429:  # its share is full: again soon, not in a spin
-                stop.wait(0.05)
+                stop.wait(0.2)
 
-    with concurrent.futures.ThreadPoolExecutor(senders) as pool:
-        for c in clients:
-            pool.submit(send, c)
-        stop.wait()
-        for c in clients:  # hang up: the shim cancels what they were waiting for
-            c.close()
-    counts.put(dict(seen))
+    pool = concurrent.futures.ThreadPoolExecutor(senders)
+    for c in clients:
+        pool.submit(send, c)
+    while not stop.wait(1.0):  # its counts every second; the bench kills it when done
+        with lock:
+            counts.put(dict(seen))
+    with lock:
+        counts.put(dict(seen))
 
 
 class Bodies:
