@@ -106,6 +106,8 @@ def run(*, model: str | None, scenarios: list[str], probes: int, rounds: int,
             "rounds": rounds,
             "probes_per_round": probes, "probe_tokens": probe_tokens,
             "long_prompt_tokens": long_prompt_tokens, "stack_dir": str(stack_dir or "."),
+            "load_average": [round(x, 1) for x in os.getloadavg()],
+            "cpu_pressure_some_avg300": _cpu_pressure(),
             "wall_s": round(time.monotonic() - t0),
             **provenance()}
 
@@ -113,8 +115,10 @@ def run(*, model: str | None, scenarios: list[str], probes: int, rounds: int,
 class Probe:
     """One probe request as its client saw it: when it was sent, its token events' times."""
 
-    def __init__(self, sent: float, times: list[float], status: int):
-        self.sent, self.times, self.status = sent, times, status
+    def __init__(self, sent: float, times: list[float], status: int, refusals: int = 0,
+                 usage: dict | None = None):
+        self.sent, self.times, self.status, self.refusals = sent, times, status, refusals
+        self.usage = usage or {}  # kvbank's own: queue_s (router and worker), ttft_s
 
     @property
     def ttft(self) -> float:
@@ -134,20 +138,30 @@ class Bench:
     # -- the probe -------------------------------------------------------------------------
 
     def probe(self, n: int) -> list[Probe]:
+        """`n` probe requests, one after another. A refusal (429, 503) is retried after its
+        Retry-After, as the OpenAI SDKs do: the probe's TTFT counts from its first try."""
         out = []
         with httpx.Client(timeout=600, headers={"authorization": f"Bearer {PROBE_KEY}"}) as c:
             for _ in range(n):
                 self.n += 1
                 body = {"model": "kvbank", "stream": True, "max_tokens": self.probe_tokens,
-                        "temperature": 0, "messages": [{"role": "user", "content":
-                        f"Note {self.n}: say hello to the team in one sentence."}]}
-                sent, times = time.monotonic(), []
-                with c.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
-                    for line in r.iter_lines():
-                        if line.startswith("data: {") and _content(line[6:]):
-                            times.append(time.monotonic())
+                        "temperature": 0, "stream_options": {"include_usage": True},
+                        "messages": [{"role": "user", "content":
+                                      f"Note {self.n}: say hello to the team in one sentence."}]}
+                sent, times, refusals, usage = time.monotonic(), [], 0, {}
+                while True:
+                    with c.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
+                        for line in r.iter_lines():
+                            if line.startswith("data: {") and _content(line[6:]):
+                                times.append(time.monotonic())
+                            elif line.startswith("data: {") and '"usage":{' in line:
+                                usage = json.loads(line[6:])["usage"].get("kvbank", {})
+                    if r.status_code not in (429, 503) or refusals >= 20:
+                        break
+                    refusals += 1
+                    time.sleep(min(10.0, float(r.headers.get("retry-after", 1))))
                 if r.status_code == 200 and times:
-                    out.append(Probe(sent, times, r.status_code))
+                    out.append(Probe(sent, times, r.status_code, refusals, usage))
         return out
 
     # -- the floods ------------------------------------------------------------------------
@@ -180,6 +194,14 @@ class Bench:
             proc.join(timeout=60)
             self._idle()
 
+    def _load(self) -> dict:
+        """The stack's load (/v1/loads), asked again while the router is too busy to say."""
+        while True:
+            got = httpx.get(self.url + "/v1/loads", timeout=30).json()
+            if "loads" in got:
+                return got["loads"][0]
+            time.sleep(0.2)
+
     def _in_effect(self, scenario: str, started: threading.Event) -> None:
         """Until the flood holds what it takes: its share of the slots (and a queue) for the
         long ones; its first answer for the others."""
@@ -187,7 +209,7 @@ class Bench:
         if scenario in ("long", "full_queue"):
             want_waiting = 30 if scenario == "full_queue" else 10
             while time.monotonic() < deadline:
-                load = httpx.get(self.url + "/v1/loads", timeout=10).json()["loads"][0]
+                load = self._load()
                 if load["num_running_reqs"] >= 3 and load["num_waiting_reqs"] >= want_waiting:
                     return
                 time.sleep(0.1)
@@ -201,7 +223,7 @@ class Bench:
     def _idle(self) -> None:
         deadline = time.monotonic() + 900
         while time.monotonic() < deadline:
-            load = httpx.get(self.url + "/v1/loads", timeout=10).json()["loads"][0]
+            load = self._load()
             if load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0:
                 return
             time.sleep(0.2)
@@ -288,6 +310,16 @@ def _body(body: dict) -> bytes:
     return json.dumps({"model": "kvbank", **body}).encode()
 
 
+def _cpu_pressure() -> float | None:
+    """The share of the last 5 minutes some task waited for a CPU (Linux PSI): what else on
+    the machine took the cores from the stack while it was measured."""
+    try:
+        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+        return float(dict(kv.split("=") for kv in line.split()[1:])["avg300"])
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+
+
 def _content(data: str) -> bool:
     """A chunk that carries answer text (not the role's opening, not the usage)."""
     try:
@@ -303,7 +335,11 @@ def report(samples: dict[str, list[Probe]], floods: dict[str, Counter]) -> dict:
     def stats(probes: list[Probe]) -> dict:
         ttfts = sorted(p.ttft for p in probes)
         gaps = [g for p in probes for g in p.gaps]
-        return {"probes": len(probes),
+        queued = sorted(p.usage.get("queue_s", 0.0) for p in probes)
+        served = sorted(p.usage.get("ttft_s", 0.0) for p in probes)
+        return {"probes": len(probes), "refused_first": sum(p.refusals for p in probes),
+                "kvbank_queue_p50_s": round(statistics.median(queued), 3) if queued else None,
+                "kvbank_ttft_p50_s": round(statistics.median(served), 3) if served else None,
                 "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
                 "ttft_max_s": round(ttfts[-1], 3) if ttfts else None,
                 "step_median_s": round(statistics.median(gaps), 4) if gaps else None,
