@@ -293,6 +293,8 @@ class Decodings:
         is free. Refuses a forced call the model cannot write."""
         fmt, choice = req.response_format, req.tool_choice
         forced = req.tools_json and (choice == "required" or choice.startswith("function:"))
+        if forced and not self.tokenizer.has_tool_calling:
+            return None  # refused as any request with tools is (`for_request`)
         if fmt.type not in ("json_object", "json_schema") and not forced:
             return None
         if forced and self.tokenizer.tool_parser.__module__.rsplit(".", 1)[-1] != "json_tools":

@@ -49,6 +49,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             grammar = await self.compiles.grammar(request)
         except KvbankError as e:
             await context.abort(grpc_status(e), str(e), trailing_metadata=e.trailing_metadata())
+        except Exception as e:
+            logger.exception("the request's grammar failed")
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"generation failed: {type(e).__name__}")
         job = self.engine.post(cmd.Generate(
             request, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
             grammar=grammar))
