@@ -28,25 +28,26 @@ PROGRESS_EVERY_S = 2.0
 class Progress:
     """`tick(done, total)` in a long step: a line at most every PROGRESS_EVERY_S."""
 
-    def __init__(self, what: str):
-        self.what, self.t0 = what, time.monotonic()
+    def __init__(self, what: str, log: logging.Logger = logger):
+        self.what, self.t0, self.log = what, time.monotonic(), log
         self._said = self.t0
 
     def tick(self, done: int, total: int, unit: str = "") -> None:
         now = time.monotonic()
         if now - self._said >= PROGRESS_EVERY_S:
             self._said = now
-            logger.info("%s: %d of %d%s (%.0f s)", self.what, done, total,
-                        f" {unit}" if unit else "", now - self.t0)
+            self.log.info("%s: %d of %d%s (%.0f s)", self.what, done, total,
+                          f" {unit}" if unit else "", now - self.t0)
 
 
 @contextlib.contextmanager
-def step(what: str):
-    """One step of the start: `what ...` as it begins, `what: N s` as it ends."""
-    logger.info("%s ...", what)
-    progress = Progress(what)
+def step(what: str, log: logging.Logger = logger):
+    """One step of the start: `what ...` as it begins, `what: N s` as it ends (in `log`, the
+    stepping module's logger)."""
+    log.info("%s ...", what)
+    progress = Progress(what, log)
     yield progress
-    logger.info("%s: %.1f s", what, time.monotonic() - progress.t0)
+    log.info("%s: %.1f s", what, time.monotonic() - progress.t0)
 
 
 class CalibrationFile:

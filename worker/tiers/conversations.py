@@ -44,7 +44,7 @@ class Conversations:
             return
         records = {}
         self.lineages.clear()
-        with step("loading session records from the store") as progress:
+        with step("loading session records from the store", logger) as progress:
             metas = store.list_sessions()
             for i, meta in enumerate(metas):
                 progress.tick(i, len(metas), "records")
