@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-prompt-tokens", type=int, default=1000,
                    help="about how long each long request's prompt is (default: %(default)s)")
     p.add_argument("--stack-dir", type=Path, default=None,
-                   help="run the stack from the code in this checkout (a before/after)")
+                   help="run the stack from this other checkout of kvbank, with its own .venv "
+                        "(a before/after)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="write the result as JSON to FILE (- or nothing: one line to stdout)")
 
@@ -93,7 +94,7 @@ def run(*, model: str | None, scenarios: list[str], probes: int, rounds: int,
         keys.write_text(f"flood {FLOOD_KEY}\nprobe {PROBE_KEY}\n")
         stack = LocalStack.start(model_dir, Path(tmp) / "data", extra=[
             "--api-keys-file", str(keys), "--admin-key", OPERATOR_KEY],
-            popen={"cwd": str(stack_dir)} if stack_dir else None)
+            checkout=stack_dir)
         try:
             bench = Bench(stack, probe_tokens, long_prompt_tokens)
             bench.probe(1)  # warm: the first request's kernels and allocations
