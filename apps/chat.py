@@ -42,8 +42,8 @@ class _CtrlC:
 
 
 def ask(address: str, session: str, text: str, *, max_tokens: int, temperature: float,
-        as_json: bool) -> int:
-    with Client(address) as c, _CtrlC() as ctrl_c:
+        as_json: bool, api_key: str | None = None) -> int:
+    with Client(address, api_key) as c, _CtrlC() as ctrl_c:
         try:
             turn = c.generate(session_id=session, messages=[{"role": "user", "content": text}],
                               append=True, max_tokens=max_tokens, temperature=temperature,
@@ -63,10 +63,11 @@ def ask(address: str, session: str, text: str, *, max_tokens: int, temperature: 
     return 0
 
 
-def chat(address: str, session: str, *, max_tokens: int, temperature: float) -> int:
+def chat(address: str, session: str, *, max_tokens: int, temperature: float,
+         api_key: str | None = None) -> int:
     print(f"kvbank chat: session {session!r} at {address}. "
           "Ctrl-C stops an answer, Ctrl-D leaves.")
-    with Client(address) as c:
+    with Client(address, api_key) as c:
         while True:
             try:
                 line = input("you> ").strip()

@@ -17,8 +17,9 @@ import os
 import sys
 from pathlib import Path
 
-from kvbank.apps.flags import (FLAG_GROUPS, address_flag, coldstore_flags, data_dir_flag, forward,
-                               metrics_flag, model_flag, router_flags, shim_flags, worker_flags)
+from kvbank.apps.flags import (FLAG_GROUPS, address_flag, client_key_flags, coldstore_flags,
+                               data_dir_flag, forward, metrics_flag, model_flag, router_flags,
+                               shim_flags, worker_flags)
 from kvbank.config import DEFAULT_METRICS_PORT, DEFAULT_ROUTER_PORT, Layout
 
 
@@ -92,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="interactive chat with a running kvbank")
     address_flag(chat)
+    client_key_flags(chat, admin=False)
     chat.add_argument("--session", default="chat", help="session name (default: %(default)s)")
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.0)
@@ -99,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ask = sub.add_parser("ask", help="one turn of a session (append mode)")
     address_flag(ask)
+    client_key_flags(ask, admin=False)
     ask.add_argument("--session", required=True)
     ask.add_argument("--max-tokens", type=int, default=128)
     ask.add_argument("--temperature", type=float, default=0.0)
@@ -108,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     stp = sub.add_parser("status", help="sessions, tiers, budgets and pressure of a running kvbank")
     address_flag(stp)
+    client_key_flags(stp, admin=True)
     stp.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
     stp.add_argument("--every", type=float, default=2.0, help="seconds between redraws")
     stp.add_argument("--json", action="store_true")
@@ -118,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     adm = sub.add_parser("admin", help="operator tools (over the router's Admin service)")
     address_flag(adm)
+    client_key_flags(adm, admin=True)
     adm.set_defaults(func=_run_admin)  # apps/admin.py dispatches on args.admin
     asub = adm.add_subparsers(dest="admin", required=True)
     ap_ = asub.add_parser("pressure", help="inject a memory-pressure level, or `auto`")
@@ -126,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     asub.add_parser("flush", help="write every conversation not on SSD yet, now")
     ar = asub.add_parser("release", help="move one conversation out of RAM (written out first)")
     ar.add_argument("session")
+    ar.add_argument("--tenant", default="",
+                    help="whose conversation, with API keys configured (the operator's key; "
+                         "`kvbank status --admin-key` lists them)")
     ar.add_argument("--no-write-out", action="store_true",
                     help="drop its KV from RAM even if it is not on SSD yet")
 
@@ -256,11 +264,18 @@ def _run_router(args: argparse.Namespace) -> int:
     from kvbank.router.auth import load_keys
     from kvbank.router.server import main as router_main
 
+    for flag in ("max_active_per_tenant", "max_queue_per_tenant"):
+        value = getattr(args, flag)
+        if value is not None and value < (1 if flag == "max_active_per_tenant" else 0):
+            raise SystemExit(f"--{flag.replace('_', '-')} {value}: must be at least "
+                             f"{1 if flag == 'max_active_per_tenant' else 0}")
     layout = Layout(args.data_dir).ensure()
     router_main(args.model, layout.worker_address, args.host, args.port,
                 keys=load_keys(args.api_key, args.api_keys_file),
                 ceilings=Ceilings(args.max_prompt_tokens, args.max_request_tokens),
                 max_queue=args.max_queue, max_queue_wait_s=args.max_queue_wait_s,
+                max_active_per_tenant=args.max_active_per_tenant,
+                max_queue_per_tenant=args.max_queue_per_tenant,
                 metrics_port=args.metrics_port, admin_key=args.admin_key,
                 run_dir=layout.run_dir)
     return 0
@@ -289,7 +304,9 @@ def _run_worker(args: argparse.Namespace) -> int:
                     write_out_deadline_s=args.write_out_deadline_s,
                     max_checkpoints=args.max_checkpoints,
                     checkpoint_every=args.checkpoint_every, kv_bits=args.kv_bits,
-                    kv_events=_kv_events(args), metrics_port=args.metrics_port)
+                    kv_events=_kv_events(args), metrics_port=args.metrics_port,
+                    grammar_timeout_s=args.grammar_timeout_s,
+                    max_grammar_bytes=args.max_grammar_bytes)
     except UnsupportedModel as e:  # never served wrong: refused, with what to do
         raise SystemExit(f"kvbank worker: refused to serve {args.model}: {e}") from None
     return 0
@@ -359,7 +376,8 @@ def _run_status(args: argparse.Namespace) -> int:
     from kvbank.apps.status import run_status
 
     return run_status(args.address, watch=args.watch, every_s=args.every, as_json=args.json,
-                      show_evictions=args.evictions)
+                      show_evictions=args.evictions, api_key=args.api_key,
+                      admin_key=args.admin_key)
 
 
 def _run_store_verify(args: argparse.Namespace) -> int:
@@ -396,14 +414,14 @@ def _run_chat(args: argparse.Namespace) -> int:
     from kvbank.apps.chat import chat
 
     return chat(args.address, args.session, max_tokens=args.max_tokens,
-                temperature=args.temperature)
+                temperature=args.temperature, api_key=args.api_key)
 
 
 def _run_ask(args: argparse.Namespace) -> int:
     from kvbank.apps.chat import ask
 
     return ask(args.address, args.session, args.text, max_tokens=args.max_tokens,
-               temperature=args.temperature, as_json=args.json)
+               temperature=args.temperature, as_json=args.json, api_key=args.api_key)
 
 
 def _run_bench(args: argparse.Namespace) -> int:

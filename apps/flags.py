@@ -4,6 +4,7 @@ to its own process (`forward`), so a flag is declared once, here."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from kvbank.config import (DEFAULT_BLOCK_TOKENS, DEFAULT_DECODE_WAIT_S, DEFAULT_ROUTER_PORT,
@@ -32,6 +33,19 @@ def metrics_flag(p: argparse.ArgumentParser, default: int, what: str) -> None:
 def address_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=f"127.0.0.1:{DEFAULT_ROUTER_PORT}",
                    help="the router (default: %(default)s)")
+
+
+def client_key_flags(p: argparse.ArgumentParser, *, admin: bool) -> None:
+    """The keys a client of a running kvbank sends: a tenant's API key and, for operator
+    tools, the operator's key (each also from the environment)."""
+    p.add_argument("--api-key", default=os.environ.get("KVBANK_API_KEY") or None,
+                   metavar="KEY", help="an API key of the server's (--api-key/--api-keys-file): "
+                                       "act as its tenant (default: $KVBANK_API_KEY)")
+    if admin:
+        p.add_argument("--admin-key", default=os.environ.get("KVBANK_ADMIN_KEY") or None,
+                       metavar="KEY", help="the operator's key (the router's --admin-key): see "
+                                           "and act on every tenant's conversations (default: "
+                                           "$KVBANK_ADMIN_KEY)")
 
 
 # Each process's flags are declared once, in a group: `kvbank up` takes every group and
@@ -166,6 +180,13 @@ def worker_flags(p: argparse.ArgumentParser) -> None:
                  "request restores them dequantized and runs in full precision; window and "
                  "recurrent layers stay full precision; a store written at another setting is "
                  "recomputed, never misread (default: off, full precision)")),
+           (["--grammar-timeout-s"], dict(type=float, default=5.0,
+            help="a JSON schema or forced tool call whose grammar takes longer to compile is "
+                 "refused (400); compiles run beside the engine, one per API key at a time, "
+                 "each schema once (default: %(default)s)")),
+           (["--max-grammar-bytes"], dict(type=int, default=256 << 10,
+            help="a larger JSON schema (or forced call's tools) is refused at once (400) "
+                 "(default: 256 KiB)")),
            (["--kv-events-endpoint"], dict(default=None, metavar="tcp://HOST:PORT",
             help="publish which KV blocks this machine holds (RAM, SSD) in vLLM's KV-event "
                  "format on this ZeroMQ endpoint, for `vllm-router --policy kv_aware "
@@ -201,9 +222,19 @@ def router_flags(p: argparse.ArgumentParser) -> None:
                  "(default: %(default)s)")),
            (["--max-queue-wait-s"], dict(type=float, default=300.0,
             help="longest wait for a slot before a refusal (default: %(default)s)")),
+           (["--max-active-per-tenant"], dict(type=int, default=None, metavar="N",
+            help="with API keys: requests one key may have at the worker at once; slots that "
+                 "free go to the keys by turns (default: one fewer than the worker runs, so "
+                 "one key's flood never takes them all)")),
+           (["--max-queue-per-tenant"], dict(type=int, default=None, metavar="N",
+            help="with API keys: requests one key may have waiting; more are refused with "
+                 "retry-after (default: half of --max-queue)")),
            (["--admin-key"], dict(default=None,
-            help="lets non-loopback clients use the Admin service when they send it as "
-                 "x-kvbank-admin-key (default: loopback only)")))
+            help="the operator's key, sent as x-kvbank-admin-key (`kvbank status|admin "
+                 "--admin-key`). With API keys it is the only way to act beyond one's own "
+                 "conversations (SetPressure; Trim, Flush, Release, Status and the session list "
+                 "of every tenant), loopback included; without keys, loopback clients and "
+                 "clients that send it are the operator (default: none)")))
     auth_flags(p, "router")
 
 

@@ -49,13 +49,20 @@ class Report:
     agent_errors: list = field(default_factory=list)
     findings: list = field(default_factory=list)
     recovery_s: list = field(default_factory=list)
+    # From a restarted worker or router serving (its health check) to the first turn answered
+    # after: how long clients wait on a stack that is back (goal: <= 1 s).
+    serving_to_answer_s: list = field(default_factory=list)
+    # A worker kill: from the kill to the next answer, less the new worker's own start (spawn
+    # to serving, the model's load): what the restart costs beyond loading (goal: <= 2 s).
+    worker_kill_beyond_load_s: list = field(default_factory=list)
 
     def summary(self) -> dict:
         out = asdict(self)
-        rec = sorted(self.recovery_s)
-        out["recovery_p50_s"] = round(rec[len(rec) // 2], 2) if rec else None
-        out["recovery_max_s"] = round(rec[-1], 2) if rec else None
-        out["recovery_s"] = [round(r, 2) for r in rec]
+        for name in ("recovery", "serving_to_answer", "worker_kill_beyond_load"):
+            got = sorted(getattr(self, f"{name}_s"))
+            out[f"{name}_p50_s"] = round(got[len(got) // 2], 2) if got else None
+            out[f"{name}_max_s"] = round(got[-1], 2) if got else None
+            out[f"{name}_s"] = [round(r, 2) for r in got]
         out["ok"] = (self.turns_lost == 0 and self.wrong_restores == 0 and not self.agent_errors
                      and self.ssd_restores_missed == 0 and self.store_bad_blocks == 0)
         return out
@@ -76,6 +83,8 @@ class Run:
         self.check_every = check_every
         self.stop = threading.Event()
         self.killer_done = threading.Event()
+        self.answered: list[float] = []  # when each turn was acknowledged (monotonic)
+        self.answer_came = threading.Condition(self.lock)
 
     # -- agents -----------------------------------------------------------------------------
 
@@ -108,6 +117,8 @@ class Run:
                 history = len(before) + len(new) + len(t.token_ids) + 1
                 record = self._retry(lambda: list(c.get_session(session).token_ids))
                 with self.lock:
+                    self.answered.append(time.monotonic())
+                    self.answer_came.notify_all()
                     self.report.turns_acknowledged += 1
                     if record is not None:
                         self.acked[session] = record
@@ -192,10 +203,54 @@ class Run:
                 old = self.stack.kill9(name)
                 t0 = time.monotonic()
                 self.expect_ssd.update(dict.fromkeys(durable, t0))
+            spawned, serving = self._serving_again(name, old)
             self.stack.wait_restarted(name, old, timeout_s=300)
             self.report.recovery_s.append(time.monotonic() - t0)
+            # The worker and the router are on every answer's path; the stack answers from RAM
+            # while the coldstore is down, so its restart has no first answer to wait for.
+            answer = self._next_answer(after=serving) if name != "coldstore" else None
+            if answer is not None:
+                self.report.serving_to_answer_s.append(answer - serving)
+                if name == "worker":
+                    self.report.worker_kill_beyond_load_s.append(
+                        (answer - t0) - (serving - spawned))
             self.report.kills[name] += 1
             self.check_records()
+
+    def _serving_again(self, name: str, old: int, timeout_s: float = 300
+                       ) -> tuple[float, float]:
+        """When the supervisor's new `name` process was spawned, and when it first answered
+        its health check (monotonic; polled every 20 ms)."""
+        import psutil
+
+        from kvbank.contracts.health import coldstore_up, grpc_healthy
+
+        layout = self.stack.layout
+        healthy = {"worker": lambda: grpc_healthy(layout.worker_address, 0.5),
+                   "router": lambda: grpc_healthy(self.stack.address, 0.5),
+                   "coldstore": lambda: coldstore_up(layout.coldstore_address)}[name]
+        deadline = time.monotonic() + timeout_s
+        pid = old
+        while pid == old and time.monotonic() < deadline:
+            try:
+                pid = self.stack.pid(name)
+            except (FileNotFoundError, ValueError):
+                pass
+            time.sleep(0.02)
+        try:  # its start, on the monotonic clock
+            spawned = time.monotonic() - (time.time() - psutil.Process(pid).create_time())
+        except psutil.Error:
+            spawned = time.monotonic()
+        while not healthy() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return spawned, time.monotonic()
+
+    def _next_answer(self, after: float, timeout_s: float = 120) -> float | None:
+        """When the first turn acknowledged after `after` was (None: none came in time)."""
+        with self.answer_came:
+            self.answer_came.wait_for(lambda: any(t >= after for t in self.answered)
+                                      or self.stop.is_set(), timeout_s)
+            return next((t for t in self.answered if t >= after), None)
 
     def _flush(self) -> None:
         with self.stack.client() as c:
@@ -269,13 +324,43 @@ def run(*, model: str | None, agents: int, turns: int, kills: int, seed: int,
         tmp = Path(tmp)
         model_dir = (make_tiny_model(tmp / "tiny", seed=0, cache_dir=default_cache_dir())
                      if model is None else prepare_model(model))
-        stack = LocalStack.start(model_dir, tmp / "data", shim=False, extra=[
+        stack = LocalStack.start(model_dir, tmp / "data", shim=False, wait=False, extra=[
             "--block-tokens", "16", "--quiet-grace-s", "0.1", "--tail-delay-s", "1",
             "--max-dirty-s", "2"])
         try:
+            start_to_answer = _answered_after_start(stack)
             summary = Run(stack, agents=agents, turns=turns, kills=kills, seed=seed).run().summary()
+            summary["start_to_answer_s"] = round(start_to_answer, 3)
         finally:
             stack.stop()
     if report_path is not None:
         report_path.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _answered_after_start(stack) -> float:
+    """A client that sends from the moment `kvbank up` starts (again at once on a refusal,
+    again after a second on UNAVAILABLE, as it asks): from the stack's "kvbank is up" (its
+    ready file) to that client's first answer (goal: <= 1 s)."""
+    answered: list[float] = []
+    stop = threading.Event()
+
+    def send() -> None:
+        with stack.client() as c:
+            while not stop.is_set():
+                try:
+                    c.generate(prompt="Are you up?", max_tokens=2, timeout_s=30)
+                    answered.append(time.monotonic())
+                    return
+                except grpc.RpcError:
+                    stop.wait(1.0)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    stack.wait_started(300)
+    ready_at = time.monotonic()
+    sender.join(120)
+    stop.set()
+    if not answered:
+        raise RuntimeError("no answer within 120 s of the stack's start")
+    return max(0.0, answered[0] - ready_at)

@@ -2,7 +2,9 @@
 
 One table of sessions (state, tokens, bytes in RAM, durable up to, dirty age, last use) and
 one of the worker's memory; `--evictions` shows the bank's eviction log instead; `--watch`
-redraws every `--every` seconds; `--json` prints the same as JSON.
+redraws every `--every` seconds; `--json` prints the same as JSON. On a server with API keys,
+the operator's key (`--admin-key`) shows every tenant and the whole server; an API key
+(`--api-key`), that tenant's own conversations and figures.
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ from rich.live import Live
 from rich.table import Table
 
 from kvbank.client import Client
+
+
+def key_hint(e: grpc.RpcError) -> str:
+    """What to pass when the server wants a key."""
+    if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return (" (pass the operator's key with --admin-key or $KVBANK_ADMIN_KEY, or an API "
+                "key with --api-key or $KVBANK_API_KEY)")
+    return ""
 
 
 def _mb(n: int) -> str:
@@ -73,6 +83,8 @@ def render(c: Client):
                          str(s.durable_tokens), _ago(s.updated_at, now) if dirty else "-",
                          _ago(s.updated_at, now))
     rest = f"{st.kv_bits} bits" if st.kv_bits else "full precision"  # --kv-bits
+    if st.scope == "tenant":
+        return Group(sessions, _tenant_memory(st, rest))
     memory = Table(title=f"worker memory (KV at rest: {rest})", title_justify="left")
     for col in ("budget", "held", "model", "bank", "running", "staged", "bank cap",
                 "pressure", "scheduler", "running / waiting"):
@@ -99,11 +111,25 @@ def render(c: Client):
     return Group(sessions, memory, tiers)
 
 
+def _tenant_memory(st, rest: str) -> Table:
+    """An API key's own view: its conversations in RAM and its requests; the server's figures
+    are the operator's (`--admin-key`)."""
+    t = Table(title=f"this API key's conversations (KV at rest: {rest}; the whole server: "
+                    f"--admin-key)", title_justify="left")
+    for col in ("in RAM", "budget", "bank cap", "pressure", "scheduler", "running / waiting"):
+        t.add_column(col, justify="right")
+    t.add_row(f"{_mb(st.bank_bytes)} ({st.bank_entries})", _mb(st.memory_budget_bytes),
+              _mb(st.bank_max_bytes), st.pressure_level, st.scheduler,
+              f"{st.running_requests} / {st.waiting_requests}")
+    return t
+
+
 def run_status(address: str, *, watch: bool, every_s: float, as_json: bool,
-               show_evictions: bool = False) -> int:
+               show_evictions: bool = False, api_key: str | None = None,
+               admin_key: str | None = None) -> int:
     draw = render_evictions if show_evictions else render
     try:
-        with Client(address) as c:
+        with Client(address, api_key, admin_key) as c:
             if as_json:
                 print(json.dumps(evictions(c) if show_evictions else snapshot(c)))
                 return 0
@@ -115,7 +141,8 @@ def run_status(address: str, *, watch: bool, every_s: float, as_json: bool,
                 return 0
             return _watch(c, draw, every_s)
     except grpc.RpcError as e:
-        print(f"kvbank status: {address}: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"kvbank status: {address}: {e.code().name}: {e.details()}{key_hint(e)}",
+              file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0

@@ -98,17 +98,23 @@ class LocalStack:
               env: dict | None = None, timeout_s: float = 300, shim: bool = True,
               launcher: tuple[str, ...] = ("-m", "kvbank.apps.cli"), port: int | None = None,
               shim_port: int | None = None, wait: bool = True,
-              popen: dict | None = None) -> "LocalStack":
+              popen: dict | None = None, checkout: Path | None = None) -> "LocalStack":
         """`launcher`: the module that runs `up` (a test may stand a slow disk in).
         `port`, `shim_port`: fixed ports (default: free ones); `wait=False` returns as soon as
-        the process runs (then `wait_started`); `popen`: more `subprocess.Popen` arguments."""
+        the process runs (then `wait_started`); `popen`: more `subprocess.Popen` arguments;
+        `checkout`: run the stack of another checkout of kvbank (a bench's before/after), with
+        its own virtual environment and module names (`other_checkout`)."""
+        python = sys.executable
+        if checkout is not None:
+            python, launcher = other_checkout(Path(checkout))
+            popen = {**(popen or {}), "cwd": str(checkout)}
         picked = free_ports(2)
         port = port or picked[0]
         shim_port = (shim_port or picked[1]) if shim else 0
         layout = Layout(data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         log = data_dir.parent / f"{data_dir.name}-stack.log"
-        argv = [sys.executable, *launcher, "up", "--model", str(model),
+        argv = [python, *launcher, "up", "--model", str(model),
                 "--data-dir", str(data_dir), "--port", str(port),
                 "--shim-port", str(shim_port), "--metrics-port", "0", *extra]
         with open(log, "wb") as f:
@@ -195,3 +201,21 @@ class LocalStack:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def other_checkout(checkout: Path) -> tuple[str, tuple[str, ...]]:
+    """The interpreter and `-m` module that run `kvbank` from another checkout: its own
+    .venv's python (this one's would import this checkout's processes under that one's floor),
+    and its command line's module name in its layout (`kvbank.apps.cli` since #47, `apps.cli`
+    before)."""
+    python = checkout / ".venv" / "bin" / "python"
+    if not python.exists():
+        raise FileNotFoundError(f"{checkout}: no .venv (run `make install` there first)")
+    for module in ("kvbank.apps.cli", "apps.cli"):
+        found = subprocess.run(
+            [str(python), "-c", f"import importlib.util, sys; "
+                                f"sys.exit(importlib.util.find_spec({module!r}) is None)"],
+            cwd=checkout, capture_output=True, timeout=60)
+        if found.returncode == 0:
+            return str(python), ("-m", module)
+    raise FileNotFoundError(f"{checkout}: its .venv runs no kvbank command line")

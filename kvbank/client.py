@@ -8,6 +8,7 @@ from typing import Callable, Iterable
 
 import grpc
 
+from kvbank.config import RECONNECT_OPTIONS
 from kvbank.v1 import api_pb2, api_pb2_grpc
 
 CACHE_SOURCES = {
@@ -35,9 +36,12 @@ def usage_dict(u: api_pb2.Usage) -> dict:
     }
 
 
-class _ApiKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    def __init__(self, key: str):
-        self.md = (("authorization", f"Bearer {key}"),)
+class _Keys(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Metadata every call carries: the API key (a tenant's), the operator's key, or both."""
+
+    def __init__(self, api_key: str | None, admin_key: str | None):
+        self.md = ((("authorization", f"Bearer {api_key}"),) if api_key else ()) + (
+            (("x-kvbank-admin-key", admin_key),) if admin_key else ())
 
     def _add(self, details):
         return details._replace(metadata=tuple(details.metadata or ()) + self.md)
@@ -60,10 +64,13 @@ class Turn:
 
 
 class Client:
-    def __init__(self, address: str, api_key: str | None = None):
-        self.channel = grpc.insecure_channel(address)
-        if api_key:  # every call carries it: the router maps it to this client's tenant
-            self.channel = grpc.intercept_channel(self.channel, _ApiKey(api_key))
+    def __init__(self, address: str, api_key: str | None = None, admin_key: str | None = None):
+        """`api_key`: a tenant's (the router maps it to the tenant); `admin_key`: the
+        operator's (the router's --admin-key), for the Admin service and the list of every
+        tenant's sessions."""
+        self.channel = grpc.insecure_channel(address, options=list(RECONNECT_OPTIONS))
+        if api_key or admin_key:  # every call carries them
+            self.channel = grpc.intercept_channel(self.channel, _Keys(api_key, admin_key))
         self.generation = api_pb2_grpc.GenerationStub(self.channel)
         self.sessions = api_pb2_grpc.SessionsStub(self.channel)
         self.admin = api_pb2_grpc.AdminStub(self.channel)
@@ -130,9 +137,12 @@ class Client:
     def get_session(self, session_id: str) -> api_pb2.Session:
         return self.sessions.Get(api_pb2.GetSessionRequest(session_id=session_id), timeout=30)
 
-    def release(self, session_id: str, write_out: bool = True) -> api_pb2.ReleaseResponse:
+    def release(self, session_id: str, write_out: bool = True,
+                tenant: str = "") -> api_pb2.ReleaseResponse:
+        """`tenant`: whose conversation (the operator's call, with API keys configured)."""
         return self.admin.Release(api_pb2.ReleaseRequest(session_id=session_id,
-                                                         write_out=write_out), timeout=120)
+                                                         write_out=write_out, tenant=tenant),
+                                  timeout=120)
 
     def set_pressure(self, level: str) -> api_pb2.PressureResponse:
         return self.admin.SetPressure(api_pb2.PressureRequest(level=level), timeout=30)

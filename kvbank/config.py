@@ -16,6 +16,16 @@ DEFAULT_METRICS_PORT = 9400  # router; worker +1, coldstore +2
 DEFAULT_BLOCK_TOKENS = 256
 # While prompts are read, answers pause at most this long between tokens (worker/compute/scheduler.py).
 DEFAULT_DECODE_WAIT_S = 10.0
+# A gRPC channel to a peer that may be restarting (router -> worker, shim -> router, a
+# client -> router). gRPC's default backoff is 1 s x 1.6^n up to 120 s, so a peer back after
+# 20 s went unnoticed for up to 20 s more; capped at half a second, the channel is connected
+# again within that of its peer serving.
+RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 500))
+# How long a request waits for a (re)starting peer to connect before it is answered
+# UNAVAILABLE (HTTP 503) with a retry-after of RETRY_AFTER_UNAVAILABLE_S.
+PEER_READY_WAIT_S = 2.0
+RETRY_AFTER_UNAVAILABLE_S = 1
 OPENBLAS_PATHS = (
     "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
     "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",

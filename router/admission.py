@@ -58,43 +58,69 @@ def check_ceilings(c: Ceilings, *, prompt_tokens: int, max_tokens: int, info) ->
 
 
 class AdmissionQueue:
-    """Step 2: at most `max_active` requests at the worker, at most `max_queue` waiting.
+    """Step 2: at most `max_active` requests at the worker, at most `max_queue` waiting; each
+    tenant (API key) at most `max_active_per_tenant` running and `max_queue_per_tenant`
+    waiting, and the tenants served by turns.
 
-    FIFO; a full queue refuses at once with a retry-after estimated from recent turn times,
-    except a request whose conversation this machine holds (`holds`): behind a gateway a
-    refusal sends it to another machine, which would recompute all of it, so it waits here
-    (bounded by `max_wait_s` as any other).
+    One tenant's flood once made another's 8-token request wait 222 s in one FIFO line. Now a
+    slot that frees goes to a tenant with a request waiting and under its running cap: the
+    one with the fewest running, and of those the one served longest ago (round robin); the
+    oldest of that tenant's requests first. A tenant at its cap leaves the slot to others (by
+    default the cap is one slot short: a flood never takes them all). A full
+    queue, or a tenant's full share of it, refuses at once with a retry-after estimated from
+    recent turn times, except a request whose conversation this machine holds (`holds`):
+    behind a gateway a refusal sends it to another machine, which would recompute all of it,
+    so it waits here (bounded by `max_wait_s` as any other) unless its tenant's share is full.
     """
 
-    def __init__(self, max_active: int, max_queue: int, max_wait_s: float):
+    def __init__(self, max_active: int, max_queue: int, max_wait_s: float,
+                 max_active_per_tenant: int | None = None,
+                 max_queue_per_tenant: int | None = None):
         self.max_active = max(1, max_active)
         self.max_queue = max(0, max_queue)
         self.max_wait_s = max_wait_s
+        self.per_tenant_active = max(1, min(self.max_active, max_active_per_tenant
+                                            or self.max_active))
+        self.per_tenant_queue = (None if max_queue_per_tenant is None  # no share: one line
+                                 else max(0, max_queue_per_tenant))
         self.active = 0
-        self._waiters: deque[asyncio.Future] = deque()
+        self._running: dict[str, int] = {}  # tenant -> its requests at the worker
+        self._waiting: dict[str, deque[asyncio.Future]] = {}  # tenant -> waiters, oldest first
+        self._granted = 0  # slots granted so far
+        self._last: dict[str, int] = {}  # tenant -> when it was last granted one (`_granted`)
         self._recent_s: deque[float] = deque(maxlen=32)
 
     @property
     def depth(self) -> int:
-        return len(self._waiters)
+        return sum(len(q) for q in self._waiting.values())
+
+    def waiting(self, tenant: str) -> int:
+        return len(self._waiting.get(tenant, ()))
+
+    def running(self, tenant: str) -> int:
+        return self._running.get(tenant, 0)
 
     def retry_after_s(self) -> int:
         turn = sorted(self._recent_s)[len(self._recent_s) // 2] if self._recent_s else 1.0
         return max(1, math.ceil(turn * (self.depth + 1) / self.max_active))
 
-    async def acquire(self, holds: Callable[[], Awaitable[bool]] | None = None) -> float:
+    async def acquire(self, tenant: str = "",
+                      holds: Callable[[], Awaitable[bool]] | None = None) -> float:
         """Wait for a slot; returns the seconds waited. Raises Refused."""
-        if self.active < self.max_active and not self._waiters:
-            self.active += 1
+        if (self.active < self.max_active and self.running(tenant) < self.per_tenant_active
+                and not self.waiting(tenant)):
+            self._grant(tenant)
             return 0.0
-        if len(self._waiters) >= self.max_queue and not (holds is not None and await holds()):
-            raise Refused(RefusalReason.QUEUE_FULL, Verdict.AFTER_IN_FLIGHT,
-                          f"{self.active} requests are running and {self.depth} waiting "
-                          f"(--max-queue {self.max_queue}): retry in {self.retry_after_s()} s",
-                          retry_after_s=self.retry_after_s())
+        if self.per_tenant_queue is not None and self.waiting(tenant) >= self.per_tenant_queue:
+            raise self._full(f"this API key has {self.running(tenant)} requests running and "
+                             f"{self.waiting(tenant)} waiting (--max-queue-per-tenant "
+                             f"{self.per_tenant_queue})")
+        if self.depth >= self.max_queue and not (holds is not None and await holds()):
+            raise self._full(f"{self.active} requests are running and {self.depth} waiting "
+                             f"(--max-queue {self.max_queue})")
         t0 = time.monotonic()
         fut = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        self._waiting.setdefault(tenant, deque()).append(fut)
         granted = False
         try:
             await asyncio.wait_for(asyncio.shield(fut), self.max_wait_s)
@@ -106,20 +132,54 @@ class AdmissionQueue:
                           retry_after_s=self.retry_after_s())
         finally:
             if not granted:  # timed out or the client went away
-                if fut in self._waiters:
-                    self._waiters.remove(fut)
+                if not fut.done():
+                    self._forget(tenant, fut)
                     fut.cancel()
-                elif fut.done() and not fut.cancelled():  # granted as we gave up: pass it on
-                    self.release(0.0, count=False)
+                elif not fut.cancelled():  # granted as we gave up: pass it on
+                    self.release(tenant, 0.0, count=False)
         return time.monotonic() - t0
 
-    def release(self, held_s: float, count: bool = True) -> None:
-        """A request left the worker: hand its slot to the next waiter."""
+    def release(self, tenant: str = "", held_s: float = 0.0, count: bool = True) -> None:
+        """A request of `tenant` left the worker: its slot goes to the next tenant in turn."""
         if count:
             self._recent_s.append(held_s)
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)  # the slot passes on; `active` is unchanged
-                return
         self.active -= 1
+        self._running[tenant] -= 1
+        if not self._running[tenant]:
+            del self._running[tenant]
+        self._hand_on()
+
+    def _grant(self, tenant: str) -> None:
+        self.active += 1
+        self._running[tenant] = self._running.get(tenant, 0) + 1
+        self._granted += 1
+        self._last[tenant] = self._granted
+
+    def _hand_on(self) -> None:
+        """Free slots to waiters: each to the tenant with a request waiting, under its cap,
+        that has the fewest running, and of those the one served longest ago (by turns)."""
+        while self.active < self.max_active:
+            ready = [t for t, q in self._waiting.items()
+                     if q and self.running(t) < self.per_tenant_active]
+            if not ready:
+                return
+            tenant = min(ready, key=lambda t: (self.running(t), self._last.get(t, 0)))
+            q = self._waiting[tenant]
+            fut = q.popleft()
+            if not q:
+                del self._waiting[tenant]
+            self._grant(tenant)
+            fut.set_result(None)
+
+    def _forget(self, tenant: str, fut: asyncio.Future) -> None:
+        """A waiter that gave up leaves its tenant's line (and the line, if it was the last)."""
+        q = self._waiting.get(tenant)
+        if q is not None and fut in q:
+            q.remove(fut)
+            if not q:
+                del self._waiting[tenant]
+
+    def _full(self, what: str) -> Refused:
+        return Refused(RefusalReason.QUEUE_FULL, Verdict.AFTER_IN_FLIGHT,
+                       f"{what}: retry in {self.retry_after_s()} s",
+                       retry_after_s=self.retry_after_s())

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import concurrent.futures
 import contextlib
-import hmac
 import json
 import logging
+import math
 import signal
 import time
 import uuid
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import grpc
 from jinja2.exceptions import TemplateError
@@ -26,17 +28,20 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvbank import metrics
+from kvbank.config import PEER_READY_WAIT_S, RECONNECT_OPTIONS, RETRY_AFTER_UNAVAILABLE_S
 from kvbank.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvbank.contracts.failures import (RELAYED_METADATA, ContextTooLong, KvbankError,
-                                      WorkerUnavailable, grpc_status)
+                                      MaxTokensTooLarge, WorkerUnavailable, grpc_status)
 from kvbank.router.admission import AdmissionQueue, Ceilings, check_ceilings, worker_pricing
-from kvbank.router.auth import tenant_for
+from kvbank.router.auth import ADMIN_KEY, OPERATOR, operator_or_tenant, tenant_for
 from kvbank.router.tokenizer import AnswerTokens, PromptTokenizer, answer_key, lift_system
 from kvbank.router.validation import InvalidRequest, ValidRequest, validate
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 TENANT_KEY = "x-kvbank-tenant"
+SCOPE_KEY, SERVER_SCOPE = "x-kvbank-scope", "server"  # the operator's call: every tenant
 
 
 def _status_for(exc: Exception) -> tuple[grpc.StatusCode, str, tuple]:
@@ -46,16 +51,47 @@ def _status_for(exc: Exception) -> tuple[grpc.StatusCode, str, tuple]:
     if isinstance(exc, grpc.aio.AioRpcError):  # the worker's: its reasons go on
         md = tuple((k, v) for k, v in (exc.trailing_metadata() or ())
                    if k in RELAYED_METADATA)
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and "x-kvbank-reason" not in dict(md):
+            return _status_unavailable()  # the transport's, not the worker's own word
         return (*_code_for(exc), md)
     return (*_code_for(exc), ())
 
 
+def _status_unavailable() -> tuple[grpc.StatusCode, str, tuple]:
+    """The worker went away or is not back yet: our sentence, never the transport's."""
+    e = WorkerUnavailable(WORKER_AWAY)
+    return grpc_status(e), str(e), e.trailing_metadata()
+
+
+WORKER_AWAY = (f"the worker is not answering (it is starting or restarting): retry in "
+               f"{RETRY_AFTER_UNAVAILABLE_S} s")
+
+
 def _code_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, grpc.aio.AioRpcError):
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            return exc.code(), "the worker is not reachable (restarting?); retry in a few seconds"
         return exc.code(), exc.details() or ""
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+
+
+LARGE_PROMPT_BYTES = 64 << 10  # tokenized on the tokenizing thread, not the router's loop
+
+
+class LargePrompts:
+    """The tokenizing thread: one, with its own tokenizer (a tokenizer is not shared between
+    threads), for prompts of LARGE_PROMPT_BYTES or more. A 3.9 MB prompt held the router's
+    loop for ~2 s, and every other tenant's request with it; here it waits only for the large
+    prompts before it."""
+
+    def __init__(self, model_dir: Path):
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._tokenizer = self._pool.submit(PromptTokenizer, model_dir)  # loads meanwhile
+
+    async def run(self, work: Callable[[PromptTokenizer], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, lambda: work(self._tokenizer.result()))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Backend:
@@ -63,34 +99,59 @@ class Backend:
 
     def __init__(self, model_dir: Path, worker_address: str, keys: dict[str, str] | None = None,
                  ceilings: Ceilings = Ceilings(), max_queue: int = 64,
-                 max_queue_wait_s: float = 300.0):
+                 max_queue_wait_s: float = 300.0, admin_key: str | None = None,
+                 max_active_per_tenant: int | None = None,
+                 max_queue_per_tenant: int | None = None):
+        """Per tenant (with API keys): `max_active_per_tenant` (None: one fewer than the
+        worker runs, so a flood never takes every slot) and `max_queue_per_tenant` (None:
+        half of `max_queue`). Without keys there is one tenant, and no share."""
         self.keys = keys or {}
+        self.admin_key = admin_key  # the operator's (router/auth.py)
         self.ceilings = ceilings
         self._queue_limits = (max_queue, max_queue_wait_s)
+        self._shares = (max_active_per_tenant, max_queue_per_tenant)
         self._queue: AdmissionQueue | None = None
         self.tokenizer = PromptTokenizer(model_dir)
+        self.tokenizer.max_token_bytes  # at start: a prompt's first check needs it
+        self.large = LargePrompts(model_dir)
         self.answers = AnswerTokens()  # what the model generated, for clients that send it back
         self.channel = grpc.aio.insecure_channel(
-            worker_address, options=[("grpc.max_receive_message_length", 64 << 20)])
+            worker_address, options=[("grpc.max_receive_message_length", 64 << 20),
+                                     *RECONNECT_OPTIONS])
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._info: worker_pb2.InfoResponse | None = None
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
 
+    async def ready(self) -> None:
+        """The worker's channel, connected: a request that comes while the worker (re)starts
+        waits for it up to PEER_READY_WAIT_S (the channel tries again every half second at
+        most, RECONNECT_OPTIONS), then is answered UNAVAILABLE with a retry-after."""
+        if self.channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
+            return
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), PEER_READY_WAIT_S)
+        except asyncio.TimeoutError:
+            raise WorkerUnavailable(WORKER_AWAY) from None
+
     async def info(self) -> worker_pb2.InfoResponse:
         if self._info is None:
+            await self.ready()
             try:
                 self._info = await self.stub.Info(worker_pb2.InfoRequest(), timeout=5)
             except grpc.aio.AioRpcError as e:
-                raise WorkerUnavailable(
-                    "the worker is still starting (loading the model); retry in a few seconds"
-                ) from e
+                raise WorkerUnavailable(WORKER_AWAY) from e
         return self._info
 
     async def queue(self) -> AdmissionQueue:
         """Sized by the worker's scheduler (its max_active_requests), known once it answers."""
         if self._queue is None:
             info = await self.info()
-            self._queue = AdmissionQueue(info.max_active_requests or 1, *self._queue_limits)
+            active, (queue, wait_s) = info.max_active_requests or 1, self._queue_limits
+            per_active, per_queue = self._shares
+            if len(set(self.keys.values())) > 1:  # tenants to share between
+                per_active = per_active or max(1, active - 1)
+                per_queue = queue // 2 if per_queue is None else per_queue
+            self._queue = AdmissionQueue(active, queue, wait_s, per_active, per_queue)
         return self._queue
 
     @property
@@ -135,6 +196,7 @@ class Backend:
         return self._locks.setdefault((tenant, session_id), asyncio.Lock())
 
     async def history(self, tenant: str, session_id: str) -> list[int]:
+        await self.ready()
         try:
             s = await self.stub.GetSession(api_pb2.GetSessionRequest(session_id=session_id),
                                            metadata=((TENANT_KEY, tenant),), timeout=10)
@@ -144,11 +206,34 @@ class Backend:
             raise
         return list(s.token_ids)
 
-    async def prompt_tokens(self, v: ValidRequest, tenant: str, info) -> list[int]:
+    async def prompt_tokens(self, v: ValidRequest, tenant: str, info,
+                            with_checkpoints: bool = False):
+        """The prompt's tokens (history and new), checked against the model's context as
+        early as its size allows: refused on its byte count alone when that many bytes are
+        more tokens than the context holds, else tokenized (on the tokenizing thread when
+        large, `LargePrompts`, so the loop never waits seconds for one prompt). With
+        `with_checkpoints`, (tokens, `checkpoints`) computed beside them."""
         if not info.tool_parser:
             _refuse_tools(v, Path(info.model_path).name)
         history = await self.history(tenant, v.session_id) if v.append else []
-        tok = self.tokenizer
+        ctx = info.max_context_tokens
+        least = len(history) + (len(v.token_ids) if v.kind == "tokens"
+                                else -(-v.text_bytes // self.tokenizer.max_token_bytes))
+        if least >= ctx:
+            raise ContextTooLong(least, None, ctx, at_least=v.text_bytes)
+
+        def work(tok: PromptTokenizer):
+            full = self._tokens(tok, v, tenant, history, info)
+            return (full, self.checkpoints(v, full, info, tok)) if with_checkpoints else full
+
+        if v.text_bytes >= LARGE_PROMPT_BYTES:
+            return await self.large.run(work)
+        return work(self.tokenizer)
+
+    def _tokens(self, tok: PromptTokenizer, v: ValidRequest, tenant: str, history: list[int],
+                info) -> list[int]:
+        """`prompt_tokens`'s rendering and its checks, with `tok` (the loop's or the
+        tokenizing thread's own)."""
         tools = list(v.tools) or None
         if v.kind == "chat":
             def render(messages: list[dict]) -> list[int]:
@@ -174,30 +259,58 @@ class Backend:
             raise InvalidRequest("the input tokenizes to nothing: send some text")
         full = history + new
         answer = 1 if v.fit_max_tokens else v.max_tokens  # fit: lowered to the room left
-        if len(full) + answer > info.max_context_tokens:
-            raise ContextTooLong(len(full), answer, info.max_context_tokens)
+        ctx = info.max_context_tokens
+        if len(full) >= ctx:
+            raise ContextTooLong(len(full), None, ctx)
+        if len(full) + answer > ctx:
+            if answer >= ctx:  # too large for any prompt: the field is at fault
+                raise MaxTokensTooLarge(len(full), answer, ctx)
+            raise ContextTooLong(len(full), answer, ctx)
         return full
 
-    def checkpoints(self, v: ValidRequest, tokens: list[int], info) -> tuple[list[int], int]:
+    def checkpoints(self, v: ValidRequest, tokens: list[int], info,
+                    tok: PromptTokenizer) -> tuple[list[int], int]:
         """Where the worker keeps checkpoints of a model with window or recurrent caches, and
         which of them ends the prefix other conversations share (the system and tools)."""
         if v.kind != "chat" or not info.checkpointed:
             return [], 0
         messages, tools = list(v.messages), list(v.tools) or None
-        return (self.tokenizer.checkpoints(messages, tokens, tools=tools, template=v.template),
-                self.tokenizer.shared_end(messages, tokens, tools=tools, template=v.template))
+        return (tok.checkpoints(messages, tokens, tools=tools, template=v.template),
+                tok.shared_end(messages, tokens, tools=tools, template=v.template))
 
     def tenant(self, context) -> str:
         return tenant_for(self.keys, context.invocation_metadata())
 
-    async def forward(self, method, request, context, timeout_s: float):
-        """One unary call to the worker as the caller's tenant; errors go through the table."""
+    def scope(self, context) -> str | None:
+        """OPERATOR (None) or the caller's tenant (router/auth.py `operator_or_tenant`)."""
+        return operator_or_tenant(self.keys, self.admin_key, context.invocation_metadata(),
+                                  context.peer())
+
+    async def forward(self, method, request, context, timeout_s: float,
+                      scope: str | None | object = ...):
+        """One unary call to the worker as the caller's tenant, or in `scope` (a tenant, or
+        OPERATOR: every tenant's); errors go through the table."""
         try:
-            return await method(request, metadata=((TENANT_KEY, self.tenant(context)),),
-                                timeout=timeout_s)
+            tenant = self.tenant(context) if scope is ... else scope
+            md = ((SCOPE_KEY, SERVER_SCOPE),) if tenant is OPERATOR else ((TENANT_KEY, tenant),)
+            await self.ready()
+            return await method(request, metadata=md, timeout=timeout_s)
         except Exception as e:
             code, msg, md = _status_for(e)
             await context.abort(code, msg, trailing_metadata=md)
+
+
+LOAD_STEPS = 16  # keyless load figures, with API keys: KV usage in sixteenths of capacity
+
+
+def _coarse(kv_bytes: int, capacity: int) -> float:
+    """The share of the KV capacity in use, rounded up to a sixteenth. Load answers without a
+    key (the gateways send none), and with exact bytes one tenant could read another's prompt
+    and answer sizes off it (a 1,055-token turn moved it by exactly that). A step of 1/16
+    still ranks machines for a gateway, and any use at all still shows (rounded up)."""
+    if capacity <= 0 or kv_bytes <= 0:
+        return 0.0
+    return min(LOAD_STEPS, -(-kv_bytes * LOAD_STEPS // capacity)) / LOAD_STEPS
 
 
 def _copy(request: api_pb2.GenerateRequest) -> api_pb2.GenerateRequest:
@@ -230,23 +343,25 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             info = await self.b.info()
             v = validate(request, vocab_size=self.b.tokenizer.vocab_size)
             async with self.b.session_lock(tenant, v.session_id):
-                tokens = await self.b.prompt_tokens(v, tenant, info)
+                tokens, checkpoints = await self.b.prompt_tokens(v, tenant, info,
+                                                                 with_checkpoints=True)
                 v = self.b.fit(v, tokens, info)
                 self.b.admit_sizes(tokens, v.max_tokens, info)
                 gate = await self.b.queue()
                 metrics.QUEUE_DEPTH.set(gate.depth + 1)
                 try:
-                    queue_s = await gate.acquire(holds=lambda: self.b.holds(tenant, tokens))
+                    queue_s = await gate.acquire(tenant,
+                                                 holds=lambda: self.b.holds(tenant, tokens))
                 finally:
                     metrics.QUEUE_DEPTH.set(gate.depth)
                 metrics.QUEUE_WAIT.observe(queue_s)
                 started = time.monotonic()
                 try:
                     async for out in self._relay(v, tokens, tenant, received_at, t0, queue_s,
-                                                 self.b.checkpoints(v, tokens, info)):
+                                                 checkpoints):
                         yield out
                 finally:
-                    gate.release(time.monotonic() - started)
+                    gate.release(tenant, time.monotonic() - started)
         except Exception as e:
             code, msg, md = _status_for(e)
             if code == grpc.StatusCode.INTERNAL:
@@ -291,6 +406,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             elif not request.session_id:
                 raise InvalidRequest("a prefetch names a session_id or sends the request's "
                                      "input (chat, prompt or tokens)")
+            await self.b.ready()
             return await self.b.stub.Prefetch(worker_pb2.PrefetchRequest(
                 tenant=tenant, session_id=request.session_id, token_ids=tokens), timeout=30)
         except Exception as e:
@@ -300,20 +416,26 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             await context.abort(code, msg, trailing_metadata=md)
 
     async def Load(self, request, context):
-        """The worker's load, with the requests waiting in the router's own queue."""
-        try:  # no tenant's data in it: any caller may ask (gateways send no key)
+        """The worker's load, with the requests waiting in the router's own queue. Any caller
+        may ask (gateways send no key): with API keys its KV figures are coarse (`_coarse`),
+        request counts exact (they say how many, not how big)."""
+        try:
             info = await self.b.info()
             w = await self.b.stub.Load(worker_pb2.WorkerLoadRequest(), timeout=5)
         except Exception as e:
             code, msg, md = _status_for(e)
             await context.abort(code, msg, trailing_metadata=md)
         queued = self.b.queued
+        cap, kv_bytes = w.kv_capacity_bytes, w.kv_bytes
+        usage = min(1.0, kv_bytes / cap) if cap else 0.0
+        if self.b.keys:
+            usage = _coarse(kv_bytes, cap)
+            kv_bytes = int(cap * usage)
         return api_pb2.LoadResponse(
-            running=w.running, waiting=w.waiting + queued, kv_bytes=w.kv_bytes,
-            kv_capacity_bytes=w.kv_capacity_bytes, max_running=info.max_active_requests,
-            kv_tokens=w.kv_bytes // max(1, info.kv_bytes_per_token),
-            kv_capacity_tokens=w.kv_capacity_bytes // max(1, info.kv_bytes_per_token),
-            kv_cache_usage=min(1.0, w.kv_bytes / w.kv_capacity_bytes) if w.kv_capacity_bytes else 0.0)
+            running=w.running, waiting=w.waiting + queued, kv_bytes=kv_bytes,
+            kv_capacity_bytes=cap, max_running=info.max_active_requests,
+            kv_tokens=kv_bytes // max(1, info.kv_bytes_per_token),
+            kv_capacity_tokens=cap // max(1, info.kv_bytes_per_token), kv_cache_usage=usage)
 
     async def _relay(self, v: ValidRequest, tokens: list[int], tenant: str, received_at: float,
                      t0: float, queue_s: float, checkpoints: tuple[list[int], int] = ((), 0)):
@@ -326,6 +448,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             tool_choice=v.tool_choice, response_format=v.response_format,
             checkpoint_at=checkpoints[0], shared_checkpoint_at=checkpoints[1],
             split_reasoning=v.kind == "chat")
+        await self.b.ready()  # the worker may have restarted while this one queued
         first_at = last_at = None
         texts: list[str] = []
         ids: list[int] = []
@@ -380,7 +503,14 @@ class SessionsServicer(api_pb2_grpc.SessionsServicer):
         return await self.b.forward(method, request, context, timeout_s=30)
 
     async def List(self, request, context):
-        return await self._call(self.b.stub.ListSessions, request, context)
+        """The caller's own sessions; with the operator's key, every tenant's."""
+        scope = ...
+        if ADMIN_KEY in dict(context.invocation_metadata()):
+            try:
+                scope = self.b.scope(context)
+            except KvbankError as e:
+                await context.abort(grpc_status(e), str(e))
+        return await self.b.forward(self.b.stub.ListSessions, request, context, 30, scope=scope)
 
     async def Get(self, request, context):
         if not request.session_id:
@@ -415,28 +545,29 @@ class ResponsesServicer(api_pb2_grpc.ResponsesServicer):
 
 
 class AdminServicer(api_pb2_grpc.AdminServicer):
-    """Operator tools, relayed to the worker. Loopback only unless an admin key is set."""
+    """Operator tools, relayed to the worker in the caller's scope (router/auth.py
+    `operator_or_tenant`): the operator's call acts on every tenant, a tenant's on its own
+    conversations; pressure acts on the whole server, so it is the operator's alone."""
 
-    def __init__(self, backend: Backend, admin_key: str | None = None):
+    def __init__(self, backend: Backend):
         self.b = backend
-        self.admin_key = admin_key
 
-    async def _allowed(self, context) -> None:
-        peer = context.peer()
-        if peer.startswith(("ipv4:127.", "ipv6:[::1]", "unix:")):
-            return
-        key = dict(context.invocation_metadata()).get("x-kvbank-admin-key", "")
-        if self.admin_key and hmac.compare_digest(key.encode(), self.admin_key.encode()):
-            return
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                            "the Admin service answers loopback clients, or clients that send "
-                            "the router's --admin-key as x-kvbank-admin-key metadata")
+    async def _scope(self, context) -> str | None:
+        try:
+            return self.b.scope(context)
+        except KvbankError as e:
+            await context.abort(grpc_status(e), str(e))
 
     async def _relay(self, method, request, context, timeout_s: float = 120):
-        await self._allowed(context)
-        return await self.b.forward(method, request, context, timeout_s)
+        scope = await self._scope(context)
+        return await self.b.forward(method, request, context, timeout_s, scope=scope)
 
     async def SetPressure(self, request, context):
+        if await self._scope(context) is not OPERATOR:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "SetPressure acts on every tenant's conversations: it needs "
+                                "the operator key (the router's --admin-key, sent as "
+                                "x-kvbank-admin-key)")
         return await self._relay(self.b.stub.SetPressure, request, context)
 
     async def Trim(self, request, context):
@@ -449,10 +580,16 @@ class AdminServicer(api_pb2_grpc.AdminServicer):
         return await self._relay(self.b.stub.Status, request, context)
 
     async def Release(self, request, context):
-        await self._allowed(context)
+        scope = await self._scope(context)
         if not request.session_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is empty: name a session")
-        return await self.b.forward(self.b.stub.Release, request, context, timeout_s=60)
+        tenant = request.tenant if scope is OPERATOR else scope
+        if scope is not OPERATOR and request.tenant not in ("", scope):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "releasing another tenant's conversation needs the operator "
+                                "key (the router's --admin-key, sent as x-kvbank-admin-key)")
+        return await self.b.forward(self.b.stub.Release, request, context, timeout_s=60,
+                                    scope=tenant)
 
 
 def _add_service(server, service, servicer) -> None:
@@ -499,17 +636,16 @@ class _Undecodable:
 
 
 async def serve(model_dir: Path, worker_address: str, host: str, port: int, *,
-                run_dir: Path, metrics_port: int = -1, admin_key: str | None = None,
-                **limits) -> None:
-    """`limits`: Backend's keys, ceilings, max_queue, max_queue_wait_s. `run_dir`: where the
-    metrics port is written (the deployment's Layout.run_dir)."""
+                run_dir: Path, metrics_port: int = -1, **limits) -> None:
+    """`limits`: Backend's keys, admin_key, ceilings, max_queue, max_queue_wait_s. `run_dir`:
+    where the metrics port is written (the deployment's Layout.run_dir)."""
     metrics.serve("router", run_dir, metrics_port)
     backend = Backend(model_dir, worker_address, **limits)
     server = grpc.aio.server()
     for name, servicer in (("Generation", GenerationServicer(backend)),
                            ("Sessions", SessionsServicer(backend)),
                            ("Responses", ResponsesServicer(backend)),
-                           ("Admin", AdminServicer(backend, admin_key))):
+                           ("Admin", AdminServicer(backend))):
         _add_service(server, api_pb2.DESCRIPTOR.services_by_name[name], servicer)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -530,6 +666,7 @@ async def serve(model_dir: Path, worker_address: str, host: str, port: int, *,
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace=5)
         await backend.channel.close()
+        backend.large.close()
         logger.info("router stopped")
 
 

@@ -14,9 +14,11 @@ differently from what the model generated, so:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
+import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Callable
@@ -78,6 +80,9 @@ class AnswerTokens:
         self.capacity = capacity
         self._ids: OrderedDict[bytes, tuple[bytes, np.ndarray]] = OrderedDict()
         self._texts: dict[bytes, int] = {}  # entries per (tenant, text): most texts are unknown
+        # The router's loop puts; a large prompt is rendered on the tokenizing thread, which
+        # gets (router/server.py `LargePrompts`): the one state those two share.
+        self._lock = threading.Lock()
 
     @staticmethod
     def _text_key(tenant: str, text: str) -> bytes:
@@ -92,23 +97,27 @@ class AnswerTokens:
     def put(self, tenant: str, prompt: list[int], text: str, token_ids: list[int]) -> None:
         tk = self._text_key(tenant, text)
         key = self._key(tk, prompt)
-        if key not in self._ids:
-            self._texts[tk] = self._texts.get(tk, 0) + 1
-        self._ids[key] = (tk, np.asarray(token_ids, dtype=np.uint32))
-        self._ids.move_to_end(key)
-        while len(self._ids) > self.capacity:
-            _, (old, _) = self._ids.popitem(last=False)
-            self._texts[old] -= 1
-            if not self._texts[old]:
-                del self._texts[old]
+        with self._lock:
+            if key not in self._ids:
+                self._texts[tk] = self._texts.get(tk, 0) + 1
+            self._ids[key] = (tk, np.asarray(token_ids, dtype=np.uint32))
+            self._ids.move_to_end(key)
+            while len(self._ids) > self.capacity:
+                _, (old, _) = self._ids.popitem(last=False)
+                self._texts[old] -= 1
+                if not self._texts[old]:
+                    del self._texts[old]
 
     def get(self, tenant: str, text: str, prompt: Callable[[], list[int]]) -> list[int] | None:
         """The tokens answering `prompt()` with `text` (the prompt is built only for a text
         some answer had)."""
         tk = self._text_key(tenant, text)
-        if tk not in self._texts:
-            return None
-        got = self._ids.get(self._key(tk, prompt()))
+        with self._lock:
+            if tk not in self._texts:
+                return None
+        key = self._key(tk, prompt())  # built outside the lock: it may tokenize
+        with self._lock:
+            got = self._ids.get(key)
         return None if got is None else got[1].tolist()
 
 
@@ -122,6 +131,12 @@ class PromptTokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self.tok)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token stands for (a run of spaces, say): a text of B
+        bytes is at least B / this many tokens, known without tokenizing it."""
+        return max(1, max(len(self.tok.decode([i]).encode()) for i in range(len(self.tok))))
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)

@@ -6,9 +6,9 @@ given, so a client knows what to change.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
+from kvbank import json_input
 from kvbank.contracts.failures import InvalidRequest
 from kvbank.contracts.vocabulary import MAX_TOP_LOGPROBS
 from kvbank.v1 import api_pb2
@@ -42,6 +42,10 @@ class ValidRequest:
     tool_choice: str = ""              # auto | none | required | function:NAME ("" : auto)
     response_format: api_pb2.ResponseFormat = field(default_factory=api_pb2.ResponseFormat)
     enable_thinking: bool | None = None  # the template's reasoning switch (None: its default)
+    # UTF-8 bytes of the text the model surely reads (the prompt; the user, system and tool
+    # messages, ends trimmed as a template may): at least this / the longest token's bytes
+    # tokens, known before tokenizing (router/server.py `prompt_tokens`)
+    text_bytes: int = 0
 
     @property
     def template(self) -> dict:
@@ -104,8 +108,11 @@ def validate(req: api_pb2.GenerateRequest, *, vocab_size: int) -> ValidRequest:
         # The answer is the call, as OpenAI's is: the format is for text answers (an agent
         # framework sends its output schema with every request, a forced call's too).
         fmt = api_pb2.ResponseFormat()
+    text_bytes = (len(req.prompt.encode()) if kind == "prompt" else
+                  sum(len(m["content"].strip().encode()) for m in messages
+                      if m["role"] != "assistant"))  # a template may drop an answer's part
     return ValidRequest(
-        session_id=sid, kind=kind, messages=messages, prompt=req.prompt,
+        session_id=sid, kind=kind, messages=messages, prompt=req.prompt, text_bytes=text_bytes,
         token_ids=tuple(req.tokens.ids), append=req.append, max_tokens=req.max_tokens,
         stop=tuple(req.stop), no_cache=req.no_cache, fit_max_tokens=req.fit_max_tokens,
         sampling=s, tools=tools, tool_choice=choice, response_format=fmt,
@@ -147,8 +154,11 @@ def _arguments(text: str, where: str) -> dict:
 
 
 def _json(text: str, where: str, param: str | None = None):
+    """Parsed, nested at most MAX_JSON_DEPTH deep (kvbank/json_input.py)."""
     try:
-        return json.loads(text)
+        return json_input.loads(text, where)
+    except json_input.BadJson as e:
+        raise InvalidRequest(str(e), param=param or where) from None
     except ValueError as e:
         raise InvalidRequest(f"{where} is not valid JSON ({e}); given {text[:80]!r}",
                              param=param or where) from None

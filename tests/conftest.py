@@ -61,15 +61,17 @@ def tool_model(tiny_model, tmp_path_factory) -> Path:
 
 def start_stack(model: Path, data_dir: Path, *, extra: list[str] = (),
                 cache_dir: Path | None = None, shim: bool = True,
-                slow_disk_s: float | None = None, env: dict | None = None) -> LocalStack:
+                slow_disk_s: float | None = None, env: dict | None = None,
+                wait: bool = True) -> LocalStack:
     """A stack with small blocks, a short quiet grace and no tail delay, as tests want it;
     with `slow_disk_s`, its coldstore commits each block that much later (tests/slow_coldstore.py);
-    `env`: its processes' environment, over this one's."""
+    `env`: its processes' environment, over this one's; `wait=False`: returned as soon as it
+    runs (then `wait_started`)."""
     env = {**({"KVBANK_CACHE_DIR": str(cache_dir)} if cache_dir else {}), **(env or {})}
     launcher = (("-m", "tests.slow_coldstore", "--delay-s", str(slow_disk_s))
                 if slow_disk_s else ("-m", "kvbank.apps.cli"))
     return LocalStack.start(model, data_dir, env=env, timeout_s=120, shim=shim,
-                            launcher=launcher,
+                            launcher=launcher, wait=wait,
                             extra=["--block-tokens", "16", "--quiet-grace-s", "0.1",
                                    "--tail-delay-s", "0", *extra])
 

@@ -553,3 +553,250 @@ def test_a_request_over_the_routers_message_limit_is_a_413_not_a_429(fuzz):
         assert r.status_code == 413, r.text[:300]
         assert r.headers["x-should-retry"] == "false" and "retry-after" not in r.headers
         assert r.json()["error"]["code"] == "request_too_large"
+
+
+# -- every string field of the three HTTP APIs: lone surrogates and deep nesting --------------
+# Python's JSON reader takes "\ud800" (a lone surrogate) as a string that protobuf then cannot
+# encode, and ~1,000 levels of nesting as a RecursionError: both were a 500. Each string of a
+# body rich in fields (tools, tool calls and results, system, metadata) is broken in turn.
+
+SCHEMA = {"type": "object", "properties": {"path": {"type": "string", "description": "P"}}}
+API_BODIES = {
+    "/v1/chat/completions": {
+        "model": "kvbank", "max_tokens": 2, "user": "u1", "stop": ["zz"],
+        "messages": [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": [{"type": "text", "text": "U"}]},
+            {"role": "assistant", "content": "A", "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "read", "arguments": "{\"path\": \"a\"}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "R"}],
+        "tools": [{"type": "function", "function": {"name": "read", "description": "D",
+                                                    "parameters": SCHEMA}}],
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "n", "schema": SCHEMA}}},
+    "/v1/responses": {
+        "model": "kvbank", "max_output_tokens": 2, "instructions": "I",
+        "prompt_cache_key": "pk", "metadata": {"k": "v"},
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "U"}]},
+            {"type": "function_call", "call_id": "c1", "name": "read",
+             "arguments": "{\"path\": \"a\"}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "R"}],
+        "tools": [{"type": "function", "name": "read", "description": "D",
+                   "parameters": SCHEMA}],
+        "text": {"format": {"type": "json_schema", "name": "n", "schema": SCHEMA}}},
+    "/v1/messages": {
+        "model": "kvbank", "max_tokens": 2, "stop_sequences": ["zz"],
+        "metadata": {"user_id": "u"}, "system": [{"type": "text", "text": "S"}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "U"}]},
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "t1", "name": "read", "input": {"path": "a"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": "R"}]}],
+        "tools": [{"name": "read", "description": "D", "input_schema": SCHEMA}]},
+}
+MARK = "@@kvbank-fuzz@@"
+
+
+def _string_fields(value, path: str = "") -> list[str]:
+    """Every string's path in a body, as kvbank/json_input.py names it."""
+    if isinstance(value, str):
+        return [path]
+    if isinstance(value, dict):
+        return [p for k, v in value.items()
+                for p in _string_fields(v, f"{path}.{k}" if path else k)]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _string_fields(v, f"{path}[{i}]")]
+    return []
+
+
+def _steps(path: str) -> list:
+    return [int(p) if p.isdigit() else p
+            for p in path.replace("[", ".").replace("]", "").split(".")]
+
+
+def _at(body: dict, path: str) -> str:
+    node = body
+    for p in _steps(path):
+        node = node[p]
+    return node
+
+
+def _with(body: dict, path: str, fragment: str) -> bytes:
+    """The body's JSON with the string at `path` replaced by the raw JSON `fragment`."""
+    value = json.loads(json.dumps(body))
+    *parents, last = _steps(path)
+    node = value
+    for p in parents:
+        node = node[p]
+    node[last] = MARK
+    return json.dumps(value).replace(json.dumps(MARK), fragment, 1).encode()
+
+
+def _escaped(text: str) -> str:
+    return json.dumps(text)[1:-1]  # \uXXXX for what JSON must escape
+
+
+lone_surrogates = st.integers(0xD800, 0xDFFF).map(lambda c: f"\\u{c:04x}")
+
+
+@st.composite
+def broken_strings(draw, path: str, original: str) -> tuple[str, str]:
+    """(fragment, what the refusal must name): a lone surrogate somewhere in the string (a
+    high half never followed by a low one), or the string replaced by nesting past the
+    limit (to ~3,000 deep, beyond Python's own reader)."""
+    if draw(st.booleans()):
+        text = draw(st.text(st.characters(codec="utf-8"), max_size=12)) + original
+        at = draw(st.integers(0, len(text)))
+        half = draw(lone_surrogates)
+        after = _escaped(text[at:])
+        if half < "\\udc00" and after.startswith("\\udc"):  # it would pair with its neighbour
+            after = "x" + after
+        return f'"{_escaped(text[:at])}{half}{after}"', path
+    depth = draw(st.integers(129, 3000))
+    return "[" * depth + '"x"' + "]" * depth, path.split(".", 1)[0].split("[", 1)[0]
+
+
+def _names(r: httpx.Response, api: str, field: str) -> bool:
+    """The refusal names the field: OpenAI's `param`, Anthropic's message."""
+    if api == "/v1/messages":
+        body = r.json()
+        return body["type"] == "error" and field in body["error"]["message"]
+    return r.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize("api", sorted(API_BODIES))
+def test_a_lone_surrogate_or_deep_nesting_in_any_string_field_is_a_400_naming_it(fuzz, api):
+    body = API_BODIES[api]
+    fields = _string_fields(body)
+    assert len(fields) >= 14, fields
+    headers = {"authorization": f"Bearer {KEY}", "x-api-key": KEY,
+               "content-type": "application/json"}
+    with httpx.Client(base_url=fuzz.stack.shim_url, timeout=CALL_TIMEOUT_S) as http:
+        def refused(raw: bytes, field: str) -> None:
+            r = http.post(api, content=raw, headers=headers)
+            assert r.status_code == 400, (field, r.status_code, r.text[:300])
+            assert "Traceback" not in r.text and "panic" not in r.text
+            assert _names(r, api, field), (field, r.text[:300])
+
+        for path in fields:  # every field, each way, once
+            top = path.split(".", 1)[0].split("[", 1)[0]
+            refused(_with(body, path, '"a\\ud800b"'), path)
+            refused(_with(body, path, "[" * 200 + "1" + "]" * 200), top)
+            refused(_with(body, path, "[" * 2000 + "1" + "]" * 2000), top)
+
+        @settings(FUZZ, max_examples=60)
+        @given(data=st.data())
+        def run(data):
+            path = data.draw(st.sampled_from(fields))
+            fragment, field = data.draw(broken_strings(path, _at(body, path)))
+            refused(_with(body, path, fragment), field)
+
+        run()
+        # A surrogate pair (an emoji escaped as two halves) is Unicode, and is served.
+        ok = http.post(api, headers=headers, content=json.dumps(
+            {"model": "kvbank", "max_output_tokens": 2, "input": "Hi \ud83d\ude00"}
+            if api == "/v1/responses" else
+            {"model": "kvbank", "max_tokens": 2,
+             "messages": [{"role": "user", "content": "Hi \ud83d\ude00"}]}).encode())
+        assert ok.status_code == 200, ok.text[:300]
+    fuzz.assert_unharmed()
+
+
+def test_a_stored_response_the_shim_did_not_write_is_a_400_naming_it(fuzz):
+    """The Responses gRPC service stores whatever bytes a client puts under an id; read back
+    as a response (GET, previous_response_id) such a value was a 500."""
+    stub = api_pb2_grpc.ResponsesStub(fuzz.channel)
+    headers = {"authorization": f"Bearer {KEY}"}
+    values = [b"not json", b"\xff\xfe", b"[]", b'{"items": 5}', b'{"items": [], "response": 1}',
+              b'{"items": [], "response": {"output": {}}}', b'{"items": [], "response": '
+              b'{"output": []}}', b'{"a": ' + b"[" * 3000 + b"]" * 3000 + b"}"]
+    with httpx.Client(base_url=fuzz.stack.shim_url, timeout=CALL_TIMEOUT_S) as http:
+        for i, value in enumerate(values):
+            rid = f"resp_fuzz_{uuid.uuid4().hex[:8]}_{i}"
+            stub.Put(api_pb2.StoredResponse(id=rid, created_at=time.time(), body=value),
+                     metadata=AUTH, timeout=CALL_TIMEOUT_S)
+            got = http.get(f"/v1/responses/{rid}", headers=headers)
+            go_on = http.post("/v1/responses", headers=headers, json={
+                "model": "kvbank", "previous_response_id": rid, "input": "Go on.",
+                "max_output_tokens": 2})
+            for r, param in ((got, None), (go_on, "previous_response_id")):
+                assert r.status_code == 400, (value, r.status_code, r.text[:300])
+                error = r.json()["error"]
+                assert rid in error["message"] or param == error["param"], error
+                if param:
+                    assert error["param"] == param, error
+        # Stored as this API stores one, but its items are not input items: continuing it
+        # is refused like any input that is not.
+        rid = f"resp_fuzz_{uuid.uuid4().hex[:8]}"
+        value = {"items": [5, {"type": "wizard"}], "response": {"id": rid, "output": [None]}}
+        stub.Put(api_pb2.StoredResponse(id=rid, created_at=time.time(),
+                                        body=json.dumps(value).encode()),
+                 metadata=AUTH, timeout=CALL_TIMEOUT_S)
+        r = http.post("/v1/responses", headers=headers, json={
+            "model": "kvbank", "previous_response_id": rid, "input": "Go on.",
+            "max_output_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["message"], r.text[:300]
+    fuzz.assert_unharmed()
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens", "max_output_tokens"])
+def test_max_tokens_beyond_the_context_names_it_and_says_how_many_fit(fuzz, field):
+    """`max_tokens: 2147483647` was a 400 naming `messages` (`prompt is too long: 31 tokens >
+    0 maximum`), which agents take as "compact the conversation"."""
+    path = "/v1/responses" if field == "max_output_tokens" else "/v1/chat/completions"
+    body = ({"input": "Hi"} if field == "max_output_tokens"
+            else {"messages": [{"role": "user", "content": "Hi"}]})
+    r = httpx.post(fuzz.stack.shim_url + path, timeout=CALL_TIMEOUT_S,
+                   headers={"authorization": f"Bearer {KEY}"},
+                   json={"model": "kvbank", field: 2**31 - 1, **body})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == field and error["code"] == "max_tokens_too_large", error
+    assert "prompt is too long" not in error["message"], error
+    fits = int(error["message"].split("at most ")[1].split()[0])
+    assert 2000 < fits < 2048, error  # the tiny model's context is 2,048 tokens
+
+
+@pytest.mark.parametrize("depth", [200, 3000])
+def test_deep_json_in_a_grpc_field_is_invalid_argument_naming_it(fuzz, depth):
+    """The gRPC API's JSON fields (tools, a schema, a tool call's arguments): nesting past
+    the limit was a RecursionError, INTERNAL."""
+    deep = "[" * depth + "1" + "]" * depth
+    cases = {"tools": lambda r: setattr(r.chat, "tools_json", deep),
+             "response_format.json_schema": lambda r: (
+                 setattr(r.response_format, "type", "json_schema"),
+                 setattr(r.response_format, "json_schema", '{"a": ' + deep + "}")),
+             "chat.messages[0].tool_calls[0].arguments": lambda r: r.chat.messages[0].tool_calls
+             .add(id="c", name="f", arguments='{"a": ' + deep + "}")}
+    for param, breaks in cases.items():
+        req = api_pb2.GenerateRequest(max_tokens=2)
+        req.chat.messages.add(role="assistant", content="A")
+        req.chat.messages.add(role="user", content="U")
+        breaks(req)
+        err = rpc_error(lambda: list(fuzz.generation.Generate(req, metadata=AUTH,
+                                                             timeout=CALL_TIMEOUT_S)))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (param, err.details())
+        assert dict(err.trailing_metadata())["x-kvbank-param"] == param, err.details()
+        assert "deeper than 128" in err.details()
+
+
+def test_a_schema_over_the_grammar_size_limit_is_refused_at_once_naming_it(fuzz):
+    """A 1.1 MB schema was compiled on the worker's engine thread (every stream stalled 3.4 s)
+    and refused with llguidance's panic and backtrace. Compiles run beside the engine now, and
+    one over --max-grammar-bytes (256 KiB) is not compiled at all."""
+    schema = {"type": "object", "properties": {
+        f"field_{i}": {"type": "string", "enum": [f"v{i}_{j}" for j in range(3)]}
+        for i in range(4000)}}
+    r = httpx.post(fuzz.stack.shim_url + "/v1/chat/completions", timeout=CALL_TIMEOUT_S,
+                   headers={"authorization": f"Bearer {KEY}"}, json={
+                       "model": "kvbank", "max_tokens": 2,
+                       "messages": [{"role": "user", "content": "Fill it in."}],
+                       "response_format": {"type": "json_schema",
+                                           "json_schema": {"name": "big", "schema": schema}}})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "response_format" and "--max-grammar-bytes" in error["message"]
+    assert "panic" not in r.text and "backtrace" not in r.text

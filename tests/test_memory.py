@@ -36,3 +36,45 @@ def test_freed_kv_below_live_kv_leaves_the_process_at_the_trim():
         assert float(kept[0][0, 0, 0, 0]) == 1.0
     finally:
         mx.set_cache_limit(cache_limit)  # the tests after this one run as they would alone
+
+
+def test_the_memory_calibration_is_kept_per_model_and_chunk_size(tmp_path, tiny_model):
+    """Measured at a first start (five prefill chunks of the real tiny model, and what a
+    first request leaves behind), read at the next: no chunk runs and no warm-up. Another
+    model's, another chunk size's or a damaged file is measured again."""
+    from mlx_lm import load
+
+    from kvbank.contracts.pricing import Pricing
+    from kvbank.worker.memory.pricing import calibrate
+    from kvbank.worker.memory.calibration import CalibrationFile, measured
+
+    model, _ = load(str(tiny_model))
+    runs, left_behind = [], []
+
+    def start(file: CalibrationFile, chunk: int) -> Pricing:
+        def calibrated(pricing, on_chunk):
+            runs.append(chunk)
+            calibrate(model, pricing, on_chunk)
+
+        def warm_up():  # what a first request leaves allocated: 16 MB, kept
+            left_behind.append(mx.ones((4 << 20,), dtype=mx.float32))
+            mx.eval(left_behind[-1])
+
+        return measured(Pricing(512, 0, chunk), file, calibrate=calibrated, warm_up=warm_up)
+
+    a = CalibrationFile(tmp_path, b"\x01" * 16, 16)
+    first = start(a, 16)
+    kept = a.read()
+    assert runs == [16] and first.transient_base > 0 and kept["warm_up_bytes"] >= 0
+    again = start(a, 16)
+    assert runs == [16] and len(left_behind) == 1  # read, not measured: no chunk, no warm-up
+    assert (again.transient_base, again.transient_per_context_token) == \
+        (first.transient_base, first.transient_per_context_token)
+    # the fixed part counts what the skipped warm-up would have left behind
+    assert again.fixed_bytes - kept["warm_up_bytes"] <= resident_bytes() + MB
+    start(CalibrationFile(tmp_path, b"\x01" * 16, 8), 8)
+    start(CalibrationFile(tmp_path, b"\x02" * 16, 16), 16)
+    assert runs == [16, 8, 16]
+    a.path.write_text("{not json")
+    start(a, 16)
+    assert runs == [16, 8, 16, 16] and a.read() is not None

@@ -265,7 +265,7 @@ def test_render_does_not_wait_for_an_admission_slot(keyed):
         assert holder.status_code == 200  # sent with the router's first message: admitted
         lines = holder.iter_lines()  # kept: a dropped iterator closes the stream (a hang-up)
         next(lines)
-        with Client(keyed.address, api_key=ALICE) as admin:  # loopback: Admin answers
+        with Client(keyed.address, api_key=ALICE) as admin:  # alice's own Status counts it
             assert admin.status().running_requests == 1
             r = _post(keyed, "/v1/chat/completions/render", _chat(_user("Me?")), timeout_s=10)
             assert r.status_code == 200 and r.json()["token_ids"]

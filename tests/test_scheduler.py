@@ -26,8 +26,8 @@ def model_and_tokenizer(tiny_model):
     return load(str(tiny_model))
 
 
-def _request(tokenizer, tokens: np.ndarray) -> Running:
-    job = cmd.Generate(worker_pb2.WorkerGenerateRequest(), emit=lambda ev: None)
+def _request(tokenizer, tokens: np.ndarray, tenant: str = "") -> Running:
+    job = cmd.Generate(worker_pb2.WorkerGenerateRequest(tenant=tenant), emit=lambda ev: None)
     return Running(job=job, tokens=tokens, bank_key=("", "test"), session=None, cached=0,
                    source=api_pb2.CACHE_SOURCE_NONE, known=0, started=time.monotonic(),
                    stops=[], detok=tokenizer.detokenizer,
@@ -163,6 +163,44 @@ def test_an_answer_pauses_while_a_prompt_is_read_at_most_decode_wait_s(
     assert ends == ([{id(a), id(b)}] if pauses else [{id(b)}, {id(a)}])
     assert a.completion == _alone(model, tokenizer, a_tokens)
     assert b.completion == _alone(model, tokenizer, b_tokens)
+
+
+def test_another_tenants_request_neither_waits_behind_nor_pauses_for_a_long_prompt(
+        model_and_tokenizer):
+    """Tenant a reads a 640-token prompt in 256-token chunks (four forwards alone). Tenant b's
+    20-token requests come one after another, each when the one before has answered: each gets
+    its first token at its first step, its answer takes a token every step although a's prompt
+    is being read (decode_wait_s is 60 s: a's own answers would pause), and a's prompt is read
+    in quarter chunks (64 tokens) while b runs, every other step by turns, never starved.
+    All answer as alone."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = model_and_tokenizer
+    rng = np.random.default_rng(13)
+    s = _scheduler(model, tokenizer, chunk=256, decode_wait_s=60.0)
+    a_tokens = _tokens(tokenizer, rng, 640)
+    a = _request(tokenizer, a_tokens, tenant="a")
+    s.add(a, make_prompt_cache(model), ANSWER)
+    s.step()  # a's first forward, alone: a whole chunk
+    bs, steps = [], 0
+    while a.first_token_at is None:
+        if not bs or bs[-1].first_token_at is not None and len(bs[-1].completion) >= 3:
+            b = _request(tokenizer, _tokens(tokenizer, rng, 20), tenant="b")
+            s.add(b, make_prompt_cache(model), 3)
+            bs.append(b)
+            before = steps
+        s.step()
+        steps += 1
+        if bs[-1].first_token_at is not None:
+            assert len(bs[-1].completion) == steps - before, "b's answer paused or waited"
+        assert steps <= 30, "a's prompt was starved"
+    # 640 - 256 read alone; the rest (320 of which 64 with the first token) in 64-token
+    # chunks: 4 forwards of a's, each beside a step of b's
+    assert 4 <= steps <= 12
+    _drain(s)
+    assert a.completion == _alone(model, tokenizer, a_tokens)
+    for b in bs:
+        assert b.completion == _alone(model, tokenizer, np.asarray(b.tokens))[:3]
 
 
 def test_a_cancelled_reader_leaves_and_the_others_go_on(model_and_tokenizer):

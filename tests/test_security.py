@@ -29,16 +29,19 @@ from tests.conftest import rpc_error, start_stack
 from tests.waiting import wait_until
 
 KEYS = {"alice": "KEY_A-" + "a" * 20, "bob": "KEY_B-" + "b" * 20}
+OPERATOR_KEY = "KEY_OP-" + "o" * 20  # the router's --admin-key
 BLOCK_TOKENS = 16  # start_stack's --block-tokens
 PROMPT = [100 + (7 * i) % 900 for i in range(3 * BLOCK_TOKENS + 5)]  # three full blocks + 5
 
 
 class Tenant:
-    """The router's gRPC API as one API key sees it (kvbank.client.Client sends no metadata)."""
+    """The router's gRPC API as one API key sees it (kvbank.client.Client sends no metadata),
+    or (`operator`) as the operator's key does."""
 
-    def __init__(self, address: str, key: str | None):
+    def __init__(self, address: str, key: str | None, operator: str | None = None):
         self.channel = grpc.insecure_channel(address)
-        self.metadata = (("authorization", f"Bearer {key}"),) if key is not None else ()
+        self.metadata = ((("authorization", f"Bearer {key}"),) if key is not None else ()) + (
+            (("x-kvbank-admin-key", operator),) if operator is not None else ())
         self.generation = api_pb2_grpc.GenerationStub(self.channel)
         self.sessions = api_pb2_grpc.SessionsStub(self.channel)
         self.admin = api_pb2_grpc.AdminStub(self.channel)
@@ -67,9 +70,16 @@ class Tenant:
         return self.sessions.Delete(api_pb2.DeleteSessionRequest(session_id=session_id),
                                     metadata=self.metadata, timeout=30).deleted
 
-    def release(self, session_id: str) -> api_pb2.ReleaseResponse:
-        return self.admin.Release(api_pb2.ReleaseRequest(session_id=session_id, write_out=True),
+    def release(self, session_id: str, tenant: str = "") -> api_pb2.ReleaseResponse:
+        return self.admin.Release(api_pb2.ReleaseRequest(session_id=session_id, write_out=True,
+                                                         tenant=tenant),
                                   metadata=self.metadata, timeout=120)
+
+    def status(self) -> api_pb2.StatusResponse:
+        return self.admin.Status(api_pb2.StatusRequest(), metadata=self.metadata, timeout=30)
+
+    def trim(self) -> api_pb2.TrimResponse:
+        return self.admin.Trim(api_pb2.TrimRequest(), metadata=self.metadata, timeout=120)
 
     def wait_durable(self, session_id: str, timeout_s: float = 60) -> api_pb2.Session:
         def durable():
@@ -85,8 +95,8 @@ def keyed(tiny_model, tmp_path_factory, cache_dir):
     root = tmp_path_factory.mktemp("security")
     keys_file = root / "keys"
     keys_file.write_text("# tenant key\n" + "".join(f"{t} {k}\n" for t, k in KEYS.items()))
-    s = start_stack(tiny_model, root / "data", extra=["--api-keys-file", str(keys_file)],
-                    cache_dir=cache_dir)
+    s = start_stack(tiny_model, root / "data", cache_dir=cache_dir,
+                    extra=["--api-keys-file", str(keys_file), "--admin-key", OPERATOR_KEY])
     yield s
     s.stop()
 
@@ -101,6 +111,13 @@ def alice(keyed):
 @pytest.fixture
 def bob(keyed):
     t = Tenant(keyed.address, KEYS["bob"])
+    yield t
+    t.close()
+
+
+@pytest.fixture
+def operator(keyed):
+    t = Tenant(keyed.address, None, operator=OPERATOR_KEY)
     yield t
     t.close()
 
@@ -143,6 +160,198 @@ def test_admin_status_does_not_show_another_tenants_session_names(alice, bob):
     receipts = bob.admin.Status(api_pb2.StatusRequest(), metadata=bob.metadata,
                                 timeout=30).recent_receipts_json
     assert not [r for r in receipts if sid in r]
+
+
+def test_pressure_is_the_operators_alone_loopback_or_not(keyed, alice, bob, operator):
+    """Any key holder on loopback could inject `critical` and drop another tenant's turn not
+    yet on SSD. A tenant's key is refused now, as is a wrong operator key; the operator's key
+    (the router's --admin-key) is taken, from loopback too."""
+    def inject(t: Tenant, level: str) -> api_pb2.PressureResponse:
+        return t.admin.SetPressure(api_pb2.PressureRequest(level=level), metadata=t.metadata,
+                                   timeout=30)
+
+    for t in (alice, bob):
+        err = rpc_error(lambda: inject(t, "critical"))
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED, err.details()
+        assert "--admin-key" in err.details()
+    impostor = Tenant(keyed.address, KEYS["bob"], operator="KEY_OP-guessed")
+    try:
+        err = rpc_error(lambda: inject(impostor, "critical"))
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED, err.details()
+    finally:
+        impostor.close()
+    assert inject(operator, "normal").level == "normal"
+    assert inject(operator, "auto").source != "injected"
+
+
+def test_a_tenants_trim_and_flush_leave_the_other_tenants_conversations(alice, bob,
+                                                                         operator):
+    """bob's Trim pushed alice's conversation out of RAM; now it moves bob's own only, and its
+    answer counts bob's bytes. The operator's Trim moves everyone's."""
+    a, b = _name("alice-trim"), _name("bob-trim")
+    alice.generate(_unique_prompt(), session_id=a)
+    bob.generate(_unique_prompt(), session_id=b)
+    alice.wait_durable(a)
+    bob.wait_durable(b)
+    bob.admin.Flush(api_pb2.FlushRequest(), metadata=bob.metadata, timeout=120)
+    trimmed = bob.trim()
+    assert alice.get(a).state == "resident-clean" and alice.get(a).ram_bytes > 0
+    assert bob.get(b).state == "cold"
+    assert trimmed.evicted_entries >= 1
+    assert trimmed.bank_bytes_after == sum(bob.get(s).ram_bytes for s in bob.list())
+    operator.trim()
+    assert alice.get(a).state == "cold"
+
+
+def test_a_tenants_status_has_its_own_figures_and_the_operators_the_servers(alice, bob,
+                                                                            operator):
+    """The whole server's memory and load are the operator's: from them one tenant read the
+    size of another's turns. A tenant sees the settings, the pressure level and its own
+    conversations' figures and receipts."""
+    import json
+
+    alice.generate(_unique_prompt(), session_id=_name("alice-status"))
+    bob.generate(_unique_prompt(), session_id=_name("bob-status"))
+    mine, theirs, server = alice.status(), bob.status(), operator.status()
+    assert (mine.scope, theirs.scope, server.scope) == ("tenant", "tenant", "server")
+    for st in (mine, theirs):
+        assert st.held_bytes == st.rss_bytes == st.staged_bytes == st.running_bytes == 0
+        assert not st.coldstore_json and st.memory_budget_bytes == server.memory_budget_bytes
+        for r in map(json.loads, st.recent_receipts_json):
+            assert r["kind"] in ("admission", "idle_release", "release_write_out"), r
+            assert "free_before" not in r and "bytes_after" not in r, r
+    assert server.held_bytes > 0 and server.coldstore_json
+    assert mine.bank_bytes > 0 and theirs.bank_bytes > 0
+    assert mine.bank_bytes + theirs.bank_bytes == server.bank_bytes  # the keys' two tenants
+    assert mine.bank_entries + theirs.bank_entries == server.bank_entries
+
+
+def test_the_operator_lists_and_releases_every_tenants_conversations(alice, bob, operator):
+    a, b = _name("alice-op"), _name("bob-op")
+    alice.generate(_unique_prompt(), session_id=a)
+    bob.generate(_unique_prompt(), session_id=b)
+    everyone = operator.sessions.List(api_pb2.ListSessionsRequest(), metadata=operator.metadata,
+                                      timeout=30).sessions
+    assert {("alice", a), ("bob", b)} <= {(s.tenant, s.session_id) for s in everyone}
+    err = rpc_error(lambda: bob.release(a, tenant="alice"))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "operator" in err.details()
+    assert operator.release(a, tenant="alice").released_entries == 1
+    assert alice.get(a).state == "cold" and bob.get(b).state != "cold"
+
+
+def test_kvbank_status_and_admin_take_the_operators_key_or_an_api_key(keyed, alice, bob):
+    """`kvbank status` and `kvbank admin` on a keyed stack: without a key they say which one
+    to pass; with the operator's key they see and act on everyone; with an API key, on that
+    tenant's own conversations."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    a, b = _name("alice-cli"), _name("bob-cli")
+    alice.generate(_unique_prompt(), session_id=a)
+    bob.generate(_unique_prompt(), session_id=b)
+
+    def kvbank(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("KVBANK_")}
+        return subprocess.run([sys.executable, "-m", "kvbank.apps.cli", *args], capture_output=True,
+                              text=True, timeout=120, env=clean | (env or {}))
+
+    where = ["--address", keyed.address]
+    nokey = kvbank("status", *where, "--json")
+    assert nokey.returncode == 1 and "UNAUTHENTICATED" in nokey.stderr
+    assert "--admin-key" in nokey.stderr and "--api-key" in nokey.stderr
+    full = json.loads(kvbank("status", *where, "--json", "--admin-key", OPERATOR_KEY).stdout)
+    seen = {(s["tenant"], s["sessionId"]) for s in full["sessions"]}
+    assert {("alice", a), ("bob", b)} <= seen and full["worker"]["scope"] == "server"
+    own = json.loads(kvbank("status", *where, "--json",
+                            env={"KVBANK_API_KEY": KEYS["bob"]}).stdout)
+    assert {s["tenant"] for s in own["sessions"]} == {"bob"}
+    assert own["worker"]["scope"] == "tenant"
+
+    denied = kvbank("admin", *where, "--api-key", KEYS["bob"], "pressure", "warning")
+    assert denied.returncode == 1 and "PERMISSION_DENIED" in denied.stderr
+    released = kvbank("admin", *where, "release", a, "--tenant", "alice",
+                      env={"KVBANK_ADMIN_KEY": OPERATOR_KEY})
+    assert released.returncode == 0, released.stderr
+    assert json.loads(released.stdout)["releasedEntries"] == 1
+    assert alice.get(a).state == "cold"
+    own_release = kvbank("admin", *where, "--api-key", KEYS["bob"], "release", b)
+    assert json.loads(own_release.stdout)["releasedEntries"] == 1
+
+
+def test_keyless_load_figures_are_coarse_with_keys(keyed, alice):
+    """/v1/loads, /get_load and /metrics answer without a key (gateways send none); with API
+    keys their KV figure comes in sixteenths of the capacity, so one tenant's turn cannot be
+    read off it (it moved by exactly a 1,055-token turn). Request counts stay exact."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = keyed.shim_url
+    alice.generate(_unique_prompt(), session_id=_name("alice-load"))
+    rank = httpx.get(url + "/v1/loads", timeout=10).json()["loads"][0]
+    sixteenths = rank["token_usage"] * 16
+    assert rank["num_used_tokens"] > 0 and sixteenths == round(sixteenths) >= 1, rank
+    assert rank["num_running_reqs"] == 0 and rank["max_total_num_tokens"] > 0
+    gauges = {s.name: s.value for f in text_string_to_metric_families(
+        httpx.get(url + "/metrics", timeout=10).text) for s in f.samples}
+    assert gauges["vllm:kv_cache_usage_perc"] == rank["token_usage"]
+    assert httpx.get(url + "/get_load", timeout=10).json() == {"load": 0}
+
+
+def test_one_tenants_flood_leaves_a_slot_and_the_other_tenant_is_served_first(keyed, alice,
+                                                                              bob):
+    """The worker runs 4 requests; alice holds 3 (her share) streaming long answers and has a
+    4th waiting: bob's request takes the 4th slot at once and is answered while all of hers
+    still run and wait. In one FIFO line, alice's 4th took the slot and bob waited behind all
+    of them (222 s in the issue). Counted by events: the router's queue, the answers."""
+    def hold() -> grpc.Future:
+        req = api_pb2.GenerateRequest(max_tokens=1900)  # the tiny model's context is 2,048
+        req.tokens.ids.extend(_unique_prompt()[:20])
+        return alice.generation.Generate(req, metadata=alice.metadata, timeout=120)
+
+    def waiting() -> int:
+        return alice.generation.Load(api_pb2.LoadRequest(), timeout=10).waiting
+
+    holders = [hold() for _ in range(3)]
+    try:
+        for call in holders:
+            next(call)  # admitted and streaming
+        fourth = hold()
+        wait_until(lambda: waiting() == 1, "alice's 4th request to wait in the router")
+        answer = bob.generate(_unique_prompt(), max_tokens=2)
+        assert answer.completion_tokens == 2
+        assert waiting() == 1  # alice's 4th still waits: bob did not wait behind it
+        assert all(call.running() for call in holders)
+    finally:
+        for call in holders:
+            call.cancel()
+    assert next(fourth).token_ids or True  # a slot freed: her 4th runs now
+    fourth.cancel()
+
+
+def test_a_prompt_too_long_by_its_bytes_is_refused_without_tokenizing(keyed, alice,
+                                                                      tiny_model):
+    """A 3.9 MB prompt was tokenized on the router's loop (~2 s, every other request waiting)
+    before it was refused; more bytes than the context holds tokens of the longest is refused
+    on its byte count. Below that, a large prompt is tokenized on its own thread: the same
+    tokens the model's tokenizer gives."""
+    from transformers import AutoTokenizer
+
+    req = api_pb2.GenerateRequest(prompt="word " * 200_000, max_tokens=2)  # 1 MB
+    err = rpc_error(lambda: list(alice.generation.Generate(req, metadata=alice.metadata,
+                                                          timeout=60)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert err.details().startswith("prompt is too long: ")
+    assert "counted from its 1000000 bytes, without tokenizing it" in err.details()
+
+    # 66 KB in ~820 tokens (the vocabulary's longest token is a line break and 80 spaces):
+    # large, and inside the tiny model's context of 2,048 tokens
+    text = ("\n" + " " * 80) * 820
+    assert len(text.encode()) > 64 << 10
+    rendered = alice.generation.Render(api_pb2.GenerateRequest(prompt=text, max_tokens=1),
+                                       metadata=alice.metadata, timeout=60).token_ids
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    assert list(rendered) == tok.encode(text, add_special_tokens=False)
 
 
 def test_no_prefix_hit_across_tenants_from_ram(alice, bob):

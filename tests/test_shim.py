@@ -307,8 +307,10 @@ class FakeRouter(api_pb2_grpc.GenerationServicer):
                                 trailing_metadata=(("retry-after", "7"),
                                                    ("x-kvbank-reason", "queue_full")))
         yield api_pb2.GenerateResponse(text="Hel", token_ids=[1])
-        if request.prompt == "fail":
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is not reachable")
+        if request.prompt == "fail":  # as the router says it: its reason, a retry-after
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is not reachable",
+                                trailing_metadata=(("retry-after", "1"),
+                                                   ("x-kvbank-reason", "worker_unavailable")))
         self.streaming.release()
         try:
             while True:
@@ -410,7 +412,13 @@ def test_router_statuses_map_to_http():
     never = error_for(_rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "too long",
                                  x_kvbank_verdict="not_without_a_shorter_prompt"))
     assert never.headers() == {"x-should-retry": "false"}
-    assert error_for(_rpc_error(grpc.StatusCode.UNAVAILABLE, "restarting")).status == 503
+    assert error_for(_rpc_error(grpc.StatusCode.UNAVAILABLE, "restarting",
+                                x_kvbank_reason="worker_unavailable")).status == 503
+    # No router answered (gRPC's own text): a 503 in kvbank's words, with Retry-After.
+    away = error_for(_rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect to all "
+                                "addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: refused"))
+    assert away.status == 503 and away.headers()["Retry-After"] == "1"
+    assert "connect" not in away.message and "retry in 1 s" in away.message
     assert error_for(_rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens")).status == 400
     assert error_for(_rpc_error(grpc.StatusCode.UNAUTHENTICATED, "key")).status == 401
     assert error_for(_rpc_error(grpc.StatusCode.NOT_FOUND, "no session")).status == 404

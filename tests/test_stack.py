@@ -189,3 +189,26 @@ def test_a_data_dir_too_deep_for_a_socket_path_still_serves(tiny_model, tmp_path
                 first.usage["prompt_tokens"]
     finally:
         s.stop()
+
+
+def test_a_conversation_released_to_ssd_restores_its_partial_last_block_too(module_stack):
+    """A release writes a conversation's partial last block (its tail) with the rest; the
+    same request sent again (shorter than the history its answer made) restores every prompt
+    token from SSD, the tail's included, as RAM would, and answers as a recomputation does.
+    Named and anonymous alike."""
+    block = 16  # start_stack's --block-tokens
+    with module_stack.client() as c:
+        for seed, name in ((3, "tail-named"), (4, "")):
+            prompt = [1000 + (97 * i + 131 * seed) % 20000 for i in range(3 * block + 5)]
+            first = c.generate(session_id=name, token_ids=prompt, max_tokens=4)
+            sid = first.usage["session_id"]
+            module_stack.wait_durable(sid)
+            assert c.release(sid).released_entries == 1
+            assert c.get_session(sid).state == "cold"
+            again = c.generate(session_id=name, token_ids=prompt, max_tokens=4, logprobs=True)
+            assert again.usage["cache_source"] == "ssd", again.usage
+            assert again.usage["cached_tokens"] == len(prompt) - 1, again.usage  # not 3 blocks
+            assert again.usage["recomputed_tokens"] == 0
+            cold = c.generate(token_ids=prompt, max_tokens=4, logprobs=True, no_cache=True)
+            assert again.token_ids == cold.token_ids == first.token_ids
+            assert max(abs(a - b) for a, b in zip(again.logprobs, cold.logprobs)) < 1e-4

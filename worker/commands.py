@@ -36,6 +36,8 @@ class Generate:
     emit: Callable[[Any], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.monotonic)
+    grammar: Any = None  # its grammar, compiled off the engine (compute/grammar_compile.py)
+    decoding: Any = None  # its Decoding, made once by the engine (it may wait several turns)
 
 
 @dataclass
@@ -53,19 +55,24 @@ class Release(Command):
 
 @dataclass
 class Trim(Command):
-    """Admin: every idle conversation already on SSD leaves RAM."""
+    """Admin: every idle conversation already on SSD leaves RAM: `tenant`'s, or (None, the
+    operator's call) every tenant's."""
+
+    tenant: str | None = None
 
 
 @dataclass
 class Flush(Command):
-    """Admin: write every conversation not on SSD yet, now."""
+    """Admin: write every conversation not on SSD yet, now: `tenant`'s, or (None) all."""
+
+    tenant: str | None = None
 
 
 @dataclass
 class Status(Command):
-    """The status numbers and the receipts `tenant` may see."""
+    """The status numbers and the receipts `tenant` may see (None: the operator, all)."""
 
-    tenant: str
+    tenant: str | None
 
 
 @dataclass

@@ -27,23 +27,35 @@ from kvbank.config import Layout
 from kvbank.contracts.failures import ColdstoreUnavailable, KvbankError, grpc_status
 from kvbank.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 from kvbank.worker import commands as cmd
-from kvbank.worker.tiers.conversations import history_in_ram
 from kvbank.worker.compute.engine import Engine
+from kvbank.worker.compute.grammar_compile import (DEFAULT_GRAMMAR_TIMEOUT_S,
+                                                   DEFAULT_MAX_GRAMMAR_BYTES, GrammarCompiles)
+from kvbank.worker.tiers.conversations import history_in_ram
 
 logger = logging.getLogger(__name__)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, compiles: GrammarCompiles):
         self.engine = engine
+        self.compiles = compiles
 
     async def Generate(self, request, context):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
+        try:  # a grammar compiles here, on a thread, never on the engine's
+            grammar = await self.compiles.grammar(request)
+        except KvbankError as e:
+            await context.abort(grpc_status(e), str(e), trailing_metadata=e.trailing_metadata())
+        except Exception as e:
+            logger.exception("the request's grammar failed")
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"generation failed: {type(e).__name__}")
         job = self.engine.post(cmd.Generate(
-            request, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)))
+            request, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+            grammar=grammar))
         try:
             while True:
                 ev = await events.get()
@@ -108,11 +120,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return s
 
     async def ListSessions(self, request, context):
-        tenant = _tenant(context)
+        scope = _scope(context)
         snap = self.engine.snapshot
         return api_pb2.ListSessionsResponse(sessions=[
             self._session_pb(snap, k, v) for k, v in sorted(snap.sessions.items())
-            if k[0] == tenant])
+            if scope is None or k[0] == scope])
 
     async def GetSession(self, request, context):
         key = (_tenant(context), request.session_id)
@@ -155,7 +167,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             return await asyncio.to_thread(call, *args)
         except ColdstoreUnavailable as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the store is unavailable: {e}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the store is unavailable: {e}",
+                                trailing_metadata=e.trailing_metadata())
 
     async def Release(self, request, context):
         key = (_tenant(context), request.session_id)
@@ -174,19 +187,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return api_pb2.PressureResponse(level=level, source=source)
 
     async def Trim(self, request, context):
-        r = await self._ask(cmd.Trim())
+        """The operator's: every tenant's idle conversations; a tenant's: its own, and the
+        bytes after are its own conversations'."""
+        scope = _scope(context)
+        r = await self._ask(cmd.Trim(scope))
+        after = r.bytes_after if scope is None else sum(
+            n for k, n in self.engine.snapshot.ram_bytes.items() if k[0] == scope)
         return api_pb2.TrimResponse(evicted_entries=r.evicted_entries,
-                                    unwritten_kept=r.unwritten_kept,
-                                    bank_bytes_after=r.bytes_after)
+                                    unwritten_kept=r.unwritten_kept, bank_bytes_after=after)
 
     async def Flush(self, request, context):
-        r = await self._ask(cmd.Flush())
+        r = await self._ask(cmd.Flush(_scope(context)))
         return api_pb2.FlushResponse(written_entries=r.written_entries,
                                      failed_entries=r.failed_entries, seconds=r.seconds)
 
     async def Status(self, request, context):
-        """The caller's tenant sees its own admission receipts only."""
-        st, receipts, evictions = await self._ask(cmd.Status(_tenant(context)))
+        """The operator's: the whole server. A tenant's: its own figures and receipts
+        (worker/compute/reports.py `tenant_status`), no SSD tier."""
+        scope = _scope(context)
+        st, receipts, evictions = await self._ask(cmd.Status(scope))
+        if scope is not None:
+            return api_pb2.StatusResponse(**st, recent_receipts_json=map(json.dumps, receipts),
+                                          recent_evictions_json=map(json.dumps, evictions))
         try:
             cs = await asyncio.to_thread(self.engine.kv.coldstore.ping, 2.0)
             tier = {"store_bytes": cs.stats.block_bytes, "sessions": cs.stats.sessions,
@@ -205,6 +227,13 @@ def _tenant(context) -> str:
     return dict(context.invocation_metadata()).get("x-kvbank-tenant", "")
 
 
+def _scope(context) -> str | None:
+    """Whose conversations an admin call acts on: the router's `x-kvbank-scope: server` for
+    the operator's (None: every tenant's), else the caller's tenant."""
+    md = dict(context.invocation_metadata())
+    return None if md.get("x-kvbank-scope") == "server" else md.get("x-kvbank-tenant", "")
+
+
 def _matmul_gflops() -> float:
     """One float32 1024x1024 matmul: tells the slow reference BLAS from OpenBLAS."""
     import mlx.core as mx
@@ -217,7 +246,9 @@ def _matmul_gflops() -> float:
     return 4 * 2 * 1024**3 / (time.perf_counter() - t0) / 1e9
 
 
-async def serve(model: Path, layout: Layout, *, metrics_port: int = -1, **engine_kw) -> None:
+async def serve(model: Path, layout: Layout, *, metrics_port: int = -1,
+                grammar_timeout_s: float = DEFAULT_GRAMMAR_TIMEOUT_S,
+                max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES, **engine_kw) -> None:
     """`engine_kw`: the Engine's settings (block_tokens, bank_bytes, scheduler, ...)."""
     events.open_log(layout.events_path)
     metrics.serve("worker", layout.ensure().run_dir, metrics_port)
@@ -231,7 +262,9 @@ async def serve(model: Path, layout: Layout, *, metrics_port: int = -1, **engine
         logger.info("matmul check: %.0f GFLOP/s (float32 1024x1024)", gflops)
     engine = Engine(model, layout, **engine_kw)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine), server)
+    compiles = GrammarCompiles(engine.decodings, timeout_s=grammar_timeout_s,
+                               max_bytes=max_grammar_bytes)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine, compiles), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     sock = layout.sockets_dir / "worker.sock"
@@ -253,6 +286,7 @@ async def serve(model: Path, layout: Layout, *, metrics_port: int = -1, **engine
     finally:
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace=5)
+        compiles.close()
         engine.close()
         logger.info("worker stopped")
 

@@ -40,6 +40,8 @@ BENCHES: dict[str, tuple[str, str]] = {
                                     "mlx-lm's own quantized cache"),
     "restore": ("restore", "a streaming answer's inter-token gaps while another conversation "
                            "restores from SSD"),
+    "tenants": ("tenants", "one API key floods; another's short request: its time to first "
+                           "token and stream gaps, against idle"),
 }
 
 

@@ -29,3 +29,36 @@ def write_json(result: dict, dest: str | None) -> None:
 
         Path(dest).parent.mkdir(parents=True, exist_ok=True)
         Path(dest).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def provenance() -> dict:
+    """What a result was measured with: the command as typed, the commit (and whether the
+    tree differed from it), the versions of what matters, the machine, the date."""
+    import datetime
+    import os
+    import platform
+    import subprocess
+    import sys
+    from importlib import metadata
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True,
+                                  text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    versions = {}
+    for dist in ("mlx", "mlx-lm", "llguidance", "grpcio", "transformers", "tokenizers"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return {"argv": ["kvbank", *sys.argv[1:]], "commit": git("rev-parse", "HEAD"),
+            "tree_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "versions": {"python": platform.python_version(), **versions},
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")}

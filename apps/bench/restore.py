@@ -41,7 +41,8 @@ def add_arguments(p) -> None:
     p.add_argument("--stream-tokens", type=int, default=4000,
                    help="the streaming answer's max_tokens: more than the return lasts")
     p.add_argument("--stack-dir", type=Path, default=None,
-                   help="run the stack from the code in this checkout (a before/after)")
+                   help="run the stack from this other checkout of kvbank, with its own .venv "
+                        "(a before/after)")
     p.add_argument("--json", action="store_true")
 
 
@@ -138,7 +139,7 @@ def run(model: Path | None = None, tokens: int = 8000, repeats: int = 3, around:
     with tempfile.TemporaryDirectory(prefix="kvbank-bench-restore-") as tmp:
         data = Path(tmp) / "data"
         stack = LocalStack.start(model, data, shim=False, timeout_s=600,
-                                 popen={"cwd": str(stack_dir)} if stack_dir else None)
+                                 checkout=stack_dir)
         try:
             with stack.client() as c:
                 history = rng.integers(1000, 20000, tokens).tolist()

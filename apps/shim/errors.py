@@ -7,6 +7,7 @@ import logging
 import grpc
 
 from kvbank.apps.shim.openai_format import ApiError
+from kvbank.config import RETRY_AFTER_UNAVAILABLE_S
 from kvbank.contracts.failures import HTTP_STATUS, failure_for
 from kvbank.contracts.vocabulary import NO_RETRY_VERDICTS
 
@@ -21,14 +22,25 @@ DEFAULT_RETRY_AFTER_S = 1.0  # when the router's refusal carries no `retry-after
 INTERNAL = (500, "server_error", "internal_error")
 
 
+ROUTER_AWAY = (f"kvbank is not answering (its router is starting or restarting): retry in "
+               f"{RETRY_AFTER_UNAVAILABLE_S} s")
+
+
+def router_away() -> ApiError:
+    return ApiError(503, ROUTER_AWAY, type="server_error", code="router_unavailable",
+                    retry_after_s=RETRY_AFTER_UNAVAILABLE_S)
+
+
 def error_for(e: grpc.aio.AioRpcError) -> ApiError:
+    md = e.trailing_metadata() or grpc.aio.Metadata()
+    if e.code() == grpc.StatusCode.UNAVAILABLE and not md.get("x-kvbank-reason"):
+        return router_away()  # the transport's own word (no router answered): ours instead
     failure = failure_for(e.code())
     status, kind, code = HTTP_STATUS[failure] if failure is not None else INTERNAL
     if status == 500:
         logger.error("router call failed: %s: %s", e.code().name, e.details())
         return ApiError(500, "kvbank failed to answer (internal error); the server log says why",
                         type=kind, code=code)
-    md = e.trailing_metadata() or grpc.aio.Metadata()
     busy = status in (429, 503)
     hopeless = busy and md.get("x-kvbank-verdict") in NO_RETRY_VERDICTS  # retrying can't help
     retry_after_s = _seconds(md.get("retry-after")) if busy and not hopeless else None

@@ -15,6 +15,7 @@ import logging
 
 import grpc
 
+from kvbank import json_input
 from kvbank.apps.shim.errors import error_for
 from kvbank.apps.shim.openai_format import ApiError
 from kvbank.v1 import api_pb2
@@ -29,14 +30,34 @@ def _not_found(response_id: str, param: str | None = None) -> ApiError:
 
 
 async def load(stub, metadata, response_id: str, param: str | None = None) -> dict:
-    """The stored value; 404 in OpenAI's shape when there is none."""
+    """The stored value; 404 in OpenAI's shape when there is none, 400 when what is stored
+    under the id is not a response this API stored (`_checked`)."""
     try:
         got = await stub.Get(api_pb2.ResponseRef(id=response_id), metadata=metadata)
     except grpc.aio.AioRpcError as e:
         if e.code() == grpc.StatusCode.NOT_FOUND:
             raise _not_found(response_id, param) from None
         raise error_for(e) from None
-    return json.loads(got.body)
+    return _checked(got.body, response_id, param or "response_id")
+
+
+def _checked(body: bytes, response_id: str, param: str) -> dict:
+    """A stored value as `keep` writes it: {"items": [...], "response": {"id": its id, ...,
+    "output": [...]}}. The Responses gRPC service stores any bytes a client Puts, so a value written
+    some other way is refused here, naming the id, not read into a 500."""
+    try:
+        value = json_input.loads(body)
+        if not (isinstance(value, dict) and isinstance(value.get("items"), list)
+                and isinstance(value.get("response"), dict)
+                and value["response"].get("id") == response_id
+                and isinstance(value["response"].get("output"), list)):
+            raise ValueError("not {items, response}")
+    except ValueError:  # BadJson, JSONDecodeError and UnicodeDecodeError are too
+        raise ApiError(400, f"the value stored as response {response_id!r} was not stored by "
+                            f"this API (it is not a response and its items, as POST "
+                            f"/v1/responses stores them): delete it, or name another",
+                       code="invalid_stored_response", param=param) from None
+    return value
 
 
 async def prior_items(stub, metadata, body: object) -> list:

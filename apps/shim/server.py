@@ -38,12 +38,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from kvbank import json_input
 from kvbank.apps.shim import anthropic_format, responses_format, responses_store
 from kvbank.apps.shim.openai_answer import Answer
-from kvbank.apps.shim.errors import error_for
+from kvbank.apps.shim.errors import error_for, router_away
 from kvbank.apps.shim.recorder import Recorder
 from kvbank.apps.shim.openai_format import (DEFAULT_MAX_TOKENS, ApiError, invalid, parse,
                                             parse_render)
+from kvbank.config import PEER_READY_WAIT_S, RECONNECT_OPTIONS
 from kvbank.contracts.failures import Unauthenticated
 from kvbank.v1 import api_pb2, api_pb2_grpc
 from kvbank.router.auth import AUTH_KEY, tenant_for
@@ -88,7 +90,8 @@ class Shim:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette):
         """The channel belongs to the server's event loop, so it is made inside it."""
-        self.channel = grpc.aio.insecure_channel(self.router_address)
+        self.channel = grpc.aio.insecure_channel(self.router_address,
+                                                 options=list(RECONNECT_OPTIONS))
         self.generation = api_pb2_grpc.GenerationStub(self.channel)
         self.stored = api_pb2_grpc.ResponsesStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
@@ -123,6 +126,17 @@ class Shim:
         if header and header.isascii() and header.isprintable():
             return ((AUTH_KEY, header),)
         return ()
+
+    async def router_ready(self) -> None:
+        """The router's channel, connected: a request that comes while the router (re)starts
+        waits for it up to PEER_READY_WAIT_S (the channel tries again every half second at
+        most), then is a 503 with Retry-After."""
+        if self.channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
+            return
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), PEER_READY_WAIT_S)
+        except asyncio.TimeoutError:
+            raise router_away() from None
 
     # -- endpoints ------------------------------------------------------------------------
 
@@ -290,18 +304,26 @@ class Shim:
             req = parse(kind, await self._body(request), session_header=_session_header(request),
                         default_max_tokens=self.default_max_tokens)
             answer = Answer(kind, self.model_name, include_usage=req.include_usage)
+            sent = request.state.body
+            params = ({"max_tokens": "max_completion_tokens"}
+                      if isinstance(sent, dict) and "max_completion_tokens" in sent else {})
             return await self._answer(request, req.generate, metadata, req.fit_max_tokens,
-                                      answer, _events if req.stream else None)
+                                      answer, _events if req.stream else None, params=params)
         except ApiError as e:
             return error_response(e)
 
     async def _answer(self, request: Request, generate: api_pb2.GenerateRequest, metadata,
-                      fit: bool, answer, events, finish=None) -> Response:
+                      fit: bool, answer, events, finish=None,
+                      params: dict[str, str] | None = None) -> Response:
         """Run the request and answer with `answer`'s body, or with the stream `events(call,
         first, answer)` makes of it; 499 (nginx's "client closed request") if the client left
         before anything was sent. Once a stream starts, sse-starlette cancels it on a
-        hang-up."""
-        started = await self._start(request, generate, metadata, fit=fit)
+        hang-up. `params`: the router's field names as this API spells them, for a refusal."""
+        try:
+            started = await self._start(request, generate, metadata, fit=fit)
+        except ApiError as e:
+            e.param = (params or {}).get(e.param, e.param)
+            raise
         if started is HUNG_UP:
             return Response(status_code=499)
         call, first = started
@@ -342,6 +364,7 @@ class Shim:
         """The router's Generate call and its first message; HUNG_UP if the client left first.
         With `fit`, max_tokens is a bound the router lowers to what fits (`fit_max_tokens`)."""
         generate.fit_max_tokens = fit
+        await self.router_ready()
         call = self.generation.Generate(generate, metadata=metadata)
         try:
             first = await _unless_hung_up(request, call, call.read())
@@ -369,7 +392,9 @@ class Shim:
 
             return await self._answer(request, req.chat.generate, metadata,
                                       req.chat.fit_max_tokens, answer,
-                                      _responses_events if req.chat.stream else None, keep)
+                                      _responses_events if req.chat.stream else None, keep,
+                                      params={"max_tokens": "max_output_tokens",
+                                              "messages": "input"})
         except ApiError as e:
             return error_response(e)
 
@@ -448,9 +473,13 @@ async def _disconnected(request: Request) -> None:
 
 
 async def _json(request: Request) -> object:
+    """The body, parsed and checked (kvbank/json_input.py: nesting, lone surrogates)."""
+    raw = await request.body()
     try:
-        request.state.body = json.loads(await request.body())
+        request.state.body = json_input.loads(raw)
         return request.state.body
+    except json_input.BadJson as e:
+        raise invalid(e.param or None, str(e)) from None
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
         raise invalid(None, f"the body is not valid JSON: {e}") from None
 

@@ -45,13 +45,40 @@ class ContextTooLong(InvalidRequest):
 
     reason = "context_length_exceeded"
 
-    def __init__(self, prompt_tokens: int, max_tokens: int, context_tokens: int):
-        room = max(0, context_tokens - max_tokens)
+    def __init__(self, prompt_tokens: int, max_tokens: int | None, context_tokens: int, *,
+                 at_least: int | None = None):
+        """`max_tokens` None: the prompt alone leaves no room for an answer. `at_least`: the
+        prompt was not tokenized; its text of this many bytes is `prompt_tokens` at least."""
+        if max_tokens is None:
+            counted = (f" (at least: counted from its {at_least} bytes, without tokenizing it)"
+                       if at_least is not None else "")
+            super().__init__(
+                f"prompt is too long: {prompt_tokens} tokens > {context_tokens - 1} maximum"
+                f"{counted}: with one answer token it would exceed the model's context of "
+                f"{context_tokens} tokens; shorten the prompt (or compact the conversation)",
+                param="messages")
+            return
         super().__init__(
-            f"prompt is too long: {prompt_tokens} tokens > {room} maximum: the prompt and "
-            f"max_tokens ({max_tokens}) together exceed the model's context of "
-            f"{context_tokens} tokens; shorten the prompt (or compact the conversation) or "
-            f"lower max_tokens", param="messages")
+            f"prompt is too long: {prompt_tokens} tokens > {context_tokens - max_tokens} "
+            f"maximum: the prompt and max_tokens ({max_tokens}) together exceed the model's "
+            f"context of {context_tokens} tokens; shorten the prompt (or compact the "
+            f"conversation) or lower max_tokens to at most {context_tokens - prompt_tokens}",
+            param="messages")
+
+
+class MaxTokensTooLarge(InvalidRequest):
+    """A max_tokens no prompt could leave room for (at least the model's whole context): the
+    field at fault is max_tokens, not the prompt, so it is not worded as a long prompt (which
+    clients take as "compact the conversation")."""
+
+    reason = "max_tokens_too_large"
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, context_tokens: int):
+        fits = context_tokens - prompt_tokens
+        super().__init__(
+            f"max_tokens ({max_tokens}) is more than the model's context of {context_tokens} "
+            f"tokens holds: after this prompt ({prompt_tokens} tokens) at most {fits} fit; "
+            f"lower max_tokens", param="max_tokens")
 
 
 class Unauthenticated(KvbankError):
@@ -85,11 +112,19 @@ class Unavailable(KvbankError):
 
 
 class WorkerUnavailable(Unavailable):
-    """The router cannot reach the worker."""
+    """The router cannot reach the worker (it is starting or restarting): retry in a second."""
+
+    reason = "worker_unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class ColdstoreUnavailable(Unavailable):
     """The worker cannot reach the coldstore in time, or it refused the request."""
+
+    reason = "coldstore_unavailable"
 
 
 GRPC_STATUS: dict[type[KvbankError], grpc.StatusCode] = {

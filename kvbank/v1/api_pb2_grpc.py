@@ -563,7 +563,11 @@ class Sessions:
 
 
 class AdminStub:
-    """Operator tools. Loopback only.
+    """Operator tools. With API keys configured, the operator is whoever sends the router's
+    --admin-key as `x-kvbank-admin-key` metadata (loopback too), and sees and acts on every
+    tenant; an API key's own call (`authorization: Bearer KEY`) may Release, Trim, Flush and
+    read the Status of its own conversations only, and SetPressure needs the operator. Without
+    keys: loopback clients, or clients sending the --admin-key, are the operator.
     """
 
     def __init__(self, channel):
@@ -600,7 +604,11 @@ class AdminStub:
 
 
 class AdminServicer:
-    """Operator tools. Loopback only.
+    """Operator tools. With API keys configured, the operator is whoever sends the router's
+    --admin-key as `x-kvbank-admin-key` metadata (loopback too), and sees and acts on every
+    tenant; an API key's own call (`authorization: Bearer KEY`) may Release, Trim, Flush and
+    read the Status of its own conversations only, and SetPressure needs the operator. Without
+    keys: loopback clients, or clients sending the --admin-key, are the operator.
     """
 
     def Release(self, request, context):
@@ -675,7 +683,11 @@ def add_AdminServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Admin:
-    """Operator tools. Loopback only.
+    """Operator tools. With API keys configured, the operator is whoever sends the router's
+    --admin-key as `x-kvbank-admin-key` metadata (loopback too), and sees and acts on every
+    tenant; an API key's own call (`authorization: Bearer KEY`) may Release, Trim, Flush and
+    read the Status of its own conversations only, and SetPressure needs the operator. Without
+    keys: loopback clients, or clients sending the --admin-key, are the operator.
     """
 
     @staticmethod

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -264,45 +265,80 @@ class Decoding:
 class Decodings:
     """Each request's `Decoding`, for one model: what the model cannot do is refused here,
     before any memory is spent on the request; grammars compile against its vocabulary
-    (llguidance's view of it is made once, on the first constrained answer)."""
+    (llguidance's view of it is made once, on the first constrained answer).
+
+    A grammar is compiled off the engine thread (`compile`, run by
+    worker/compute/grammar_compile.py once per schema, within a time and size limit); the
+    engine only takes a copy of it (`for_request`)."""
 
     def __init__(self, tokenizer, vocab_size: int, model_name: str):
         self.tokenizer, self.vocab_size, self.model_name = tokenizer, vocab_size, model_name
         self._grammars = None  # worker/compute/grammar.py Grammars
+        self._grammars_made = threading.Lock()  # compiles run on threads
 
-    def for_request(self, req) -> Decoding:
+    def for_request(self, req, grammar=None) -> Decoding:
+        """`grammar`: the request's, compiled already (`compile`); when it needs one and none
+        is given, compiled here."""
         if req.tools_json and not self.tokenizer.has_tool_calling:
             raise InvalidRequest(f"the model {self.model_name} has no tool calling in its "
                                  f"chat template: send the request without tools",
                                  param="tools")
+        if grammar is None and self.grammar_key(req) is not None:
+            grammar = self.compile(req)
         return Decoding.for_request(req, self.tokenizer, self.vocab_size,
-                                    constraint=self._constraint(req))
+                                    constraint=grammar.processor() if grammar else None)
 
-    def _constraint(self, req):
-        """The grammar's logits processor for a JSON answer or a forced tool call; None when
-        the answer is free."""
+    def grammar_key(self, req) -> str | None:
+        """What the request's grammar is compiled from (its cache key); None when its answer
+        is free. Refuses a forced call the model cannot write."""
         fmt, choice = req.response_format, req.tool_choice
         forced = req.tools_json and (choice == "required" or choice.startswith("function:"))
+        if forced and not self.tokenizer.has_tool_calling:
+            return None  # refused as any request with tools is (`for_request`)
         if fmt.type not in ("json_object", "json_schema") and not forced:
             return None
-        param = "response_format" if not forced else "tool_choice"
         if forced and self.tokenizer.tool_parser.__module__.rsplit(".", 1)[-1] != "json_tools":
             raise InvalidRequest(
                 f"tool_choice {choice!r} constrains the answer to one JSON tool call, and the "
                 f"model {self.model_name} writes its calls in another format: send "
-                f"tool_choice auto", param=param)
-        if self._grammars is None:
-            from kvbank.worker.compute.grammar import Grammars
+                f"tool_choice auto", param="tool_choice")
+        if forced:
+            return f"call\0{choice}\0{req.tools_json}"
+        return f"format\0{fmt.type}\0{fmt.json_schema if fmt.type == 'json_schema' else ''}"
 
-            self._grammars = Grammars(self.tokenizer)
+    def compile(self, req):
+        """The grammar (worker/compute/grammar.py `Grammar`) for a JSON answer or a forced
+        tool call (any thread; it may take seconds). A schema or grammar llguidance refuses is
+        an InvalidRequest in our words (`in_our_words`)."""
+        fmt, choice = req.response_format, req.tool_choice
+        forced = bool(req.tools_json) and (choice == "required" or choice.startswith("function:"))
+        param = "response_format" if not forced else "tool_choice"
+        with self._grammars_made:
+            if self._grammars is None:
+                from kvbank.worker.compute.grammar import Grammars
+
+                self._grammars = Grammars(self.tokenizer)
         try:
             if forced:
-                grammar = self._grammars.for_tool_call(json.loads(req.tools_json),
-                                                       choice.removeprefix("function:"))
-            else:
-                grammar = self._grammars.for_response_format(
-                    {"type": fmt.type, "json_schema": {"schema": json.loads(fmt.json_schema)}}
-                    if fmt.type == "json_schema" else {"type": fmt.type})
+                return self._grammars.for_tool_call(json.loads(req.tools_json),
+                                                    choice.removeprefix("function:"))
+            return self._grammars.for_response_format(
+                {"type": fmt.type, "json_schema": {"schema": json.loads(fmt.json_schema)}}
+                if fmt.type == "json_schema" else {"type": fmt.type})
         except ValueError as e:  # a custom tool's format names its own field
-            raise InvalidRequest(str(e), param=getattr(e, "param", param)) from None
-        return grammar.processor()
+            raise InvalidRequest(in_our_words(str(e)), param=getattr(e, "param", param)) from None
+
+
+GRAMMAR_MESSAGE_MAX = 300
+
+
+def in_our_words(message: str) -> str:
+    """llguidance's reason for refusing a grammar, when it is a sentence a client can act on
+    (`where: unknown keyword 'x'`); a panic, a backtrace or pages of its parser state become
+    our own sentence naming the field."""
+    where, _, why = message.partition(": ")
+    if (not why or "panic" in why.lower() or "backtrace" in why.lower() or "\n" in why
+            or len(why) > GRAMMAR_MESSAGE_MAX):
+        return (f"{where if why else 'the grammar'}: the grammar compiler could not build a "
+                f"grammar from it (too large or too complex for it): simplify it")
+    return message

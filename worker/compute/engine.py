@@ -32,6 +32,7 @@ from kvbank.blocks import BlockId, chain_block_ids, chain_root, common_prefix_le
 from kvbank.config import Layout
 from kvbank.contracts.failures import InvalidRequest, Refused
 from kvbank.contracts.pricing import Pricing
+from kvbank.models import default_cache_dir
 from kvbank.v1 import api_pb2, worker_pb2
 from kvbank.worker import commands as cmd
 from kvbank.worker.compute import reports
@@ -40,11 +41,12 @@ from kvbank.worker.compute.scheduler import PREFILL_STEP_TOKENS, BatchScheduler,
 from kvbank.worker.compute.scheduler_config import SchedulerConfig
 from kvbank.worker.compute.served_model import load_served_model
 from kvbank.worker.link.kv_events import EventsConfig, KVEvents, Publisher
+from kvbank.worker.memory import calibration
 from kvbank.worker.memory.allocator import (give_back_freed_memory, mlx_cache_limit,
                                             serve_buffers_from_the_heap)
 from kvbank.worker.memory.guard import Guard
 from kvbank.worker.memory.pricing import (calibrate, held_bytes, memory_budget_bytes,
-                                          reconcile_rss, resident_bytes)
+                                          reconcile_rss)
 from kvbank.worker.tiers.manager import MAX_CHECKPOINTS, KVManager, Restoring, Start
 
 logger = logging.getLogger(__name__)
@@ -89,14 +91,21 @@ class Engine:
             chain_shed=admission_chain_shed, kv_bytes_per_token=self.kv_bytes_per_token,
             waiting=lambda: bool(self._pending))  # waiting requests come first
         mx.set_cache_limit(0)  # until the budget is known (below)
-        calibrate(self.model, self.pricing)
         self.batch = BatchScheduler(self.model, kinds=self.kinds, max_active=scheduler.max_active,
                                     eos_token_ids=self.eos_token_ids,
                                     decode=self.tokenizer.decode,
                                     prefill_step_tokens=prefill_chunk_tokens,
                                     decode_wait_s=scheduler.decode_wait_s)
-        warm_up(self.batch, self.kinds, self.tokenizer, prefill_chunk_tokens)
-        self.pricing.fixed_bytes = resident_bytes()
+        # The prefill transients and what a first request leaves behind (the fixed part of
+        # the budget): measured at a first start, read from kvbank's cache at every other
+        # (into the one Pricing the KV manager holds too).
+        calibration.measured(
+            self.pricing,
+            calibration.CalibrationFile(default_cache_dir(), self.fingerprint,
+                                        prefill_chunk_tokens),
+            calibrate=lambda pricing, on_chunk: calibrate(self.model, pricing, on_chunk),
+            warm_up=lambda: warm_up(self.batch, self.kinds, self.tokenizer,
+                                    prefill_chunk_tokens))
         self.memory_budget = memory_budget_bytes(memory_budget, self.pricing)
         cache_limit = mlx_cache_limit(self.memory_budget, self.pricing.fixed_bytes)
         mx.set_cache_limit(cache_limit)
@@ -106,9 +115,9 @@ class Engine:
         self._handlers = {
             cmd.DeleteSession: lambda c: kv.delete(c.session),
             cmd.Release: lambda c: kv.release(c.session, c.write_out),
-            cmd.Trim: lambda c: kv.trim(),
-            cmd.Flush: lambda c: kv.flush(),
-            cmd.Status: lambda c: (reports.status(self), *kv.receipts(c.tenant)),
+            cmd.Trim: lambda c: kv.trim(c.tenant),
+            cmd.Flush: lambda c: kv.flush(c.tenant),
+            cmd.Status: lambda c: (reports.status(self, c.tenant), *kv.receipts(c.tenant)),
             cmd.Tick: self._tick,
             cmd.PressureTrim: lambda c: kv.pressure(c.level, c.source, c.deferred_s),
             cmd.Probe: lambda c: kv.probe(c.tokens, c.tenant),
@@ -218,9 +227,11 @@ class Engine:
         """Admitted requests: in the batch, or restoring from SSD on a thread."""
         return len(self.batch) + self.kv.reading
 
-    def waiting(self) -> int:
-        """Requests in line, not admitted yet."""
-        return len(self._pending)
+    def waiting(self, tenant: str | None = None) -> int:
+        """Requests in line, not admitted yet (`tenant`'s only, if named)."""
+        if tenant is None:
+            return len(self._pending)
+        return sum(j.request.tenant == tenant for j in self._pending)
 
     def close(self) -> None:
         self.guard.close()
@@ -272,7 +283,9 @@ class Engine:
             raise InvalidRequest(
                 f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                 f"model's context of {self.max_context_tokens} tokens")
-        decoding = self.decodings.for_request(req)  # a request the model cannot serve: refused
+        if job.decoding is None:  # once: a request may wait here for several turns
+            job.decoding = self.decodings.for_request(req, job.grammar)  # or refused
+        decoding = job.decoding
         ids = chain_block_ids(tokens, self.root_for(req.tenant), self.block_tokens)  # once
         need = self._price(len(tokens), req.max_tokens)
         admitted = self.kv.admit(job, tokens, ids, need=need, batch=self.batch,

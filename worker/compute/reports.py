@@ -15,23 +15,41 @@ from kvbank.worker.memory.pricing import held_bytes, resident_bytes
 logger = logging.getLogger(__name__)
 
 
-def status(engine) -> dict:
-    """The engine's ledger, pressure, scheduler and pricing, for StatusResponse."""
+def status(engine, tenant: str | None = None) -> dict:
+    """The engine's ledger, pressure, scheduler and pricing, for StatusResponse: the whole
+    server's (`tenant` None: the operator), or one tenant's (`tenant_status`)."""
     e = engine
-    return {
+    settings = {
         "pressure_level": e.guard.level, "pressure_source": e.guard.source,
-        "memory_budget_bytes": e.memory_budget,
-        "held_bytes": held_bytes(e.pricing, e.kv),
-        "unaccounted_bytes": e.pricing.unaccounted_bytes,
-        "rss_bytes": resident_bytes(), "mlx_cache_bytes": mx.get_cache_memory(),
-        "fixed_bytes": e.pricing.fixed_bytes, **e.kv.stats(),
-        "scheduler": e.scheduler.mode,
-        "running_requests": e.running(), "waiting_requests": e.waiting(),
+        "memory_budget_bytes": e.memory_budget, "fixed_bytes": e.pricing.fixed_bytes,
+        "bank_max_bytes": e.kv.bank.max_bytes, "scheduler": e.scheduler.mode,
         "kv_bytes_per_token": e.kv_bytes_per_token, "kv_bits": e.kinds.kv_bits or 0,
         "prefill_chunk_tokens": e.pricing.chunk_tokens,
         "transient_base_bytes": e.pricing.transient_base,
         "transient_per_context_token": e.pricing.transient_per_context_token,
     }
+    if tenant is not None:
+        return settings | tenant_status(e, tenant)
+    return settings | e.kv.stats() | {
+        "scope": "server",
+        "held_bytes": held_bytes(e.pricing, e.kv),
+        "unaccounted_bytes": e.pricing.unaccounted_bytes,
+        "rss_bytes": resident_bytes(), "mlx_cache_bytes": mx.get_cache_memory(),
+        "running_requests": e.running(), "waiting_requests": e.waiting(),
+    }
+
+
+def tenant_status(engine, tenant: str) -> dict:
+    """A tenant's own figures: its conversations' bank entries and bytes, its requests
+    running and waiting. Nothing of the whole server's memory or load: from those one tenant
+    could read the size of another's prompts and answers."""
+    e = engine
+    mine = e.kv.tenant_stats(tenant)
+    running = sum(r.job.request.tenant == tenant for r in e.batch.running.values())
+    return {"scope": "tenant", "bank_bytes": mine["bank_bytes"],
+            "bank_entries": mine["bank_entries"],
+            "running_requests": running + mine["reading_requests"],
+            "waiting_requests": e.waiting(tenant)}
 
 
 def count_restore(req, session, n_tokens: int, cached: int, source: int) -> None:

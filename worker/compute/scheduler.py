@@ -4,21 +4,26 @@ answers decoded together in mlx-lm's BatchGenerator.
 Each `step` reads one chunk (`prefill_step_tokens`) of one prompt and decodes one token for
 every request past its prompt, unless those answers are pausing for the prompts being read
 (at most `decode_wait_s` between tokens: then all decode together, see `_answers_wait`).
-The prompt read is the one with the fewest forwards left, less the steps a
-later request was read instead (a short request that arrives during a long prefill gets its
-first token after one chunk; a long one is not starved; of equal prompts, the first to come
-is read through first, not all of them by turns). A prompt is read on the request's own cache, the
-model called as mlx-lm's own generate does: its chunks without logits, then its last
-<= 64 tokens and its first token in one forward, handed out at once. Reading prompts in the
+Tenants' prompts are read by turns; of a tenant's, the one with the fewest forwards left,
+less the steps a later request was read instead (a short request that arrives during a long
+prefill gets its first token after one chunk; a long one is not starved; of equal prompts,
+the first to come is read through first, not all of them by turns). A prompt is read on the
+request's own cache, the model called as mlx-lm's own generate does: its chunks without
+logits, then its last <= 64 tokens and its first token in one forward, handed out at once.
+Reading prompts in the
 batch would pad them to the longest, copy every cache in and out of the batch (merge,
 split), and hand each token out one step after computing it; on this CPU four 512-token
 prompts on 1,600-token histories read together ran at 0.85 of one after another
 (docs/decisions.md). A request whose prompt is read decodes alone on its own cache while
 nothing else decodes, and joins the batch when a second one would (the batch is then worth
 its copies), unless their contexts differ by `own_lead_tokens` or more: then it decodes on its
-own cache beside the batch (`_close`). `hyper` (and `serial`, its alias) use the same path with one request at a time. After a
-request's first token the next forward waits 5 ms, so the token reaches its client before the
-forward takes the cores (`_hand_off`).
+own cache beside the batch (`_close`). Answers pause for prompts of their own tenant only
+(an API key's flood of prompts never stalls another key's stream), and while two tenants have
+requests running a prompt is read in quarter chunks (`_chunk`), so another's request waits
+less for the forward in flight. `hyper` (and `serial`, its
+alias) use the same path with one request at a time. After a request's first token the next
+forward waits 5 ms, so the token reaches its client before the forward takes the cores
+(`_hand_off`).
 
 A request enters with its own restored cache (RAM bank or SSD) and leaves with the cache of
 everything it read and wrote, which the engine commits. Stop strings and cancellation are
@@ -60,6 +65,7 @@ LAST_FORWARD_TOKENS = 64  # a prompt's last forward, the one with logits, reads 
 # by the row, batched or not: a quarter already paid here (docs/decisions.md).
 OWN_LEAD_OF_WEIGHTS = {"gpu": 1.0, "cpu": 0.25}
 HANDOFF_S = 0.005  # after a first token, before the next forward (`_hand_off`)
+SHARED_STEP_DIVISOR = 4  # a prompt's chunk while another tenant runs a request (`_chunk`)
 
 
 @dataclass
@@ -124,6 +130,8 @@ class BatchScheduler:
         self.kinds = kinds or CacheKinds.of(model)  # what the caches hold
         self.decode_wait_s = decode_wait_s
         self._decoded_at = 0.0  # when answers last took a step (or had none to take)
+        self._reads = 0  # prompt forwards so far
+        self._read_turn: dict[str, int] = {}  # tenant -> when its prompt was last read
         self.prefill_step_tokens = prefill_step_tokens
         self.last_forward_tokens = min(LAST_FORWARD_TOKENS, prefill_step_tokens)
         self.eos = frozenset(eos_token_ids)
@@ -230,12 +238,23 @@ class BatchScheduler:
             for o in list(self._decoders):
                 done += self._own_step(o)
         if self._readers:
-            o = min(self._readers,  # min() keeps the first of equals: arrival order
-                    key=lambda o: self._forwards_left(o) - o.passed)
-            for other in self._readers[:self._readers.index(o)]:
-                other.passed += 1  # overtaken by a later one; the others wait their turn
-            done += self._own_step(o)
+            done += self._own_step(self._next_reader())
         return done
+
+    def _next_reader(self) -> _Own:
+        """The prompt read next: the tenant whose prompt was read longest ago takes its turn
+        (one tenant's long prompts never keep another's first token waiting more than a
+        forward), and of its prompts the one with the fewest forwards left, less the times
+        a later one was read instead."""
+        tenants = {o.r.job.request.tenant for o in self._readers}
+        tenant = min(tenants, key=lambda t: self._read_turn.get(t, -1))
+        mine = [o for o in self._readers if o.r.job.request.tenant == tenant]
+        o = min(mine, key=lambda o: self._forwards_left(o) - o.passed)  # first of equals
+        for other in mine[:mine.index(o)]:
+            other.passed += 1  # overtaken by a later one; the others wait their turn
+        self._reads += 1
+        self._read_turn[tenant] = self._reads
+        return o
 
     def _answers_wait(self) -> bool:
         """Whether requests past their prompt skip this step: while prompts are read, for at
@@ -250,10 +269,17 @@ class BatchScheduler:
         prompts_in_batch = any(r.first_token_at is None  # the batch reads them in its step
                                for uid, r in self.running.items() if uid >= 0)
         if (answering and self._readers and not prompts_in_batch
-                and now - self._decoded_at < self.decode_wait_s):
+                and now - self._decoded_at < self.decode_wait_s
+                and self._reading_for_every_answer()):
             return True
         self._decoded_at = now
         return False
+
+    def _reading_for_every_answer(self) -> bool:
+        """Answers pause only for their own tenant's prompts: while one tenant's long prompts
+        were read, another's stream stalled for seconds."""
+        reading = {o.r.job.request.tenant for o in self._readers}
+        return all(r.job.request.tenant in reading for r in self.answering())
 
     def _hand_off(self) -> None:
         """A first token just sent waits here, not behind the next forward. The token goes out
@@ -268,7 +294,18 @@ class BatchScheduler:
     def _forwards_left(self, o: _Own) -> int:
         """Forwards until `o`'s first token: its chunks, then the last one with logits."""
         return math.ceil(max(0, len(o.prompt) - self.last_forward_tokens)
-                         / self.prefill_step_tokens) + 1
+                         / self._step_tokens(o)) + 1
+
+    def _step_tokens(self, o: _Own) -> int:
+        """A chunk of `o`'s prompt: `prefill_step_tokens`, or a quarter of it while another
+        tenant has a request running: a request that comes waits for the forward in flight
+        (it cannot be cut short), and one tenant's long prompts made another's 8-token
+        request wait a whole 512-token chunk at every step."""
+        tenant = o.r.job.request.tenant
+        if any(x.job.request.tenant != tenant for x in self.running.values()):
+            return max(self.last_forward_tokens,
+                       self.prefill_step_tokens // SHARED_STEP_DIVISOR)
+        return self.prefill_step_tokens
 
     def _batch_step(self) -> list[tuple[Running, list]]:
         self._hand_off()
@@ -380,10 +417,12 @@ class BatchScheduler:
 
     def _chunk(self, o: _Own) -> int:
         """How many prompt tokens the next forward reads without logits (0: the rest, with
-        them): a step's worth, short of the last forward's, and never past a split."""
+        them): a step's worth (`_step_tokens`), short of the last forward's, and never past a
+        split."""
         r, last = o.r, self.last_forward_tokens
         pos = len(r.tokens) - len(o.prompt)
-        n = min(self.prefill_step_tokens, len(o.prompt) - last) if len(o.prompt) > last else 0
+        step = self._step_tokens(o)
+        n = min(step, len(o.prompt) - last) if len(o.prompt) > last else 0
         split = next((p for p in r.split_at if pos < p < len(r.tokens)), None)
         if split is not None and (n == 0 or split < pos + n):
             n = split - pos

@@ -57,6 +57,7 @@ def load_served_model(path: Path, block_tokens: int, kv_bits: int | None = None
     from mlx_lm import load
 
     t0 = time.monotonic()
+    logger.info("loading the model %s ...", path)
     model, tokenizer = load(str(path))
     config = json.loads((path / "config.json").read_text())
     kinds = CacheKinds(model, model_type(config), kv_bits)

@@ -14,16 +14,20 @@ logger = logging.getLogger(__name__)
 RSS_SLACK = 0.05  # of the budget: resident memory beyond the ledger that is not yet "held"
 
 
-def calibrate(model, pricing: Pricing) -> Pricing:
+CALIBRATION_CHUNKS = 5
+
+
+def calibrate(model, pricing: Pricing, on_chunk=lambda i: None) -> Pricing:
     """Measure a prefill chunk's transient bytes at contexts 0 and 4 chunks (MLX tracks CPU
-    allocations too), so pricing reflects this model and this chunk size."""
+    allocations too), so pricing reflects this model and this chunk size. `on_chunk(i)`
+    after each chunk (the start's progress; worker/memory/calibration.py keeps the result)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     C = pricing.chunk_tokens
     cache = make_prompt_cache(model)
     peaks = {}
-    for i in range(5):  # measure at context 0 and 4C: the slope over a wide span is steady
+    for i in range(CALIBRATION_CHUNKS):  # at context 0 and 4C: the slope over a wide span
         tokens = mx.array([[(1000 + 7 * j + i) % 5000 for j in range(C)]], dtype=mx.uint32)
         mx.eval(tokens)
         mx.reset_peak_memory()
@@ -33,6 +37,7 @@ def calibrate(model, pricing: Pricing) -> Pricing:
         kv_growth = mx.get_active_memory() - before
         if i in (0, 4):
             peaks[i] = max(0, mx.get_peak_memory() - before - kv_growth)
+        on_chunk(i + 1)
     del cache
     mx.clear_cache()
     peaks = [peaks[0], peaks[4]]

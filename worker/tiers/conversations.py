@@ -22,6 +22,7 @@ import numpy as np
 from kvbank.blocks import BlockId, chain_block_ids
 from kvbank.contracts.store_layout import StoreReader
 from kvbank.worker.commands import SessionInfo, SessionKey
+from kvbank.worker.memory.calibration import step
 from kvbank.worker.tiers.lineage import Lineages, is_anonymous
 
 logger = logging.getLogger(__name__)
@@ -43,21 +44,28 @@ class Conversations:
             return
         records = {}
         self.lineages.clear()
-        for meta in store.list_sessions():
-            got = store.get_session(meta.tenant, meta.session_id)
-            if got is None:
-                continue
-            meta, toks = got
-            key, tail = (meta.tenant, meta.session_id), None
-            if is_anonymous(key[1]):
-                self.lineages.set(key, len(toks), chain_block_ids(
-                    toks, self.root_for(key[0]), self.block_tokens))
-                tail = toks[self.lineages.anchor_at(len(toks)):].copy()
-            records[key] = SessionInfo(len(toks), meta.durable_tokens, meta.created_at,
-                                       meta.updated_at, tail=tail)
+        with step("loading session records from the store", logger) as progress:
+            metas = store.list_sessions()
+            for i, meta in enumerate(metas):
+                progress.tick(i, len(metas), "records")
+                self._load_one(store, meta, records)
         self.records = records
         logger.info("loaded %d session records from the store (%d anonymous)", len(records),
                     len(self.lineages))
+
+    def _load_one(self, store, meta, records: dict) -> None:
+        """One record into `records` (and the lineage index, for an unnamed one)."""
+        got = store.get_session(meta.tenant, meta.session_id)
+        if got is None:
+            return
+        meta, toks = got
+        key, tail = (meta.tenant, meta.session_id), None
+        if is_anonymous(key[1]):
+            self.lineages.set(key, len(toks), chain_block_ids(
+                toks, self.root_for(key[0]), self.block_tokens))
+            tail = toks[self.lineages.anchor_at(len(toks)):].copy()
+        records[key] = SessionInfo(len(toks), meta.durable_tokens, meta.created_at,
+                                   meta.updated_at, tail=tail)
 
     def get(self, key: SessionKey) -> SessionInfo | None:
         return self.records.get(key)

@@ -420,10 +420,13 @@ class EvictionPolicy:
         bank.record(receipt)
         return receipt
 
-    def trim(self) -> ShrinkReceipt:
-        """Admin: every idle conversation already on SSD leaves RAM."""
+    def trim(self, tenant: str | None = None) -> ShrinkReceipt:
+        """Admin: every idle conversation already on SSD leaves RAM; a tenant's call, its own
+        only (None: the operator's, every tenant's)."""
+        others = {e.session for e in self.bank.entries.values()
+                  if tenant is not None and e.session[0] != tenant}
         return self.shrink_to_bytes(0, reason=TrimReason.ADMIN_TRIM, protect_active=False,
-                                    protect_unwritten=True)
+                                    protect_unwritten=True, protect_sessions=others)
 
     # -- room for a prefetch hint -------------------------------------------------------------
 

@@ -65,6 +65,11 @@ from kvbank.worker.tiers.restore_threads import Restores, Restoring
 
 logger = logging.getLogger(__name__)
 
+# An admission receipt's figures of the whole bank: what the request found free, and what was
+# taken from other conversations to make room. A tenant sees its decision and need only.
+SERVER_WIDE = ("free_before", "free_after", "lru_evicted", "shed_non_terminal",
+               "shed_terminal", "released_sessions", "shed_target_bytes", "written_out",
+               "write_out_s", "holders")
 RECORD_TIMEOUT_S = 3.0
 RETRY_WRITES_EVERY_S = 5.0
 
@@ -402,19 +407,33 @@ class KVManager:
                 "bank_ceiling_bytes": self.bank.ceiling_bytes or 0,
                 "bank_entries": len(self.bank.entries)}
 
-    def receipts(self, tenant: str, n: int = 20) -> tuple[list[dict], list[dict]]:
+    def tenant_stats(self, tenant: str) -> dict:
+        """A tenant's own figures: its conversations' bank entries and bytes, its requests
+        reading from SSD. Nothing of the whole bank: from that one tenant could read the size
+        of another's prompts and answers."""
+        mine = [e for e in self.bank.entries.values() if e.session[0] == tenant]
+        return {"bank_bytes": sum(e.nbytes for e in mine), "bank_entries": len(mine),
+                "reading_requests": sum(r.job.request.tenant == tenant for r in self.reads)}
+
+    def receipts(self, tenant: str | None, n: int = 20) -> tuple[list[dict], list[dict]]:
         """The last receipts of every policy and the eviction log, as `tenant` may see them:
-        admission receipts and eviction rows of its own conversations, release rows of its
-        own, the other policies' counts."""
-        out = [dataclasses.asdict(r) for r in list(self.admissions)[-4 * n:]
-               if r.tenant == tenant][-n:]
+        all of them for the operator (None); for a tenant, its own admissions (without the
+        bank's figures), the rows of releases of its own conversations and their evictions."""
+        if tenant is None:
+            out = [dataclasses.asdict(r) for r in list(self.admissions)[-n:]]
+            out += [dataclasses.asdict(r) for r in list(self.bank.receipts)[-2 * n:]]
+            evictions = [dataclasses.asdict(e) for e in self.bank.eviction_log][-5 * n:]
+            return sorted(out, key=lambda d: d["at"])[-3 * n:], evictions
+        out = [{k: v for k, v in dataclasses.asdict(r).items() if k not in SERVER_WIDE}
+               for r in list(self.admissions)[-4 * n:] if r.tenant == tenant][-n:]
         for r in list(self.bank.receipts)[-4 * n:]:
             d = dataclasses.asdict(r)
-            if "rows" in d:
-                d["rows"] = [row for row in d["rows"] if row["tenant"] == tenant]
-                if not d["rows"] and not d["skipped_busy_sessions"]:
-                    continue
-            out.append(d)
+            if "rows" not in d:
+                continue  # the trims' and the guard's receipts count the whole bank
+            d["rows"] = [row for row in d["rows"] if row["tenant"] == tenant]
+            if not d["rows"]:
+                continue
+            out.append({k: d[k] for k in ("kind", "reason", "at", "rows")})
         out = sorted(out, key=lambda d: d["at"])[-3 * n:]
         evictions = [dataclasses.asdict(e) for e in self.bank.eviction_log
                      if e.tenant == tenant][-5 * n:]
@@ -476,16 +495,19 @@ class KVManager:
                                               reason=TrimReason.ADMIN_RELEASE,
                                               write_out_before_release=write_out)
 
-    def trim(self) -> ShrinkReceipt:
-        """Admin: every idle conversation already on SSD leaves RAM."""
-        return self.eviction.trim()
+    def trim(self, tenant: str | None = None) -> ShrinkReceipt:
+        """Admin: every idle conversation already on SSD leaves RAM; a tenant's call, its own
+        only (None: the operator's, every tenant's)."""
+        return self.eviction.trim(tenant)
 
-    def flush(self) -> FlushReceipt:
-        """Admin: write every conversation not on SSD yet, now; they stay in RAM."""
+    def flush(self, tenant: str | None = None) -> FlushReceipt:
+        """Admin: write every conversation not on SSD yet, now; they stay in RAM. A tenant's
+        call, its own only (None: every tenant's)."""
         t0 = time.monotonic()
         give_up_at = self.eviction.give_up_at()
         written = failed = 0
-        for e in [e for e in self.bank.entries.values() if e.awaits_queued_write]:
+        for e in [e for e in self.bank.entries.values() if e.awaits_queued_write
+                  and (tenant is None or e.session[0] == tenant)]:
             if self.writer.write_out(e, give_up_at) == Outcome.WRITTEN:
                 written += 1
             else:

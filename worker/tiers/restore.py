@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from kvbank import events, metrics
-from kvbank.blocks import BlockId, CorruptBlock, decode_header, tail_block_id
+from kvbank.blocks import (BlockId, CorruptBlock, common_prefix_len, decode_header,
+                           tail_block_id)
 from kvbank.contracts import coldstore_wire as wire
 from kvbank.contracts.store_layout import QUANTIZED_STORE_FORMAT, StoreReader
 from kvbank.v1 import api_pb2
@@ -160,15 +161,15 @@ class Restorer:
         n = n_full * B
         got = store.get_session(*session)
         marks = [anchor_at]
+        limit = len(tokens) - 1 if limit is None else limit
         if got is not None:
             meta = got[0]
             marks += [s + k for _, s, k in meta.anchors]
-            if meta.tail and len(meta.blocks) == n_full and len(tokens) >= n + meta.tail_tokens:
-                parent = ids[n_full - 1] if n_full else root
-                if tail_block_id(parent, tokens[n : n + meta.tail_tokens]).hex() == meta.tail:
-                    want.append(BlockId(bytes.fromhex(meta.tail)))
-                    n += meta.tail_tokens
-        limit = len(tokens) - 1 if limit is None else limit
+            shared = self._tail_shared(meta, got[1], tokens,
+                                       ids[n_full - 1] if n_full else root, n_full)
+            if shared:
+                want.append(BlockId(bytes.fromhex(meta.tail)))
+                n += shared
         # The furthest anchor this prompt can stand on (its chain and its tokens LMDB's):
         # one its conversation's record names, the shared system prompt's, or any that
         # another conversation stored right after the blocks this prompt shares with it,
@@ -182,11 +183,27 @@ class Restorer:
         if min(max(n, at), limit) <= better_than:
             return None
         report = on_corrupt or (lambda block, e: self.corrupt(block, e, tenant, session))
-        got = self._read_checked(store, want, limit, better_than, capacity, report)
+        # the tail's tokens past `n` are not the prompt's: read no further
+        got = self._read_checked(store, want, min(limit, n), better_than, capacity, report)
         if anchored and (got is None or got[2] < at):
             got = self._read_checked(store, anchored, limit, better_than, capacity,
                                      report) or got
         return got
+
+    def _tail_shared(self, meta, record: np.ndarray, tokens: np.ndarray, parent: BlockId,
+                     n_full: int) -> int:
+        """How many of the prompt's tokens past its `n_full` stored blocks the conversation's
+        stored tail (its partial last block) restores: the whole tail when the prompt goes on
+        past it, else the tokens the two share, as a RAM hit would (the same request sent
+        again is shorter than the history its answer made). 0 when the record's chain is not
+        the prompt's."""
+        if not meta.tail or len(meta.blocks) != n_full:
+            return 0
+        start = n_full * self.block_tokens
+        tail = record[start:start + meta.tail_tokens]
+        if len(tail) != meta.tail_tokens or tail_block_id(parent, tail).hex() != meta.tail:
+            return 0
+        return common_prefix_len(tail, tokens[start:start + len(tail)])
 
     def _anchored(self, store: StoreReader, tokens: np.ndarray, ids: list[BlockId],
                   root: BlockId, anchor_at: int, n_full: int) -> list[BlockId] | None:

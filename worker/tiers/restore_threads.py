@@ -77,6 +77,9 @@ class Restores:
     def __len__(self) -> int:
         return len(self._inflight)
 
+    def __iter__(self):
+        return iter(list(self._inflight))
+
     def worth_a_thread(self, more_tokens: int) -> bool:
         """A read from SSD of `more_tokens` beyond what RAM holds, long enough that a thread
         costs less than the others' wait."""
