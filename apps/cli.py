@@ -216,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     prefill_arguments(bp)
     bp.set_defaults(func=_run_bench_prefill)
+    bd = bsub.add_parser("decode", help="decode tok/s with and without the model's MTP head "
+                                        "(--mtp), depth 1..3")
+    from apps.bench.decode import add_arguments as decode_arguments
+
+    decode_arguments(bd)
+    bd.set_defaults(func=_run_bench_decode)
     ba = bsub.add_parser("agents", help="replayed Claude Code, Codex and Agents SDK turns: "
                                         "the share of each turn's history read from cache")
     from apps.bench.agents import add_arguments as agents_arguments
@@ -581,6 +587,13 @@ def _run_bench_kvbits(args: argparse.Namespace) -> int:
 def _run_bench_prefill(args: argparse.Namespace) -> int:
     _setup_logging("bench")
     from apps.bench.prefill import run_cli
+
+    return run_cli(args)
+
+
+def _run_bench_decode(args: argparse.Namespace) -> int:
+    _setup_logging("bench")
+    from apps.bench.decode import run_cli
 
     return run_cli(args)
 
