@@ -17,10 +17,9 @@ import os
 import sys
 from pathlib import Path
 
-from apps.flags import (FLAG_GROUPS, address_flag, coldstore_flags, data_dir_flag, forward,
-                        metrics_flag, model_flag, router_flags, shim_flags, worker_flags)
-from kvbank.config import DEFAULT_BLOCK_TOKENS, DEFAULT_METRICS_PORT, DEFAULT_ROUTER_PORT, Layout
-from kvbank.tiny import ARCHS
+from kvbank.apps.flags import (FLAG_GROUPS, address_flag, coldstore_flags, data_dir_flag, forward,
+                               metrics_flag, model_flag, router_flags, shim_flags, worker_flags)
+from kvbank.config import DEFAULT_METRICS_PORT, DEFAULT_ROUTER_PORT, Layout
 
 
 def _setup_logging(name: str) -> None:
@@ -149,94 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
     rs.set_defaults(func=_run_resilience)
 
     lg = sub.add_parser("loadgen", help="drive agents' conversations against a server")
-    from apps.loadgen.cli import add_arguments as loadgen_arguments
+    from kvbank.apps.loadgen.cli import add_arguments as loadgen_arguments
 
     loadgen_arguments(lg)
     lg.set_defaults(func=_run_loadgen)
 
     bench = sub.add_parser("bench", help="benchmarks (a short table; JSON with --json)")
-    bsub = bench.add_subparsers(dest="bench", required=True)
-    bt = bsub.add_parser("turn", help="TTFT of a returning turn: RAM vs SSD vs recompute")
-    model_flag(bt)
-    bt.add_argument("--tokens", type=int, default=2048, help="conversation length")
-    bt.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
-    bt.add_argument("--repeats", type=int, default=3,
-                    help="returning turns from RAM and from SSD, each; the medians count")
-    bt.add_argument("--arch", choices=ARCHS, default=None,
-                    help="a random-weight model of the default model's size with this "
-                         "architecture, instead of --model")
-    bt.add_argument("--json", action="store_true")
-    bt.set_defaults(func=_run_bench_turn)
-    bb = bsub.add_parser("bank", help="SessionBank.lookup latency on a full bank")
-    from apps.bench.bank import add_arguments as bank_arguments
+    from kvbank.apps.bench import add_parsers as bench_parsers  # the one registry
 
-    bank_arguments(bb)
-    bb.set_defaults(func=_run_bench_bank)
-    bcs = bsub.add_parser("coldstore", help="SSD tier vs raw LMDB; write amplification; "
-                                            "restore vs recompute")
-    from apps.bench.coldstore import add_arguments as coldstore_arguments
-
-    coldstore_arguments(bcs)
-    bcs.set_defaults(func=_run_bench_coldstore)
-    bad = bsub.add_parser("admission", help="admission decision latency; peak RSS / budget "
-                                            "under an adversarial load")
-    from apps.bench.admission import add_arguments as admission_arguments
-
-    admission_arguments(bad)
-    bad.set_defaults(func=_run_bench_admission)
-    bo = bsub.add_parser("overhead", help="streamed decode through shim+router vs in-process")
-    from apps.bench.overhead import add_arguments as overhead_arguments
-    overhead_arguments(bo)
-    bo.set_defaults(func=_run_bench_overhead)
-    bc = bsub.add_parser("compare", help="kvbank vs mlx_lm.server on one loadgen scenario")
-    from apps.bench.compare import add_arguments as compare_arguments
-
-    compare_arguments(bc)
-    bc.set_defaults(func=_run_bench_compare)
-    bsc = bsub.add_parser("scale", help="conversations of real models' size through the bank, "
-                                        "writer and coldstore, against raw LMDB")
-    from apps.bench.scale import add_arguments as scale_arguments
-
-    scale_arguments(bsc)
-    bsc.set_defaults(func=_run_bench_scale)
-    bcl = bsub.add_parser("cluster", help="anonymous agents through vllm-router over N stacks: "
-                                          "kv_aware vs round_robin")
-    from apps.bench.cluster import add_arguments as cluster_arguments
-
-    cluster_arguments(bcl)
-    bcl.set_defaults(func=_run_bench_cluster)
-    bg = bsub.add_parser("grammar", help="per-token cost of constrained (JSON schema) decoding")
-    from apps.bench.grammar import add_arguments as grammar_arguments
-
-    grammar_arguments(bg)
-    bg.set_defaults(func=_run_bench_grammar)
-    bp = bsub.add_parser("prefill", help="prefill tokens/s: chunk size, batched against "
-                                         "single-stream, the decode stall it causes")
-    from apps.bench.prefill import add_arguments as prefill_arguments
-
-    prefill_arguments(bp)
-    bp.set_defaults(func=_run_bench_prefill)
-    bd = bsub.add_parser("decode", help="decode tok/s with and without the model's MTP head "
-                                        "(--mtp), depth 1..3")
-    from apps.bench.decode import add_arguments as decode_arguments
-
-    decode_arguments(bd)
-    bd.set_defaults(func=_run_bench_decode)
-    ba = bsub.add_parser("agents", help="replayed Claude Code, Codex and Agents SDK turns: "
-                                        "the share of each turn's history read from cache")
-    from apps.bench.agents import add_arguments as agents_arguments
-
-    agents_arguments(ba)
-    ba.set_defaults(func=_run_bench_agents)
-    bk = bsub.add_parser("kvbits", help="--kv-bits 8|4: conversations a bank holds, bytes "
-                                        "per token, answer agreement against full precision "
-                                        "and mlx-lm's own quantized cache")
-    from apps.bench.kvbits import add_arguments as kvbits_arguments
-
-    kvbits_arguments(bk)
-    bk.set_defaults(func=_run_bench_kvbits)
-    from apps.bench.restore import register as register_bench_restore  # its handler with it
-    register_bench_restore(bsub)
+    bench_parsers(bench.add_subparsers(dest="bench", required=True))
+    bench.set_defaults(func=_run_bench)
     return ap
 
 
@@ -246,9 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_up(args: argparse.Namespace) -> int:
     _setup_logging("up")
-    from deploy.supervisor import Supervisor
+    from kvbank.deploy.supervisor import Supervisor
 
-    from worker.admission import SchedulerConfig
+    from kvbank.worker.compute.scheduler_config import SchedulerConfig
 
     SchedulerConfig.from_flags(args.scheduler_mode, args.max_active_requests,
                                args.decode_wait_s)  # refuse at start
@@ -267,8 +188,8 @@ CLUSTER_OWNS = ("kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_to
 
 
 def _cluster_up_parser(p: argparse.ArgumentParser) -> None:
-    from deploy.cluster import (DEFAULT_BLOCK_SIZE, DEFAULT_POLICY, DEFAULT_PORT,
-                                DEFAULT_STACKS, POLICIES, default_cluster_dir)
+    from kvbank.deploy.cluster import (DEFAULT_BLOCK_SIZE, DEFAULT_POLICY, DEFAULT_PORT,
+                                       DEFAULT_STACKS, POLICIES, default_cluster_dir)
 
     p.add_argument("--stacks", type=int, default=DEFAULT_STACKS,
                    help="kvbank stacks to start (default: %(default)s)")
@@ -319,7 +240,7 @@ def cluster_stack_flags(args: argparse.Namespace) -> list[str]:
 
 def _run_cluster_up(args: argparse.Namespace) -> int:
     _setup_logging("cluster")
-    from deploy.cluster import run_cluster
+    from kvbank.deploy.cluster import run_cluster
 
     return run_cluster(stacks=args.stacks, model=args.model, base_dir=args.data_dir,
                        host=args.host, port=args.port, policy=args.policy,
@@ -331,9 +252,9 @@ def _run_cluster_up(args: argparse.Namespace) -> int:
 
 def _run_router(args: argparse.Namespace) -> int:
     _setup_logging("router")
-    from router.admission import Ceilings
-    from router.auth import load_keys
-    from router.server import main as router_main
+    from kvbank.router.admission import Ceilings
+    from kvbank.router.auth import load_keys
+    from kvbank.router.server import main as router_main
 
     layout = Layout(args.data_dir).ensure()
     router_main(args.model, layout.worker_address, args.host, args.port,
@@ -350,13 +271,13 @@ def _run_worker(args: argparse.Namespace) -> int:
     from kvbank.config import preload_openblas
 
     preload_openblas()  # before the first `import mlx`
-    from worker.server import main as worker_main
+    from kvbank.worker.server import main as worker_main
 
-    from worker.admission import SchedulerConfig
+    from kvbank.worker.compute.scheduler_config import SchedulerConfig
 
     sched = SchedulerConfig.from_flags(args.scheduler_mode, args.max_active_requests,
                                        args.decode_wait_s)
-    from worker.cache_kinds import UnsupportedModel
+    from kvbank.worker.kv.cache_kinds import UnsupportedModel
 
     try:
         worker_main(args.model, Layout(args.data_dir), block_tokens=args.block_tokens,
@@ -376,7 +297,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 
 def _kv_events(args: argparse.Namespace):
     """The worker's KV-event settings, checked at start (None: off)."""
-    from worker.kv_events import EventsConfig
+    from kvbank.worker.link.kv_events import EventsConfig
 
     if args.kv_events_endpoint is None:
         if args.kv_events_replay_endpoint:
@@ -390,8 +311,8 @@ def _kv_events(args: argparse.Namespace):
 
 def _run_coldstore(args: argparse.Namespace) -> int:
     _setup_logging("coldstore")
-    from coldstore.budgets import Limits
-    from coldstore.server import main as coldstore_main
+    from kvbank.coldstore.budgets import Limits
+    from kvbank.coldstore.server import main as coldstore_main
 
     limits = Limits(write_bytes_per_hour=args.write_budget_bytes_per_hour,
                     free_disk_floor_bytes=args.free_disk_floor_bytes,
@@ -412,8 +333,8 @@ def _run_coldstore(args: argparse.Namespace) -> int:
 
 def _run_shim(args: argparse.Namespace) -> int:
     _setup_logging("shim")
-    from router.auth import load_keys
-    from apps.shim.server import main as shim_main
+    from kvbank.router.auth import load_keys
+    from kvbank.apps.shim.server import main as shim_main
 
     shim_main(router_address=args.router, host=args.shim_host, port=args.shim_port,
               keys=load_keys(args.api_key, args.api_keys_file), model_name=args.model_name,
@@ -435,20 +356,20 @@ def _run_prepare_model(args: argparse.Namespace) -> int:
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    from apps.status import run_status
+    from kvbank.apps.status import run_status
 
     return run_status(args.address, watch=args.watch, every_s=args.every, as_json=args.json,
                       show_evictions=args.evictions)
 
 
 def _run_store_verify(args: argparse.Namespace) -> int:
-    from apps.store_verify import run_verify
+    from kvbank.apps.store_verify import run_verify
 
     return run_verify(args.data_dir, args.json)
 
 
 def _run_admin(args: argparse.Namespace) -> int:
-    from apps.admin import run_admin
+    from kvbank.apps.admin import run_admin
 
     return run_admin(args)
 
@@ -456,7 +377,7 @@ def _run_admin(args: argparse.Namespace) -> int:
 def _run_resilience(args: argparse.Namespace) -> int:
     import json
 
-    from apps.resilience import run as resilience_run
+    from kvbank.apps.resilience import run as resilience_run
 
     _setup_logging("resilience")
     summary = resilience_run(model=args.model, agents=args.agents, turns=args.turns,
@@ -466,143 +387,30 @@ def _run_resilience(args: argparse.Namespace) -> int:
 
 
 def _run_loadgen(args: argparse.Namespace) -> int:
-    from apps.loadgen.cli import run_cli
+    from kvbank.apps.loadgen.cli import run_cli
 
     return run_cli(args)
 
 
 def _run_chat(args: argparse.Namespace) -> int:
-    from apps.chat import chat
+    from kvbank.apps.chat import chat
 
     return chat(args.address, args.session, max_tokens=args.max_tokens,
                 temperature=args.temperature)
 
 
 def _run_ask(args: argparse.Namespace) -> int:
-    from apps.chat import ask
+    from kvbank.apps.chat import ask
 
     return ask(args.address, args.session, args.text, max_tokens=args.max_tokens,
                temperature=args.temperature, as_json=args.json)
 
 
-def _bench_result(args: argparse.Namespace, result: dict) -> int:
-    """A benchmark's result: a short table, or JSON with --json."""
-    from apps.bench.report import print_result
-
-    print_result(args.bench, result, args.json)
-    return 0
-
-
-def _run_bench_turn(args: argparse.Namespace) -> int:
+def _run_bench(args: argparse.Namespace) -> int:
     _setup_logging("bench")
-    from apps.bench.turn import run
+    from kvbank.apps.bench import run
 
-    if args.repeats < 1:
-        print("kvbank bench turn: --repeats must be at least 1", file=sys.stderr)
-        return 2
-    try:
-        result = run(model=args.model, tokens=args.tokens, block_tokens=args.block_tokens,
-                     repeats=args.repeats, arch=args.arch)
-    except ValueError as e:
-        print(f"kvbank bench turn: {e}", file=sys.stderr)
-        return 2
-    return _bench_result(args, result)
-
-
-def _run_bench_bank(args: argparse.Namespace) -> int:
-    _setup_logging("bench")
-    from apps.bench.bank import run
-
-    return _bench_result(args, run(entries=args.entries, prompt_tokens=args.prompt_tokens,
-                                   block_tokens=args.block_tokens, group_size=args.group_size,
-                                   lookups=args.lookups))
-
-
-def _run_bench_coldstore(args: argparse.Namespace) -> int:
-    _setup_logging("bench")
-    from apps.bench.coldstore import run
-
-    return _bench_result(args, run(model=args.model, tokens=args.tokens,
-                                   block_tokens=args.block_tokens, turns=args.turns,
-                                   repeats=args.repeats))
-
-
-def _run_bench_admission(args: argparse.Namespace) -> int:
-    _setup_logging("bench")
-    from apps.bench.admission import run
-
-    return _bench_result(args, run(model=args.model, entries=args.entries, agents=args.agents,
-                                   turns=args.turns, budget_kv_bytes=args.budget_kv_bytes))
-
-
-def _run_bench_overhead(args: argparse.Namespace) -> int:
-    _setup_logging("bench")
-    from apps.bench.overhead import run
-
-    return _bench_result(args, run(model=args.model, prompt_tokens=args.prompt_tokens,
-                                   max_tokens=args.max_tokens))
-
-
-def _run_bench_scale(args: argparse.Namespace) -> int:
-    _setup_logging("bench")
-    from apps.bench.scale import run_cli
-
-    return _bench_result(args, run_cli(args))
-
-
-def _run_bench_compare(args: argparse.Namespace) -> int:
-    _setup_logging("bench")
-    from apps.bench.compare import run_cli
-
-    return run_cli(args)
-
-
-def _run_bench_cluster(args: argparse.Namespace) -> int:
-    _setup_logging("bench")
-    from apps.bench.cluster import run_cli
-    from deploy.cluster import ClusterError
-
-    try:
-        result = run_cli(args)
-    except (ValueError, ClusterError) as e:  # bad flags; a stack or the router did not start
-        sys.stderr.write(f"kvbank bench cluster: {e}\n")
-        return 2
-    return _bench_result(args, result)
-
-
-def _run_bench_grammar(args: argparse.Namespace) -> int:
-    _setup_logging("bench")
-    from apps.bench.grammar import run_cli
-
-    return run_cli(args)
-
-
-def _run_bench_kvbits(args: argparse.Namespace) -> int:
-    _setup_logging("bench")
-    from apps.bench.kvbits import run_cli
-
-    return _bench_result(args, run_cli(args))
-
-
-def _run_bench_prefill(args: argparse.Namespace) -> int:
-    _setup_logging("bench")
-    from apps.bench.prefill import run_cli
-
-    return run_cli(args)
-
-
-def _run_bench_decode(args: argparse.Namespace) -> int:
-    _setup_logging("bench")
-    from apps.bench.decode import run_cli
-
-    return run_cli(args)
-
-
-def _run_bench_agents(args: argparse.Namespace) -> int:
-    _setup_logging("bench")
-    from apps.bench.agents import run_cli
-
-    return run_cli(args)
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:

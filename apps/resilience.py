@@ -226,7 +226,7 @@ class Run:
 
     def check_store(self) -> None:
         """The store opens, and every block a record names is whole and decodes."""
-        from coldstore.store import ColdStore
+        from kvbank.coldstore.store import ColdStore
         from kvbank.blocks import decode_block
 
         store = ColdStore(self.stack.layout.store_dir, readonly=True)
@@ -260,9 +260,10 @@ class Run:
 
 def run(*, model: str | None, agents: int, turns: int, kills: int, seed: int,
         report_path: Path | None) -> dict:
-    from deploy.local import LocalStack
+    from kvbank.deploy.local import LocalStack
     from kvbank.models import prepare_model
-    from kvbank.models import default_cache_dir, make_tiny_model
+    from kvbank.models import default_cache_dir
+    from kvbank.testing.tiny import make_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="kvbank-resilience-") as tmp:
         tmp = Path(tmp)

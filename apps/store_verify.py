@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import sys
 
-from coldstore.pages import LayoutError, check
-from coldstore.salvage import describe
+from kvbank.coldstore.pages import LayoutError, check
+from kvbank.coldstore.salvage import describe
 from kvbank.blocks import CorruptBlock, verify_block
 from kvbank.config import Layout
 from kvbank.contracts.store_layout import StoreReader
@@ -25,7 +25,7 @@ def _damage(store_dir) -> object:
     last commit needs (a read of a mapped page past the end would be SIGBUS)."""
     import lmdb
 
-    from coldstore.pages import DataFile, NoMetaPage
+    from kvbank.coldstore.pages import DataFile, NoMetaPage
 
     path = store_dir / "data.mdb"
     try:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from coldstore.pages import Damage, DataFile, LayoutError, Walk, check
-from coldstore.store import ColdStore, SessionMeta
+from kvbank.coldstore.pages import Damage, DataFile, LayoutError, Walk, check
+from kvbank.coldstore.store import ColdStore, SessionMeta
 from kvbank import events, metrics
 from kvbank.blocks import BlockId, CorruptBlock, verify_block
 

@@ -56,10 +56,10 @@ from kvbank.config import Layout
 from kvbank.contracts import coldstore_wire as wire
 from kvbank.contracts.coldstore_wire import pb
 from kvbank.contracts.vocabulary import Outcome
-from coldstore.budgets import Budgets, Limits, WriteRefusal
-from coldstore.lanes import Lanes, PendingBlock, WriteJob
-from coldstore.salvage import open_store
-from coldstore.store import SessionMeta, StoreFull
+from kvbank.coldstore.budgets import Budgets, Limits, WriteRefusal
+from kvbank.coldstore.lanes import Lanes, PendingBlock, WriteJob
+from kvbank.coldstore.salvage import open_store
+from kvbank.coldstore.store import SessionMeta, StoreFull
 
 logger = logging.getLogger(__name__)
 

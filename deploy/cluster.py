@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 from kvbank.config import DEFAULT_SHIM_PORT, default_data_dir
 
 if TYPE_CHECKING:  # imported when used: `kvbank --help` reads this module's defaults
-    from deploy.local import LocalStack
+    from kvbank.deploy.local import LocalStack
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +83,8 @@ def find_router_bin(explicit: str | None = None) -> str:
 
 
 def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
-    """`n` distinct free ports, outside the kernel's ephemeral range (see deploy.local)."""
-    from deploy.local import free_ports as pick
+    """`n` distinct free ports, outside the kernel's ephemeral range (see deploy/local.py)."""
+    from kvbank.deploy.local import free_ports as pick
 
     return pick(n, host)
 
@@ -355,7 +355,7 @@ class ClusterStack:
 
     def _start_stacks(self, model: Path, extra: list[str], env: dict | None,
                       timeout_s: float) -> None:
-        from deploy.local import LocalStack
+        from kvbank.deploy.local import LocalStack
 
         deadline = time.monotonic() + timeout_s
         for s in self.plan.stacks:  # all at once; each imports MLX and loads the model

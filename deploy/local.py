@@ -96,7 +96,7 @@ class LocalStack:
     @classmethod
     def start(cls, model: Path, data_dir: Path, *, extra: list[str] = (),
               env: dict | None = None, timeout_s: float = 300, shim: bool = True,
-              launcher: tuple[str, ...] = ("-m", "apps.cli"), port: int | None = None,
+              launcher: tuple[str, ...] = ("-m", "kvbank.apps.cli"), port: int | None = None,
               shim_port: int | None = None, wait: bool = True,
               popen: dict | None = None) -> "LocalStack":
         """`launcher`: the module that runs `up` (a test may stand a slow disk in).

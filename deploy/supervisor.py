@@ -40,7 +40,7 @@ class Child:
 
 
 def _kvbank(*args: str) -> list[str]:
-    return [sys.executable, "-m", "apps.cli", *args]
+    return [sys.executable, "-m", "kvbank.apps.cli", *args]
 
 
 def _worker_env() -> dict[str, str]:

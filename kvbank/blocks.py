@@ -29,7 +29,7 @@ import xxhash
 BlockId = NewType("BlockId", bytes)
 
 # A conversation that came with no name is recorded under an id of this form: `~` and 12 hex
-# digits of a hash of its first prompt (worker/lineage.py). Every process tells them apart so.
+# digits of a hash of its first prompt (worker/tiers/lineage.py). Every process tells them apart so.
 ANONYMOUS_PREFIX = "~"
 
 
@@ -119,7 +119,7 @@ class BlockHeader:
     full-attention cache (`kv_shapes`, token-major: (n_tokens, kv_heads, head_dim)), and, when
     a checkpoint stands at its last token, that checkpoint's window and recurrent arrays
     (`state`: dtype and shape per array, None for one the model had not written). `layout`
-    names the model's cache kinds (worker/cache_kinds.py). `checksum` is the xxh3-64 of
+    names the model's cache kinds (worker/kv/cache_kinds.py). `checksum` is the xxh3-64 of
     everything after the header."""
 
     dtype: str  # MLX dtype name of the K/V arrays, e.g. "float32", "bfloat16"

@@ -14,7 +14,7 @@ DEFAULT_ROUTER_PORT = 50051
 DEFAULT_SHIM_PORT = 8000
 DEFAULT_METRICS_PORT = 9400  # router; worker +1, coldstore +2
 DEFAULT_BLOCK_TOKENS = 256
-# While prompts are read, answers pause at most this long between tokens (worker/scheduler.py).
+# While prompts are read, answers pause at most this long between tokens (worker/compute/scheduler.py).
 DEFAULT_DECODE_WAIT_S = 10.0
 OPENBLAS_PATHS = (
     "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",

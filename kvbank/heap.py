@@ -4,7 +4,7 @@ The worker and the coldstore copy KV in buffers of 16 MB (a block) to hundreds o
 recurrent-state checkpoint). glibc maps a buffer above its mmap threshold on its own and
 unmaps it when freed, so the next one is faulted in page by page, and on a VM a page fault
 costs more CPU than the copy into the page. Each process says here what it keeps of what it
-frees (worker/admission.py, coldstore/server.py). Without glibc (macOS, musl) these do
+frees (worker/memory/allocator.py, coldstore/server.py). Without glibc (macOS, musl) these do
 nothing.
 """
 

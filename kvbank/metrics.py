@@ -54,7 +54,7 @@ WORKER_STAGE = Histogram("kvbank_worker_stage_seconds",
 RESTORE_STALL = Histogram("kvbank_worker_restore_stall_seconds",
                           "The engine thread's time on one restore from SSD, which no other "
                           "request decodes through: the whole restore inline, or its start "
-                          "and its hand-over when read on a thread (worker/restoring.py)",
+                          "and its hand-over when read on a thread (worker/tiers/restore_threads.py)",
                           ["where"], buckets=LATENCY_BUCKETS)
 GENERATION_TOKENS = Counter("kvbank_generation_tokens_total", "Tokens generated")
 CORRUPT_BLOCKS = Counter("kvbank_corrupt_blocks_total",

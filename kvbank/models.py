@@ -1,4 +1,5 @@
-"""Model folders for kvbank: GGUF import, default model, tiny test models.
+"""Model folders for kvbank: GGUF import and the default model (tiny test models:
+kvbank/testing/tiny.py).
 
 MLX-LM loads Hugging Face style folders (config.json + safetensors +
 tokenizer.json). The only model we can get offline is a GGUF shipped inside
@@ -91,7 +92,7 @@ def _is_current_import(out_dir: Path, gguf_path: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _locked(out_dir: Path) -> Iterator[None]:
+def locked(out_dir: Path) -> Iterator[None]:
     """Serialise builders of one folder across processes (server + tests may race)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(out_dir.parent / f".{out_dir.name}.lock", "w") as fh:
@@ -103,7 +104,7 @@ def _locked(out_dir: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _atomic_dir(out_dir: Path) -> Iterator[Path]:
+def atomic_dir(out_dir: Path) -> Iterator[Path]:
     """Yield a temp dir next to out_dir; on success swap it in, on failure delete it.
 
     A crash therefore leaves either the old folder or the new one, never a half one.
@@ -161,7 +162,7 @@ def _unpermute_rows(w, n_head: int):
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _llama_config(
+def llama_config(
     hidden: int, layers: int, inter: int, heads: int, kv_heads: int, head_dim: int,
     vocab: int, max_pos: int, eps: float = 1e-5, theta: float = 10000.0, tied: bool = True,
 ) -> dict:
@@ -183,7 +184,7 @@ def _gguf_config(meta: dict, tied: bool) -> dict:
         logger.warning("GGUF rope scaling %r is ignored", _scalar(meta, "llama.rope.scaling.type"))
     heads = int(_scalar(meta, "llama.attention.head_count"))
     hidden = int(_scalar(meta, "llama.embedding_length"))
-    config = _llama_config(
+    config = llama_config(
         hidden=hidden,
         layers=int(_scalar(meta, "llama.block_count")),
         inter=int(_scalar(meta, "llama.feed_forward_length")),
@@ -307,7 +308,7 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    with _locked(out_dir):
+    with locked(out_dir):
         if _is_current_import(out_dir, gguf_path):
             logger.debug("reusing imported model at %s", out_dir)
             return out_dir
@@ -316,7 +317,7 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
         config = _gguf_config(meta, tied="output.weight" not in weights)
         tensors = _gguf_weights(weights, config)
         del weights
-        with _atomic_dir(out_dir) as tmp:
+        with atomic_dir(out_dir) as tmp:
             mx.save_safetensors(str(tmp / "model.safetensors"), tensors, metadata={"format": "mlx"})
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             _save_tokenizer(meta, tmp)
@@ -361,47 +362,6 @@ def resolve_model(spec: str | None, cache_dir: Path | None = None) -> Path:
     if path.exists():
         raise ValueError(f"model spec {spec!r} is a file but not a .gguf file")
     raise ValueError(f"model spec {spec!r} does not exist (expected a model folder or a .gguf file)")
-
-
-def make_tiny_model(out_dir: Path, seed: int = 0, *, cache_dir: Path | None = None) -> Path:
-    """Write a tiny random llama with the default model's tokenizer, for fast tests.
-
-    Weights come from numpy's seeded Generator, so one seed always gives
-    bit-identical weights. ``cache_dir`` is where the default model lives.
-    """
-    mx = _mx()
-    out_dir = Path(out_dir)
-    tok_dir = default_model_dir(cache_dir)
-    src = json.loads((tok_dir / "config.json").read_text())
-    hidden, layers, heads, kv_heads, head_dim, inter = 64, 2, 4, 2, 16, 128
-    config = _llama_config(
-        hidden, layers, inter, heads, kv_heads, head_dim, vocab=src["vocab_size"], max_pos=2048
-    )
-    config.update({k: src[k] for k in ("bos_token_id", "eos_token_id") if k in src})
-    rng = np.random.default_rng(seed)
-
-    def rand(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)).astype(np.float32)
-
-    w: dict[str, np.ndarray] = {"model.embed_tokens.weight": rand(config["vocab_size"], hidden)}
-    q, kv = heads * head_dim, kv_heads * head_dim
-    shapes = {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
-              "self_attn.o_proj": (hidden, q), "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
-              "mlp.down_proj": (hidden, inter)}
-    for i in range(layers):
-        for name, shape in shapes.items():
-            w[f"model.layers.{i}.{name}.weight"] = rand(*shape)
-        w[f"model.layers.{i}.input_layernorm.weight"] = np.ones(hidden, np.float32)
-        w[f"model.layers.{i}.post_attention_layernorm.weight"] = np.ones(hidden, np.float32)
-    w["model.norm.weight"] = np.ones(hidden, np.float32)
-    with _locked(out_dir), _atomic_dir(out_dir) as tmp:
-        tensors = {k: mx.array(v) for k, v in w.items()}
-        mx.save_safetensors(str(tmp / "model.safetensors"), tensors, metadata={"format": "mlx"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for name in TOKENIZER_FILES:
-            if (tok_dir / name).is_file():
-                shutil.copy2(tok_dir / name, tmp / name)
-    return out_dir
 
 
 def prepare_model(spec: str | None) -> Path:

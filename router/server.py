@@ -29,10 +29,10 @@ from kvbank import metrics
 from kvbank.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvbank.contracts.failures import (RELAYED_METADATA, ContextTooLong, KvbankError,
                                       WorkerUnavailable, grpc_status)
-from router.admission import AdmissionQueue, Ceilings, check_ceilings, worker_pricing
-from router.auth import tenant_for
-from router.tokenizer import AnswerTokens, PromptTokenizer, answer_key, lift_system
-from router.validation import InvalidRequest, ValidRequest, validate
+from kvbank.router.admission import AdmissionQueue, Ceilings, check_ceilings, worker_pricing
+from kvbank.router.auth import tenant_for
+from kvbank.router.tokenizer import AnswerTokens, PromptTokenizer, answer_key, lift_system
+from kvbank.router.validation import InvalidRequest, ValidRequest, validate
 
 logger = logging.getLogger(__name__)
 

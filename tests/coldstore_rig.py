@@ -1,6 +1,6 @@
 """The worker's side of the coldstore for tests: synthetic KV, the store read as the worker
 reads it, the coldstore process as the supervisor starts it, and `Link`, the engine's own
-`Holdings` (bank, writer, records, link; worker/holdings.py) over a fake cache kind (a test
+`Holdings` (bank, writer, records, link; worker/tiers/holdings.py) over a fake cache kind (a test
 seam: full-attention caches holding synthetic KV, no model needed). The test's thread is the
 engine's: it commits turns with the engine's commit, pumps the coldstore's word and says busy
 or quiet on the worker-state channel as the engine does.
@@ -19,16 +19,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
-from coldstore.store import ColdStore
+from kvbank.coldstore.store import ColdStore
 from kvbank.contracts.coldstore_wire import pb
 from kvbank.contracts.health import coldstore_up
 from kvbank.blocks import chain_root
 from kvbank.config import Layout
 from kvbank.contracts.store_layout import StoreReader
 from tests.waiting import wait_until
-from worker import kv
-from worker.cache_kinds import CacheKinds
-from worker.holdings import Holdings
+from kvbank.worker.kv import arrays, codec
+from kvbank.worker.kv.cache_kinds import CacheKinds
+from kvbank.worker.tiers.holdings import Holdings
 
 B = 16
 FP = b"test-coldstore-fingerprint"
@@ -42,7 +42,7 @@ def root_for(tenant: str):
 # -- synthetic KV -----------------------------------------------------------------------------
 
 def make_kv(n: int, seed: int, *, dtype=mx.float32, n_layers: int = 2, heads: int = 2,
-            dim: int = 8) -> kv.Layers:
+            dim: int = 8) -> arrays.Layers:
     """Per-layer (1, H, n, D) K and V whose bits are random (every pattern, NaNs included)."""
     rng = np.random.default_rng(seed)
     shape = (1, heads, n, dim)
@@ -62,14 +62,14 @@ def make_kv(n: int, seed: int, *, dtype=mx.float32, n_layers: int = 2, heads: in
     return layers
 
 
-def concat_kv(a: kv.Layers, b: kv.Layers) -> kv.Layers:
+def concat_kv(a: arrays.Layers, b: arrays.Layers) -> arrays.Layers:
     out = [(mx.concatenate([ka, kb], axis=2), mx.concatenate([va, vb], axis=2))
            for (ka, va), (kb, vb) in zip(a, b)]
     mx.eval(out)
     return out
 
 
-def slice_kv(layers: kv.Layers, start: int, end: int) -> kv.Layers:
+def slice_kv(layers: arrays.Layers, start: int, end: int) -> arrays.Layers:
     return [(k[:, :, start:end, :], v[:, :, start:end, :]) for k, v in layers]
 
 
@@ -84,7 +84,7 @@ def bits(a: mx.array) -> np.ndarray:
     return np.array(a)
 
 
-def assert_kv_bit_equal(got: kv.Layers, want: kv.Layers, what: str) -> None:
+def assert_kv_bit_equal(got: arrays.Layers, want: arrays.Layers, what: str) -> None:
     assert len(got) == len(want), f"{what}: {len(got)} layers, want {len(want)}"
     for i, ((gk, gv), (wk, wv)) in enumerate(zip(got, want)):
         for name, g, w in (("K", gk, wk), ("V", gv, wv)):
@@ -129,7 +129,7 @@ class Disk:
         return self._read(lambda s: s.get_blocks(list(ids)))
 
 
-def check_record_against_kv(disk: Disk, session_id: str, want: kv.Layers, want_tokens,
+def check_record_against_kv(disk: Disk, session_id: str, want: arrays.Layers, want_tokens,
                             what: str):
     """Every block the record names exists, decodes, and equals its slice of `want` bitwise."""
     got = disk.record(session_id)
@@ -143,10 +143,10 @@ def check_record_against_kv(disk: Disk, session_id: str, want: kv.Layers, want_t
     for i, p in enumerate(payloads):
         start = i * meta.block_tokens
         end = start + (meta.tail_tokens if (meta.tail and i == len(ids) - 1) else meta.block_tokens)
-        assert_kv_bit_equal(kv.decode_blocks([p]), slice_kv(want, start, end),
+        assert_kv_bit_equal(codec.decode_blocks([p]), slice_kv(want, start, end),
                             f"{what}: block {i} [{start}, {end})")
     if payloads:
-        assert_kv_bit_equal(kv.decode_blocks(payloads), slice_kv(want, 0, meta.durable_tokens),
+        assert_kv_bit_equal(codec.decode_blocks(payloads), slice_kv(want, 0, meta.durable_tokens),
                             f"{what}: all blocks concatenated")
     return meta
 
@@ -164,7 +164,7 @@ class ColdstoreProc:
                  payload_stall_s: float = 30.0, slow_disk_s: float | None = None):
         self.layout = Layout(data_dir).ensure()
         cmd = (["-m", "tests.slow_coldstore", "--delay-s", str(slow_disk_s)] if slow_disk_s
-               else ["-m", "apps.cli", "coldstore"])
+               else ["-m", "kvbank.apps.cli", "coldstore"])
         self.proc = subprocess.Popen(
             [sys.executable, *cmd, "--data-dir", str(data_dir),
              "--quiet-grace-s", str(quiet_grace_s), "--max-dirty-s", str(max_dirty_s),
@@ -205,7 +205,7 @@ class FullAttention:
         return [KVCache() for _ in range(self.n_layers)]
 
 
-def caches_holding(layers: kv.Layers) -> list[KVCache]:
+def caches_holding(layers: arrays.Layers) -> list[KVCache]:
     """A finished request's caches, as if it had computed `layers`."""
     cache = FullAttention(len(layers)).make_cache()
     for c, (k, v) in zip(cache, layers):
@@ -256,10 +256,10 @@ class Link:
             self.holdings = None
             self.disk.reader = None  # its reads open the store themselves now
 
-    def block_bytes(self, layers: kv.Layers, start: int = 0, end: int = B) -> int:
+    def block_bytes(self, layers: arrays.Layers, start: int = 0, end: int = B) -> int:
         """What one block of `layers` weighs as the writer encodes it (its header names the
         cache layout)."""
-        return kv.encoded_views_nbytes(kv.layer_views(layers), kv.dtype_name(layers), start, end,
+        return codec.encoded_views_nbytes(arrays.layer_views(layers), arrays.dtype_name(layers), start, end,
                                        layout=self.holdings.kinds.layout)
 
     def ping(self) -> pb.PingReply:
@@ -281,7 +281,7 @@ class Link:
         wait_until(lambda: job in self.ping().jobs, f"the coldstore to hold job {job}",
                    timeout_s, every_s=0.01)
 
-    def turn(self, session_id: str, toks: np.ndarray, layers: kv.Layers):
+    def turn(self, session_id: str, toks: np.ndarray, layers: arrays.Layers):
         """A turn that computed `layers`, committed by the engine's commit: record, bank
         entry, write-behind job. Its bank entry, its write handed over."""
         session = (TENANT, session_id)

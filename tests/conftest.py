@@ -19,7 +19,7 @@ def _own_ports() -> None:
     worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...
     if not worker or "KVBANK_PORT_RANGE" in os.environ:
         return
-    from deploy.local import port_range
+    from kvbank.deploy.local import port_range
 
     low, high = port_range()
     n, i = int(os.environ["PYTEST_XDIST_WORKER_COUNT"]), int(worker.removeprefix("gw"))
@@ -32,7 +32,7 @@ _own_ports()
 import grpc  # noqa: E402
 import pytest  # noqa: E402
 
-from deploy.local import LocalStack  # noqa: E402
+from kvbank.deploy.local import LocalStack
 
 
 @pytest.fixture(scope="session")
@@ -45,16 +45,16 @@ def cache_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory, cache_dir) -> Path:
-    from kvbank.models import make_tiny_model
+    from kvbank.testing.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0, cache_dir=cache_dir)
 
 
 @pytest.fixture(scope="session")
 def tool_model(tiny_model, tmp_path_factory) -> Path:
-    """The tiny model with a chat template that has tools (kvbank/templates/qwen_tools.jinja),
+    """The tiny model with a chat template that has tools (kvbank/testing/templates/qwen_tools.jinja),
     so mlx-lm gives it a tool parser; the default model's template has none."""
-    from kvbank.agent_model import with_tools_template
+    from kvbank.testing.agent_model import with_tools_template
 
     return with_tools_template(tiny_model, tmp_path_factory.mktemp("tool-model") / "model")
 
@@ -67,7 +67,7 @@ def start_stack(model: Path, data_dir: Path, *, extra: list[str] = (),
     `env`: its processes' environment, over this one's."""
     env = {**({"KVBANK_CACHE_DIR": str(cache_dir)} if cache_dir else {}), **(env or {})}
     launcher = (("-m", "tests.slow_coldstore", "--delay-s", str(slow_disk_s))
-                if slow_disk_s else ("-m", "apps.cli"))
+                if slow_disk_s else ("-m", "kvbank.apps.cli"))
     return LocalStack.start(model, data_dir, env=env, timeout_s=120, shim=shim,
                             launcher=launcher,
                             extra=["--block-tokens", "16", "--quiet-grace-s", "0.1",

@@ -15,8 +15,8 @@ import argparse
 import sys
 import time
 
-from coldstore import server
-from coldstore.store import ColdStore
+from kvbank.coldstore import server
+from kvbank.coldstore.store import ColdStore
 
 
 class FakeSlowDiskStore:
@@ -48,15 +48,15 @@ def main(argv: list[str] | None = None) -> int:
         cs.store = FakeSlowDiskStore(cs.store, ours.delay_s)
         return cs
 
-    server.start = slow_start  # what `kvbank coldstore` (coldstore.server.main) starts
-    from apps.cli import main as kvbank
+    server.start = slow_start  # what `kvbank coldstore` (kvbank.coldstore.server.main) starts
+    from kvbank.apps.cli import main as kvbank
 
     return kvbank(["coldstore", *rest])
 
 
 def _up(delay_s: float, flags: list[str]) -> int:
     """`kvbank up`, its coldstore child on the slow disk."""
-    from deploy import supervisor
+    from kvbank.deploy import supervisor
 
     real_init = supervisor.Supervisor.__init__
 
@@ -68,7 +68,7 @@ def _up(delay_s: float, flags: list[str]) -> int:
                       *child.argv[i + 1:]]
 
     supervisor.Supervisor.__init__ = init
-    from apps.cli import main as kvbank
+    from kvbank.apps.cli import main as kvbank
 
     return kvbank(["up", *flags])
 

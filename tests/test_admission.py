@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import rpc_error, start_stack
 from tests.waiting import wait_until
-from worker.admission import Pricing
+from kvbank.contracts.pricing import Pricing
 
 NO_IDLE_WRITES = ["--quiet-grace-s", "3600", "--max-dirty-s", "3600"]
 
@@ -279,7 +279,7 @@ def test_router_ceilings_refuse_at_once_naming_the_flag(tiny_model, tmp_path, ca
 
 
 def test_hyper_refuses_a_flag_that_would_allow_more_at_start(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "apps.cli", "up", "--data-dir",
+    out = subprocess.run([sys.executable, "-m", "kvbank.apps.cli", "up", "--data-dir",
                           str(tmp_path / "d"), "--scheduler-mode", "hyper",
                           "--max-active-requests", "2"], capture_output=True, text=True,
                          timeout=60)
@@ -289,7 +289,7 @@ def test_hyper_refuses_a_flag_that_would_allow_more_at_start(tmp_path):
 
 
 def test_a_negative_decode_wait_is_refused_at_start(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "apps.cli", "up", "--data-dir",
+    out = subprocess.run([sys.executable, "-m", "kvbank.apps.cli", "up", "--data-dir",
                           str(tmp_path / "d"), "--decode-wait-s", "-1"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode != 0
@@ -348,7 +348,7 @@ def test_batch_short_request_during_a_long_prefill_finishes_first(tiny_model, tm
 
 def test_serial_is_hypers_alias():
     """The two single-request modes were one policy under two names: serial now says so."""
-    from worker.admission import SchedulerConfig
+    from kvbank.worker.compute.scheduler_config import SchedulerConfig
 
     assert SchedulerConfig.from_flags("serial", None) == SchedulerConfig.from_flags("hyper", None)
     assert SchedulerConfig.from_flags("serial", None).max_active == 1

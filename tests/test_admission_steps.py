@@ -7,9 +7,13 @@ import numpy as np
 import pytest
 
 from tests.test_bank import TENANT, layers_of, make_bank, own_tokens, toks
-from worker.admission import Pricing, Refused, make_room
+from kvbank.contracts.pricing import Pricing
+from kvbank.contracts.failures import Refused
+from kvbank.worker.tiers.admission import make_room
 
-KV_PER_TOKEN = 8  # bytes: a request of n tokens is priced 2 * 8 * n (worker/admission.py)
+pytestmark = pytest.mark.unit  # make test-fast
+
+KV_PER_TOKEN = 8  # bytes: a request of n tokens is priced 2 * 8 * n (worker/tiers/admission.py)
 
 
 def _fill(bank, sessions, nbytes=800):

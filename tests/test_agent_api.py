@@ -1,6 +1,6 @@
 """What coding agents ask of the API beyond text: logprobs, logit_bias, penalties, stop
 sequences, tool calls (OpenAI and Anthropic), driven by the official SDKs against the real
-stack on the tiny model with a tool-calling chat template (kvbank/templates/qwen_tools.jinja).
+stack on the tiny model with a tool-calling chat template (kvbank/testing/templates/qwen_tools.jinja).
 
 The tiny model is random: what it says is never checked, only what the API promises about it.
 Its logprobs and penalties are checked against mlx-lm running the same weights in this
@@ -284,7 +284,7 @@ def test_tool_calls_are_parsed_out_of_the_text_however_it_streams():
     arriving in pieces of every size."""
     from mlx_lm.tool_parsers import json_tools
 
-    from worker.decoding import ToolCallText
+    from kvbank.worker.compute.decoding import ToolCallText
 
     answer = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
               '"unit": "c"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
@@ -395,7 +395,7 @@ def test_a_custom_tool_call_comes_back_as_one_and_goes_back_to_the_model():
     """The shim's side alone (no model would call a freeform tool of its own accord, and a
     forced string never has to end): a call of a custom tool is a `custom_tool_call` whose
     input is the string, and one in the next input is a call the template renders."""
-    from apps.shim import responses_format
+    from kvbank.apps.shim import responses_format
     from kvbank.v1 import api_pb2
 
     answer = responses_format.ResponseAnswer("kvbank", frozenset({"apply_patch"}), {})
@@ -431,7 +431,7 @@ def llg_tokenizer(tool_model):
 
 def test_a_custom_tool_with_a_lark_grammar_is_answered_as_a_custom_tool_call(agent_stack,
                                                                              llg_tokenizer):
-    """Forced, the call is written under the tool's grammar (worker/grammar.py), comes back as
+    """Forced, the call is written under the tool's grammar (worker/compute/grammar.py), comes back as
     a `custom_tool_call` (streamed as its input's delta and done), and goes back to the model
     in the next turn's history, which reads it from cache token for token."""
     c = _openai(agent_stack)
@@ -490,7 +490,7 @@ def test_the_openai_agents_sdk_runs_a_tool_loop_on_its_default_responses_model(a
 
     from agents import ModelSettings, Runner
 
-    from apps.bench.agent_record import weather_agent
+    from kvbank.apps.bench.agent_record import weather_agent
 
     calls = []
     client = openai.AsyncOpenAI(base_url=agent_stack.shim_url + "/v1", api_key="none",

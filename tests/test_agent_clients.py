@@ -8,7 +8,7 @@ The model is the tiny tool model with a 64K-token context (Claude Code's system 
 tools are about 21K tokens), its head made to answer "Done" and end, at any temperature: a
 random model that never stops makes Claude Code give up on a turn ("response exceeded the
 output token maximum"), and both CLIs sample at their own temperature
-(kvbank/agent_model.py). How the CLIs are run is apps/bench/agent_record.py's, which records
+(kvbank/testing/agent_model.py). How the CLIs are run is apps/bench/agent_record.py's, which records
 them for `kvbank bench agents`.
 """
 
@@ -18,8 +18,8 @@ import json
 
 import pytest
 
-from apps.bench.agent_record import BIN, MAX_TOKENS, claude_code, codex, run_client
-from kvbank.agent_model import CONTEXT, says_done
+from kvbank.apps.bench.agent_record import BIN, MAX_TOKENS, claude_code, codex, run_client
+from kvbank.testing.agent_model import CONTEXT, says_done
 from tests.conftest import start_stack
 
 

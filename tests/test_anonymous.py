@@ -12,7 +12,7 @@ import uuid
 
 import openai
 
-from coldstore.store import ColdStore
+from kvbank.coldstore.store import ColdStore
 from tests.conftest import start_stack
 from tests.waiting import wait_until
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from router.tokenizer import AnswerTokens, PromptTokenizer, message_key
+from kvbank.router.tokenizer import AnswerTokens, PromptTokenizer, message_key
+
+pytestmark = pytest.mark.unit  # make test-fast
 
 TENANT = ""
 SYSTEM = {"role": "system", "content": "You are a coding agent."}

@@ -15,7 +15,7 @@ import pytest
 
 from kvbank.contracts.failures import Refused
 from kvbank.v1 import worker_pb2
-from router.admission import Ceilings, check_ceilings
+from kvbank.router.admission import Ceilings, check_ceilings
 from tests.conftest import start_stack
 
 KEY = "k-anthropic"
@@ -291,8 +291,8 @@ def test_the_router_fits_max_tokens_to_the_room_the_prompt_leaves():
     result then passes the ceilings; with no room left it stays, and the ceilings refuse."""
     from types import SimpleNamespace
 
-    from router.server import Backend
-    from router.validation import ValidRequest
+    from kvbank.router.server import Backend
+    from kvbank.router.validation import ValidRequest
 
     def v(max_tokens: int, fit: bool = True) -> ValidRequest:
         return ValidRequest("", "tokens", (), "", (), False, max_tokens, (), False,
@@ -378,7 +378,7 @@ def test_any_model_name_maps_to_the_served_model_unless_strict(keyed, tmp_path):
     import subprocess
     import sys
 
-    from deploy.local import free_port
+    from kvbank.deploy.local import free_port
     from tests.waiting import wait_until
 
     said = _client(keyed).messages.create(model="claude-sonnet-4-5", max_tokens=MAX_TOKENS,
@@ -386,7 +386,7 @@ def test_any_model_name_maps_to_the_served_model_unless_strict(keyed, tmp_path):
     assert said.usage.output_tokens > 0
     port = free_port()
     with open(tmp_path / "shim.log", "w") as log:
-        strict = subprocess.Popen([sys.executable, "-m", "apps.cli", "shim", "--router",
+        strict = subprocess.Popen([sys.executable, "-m", "kvbank.apps.cli", "shim", "--router",
                                    keyed.address, "--shim-port", str(port), "--api-key", KEY,
                                    "--strict-model-name"], stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"

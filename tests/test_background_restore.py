@@ -1,6 +1,6 @@
 """A restore from SSD runs beside the decode batch (issue #35): real processes, MLX, LMDB.
 
-The worker's test seam (`KVBANK_TEST_HOLD_RESTORE`, worker/restoring.py) holds a restore's
+The worker's test seam (`KVBANK_TEST_HOLD_RESTORE`, worker/tiers/restore_threads.py) holds a restore's
 read on its thread until the test releases it, so the test sees, by events and never by
 time, that a streaming request kept receiving tokens while another conversation's restore
 was in flight; then that the restored conversation answers as from scratch (greedy), and
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from apps.bench.restore import Stream
+from kvbank.apps.bench.restore import Stream
 from kvbank.v1 import api_pb2
 from tests.conftest import start_stack
 from tests.waiting import wait_until
@@ -130,7 +130,7 @@ def test_a_hints_read_runs_beside_the_batch_and_its_conversation_waits_for_it(he
 
 def test_bench_restore_runs_and_reports_the_gaps(tiny_model):
     """`kvbank bench restore` (README), with tiny settings: the gaps before, during, after."""
-    from apps.bench import restore
+    from kvbank.apps.bench import restore
 
     got = restore.run(model=tiny_model, tokens=400, repeats=1, around=8, stream_tokens=1200)
     assert got["restored_tokens"] >= 256, got  # from SSD: at least its first whole block

@@ -16,8 +16,10 @@ import pytest
 
 from kvbank.blocks import chain_root, common_prefix_len
 from kvbank.contracts.receipts import ShrinkReceipt
-from worker import kv
-from worker.bank import SessionBank
+from kvbank.worker.kv import arrays
+from kvbank.worker.tiers.bank import SessionBank
+
+pytestmark = pytest.mark.unit  # make test-fast
 
 TENANT = "acme"
 FINGERPRINT = b"test-fingerprint"
@@ -49,7 +51,7 @@ def make_bank(*, block_tokens: int = 4, active_pin_s: float = 0.0,
                        active_pin_s=active_pin_s, writer=None, clock=clock or Clock())
 
 
-def layers_of(nbytes: int) -> kv.Layers:
+def layers_of(nbytes: int) -> arrays.Layers:
     """One layer whose K and V together hold exactly `nbytes` (a multiple of 8)."""
     assert nbytes % 8 == 0
     k = mx.zeros((nbytes // 8,), dtype=mx.float32)
@@ -86,7 +88,7 @@ def pause_past_pin(bank: SessionBank) -> None:
 
 def check_invariants(bank: SessionBank) -> None:
     assert bank.total_nbytes == sum(e.nbytes for e in bank.entries.values())
-    assert bank.total_nbytes == sum(kv.layers_nbytes(e.layers) for e in bank.entries.values())
+    assert bank.total_nbytes == sum(arrays.layers_nbytes(e.layers) for e in bank.entries.values())
     for e in bank.entries.values():
         assert e in bank.session_entries(e.session)
         hit = bank.lookup(e.tokens, e.session[0])
@@ -487,7 +489,7 @@ def test_release_with_target_stops_once_under_target():
 
 
 def test_hinted_conversations_stay_longest_and_the_last_hinted_goes_first():
-    """Agents that said they will come back (a live prefetch hint, worker/prefetch.py) keep
+    """Agents that said they will come back (a live prefetch hint, worker/tiers/prefetch.py) keep
     their KV longer than conversations without a hint, even more recently used ones. Of two
     hinted, the one hinted last leaves first: its tool call started last, and least recently
     used would send away the agent due back soonest. A prefetched entry whose hint lapsed,

@@ -10,7 +10,9 @@ import pytest
 
 from kvbank.blocks import chain_block_ids
 from tests.test_bank import TENANT, make_bank, root_for, toks
-from worker import kv
+from kvbank.worker.kv import arrays
+
+pytestmark = pytest.mark.unit  # make test-fast
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +49,9 @@ def test_restore_is_isolated_and_continues_like_recomputation(model_and_tokenize
     bank = make_bank(block_tokens=4)
     cache = make_prompt_cache(model)
     _last_logits(model, prompt, cache)
-    entry = bank.insert((TENANT, "s"), prompt, kv.freeze(cache, len(prompt)))
+    entry = bank.insert((TENANT, "s"), prompt, arrays.freeze(cache, len(prompt)))
     n = len(prompt)
-    assert entry.nbytes == kv.layers_nbytes(entry.layers)
+    assert entry.nbytes == arrays.layers_nbytes(entry.layers)
     assert entry.layers[0][0].shape[2] == n
     snap = _snapshot(entry.layers)
 
@@ -58,8 +60,8 @@ def test_restore_is_isolated_and_continues_like_recomputation(model_and_tokenize
     hit = bank.lookup(full, TENANT)
     assert hit.entry is entry and hit.n_tokens == n
 
-    first = kv.restore(hit.entry.layers, hit.n_tokens)
-    second = kv.restore(hit.entry.layers, hit.n_tokens)
+    first = arrays.restore(hit.entry.layers, hit.n_tokens)
+    second = arrays.restore(hit.entry.layers, hit.n_tokens)
     from_ram = _last_logits(model, more, first)  # extends `first` by len(more) tokens
     assert first[0].offset == n + len(more)
     reference = _last_logits(model, full, make_prompt_cache(model))
@@ -73,11 +75,11 @@ def test_restore_is_isolated_and_continues_like_recomputation(model_and_tokenize
 
     # A full hit leaves the last token to compute; trimming a restored cache and writing
     # over the trimmed positions must not touch the bank either.
-    third = kv.restore(entry.layers, n - 1)
+    third = arrays.restore(entry.layers, n - 1)
     last = _last_logits(model, prompt[n - 1:], third)
     ref_prompt = _last_logits(model, prompt, make_prompt_cache(model))
     assert np.allclose(last, ref_prompt, atol=1e-4)
-    fourth = kv.restore(entry.layers, n)
+    fourth = arrays.restore(entry.layers, n)
     for c in fourth:
         c.trim(3)
     _last_logits(model, np.asarray([1, 2, 3], np.uint32), fourth)
@@ -96,8 +98,8 @@ def test_returning_turn_takes_its_entry_and_writes_in_place(model_and_tokenizer,
     see it unchanged; the answers are exact either way."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from worker.cache_kinds import CacheKinds
-    from worker.restore import Restorer
+    from kvbank.worker.kv.cache_kinds import CacheKinds
+    from kvbank.worker.tiers.restore import Restorer
 
     model, tokenizer = model_and_tokenizer
     prompt = np.asarray(tokenizer.encode("You are a helpful assistant. Tell me about the sea."),
@@ -145,7 +147,7 @@ def test_returning_turn_takes_its_entry_and_writes_in_place(model_and_tokenizer,
 
     # A write-out's views taken before the turn writes keep their bytes (the turn copies
     # rather than write under them).
-    views = kv.layer_views(entry.layers)
+    views = arrays.layer_views(entry.layers)
     kept = [(k.copy(), v.copy()) for k, v in views]
     again, _, _, handed = restore(full, "s")
     assert handed is entry

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from apps.bench.agents import answer_of, reuse
+from kvbank.apps.bench.agents import answer_of, reuse
 
 TURN_KEYS = {"turn", "prompt_tokens", "answer_tokens", "cached_tokens", "history_tokens",
              "reuse", "recomputed_tokens", "answer_matches"}
@@ -20,7 +20,7 @@ TURN_KEYS = {"turn", "prompt_tokens", "answer_tokens", "cached_tokens", "history
 
 def test_bench_agents_quick_replays_a_recording_and_reuses_its_history(tmp_path, cache_dir):
     out = tmp_path / "agents.json"
-    subprocess.run([sys.executable, "-m", "apps.cli", "bench", "agents", "--quick", "--json",
+    subprocess.run([sys.executable, "-m", "kvbank.apps.cli", "bench", "agents", "--quick", "--json",
                     str(out)], check=True, timeout=300,
                    env={**os.environ, "KVBANK_CACHE_DIR": str(cache_dir)})
     result = json.loads(out.read_text())
@@ -57,12 +57,12 @@ def test_reuse_clips_each_turn_and_answers_compare_without_ids():
 @pytest.mark.parametrize("call", ["ListAgents", "get_goal"])
 def test_the_clis_model_calls_its_tool_then_answers_done_at_any_temperature(tool_model,
                                                                            tmp_path, call):
-    """kvbank/agent_model.py's calls_once, the model Claude Code's and Codex's recordings ran
+    """kvbank/testing/agent_model.py's calls_once, the model Claude Code's and Codex's recordings ran
     on: a user's message gets the call, the tool's output gets "Done", sampled hot."""
     from mlx_lm import generate, load
     from mlx_lm.sample_utils import make_sampler
 
-    from kvbank.agent_model import calls_once
+    from kvbank.testing.agent_model import calls_once
 
     model, tok = load(str(calls_once(tool_model, tmp_path / "model", call)))
     tools = [{"type": "function", "function": {"name": call, "description": "x",

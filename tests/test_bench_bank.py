@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
-from apps.bench.bank import run
+import pytest
+
+from kvbank.apps.bench.components.bank import run
+
+pytestmark = pytest.mark.unit  # make test-fast
 
 
 def test_bench_bank_small():

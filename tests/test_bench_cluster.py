@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from apps.bench import cluster as bench
-from deploy import cluster
+from kvbank.apps.bench import cluster as bench
+from kvbank.deploy import cluster
 
 AGENTS, TURNS, STACKS = 3, 3, 2
 PER_POLICY = ("wall_s", "ttft_p50_s", "ttft_p95_s", "recomputed_fraction", "affinity",

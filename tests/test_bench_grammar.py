@@ -7,8 +7,8 @@ import json
 
 import llguidance as llg
 
-from apps.bench.grammar import SCHEMA
-from apps.cli import main
+from kvbank.apps.bench.components.grammar import SCHEMA
+from kvbank.apps.cli import main
 
 # The schema's keys are fixed and free whitespace is off, so a constrained answer must open so.
 OPENING = '{"people": [{"name": "'
@@ -17,7 +17,7 @@ OPENING = '{"people": [{"name": "'
 def _valid_prefix(tokenizer, text: str) -> bool:
     """Whether `text` begins a JSON document of SCHEMA, by a matcher of llguidance's own (not
     the GrammarProcessor under test)."""
-    from worker.grammar import JSON_STYLE
+    from kvbank.worker.compute.grammar import JSON_STYLE
 
     matcher = llg.LLMatcher(llg.LLTokenizer(tokenizer._tokenizer.backend_tokenizer.to_str()),
                             llg.LLMatcher.grammar_from_json_schema(SCHEMA, overrides=JSON_STYLE),

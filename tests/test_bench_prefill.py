@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from apps.cli import main
+from kvbank.apps.cli import main
 
 TOKENS, CHUNKS, BATCH, REPEATS = 96, (16, 32), 2, 2
 

@@ -9,7 +9,7 @@ import sys
 
 
 def test_bench_scale_quick_reports_writes_restores_and_releases(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "apps.cli", "bench", "scale", "--quick",
+    out = subprocess.run([sys.executable, "-m", "kvbank.apps.cli", "bench", "scale", "--quick",
                           "--json", "--data-dir", str(tmp_path / "not" / "yet")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -50,8 +50,8 @@ def test_bench_scale_picks_the_longest_conversations_this_machine_takes(tmp_path
     most it will hold (two at their largest and a return's copy, with prefetch) fits the
     memory available, a dense model's 4x larger KV a token gets no longer conversations than
     the hybrid's, and a size below the scenario's 32K tokens says so."""
-    from apps.bench import scale
-    from apps.bench.scale_kv import GEOMETRIES
+    from kvbank.apps.bench.components import scale
+    from kvbank.apps.bench.components.scale_kv import GEOMETRIES
 
     args = dict(conversations=3, turns=2, turn_tokens=1536, prefetch=True, data_dir=tmp_path)
     picked = {name: scale.pick_tokens(GEOMETRIES[name], **args)

@@ -3,7 +3,7 @@ are the benchmark's, on the real model)."""
 
 from __future__ import annotations
 
-from apps.bench.turn import run
+from kvbank.apps.bench.turn import run
 
 
 def _rounding(ratios: list[float], floors: list[float]) -> float:
@@ -53,7 +53,7 @@ def test_a_hybrid_models_checkpoints_are_reported_from_the_banks_ledger(
     """qwen3_5 (recurrent state + full attention): the conversation holds checkpoints in the
     bank (its end's at least, at most --max-checkpoints) and its first returning turn adds
     some (where its prompt and its answer end)."""
-    from kvbank.tiny import make_arch_model
+    from kvbank.testing.tiny import make_arch_model
 
     monkeypatch.setenv("KVBANK_CACHE_DIR", str(cache_dir))
     model = make_arch_model(tmp_path / "qwen3_5", "qwen3_5", seed=2, context=2048,
@@ -76,7 +76,7 @@ def test_a_conversation_longer_than_the_context_is_refused_before_anything_start
     fits instead, with no traceback."""
     import json
 
-    from apps.cli import main
+    from kvbank.apps.cli import main
 
     monkeypatch.setenv("KVBANK_CACHE_DIR", str(cache_dir))
     context = json.loads((tiny_model / "config.json").read_text())["max_position_embeddings"]

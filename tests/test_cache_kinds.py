@@ -17,8 +17,10 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from kvbank.blocks import CorruptBlock, chain_block_ids, tail_block_id
 from tests.test_bank import TENANT, make_bank, root_for
-from worker import kv
-from worker.cache_kinds import CacheKinds, Kind, UnsupportedModel
+from kvbank.worker.kv import arrays, codec
+from kvbank.worker.kv.cache_kinds import CacheKinds, Kind, UnsupportedModel
+
+pytestmark = pytest.mark.unit  # make test-fast
 
 VOCAB, WINDOW, B = 50, 4, 4
 
@@ -124,7 +126,7 @@ def test_the_bank_restores_only_at_a_checkpoint(kinds):
         kinds.model(mx.array([int(t)])[None], cache)
     layers, end = kinds.freeze(cache, 12)
     e = bank.insert((TENANT, "s"), tokens, layers, checkpoints={5: at5, 12: end})
-    assert e.nbytes == kv.layers_nbytes(layers) + at5.nbytes + end.nbytes
+    assert e.nbytes == arrays.layers_nbytes(layers) + at5.nbytes + end.nbytes
 
     diverges_at_9 = np.concatenate([tokens[:9], [40, 41]]).astype(np.uint32)
     assert bank.lookup(diverges_at_9, TENANT).n_tokens == 5  # not 9: no state stands there
@@ -148,14 +150,14 @@ def test_a_longer_turn_keeps_the_checkpoints_it_supersedes_up_to_the_cap(kinds):
     for i, t in enumerate(tokens, 1):
         kinds.model(mx.array([int(t)])[None], cache)
         snaps[i] = kinds.snapshot(cache)
-    layers = kv.freeze([cache[0]], 29)
+    layers = arrays.freeze([cache[0]], 29)
     for n in (6, 12, 18, 24):  # turns of one conversation, each superseding the last
         bank.insert((TENANT, "s"), tokens[:n], [(k[..., :n, :], v[..., :n, :])
                                                 for k, v in layers],
                     checkpoints={n - 3: snaps[n - 3], n: snaps[n]})
     (e,) = bank.session_entries((TENANT, "s"))
     assert sorted(e.checkpoints) == [18, 21, 24]  # its end, then the newest
-    assert e.nbytes == kv.layers_nbytes(e.layers) + sum(c.nbytes for c in e.checkpoints.values())
+    assert e.nbytes == arrays.layers_nbytes(e.layers) + sum(c.nbytes for c in e.checkpoints.values())
     assert bank.total_nbytes == e.nbytes
 
 
@@ -172,7 +174,7 @@ def test_a_shared_checkpoint_outlives_newer_ones_at_the_cap(kinds):
     for i, t in enumerate(tokens, 1):
         kinds.model(mx.array([int(t)])[None], cache)
         snaps[i] = kinds.snapshot(cache)
-    layers = kv.freeze([cache[0]], 19)
+    layers = arrays.freeze([cache[0]], 19)
     bank.insert((TENANT, "s"), tokens, layers, checkpoints={
         3: dataclasses.replace(snaps[3], shared=True), 10: snaps[10], 15: snaps[15],
         19: snaps[19]})
@@ -184,20 +186,20 @@ def test_an_anchor_is_stored_once_and_lives_while_a_record_names_it(kinds, tmp_p
     """A shared checkpoint inside a block goes to LMDB as an anchor (its partial block's KV
     and the checkpoint), content-addressed by the chain: two conversations name one stored
     value; it goes when the last record naming it does, and an edit before it drops it."""
-    from coldstore.store import ColdStore
+    from kvbank.coldstore.store import ColdStore
 
     tokens = np.arange(1, 11, dtype=np.uint32)
     cache = kinds.new_cache()
     for i, t in enumerate(tokens[:6], 1):
         kinds.model(mx.array([int(t)])[None], cache)
     state = kinds.checkpoint_views(kinds.snapshot(cache))
-    layers = kv.freeze([cache[0]], 6)
+    layers = arrays.freeze([cache[0]], 6)
     root = root_for(TENANT)
     ids = chain_block_ids(tokens, root, B)
     anchor = tail_block_id(ids[0], tokens[4:6])  # after the first block, 2 tokens in
-    frame = kv.encode_views(kv.layer_views(layers), "float32", 4, 6, layout=kinds.layout,
+    frame = codec.encode_views(arrays.layer_views(layers), "float32", 4, 6, layout=kinds.layout,
                             state=state)
-    block = kv.encode_views(kv.layer_views(layers), "float32", 0, 4, layout=kinds.layout)
+    block = codec.encode_views(arrays.layer_views(layers), "float32", 0, 4, layout=kinds.layout)
     store = ColdStore(tmp_path / "s")
     for name in ("a", "b"):
         store.put_session_tokens(TENANT, name, tokens, B)
@@ -218,27 +220,27 @@ def test_blocks_carry_the_checkpoint_at_their_end_and_refuse_a_flipped_byte(kind
     n = 10
     tokens = list(range(1, n + 1))
     layers, end = kinds.freeze(_run(kinds, tokens), n)
-    views = kv.layer_views(layers)
-    frames = [kv.encode_views(views, "float32", s, min(s + B, n), layout=kinds.layout,
+    views = arrays.layer_views(layers)
+    frames = [codec.encode_views(views, "float32", s, min(s + B, n), layout=kinds.layout,
                               state=kinds.checkpoint_views(end) if min(s + B, n) == n else None)
               for s in range(0, n, B)]
-    state = kinds.checkpoint_from_arrays(kv.decode_state(frames[-1]))
-    assert kv.decode_state(frames[0]) == []
-    restored = kinds.restore(kv.decode_blocks(frames, capacity=16), state, n, owned=True)
+    state = kinds.checkpoint_from_arrays(codec.decode_state(frames[-1]))
+    assert codec.decode_state(frames[0]) == []
+    restored = kinds.restore(codec.decode_blocks(frames, capacity=16), state, n, owned=True)
     more = [3, 1, 4]
     assert _continues(kinds, restored, tokens + more, more)
 
     bad = bytearray(frames[1])
     bad[-5] ^= 0x40
     with pytest.raises(CorruptBlock, match="checksum"):
-        kv.decode_blocks([frames[0], bytes(bad), frames[2]])
+        codec.decode_blocks([frames[0], bytes(bad), frames[2]])
 
 
 def test_a_restore_from_lmdb_stands_at_the_last_block_that_carries_a_checkpoint(
         kinds, tmp_path):
     """Real LMDB: blocks through the coldstore's own writes, read back by the Restorer."""
-    from coldstore.store import ColdStore
-    from worker.restore import Restorer
+    from kvbank.coldstore.store import ColdStore
+    from kvbank.worker.tiers.restore import Restorer
 
     n, root = 10, root_for(TENANT)
     tokens = np.arange(1, n + 1, dtype=np.uint32)
@@ -251,11 +253,11 @@ def test_a_restore_from_lmdb_stands_at_the_last_block_that_carries_a_checkpoint(
     store = ColdStore(tmp_path)
     store.put_session_tokens(TENANT, "s", tokens, B)
     ids = chain_block_ids(tokens, root, B)
-    views = kv.layer_views(layers)
+    views = arrays.layer_views(layers)
     for s in range(0, n, B):
         e = min(s + B, n)
         bid = ids[s // B] if e - s == B else tail_block_id(ids[-1], tokens[s:e])
-        frame = kv.encode_views(views, "float32", s, e, layout=kinds.layout,
+        frame = codec.encode_views(views, "float32", s, e, layout=kinds.layout,
                                 state=kinds.checkpoint_views(states[e]) if e in states else None)
         assert store.commit_block(TENANT, "s", root, bid, s, frame) is not None
     store.close()
@@ -285,7 +287,7 @@ def test_a_store_from_an_older_kvbank_reads_and_one_from_a_newer_is_refused(tmp_
 
     import lmdb
 
-    from coldstore.store import ColdStore
+    from kvbank.coldstore.store import ColdStore
     from kvbank.contracts.store_layout import (FORMAT_KEY, READ_FORMAT, STORE_FORMAT,
                                                StoreFormatError, StoreReader)
 
@@ -295,7 +297,7 @@ def test_a_store_from_an_older_kvbank_reads_and_one_from_a_newer_is_refused(tmp_
     pad = (-(8 + len(meta))) % 16
     v1 = (b"KVB1" + struct.pack("<I", len(meta) + pad) + meta + b" " * pad
           + (k.tobytes() + (k + 100).tobytes()) * 2)
-    (keys, values), _ = kv.decode_blocks([v1])
+    (keys, values), _ = codec.decode_blocks([v1])
     assert np.array_equal(np.array(keys[0]).transpose(1, 0, 2), k)
     assert np.array_equal(np.array(values[0]).transpose(1, 0, 2), k + 100)
 
@@ -316,11 +318,11 @@ def test_a_flipped_byte_costs_the_blocks_from_it_on_and_store_verify_finds_it(ki
     verify` names the block and the conversation offline."""
     import lmdb
 
-    from apps.store_verify import verify
-    from coldstore.store import ColdStore
+    from kvbank.apps.store_verify import verify
+    from kvbank.coldstore.store import ColdStore
     from kvbank import metrics
     from kvbank.config import Layout
-    from worker.restore import Restorer
+    from kvbank.worker.tiers.restore import Restorer
 
     n, root = 12, root_for(TENANT)
     tokens = np.arange(1, n + 1, dtype=np.uint32)
@@ -329,13 +331,13 @@ def test_a_flipped_byte_costs_the_blocks_from_it_on_and_store_verify_finds_it(ki
         kinds.model(mx.array([int(t)])[None], cache)
         if i % B == 0:
             states[i] = kinds.snapshot(cache)
-    layers = kv.freeze([cache[0]], n)
+    layers = arrays.freeze([cache[0]], n)
     layout = Layout(tmp_path)
     store = ColdStore(layout.store_dir)
     store.put_session_tokens(TENANT, "s", tokens, B)
     ids = chain_block_ids(tokens, root, B)
     for s in range(0, n, B):
-        frame = kv.encode_views(kv.layer_views(layers), "float32", s, s + B, layout=kinds.layout,
+        frame = codec.encode_views(arrays.layer_views(layers), "float32", s, s + B, layout=kinds.layout,
                                 state=kinds.checkpoint_views(states[s + B]))
         store.commit_block(TENANT, "s", root, ids[s // B], s, frame)
     store.close()
@@ -367,7 +369,7 @@ def test_a_flipped_byte_costs_the_blocks_from_it_on_and_store_verify_finds_it(ki
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "apps.cli", "store", "verify", "--data-dir",
+    out = subprocess.run([sys.executable, "-m", "kvbank.apps.cli", "store", "verify", "--data-dir",
                           str(tmp_path), "--json"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1, out.stderr  # a corrupt block: the command says so
     assert json.loads(out.stdout)["blocks_corrupt"] == 1
@@ -383,14 +385,14 @@ def test_a_prompt_read_stops_where_the_router_says_and_every_interval(kinds):
 
 
 def test_the_engines_commit_release_and_restore_over_the_fake_kind(kinds, tmp_path):
-    """The engine's own holdings (worker/holdings.py: bank, records, writer, restorer, link)
+    """The engine's own holdings (worker/tiers/holdings.py: bank, records, writer, restorer, link)
     over the fake kind and a real coldstore process, no model and no stack: a turn committed,
     restored from RAM, released with its write-out, restored from LMDB. Each restore continues
     exactly as recomputation of the whole prompt does."""
     from kvbank.contracts.vocabulary import TrimReason
     from kvbank.v1 import api_pb2
     from tests.coldstore_rig import ColdstoreProc
-    from worker.holdings import Holdings
+    from kvbank.worker.tiers.holdings import Holdings
 
     proc = ColdstoreProc(tmp_path / "data")
     h = Holdings(proc.layout, kinds=kinds, fingerprint=b"fake-kind", block_tokens=B,

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from deploy import cluster
+from kvbank.deploy import cluster
 from tests.served import served_by
 from tests.waiting import wait_until
 

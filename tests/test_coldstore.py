@@ -2,7 +2,7 @@
 
 Real LMDB, real ZeroMQ and, wherever the behaviour is the process's (lanes, deadlines, crash),
 the real coldstore process started as the supervisor starts it. The "worker" is this test: the
-engine's own `Holdings` (bank, writer, records, link; worker/holdings.py) over a fake cache
+engine's own `Holdings` (bank, writer, records, link; worker/tiers/holdings.py) over a fake cache
 kind (a test seam: full-attention caches holding synthetic KV, no model needed), committing
 turns with the engine's commit and saying busy or quiet on the worker-state channel exactly as
 the engine does.
@@ -17,13 +17,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from coldstore.store import ColdStore
+from kvbank.coldstore.store import ColdStore
 from kvbank.blocks import chain_block_ids, tail_block_id
 from kvbank.contracts.coldstore_wire import outcome_of
 from tests.coldstore_rig import (B, TENANT, Disk, assert_kv_bit_equal, check_record_against_kv,
                                  concat_kv, make_kv, root_for, start, tokens)  # noqa: F401
 from tests.waiting import wait_until
-from worker import kv
+from kvbank.worker.kv import codec
+
+pytestmark = pytest.mark.unit  # make test-fast
 
 
 # -- 1. shared prefixes are stored once ---------------------------------------------------------
@@ -212,18 +214,18 @@ def test_kv_round_trips_bit_exactly(tmp_path, dtype):
         store.put_session_tokens(TENANT, "rt", t, B)
         for i, bid in enumerate(ids):
             s = i * B
-            payload = kv.encode_range(layers, s, min(s + B, n))
+            payload = codec.encode_range(layers, s, min(s + B, n))
             assert store.commit_block(TENANT, "rt", root, bid, s, payload) is not None
         meta, _ = store.get_session(TENANT, "rt")
         assert meta.durable_tokens == n
         payloads = store.get_blocks(meta.block_ids())
     finally:
         store.close()
-    got = kv.decode_blocks(payloads)
+    got = codec.decode_blocks(payloads)
     assert_kv_bit_equal(got, layers, f"{dtype} round trip")
     # The worker's own read path (a fresh read-only open) sees the same bits.
     disk = Disk(tmp_path / "store")
-    assert_kv_bit_equal(kv.decode_blocks(disk.blocks(ids)), layers, f"{dtype} read-only reopen")
+    assert_kv_bit_equal(codec.decode_blocks(disk.blocks(ids)), layers, f"{dtype} read-only reopen")
 
 
 # -- 7. kill -9 mid-write ----------------------------------------------------------------------

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from coldstore.store import ColdStore
+from kvbank.coldstore.store import ColdStore
 from kvbank.contracts.coldstore_wire import outcome_of, pb
 from tests.coldstore_rig import ColdstoreProc
 from tests.test_release_write_out import Rig
 from tests.waiting import wait_until
+
+pytestmark = pytest.mark.unit  # make test-fast
 
 
 @pytest.fixture(scope="module")

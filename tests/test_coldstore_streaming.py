@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import zmq
 
 from kvbank.contracts.coldstore_wire import outcome_of, pb
 from tests.coldstore_rig import (B, TENANT, Link, check_record_against_kv, make_kv,  # noqa: F401
                                  start, tokens)  # start: the fixture
+
+pytestmark = pytest.mark.unit  # make test-fast
 
 
 class HeldPayloads:

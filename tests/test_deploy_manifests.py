@@ -21,8 +21,8 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
-from apps.shim.server import DEFAULT_MODEL_NAME  # noqa: E402
-from deploy import cluster  # noqa: E402
+from kvbank.apps.shim.server import DEFAULT_MODEL_NAME
+from kvbank.deploy import cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "deploy" / "compose.yaml"
@@ -421,7 +421,7 @@ def test_cluster_free_ports_are_distinct():
 def test_ports_picked_but_not_yet_bound_are_not_handed_out_again(monkeypatch):
     """A test picks ports for its own flags, then starts a stack that picks the router's:
     neither is bound yet, so only the picker's memory keeps them apart."""
-    from deploy import local
+    from kvbank.deploy import local
 
     monkeypatch.setenv("KVBANK_PORT_RANGE", "41000-41008")
     monkeypatch.setattr(local, "_handed_out", set())
@@ -430,7 +430,7 @@ def test_ports_picked_but_not_yet_bound_are_not_handed_out_again(monkeypatch):
 
 
 def test_cluster_up_dry_run_passes_flags_to_every_stack(capsys):
-    from apps.cli import main
+    from kvbank.apps.cli import main
 
     assert main(["cluster", "up", "--dry-run", "--stacks", "3", "--model", "/m",
                  "--memory-budget", "+1000", "--kv-events-block-size", "32",

@@ -130,7 +130,7 @@ def test_a_block_corrupted_on_disk_is_recomputed_deleted_and_written_again(
     import lmdb
     from prometheus_client.parser import text_string_to_metric_families
 
-    from apps.store_verify import verify
+    from kvbank.apps.store_verify import verify
     from kvbank.contracts.store_layout import StoreReader
 
     data = tmp_path / "data"
@@ -187,7 +187,7 @@ def test_a_token_record_corrupted_on_disk_is_refused_and_its_kv_still_restores(
     the turn restores the KV from SSD by its own tokens and answers as from scratch."""
     import lmdb
 
-    from apps.store_verify import verify
+    from kvbank.apps.store_verify import verify
     from kvbank.contracts.store_layout import session_key
 
     data = tmp_path / "data"

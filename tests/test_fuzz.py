@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvbank.v1 import api_pb2, api_pb2_grpc
-from router.validation import MAX_SESSION_ID_BYTES, MAX_STOP_STRINGS, ROLES
+from kvbank.router.validation import MAX_SESSION_ID_BYTES, MAX_STOP_STRINGS, ROLES
 from tests.conftest import rpc_error, start_stack
 
 KEY = "fuzz-key"

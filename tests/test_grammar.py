@@ -1,4 +1,4 @@
-"""Structured output (worker/grammar.py) on real MLX: the tiny random model writes noise, so only
+"""Structured output (worker/compute/grammar.py) on real MLX: the tiny random model writes noise, so only
 the grammar makes its answers parse. Each request runs through mlx-lm's BatchGenerator with the
 grammar's logits processor, as the scheduler runs it."""
 
@@ -9,6 +9,8 @@ import json
 import pytest
 
 from tests.conftest import lark_accepts
+
+pytestmark = pytest.mark.unit  # make test-fast
 
 SCHEMA = {"type": "object", "properties": {
     "color": {"type": "string", "enum": ["red", "green", "blue"]},
@@ -32,7 +34,7 @@ SEEDS = (None, 1, 2, 3)  # None: greedy; the others sample at temperature 1
 def setup(tiny_model):
     from mlx_lm import load
 
-    from worker.grammar import Grammars
+    from kvbank.worker.compute.grammar import Grammars
 
     model, tokenizer = load(str(tiny_model))
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
@@ -45,7 +47,7 @@ def generate(setup, grammars, seeds=SEEDS, max_tokens=120, split=0):
     processor) per request. `split`: prompt tokens passed as `all_tokens` (the cached prefix)."""
     from mlx_lm.generate import BatchGenerator
 
-    from worker.decoding import make_request_sampler
+    from kvbank.worker.compute.decoding import make_request_sampler
 
     model, tokenizer, _, prompt = setup
     jobs = [(g.processor(), s) for g in grammars for s in seeds]
@@ -249,7 +251,7 @@ eof_line: "*** End of File" LF
 def test_codexs_apply_patch_grammar_holds_a_patch_that_reads_back_whole(setup):
     from mlx_lm.tool_parsers import json_tools
 
-    from worker.decoding import ToolCallText
+    from kvbank.worker.compute.decoding import ToolCallText
 
     patch = custom("apply_patch", {"type": "grammar", "syntax": "lark",
                                    "definition": APPLY_PATCH_LARK})
@@ -267,13 +269,13 @@ def test_codexs_apply_patch_grammar_holds_a_patch_that_reads_back_whole(setup):
 
 
 def test_the_model_writes_raw_calls_that_parse_back_under_the_grammar(setup):
-    """The random model, forced: every answer ends, and reads back (worker/decoding.py) as a
+    """The random model, forced: every answer ends, and reads back (worker/compute/decoding.py) as a
     call whose input the client's grammar, or regex, accepts."""
     import re
 
     from mlx_lm.tool_parsers import json_tools
 
-    from worker.decoding import ToolCallText
+    from kvbank.worker.compute.decoding import ToolCallText
 
     grammars = setup[2]
     for tool, ok in ((CALC, lambda s: lark_accepts(grammars.tokenizer, CALC_LARK, s)),

@@ -1,5 +1,5 @@
 """`--kv-bits 8|4`: full-attention K/V quantized at rest (bank and SSD), full precision while a
-request runs (worker/cache_kinds.py, docs/decisions.md).
+request runs (worker/kv/cache_kinds.py, docs/decisions.md).
 
 First the seam on its own (a fake model with a full-attention and a window cache, head_dim
 64): bytes per token, a cut at any token, a commit that quantizes only the tokens its turn
@@ -20,8 +20,8 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from kvbank.blocks import CorruptBlock, decode_header
-from worker import kv
-from worker.cache_kinds import CacheKinds
+from kvbank.worker.kv import arrays, codec, quant
+from kvbank.worker.kv.cache_kinds import CacheKinds
 
 HEADS, DIM, WINDOW = 2, 64, 4
 
@@ -60,16 +60,16 @@ def _eq(a, b) -> bool:
 
 @pytest.mark.parametrize("bits,ratio", [(8, 3.5), (4, 6.0)])
 def test_a_token_costs_its_quantized_bytes_and_window_layers_stay_full(bits, ratio):
-    full, quant = _kinds(None, window=True), _kinds(bits, window=True)
-    per_token, _, dtype = quant.measure()
+    full, packed = _kinds(None, window=True), _kinds(bits, window=True)
+    per_token, _, dtype = packed.measure()
     full.measure()
     assert dtype == "float32" and per_token == full.rest_bytes_per_token  # running: full
     # 64 values per head in one group: words, one scale, one bias
-    assert quant.rest_bytes_per_token == 2 * HEADS * (DIM * bits // 8 + 2 * 4)
-    assert per_token / quant.rest_bytes_per_token > ratio
+    assert packed.rest_bytes_per_token == 2 * HEADS * (DIM * bits // 8 + 2 * 4)
+    assert per_token / packed.rest_bytes_per_token > ratio
     tokens = list(range(1, 12))
-    layers, checkpoint = quant.freeze(_run(quant, tokens), 11)
-    assert kv.layers_nbytes(layers) == 11 * quant.rest_bytes_per_token
+    layers, checkpoint = packed.freeze(_run(packed, tokens), 11)
+    assert arrays.layers_nbytes(layers) == 11 * packed.rest_bytes_per_token
     assert all(a.dtype == mx.float32 for a in checkpoint.flat())  # the window: as it ran
 
 
@@ -82,12 +82,12 @@ def test_an_entry_cuts_at_any_token_and_restores_dequantized(bits):
     layers, _ = kinds.freeze(cache, 19)
     for n in range(1, 20):
         cut = kinds.cut(layers, n)
-        assert kv.layers_nbytes(cut) * 19 == kv.layers_nbytes(layers) * n
+        assert arrays.layers_nbytes(cut) * 19 == arrays.layers_nbytes(layers) * n
         # each token quantized on its own: the first n of the entry are n tokens' quantization
-        assert _eq(cut[0][0], kv.quantize(keys[..., :n, :], bits))
+        assert _eq(cut[0][0], quant.quantize(keys[..., :n, :], bits))
         restored = kinds.restore(layers, None, n)
         assert type(restored[0]) is KVCache and restored[0].offset == n
-        assert mx.array_equal(restored[0].keys, kv.dequantize(kv.quantize(keys[..., :n, :], bits),
+        assert mx.array_equal(restored[0].keys, quant.dequantize(quant.quantize(keys[..., :n, :], bits),
                                                               bits))
 
 
@@ -105,12 +105,12 @@ def test_a_commit_quantizes_only_the_tokens_its_turn_added(bits):
     _run(kinds, [20, 21, 22, 23, 24], cache)
     again, _ = kinds.freeze(cache, 14, prefix)
     for j in (0, 1):
-        assert _eq(kv.cut(again[0][j], 9), layers[0][j])  # kept as it was
-        new = kv.quantize((cache[0].keys, cache[0].values)[j][..., 9:14, :], bits)
+        assert _eq(arrays.cut(again[0][j], 9), layers[0][j])  # kept as it was
+        new = quant.quantize((cache[0].keys, cache[0].values)[j][..., 9:14, :], bits)
         assert _eq(tuple(a[..., 9:, :] for a in again[0][j]), new)
     requantized, _ = kinds.freeze(cache, 14)  # what a commit without its prefix would keep
-    assert not _eq(kv.cut(requantized[0][0], 9), layers[0][0])
-    assert kinds.at_rest(_kinds(None).restore(kv.freeze([cache[0]], 14), None, 14)) is None
+    assert not _eq(arrays.cut(requantized[0][0], 9), layers[0][0])
+    assert kinds.at_rest(_kinds(None).restore(arrays.freeze([cache[0]], 14), None, 14)) is None
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
@@ -119,37 +119,37 @@ def test_a_quantized_block_round_trips_bit_exactly_and_refuses_a_flipped_byte(bi
     kinds = _kinds(bits, dtype)
     n, B = 10, 4
     layers, _ = kinds.freeze(_run(kinds, list(range(1, n + 1))), n)
-    views = kv.layer_views(layers)
-    name = kv.dtype_name(layers)
+    views = arrays.layer_views(layers)
+    name = arrays.dtype_name(layers)
     assert name == str(dtype).split(".")[-1]
-    frames = [kv.encode_views(views, name, s, min(s + B, n), bits=bits) for s in range(0, n, B)]
+    frames = [codec.encode_views(views, name, s, min(s + B, n), bits=bits) for s in range(0, n, B)]
     for s, f in zip(range(0, n, B), frames):
         header, _ = decode_header(f)
         assert bytes(f[:4]) == b"KVB3" and header.quant == (bits, 64)
         assert header.kv_shapes[0] == ((min(s + B, n) - s, HEADS, DIM),) * 2
-        assert len(f) == kv.encoded_views_nbytes(views, name, s, min(s + B, n), bits=bits)
+        assert len(f) == codec.encoded_views_nbytes(views, name, s, min(s + B, n), bits=bits)
         kinds.check_block(header)
         for other in (None, 12 - bits):  # a worker at another setting never decodes it
             with pytest.raises(CorruptBlock, match="quantized at"):
                 _kinds(other).check_block(header)
-    back = kv.decode_blocks(frames, capacity=64)
+    back = codec.decode_blocks(frames, capacity=64)
     for (k, v), (k2, v2) in zip(layers, back):
         assert _eq(k, k2) and _eq(v, v2)
         assert all(a.dtype == b.dtype for a, b in zip(k, k2))
     assert _eq(kinds.restore(back, None, n)[0].state, kinds.restore(layers, None, n)[0].state)
-    full = kv.encode_views(kv.layer_views(kv.freeze([_run(_kinds(None, dtype), [1, 2])[0]], 2)),
+    full = codec.encode_views(arrays.layer_views(arrays.freeze([_run(_kinds(None, dtype), [1, 2])[0]], 2)),
                            name, 0, 2)
     assert bytes(full[:4]) == b"KVB2" and decode_header(full)[0].quant is None  # as before
     bad = bytearray(frames[1])
     bad[-3] ^= 0x10
     with pytest.raises(CorruptBlock, match="checksum"):
-        kv.decode_blocks([frames[0], bytes(bad), frames[2]])
+        codec.decode_blocks([frames[0], bytes(bad), frames[2]])
 
 
 def test_a_store_with_a_quantized_block_is_stamped_so_an_older_kvbank_refuses_it(tmp_path):
     """A full-precision store keeps its format (older kvbanks still read it); the first
     quantized block stamps QUANTIZED_STORE_FORMAT, which this kvbank reads."""
-    from coldstore.store import ColdStore
+    from kvbank.coldstore.store import ColdStore
     from kvbank.blocks import chain_block_ids
     from kvbank.contracts.store_layout import (QUANTIZED_STORE_FORMAT, STORE_FORMAT,
                                                StoreReader)
@@ -161,21 +161,21 @@ def test_a_store_with_a_quantized_block_is_stamped_so_an_older_kvbank_refuses_it
         layers, _ = kinds.freeze(_run(kinds, tokens.tolist()), 8)
         store = ColdStore(tmp_path / name)
         store.put_session_tokens(TENANT, "s", tokens, 8)
-        frame = kv.encode_views(kv.layer_views(layers), "float32", 0, 8, bits=bits)
+        frame = codec.encode_views(arrays.layer_views(layers), "float32", 0, 8, bits=bits)
         bid = chain_block_ids(tokens, root_for(TENANT), 8)[0]
         assert store.commit_block(TENANT, "s", root_for(TENANT), bid, 0, frame) is not None
         store.close()
         reader = StoreReader(tmp_path / name, readonly=True)
         assert reader.format_version == (STORE_FORMAT if bits is None
                                          else QUANTIZED_STORE_FORMAT)
-        back = reader.get_blocks([bid], decode=kv.decode_blocks)
+        back = reader.get_blocks([bid], decode=codec.decode_blocks)
         assert _eq(back[0][0] if bits else back[0][:1], layers[0][0] if bits
                    else layers[0][:1])
         reader.close()
 
 
 def test_the_fingerprint_differs_by_bits_and_a_head_dim_it_cannot_group_is_refused(tmp_path):
-    from worker.served_model import fingerprint
+    from kvbank.worker.compute.served_model import fingerprint
 
     prints = {bits: fingerprint(tmp_path, {"model_type": "fake"}, _kinds(bits), "float32",
                                 1024, 16) for bits in (None, 8, 4)}
@@ -282,8 +282,8 @@ def test_a_quantized_conversation_continues_exactly_from_ram_ssd_and_after_kill_
     (qwen3), beside sliding windows (gemma3_text) and beside Gated DeltaNet (qwen3_5), whose
     checkpoints stay full precision, and every prompt token comes back. `kvbank status`
     names the setting."""
-    from apps.cli import main
-    from kvbank.tiny import make_arch_model
+    from kvbank.apps.cli import main
+    from kvbank.testing.tiny import make_arch_model
     from tests.conftest import start_stack
     from tests.test_model_kinds import MAX_TOKENS, TEMPLATES, WINDOW, _check, send_back
 
@@ -332,8 +332,8 @@ def test_bench_kvbits_quick_counts_from_the_ledger(tmp_path_factory, cache_dir, 
     shape and what the ledger must say whatever the timing."""
     import json
 
-    from apps.cli import main
-    from kvbank.tiny import make_arch_model
+    from kvbank.apps.cli import main
+    from kvbank.testing.tiny import make_arch_model
 
     monkeypatch.setenv("KVBANK_CACHE_DIR", str(cache_dir))
     model = make_arch_model(tmp_path_factory.mktemp("qwen3-hd32b") / "model", "qwen3", seed=1,
@@ -363,7 +363,7 @@ def test_a_store_written_at_other_bits_is_recomputed_never_misread(tmp_path_fact
     fingerprint): it recomputes, answers as mlx-lm does, and says why in its log. Its record
     replaces the first one's blocks, so the third worker finds what is left of its own (the
     system prompt's block) and answers exactly from there."""
-    from kvbank.tiny import make_arch_model
+    from kvbank.testing.tiny import make_arch_model
     from tests.conftest import start_stack
     from tests.test_model_kinds import MAX_TOKENS, TEMPLATES, Reference, _check
 

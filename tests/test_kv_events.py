@@ -24,16 +24,16 @@ import numpy as np
 import pytest
 import zmq
 
-from coldstore.store import ColdStore
-from deploy.local import free_ports
+from kvbank.coldstore.store import ColdStore
+from kvbank.deploy.local import free_ports
 from kvbank.blocks import chain_block_ids, chain_root
 from kvbank.contracts.store_layout import StoreReader
 from tests.conftest import start_stack
 from tests.waiting import wait_until
-from worker.bank import BankEntry
-from worker.conversations import Conversations
-from worker import kv_events
-from worker.kv_events import EventsConfig, KVEvents, Publisher, block_hashes
+from kvbank.worker.tiers.bank import BankEntry
+from kvbank.worker.tiers.conversations import Conversations
+from kvbank.worker.link import kv_events
+from kvbank.worker.link.kv_events import EventsConfig, KVEvents, Publisher, block_hashes
 
 BLOCK = 16
 LONG = 100_000  # tokens: an agent's conversation late in its life
@@ -251,7 +251,7 @@ def test_events_need_their_endpoint(tiny_model, tmp_path):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "apps.cli", "worker", "--model", str(tiny_model),
+    out = subprocess.run([sys.executable, "-m", "kvbank.apps.cli", "worker", "--model", str(tiny_model),
                           "--data-dir", str(tmp_path / "d"), "--kv-events-replay-endpoint",
                           "tcp://127.0.0.1:1"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
@@ -391,7 +391,7 @@ def _traced() -> int:
 
 def _book_of_a_store(reader: StoreReader, check=None) -> tuple[KVEvents, int]:
     """The worker's KV events over a store's conversations, told what LMDB holds as the worker
-    tells them at start (worker/holdings.py), each batch sent; what the book keeps (bytes,
+    tells them at start (worker/tiers/holdings.py), each batch sent; what the book keeps (bytes,
     with its publisher closed: its replay buffer is bounded apart, by batches).
     `check(events, subscriber)`: run on the engine's side before the publisher closes."""
     conversations = Conversations(root_for=_root, block_tokens=256, store=lambda: reader)
@@ -406,7 +406,7 @@ def _book_of_a_store(reader: StoreReader, check=None) -> tuple[KVEvents, int]:
         before = _traced()
         events = KVEvents(publisher.start(), salt_for=lambda t: bytes(_root(t)),
                           block_size=BLOCK)
-        events.ssd_tokens = conversations.history  # as worker/holdings.py sets it
+        events.ssd_tokens = conversations.history  # as worker/tiers/holdings.py sets it
         assert joined.wait(10), "the subscriber joined"
         for key, info in conversations.records.items():  # Holdings._ssd_changed
             events.ssd_holds(key, conversations.history(key)[:info.durable_tokens])

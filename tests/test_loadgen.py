@@ -10,11 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from apps.cli import main
-from apps.loadgen.run import Row, RunResult
-from apps.loadgen.report import summarize
-from apps.loadgen.scenarios import SCENARIOS, Conversation, build, params
-from apps.loadgen.targets import http_failure
+from kvbank.apps.cli import main
+from kvbank.apps.loadgen.run import Row, RunResult
+from kvbank.apps.loadgen.report import summarize
+from kvbank.apps.loadgen.scenarios import SCENARIOS, Conversation, build, params
+from kvbank.apps.loadgen.targets import http_failure
 
 SMALL = ["--turns", "3", "--turn-tokens", "20", "--system-tokens", "40", "--max-tokens", "4",
          "--no-progress"]
@@ -175,7 +175,7 @@ def test_refusals_are_counted_by_reason_with_the_message():
 def test_bench_compare_prefetch_summary_counts_returning_turns_only():
     """`bench compare --prefetch`: SSD turns counted among returning turns (an agent's first
     turn has no hint and no history), and hinted turns' TTFT p50 over the RAM hits' p50."""
-    from apps.bench.compare import prefetch_summary
+    from kvbank.apps.bench.compare import prefetch_summary
 
     def run(rows):
         return RunResult("openai://x", params("n-agents"), "r", rows, 9.0, "turns", "usage")
@@ -209,7 +209,7 @@ def test_max_wall_s_zero_starts_no_turn(stack, tmp_path):
 
 @pytest.mark.parametrize("target", ["grpc://127.0.0.1:1", "openai://127.0.0.1:1"])
 def test_unreachable_target_is_one_line_and_nonzero(target):
-    out = subprocess.run([sys.executable, "-m", "apps.cli", "loadgen", target,
+    out = subprocess.run([sys.executable, "-m", "kvbank.apps.cli", "loadgen", target,
                           "--connect-timeout-s", "1", "--no-progress"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
@@ -221,7 +221,7 @@ def test_unreachable_target_is_one_line_and_nonzero(target):
 def test_bench_compare_rounds_alternate_the_order_and_take_the_median_ratio():
     """`bench compare --rounds`: no side always runs first, and one slow minute on one side
     moves the reported ratio no more than the middle round does."""
-    from apps.bench.compare import median_ratios, round_ratios, side_order
+    from kvbank.apps.bench.compare import median_ratios, round_ratios, side_order
 
     sides = ("kvbank", "mlx_lm_budget", "mlx_lm_unlimited")
     assert side_order(sides, 0) == ["kvbank", "mlx_lm_budget", "mlx_lm_unlimited"]

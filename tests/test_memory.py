@@ -3,8 +3,12 @@ last one freed, and the trim the engine makes hands freed KV back to the OS (RSS
 ledger). Real MLX arrays in this process, with the worker's settings."""
 
 import mlx.core as mx
+import pytest
 
-from worker.admission import give_back_freed_memory, resident_bytes, serve_buffers_from_the_heap
+from kvbank.worker.memory.allocator import give_back_freed_memory, serve_buffers_from_the_heap
+from kvbank.worker.memory.pricing import resident_bytes
+
+pytestmark = pytest.mark.unit  # make test-fast
 
 MB = 1 << 20
 

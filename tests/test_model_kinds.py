@@ -1,7 +1,7 @@
 """Every model kind kvbank serves answers as mlx-lm does from scratch: from RAM, from SSD after
 a release, and after a kill -9 of the worker.
 
-Tiny random models of each architecture (kvbank/tiny.py: full attention, sliding windows,
+Tiny random models of each architecture (kvbank/testing/tiny.py: full attention, sliding windows,
 Gated DeltaNet and Mamba layers) run in a real stack. An unnamed conversation takes turns
 through it, and every answer is compared with two references computed here with mlx-lm's own
 model and caches on the same prompt ids:
@@ -24,7 +24,7 @@ from tests.conftest import start_stack
 ARCHS = ("qwen3", "gpt_oss", "gemma3_text", "qwen3_5", "nemotron_h", "mamba2")
 WINDOW = 32  # shorter than a turn: a restored window must be the ring, not the whole turn
 MAX_TOKENS = 40
-TEMPLATES = Path(__file__).parent.parent / "kvbank" / "templates"
+TEMPLATES = Path(__file__).parent.parent / "kvbank" / "testing" / "templates"
 
 
 class Reference:
@@ -33,7 +33,7 @@ class Reference:
     def __init__(self, model_dir: Path):
         from mlx_lm import load
 
-        from router.tokenizer import PromptTokenizer
+        from kvbank.router.tokenizer import PromptTokenizer
 
         self.model, self.tokenizer = load(str(model_dir))
         self.prompts = PromptTokenizer(model_dir)
@@ -63,7 +63,7 @@ class Reference:
         """The worker's forwards for this turn: the lineage up to its restore point, then its
         prompt read from there, then one token at a time (the last one too: it is in the
         committed cache)."""
-        from worker.scheduler import LAST_FORWARD_TOKENS, PREFILL_STEP_TOKENS
+        from kvbank.worker.compute.scheduler import LAST_FORWARD_TOKENS, PREFILL_STEP_TOKENS
 
         assert self.tokens[:cached] == prompt[:cached]
         cache, kept = self.restored(prompt, cached)
@@ -115,7 +115,7 @@ class Reference:
 
 
 def _model(tmp_path_factory, cache_dir, arch: str, template: str | None) -> Path:
-    from kvbank.tiny import make_arch_model
+    from kvbank.testing.tiny import make_arch_model
 
     out = tmp_path_factory.mktemp(f"{arch}-model") / "model"
     return make_arch_model(out, arch, seed=1, context=4096, window=WINDOW, template=template,
@@ -124,7 +124,7 @@ def _model(tmp_path_factory, cache_dir, arch: str, template: str | None) -> Path
 
 @pytest.fixture(scope="module")
 def stripping(tmp_path_factory, cache_dir):
-    """`stripping(arch)`: (model, stack) with kvbank/tiny's reasoning-stripping template, one
+    """`stripping(arch)`: (model, stack) with kvbank/testing/tiny.py's reasoning-stripping template, one
     per architecture, shared by the tests that neither kill nor reconfigure it. Each test's
     conversation opens with a system prompt of its own, so none finds another's in cache."""
     made: dict[str, tuple] = {}
@@ -231,7 +231,7 @@ def test_a_model_with_an_unknown_cache_kind_is_refused_at_start(tmp_path, cache_
     import subprocess
     import sys
 
-    from kvbank.tiny import make_arch_model
+    from kvbank.testing.tiny import make_arch_model
 
     model = make_arch_model(tmp_path / "model", "llama", cache_dir=cache_dir)
     script = (
@@ -239,7 +239,7 @@ def test_a_model_with_an_unknown_cache_kind_is_refused_at_start(tmp_path, cache_
         "import mlx_lm.models.llama as llama\n"
         "from mlx_lm.models.cache import ChunkedKVCache\n"
         "llama.Model.make_cache = lambda self: [ChunkedKVCache(64) for _ in self.layers]\n"
-        "import sys; from apps.cli import main\n"
+        "import sys; from kvbank.apps.cli import main\n"
         f"sys.exit(main(['worker', '--model', {str(model)!r}, '--data-dir', "
         f"{str(tmp_path / 'data')!r}, '--metrics-port', '0']))\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

@@ -6,13 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from kvbank.models import (
-    SOURCE_MARKER,
-    default_model_dir,
-    import_gguf,
-    make_tiny_model,
-    resolve_model,
-)
+from kvbank.models import SOURCE_MARKER, default_model_dir, import_gguf, resolve_model
+from kvbank.testing.tiny import make_tiny_model
+
+pytestmark = pytest.mark.unit  # make test-fast
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,11 @@
-"""Speculative decoding with a checkpoint's own MTP head (kvbank/mtp_head.py, worker/mtp/):
-the head is read where mlx-lm drops it, answers equal plain decoding token for token, every
+"""Speculative decoding with a checkpoint's own MTP head (kvbank/mtp_head.py,
+worker/compute/mtp/, worker/kv/rollback.py): the head is read where mlx-lm drops it,
+answers equal plain decoding token for token, every
 cache stands after a rejected draft exactly where plain decoding leaves it, and sampled
 answers are distributed as plain sampling.
 
 Two tiny qwen3_5 models: one with a random head (almost every draft rejected) and one whose
-head was trained by self-distillation (kvbank/tiny_mtp.py: most drafts kept), so that full,
+head was trained by self-distillation (kvbank/testing/tiny_mtp.py: most drafts kept), so that full,
 partial and no acceptance all happen."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def random_path(tmp_path_factory, cache_dir) -> Path:
-    from kvbank.tiny import make_arch_model
+    from kvbank.testing.tiny import make_arch_model
 
     return make_arch_model(tmp_path_factory.mktemp("mtp") / "random", "qwen3_5", seed=1,
                            mtp=True, cache_dir=cache_dir)
@@ -27,7 +28,7 @@ def random_path(tmp_path_factory, cache_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def trained_path(cache_dir) -> Path:
-    from kvbank.tiny_mtp import mtp_model
+    from kvbank.testing.tiny_mtp import mtp_model
 
     return mtp_model("tiny", cache_dir)
 
@@ -149,8 +150,8 @@ def test_greedy_answers_equal_plain_decoding(models, which, depth):
     """Tokens equal mlx-lm's greedy decoding from scratch and logprobs within 1e-4, whatever
     the head drafts; on the trained head every round kind happens (all drafts kept, some,
     none), and answers cut by max_tokens or a stop token inside a round end exactly there."""
-    from worker.mtp.decode import MTPDecoder
-    from worker.mtp.sampling import Sampling
+    from kvbank.worker.compute.mtp.decode import MTPDecoder
+    from kvbank.worker.compute.mtp.sampling import Sampling
 
     model, head = models[which]
     dec = MTPDecoder(model, head, depth)
@@ -172,8 +173,8 @@ def test_greedy_answers_equal_plain_decoding(models, which, depth):
 def test_penalties_and_logit_bias_apply_to_drafts_and_verify_exactly(models):
     from mlx_lm.sample_utils import make_logits_processors
 
-    from worker.mtp.decode import MTPDecoder
-    from worker.mtp.sampling import Sampling
+    from kvbank.worker.compute.mtp.decode import MTPDecoder
+    from kvbank.worker.compute.mtp.sampling import Sampling
 
     model, head = models["trained"]
     prompt = _prompts(1, 24, seed=9)[0]
@@ -192,8 +193,8 @@ def test_a_second_turn_continues_exactly_and_the_head_history_is_the_conversatio
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    from worker.mtp.decode import MTPDecoder, MTPState
-    from worker.mtp.sampling import Sampling
+    from kvbank.worker.compute.mtp.decode import MTPDecoder, MTPState
+    from kvbank.worker.compute.mtp.sampling import Sampling
 
     model, head = models["trained"]
     dec = MTPDecoder(model, head, 3)
@@ -253,8 +254,8 @@ def test_a_draft_rejected_at_each_position_leaves_every_cache_as_plain_decoding(
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kvbank.tiny import arch_config, build_model
-    from worker.mtp.rollback import Speculation, install
+    from kvbank.testing.tiny import arch_config, build_model
+    from kvbank.worker.kv.rollback import Speculation, install
 
     model, _ = build_model(arch_config(arch, vocab=1024, window=16), seed=1)
     install(model.layers)
@@ -315,7 +316,7 @@ def small_vocab():
     embeddings scaled so that logits span a few units, as a trained model's do: the head's
     q and the trunk's p are far apart, so a wrong rule shows."""
     from kvbank.mtp_head import Trunk, make_head
-    from kvbank.tiny import arch_config, build_model, mtp_head_weights
+    from kvbank.testing.tiny import arch_config, build_model, mtp_head_weights
 
     config = arch_config("qwen3_5", vocab=16)
     config.update(num_hidden_layers=2, full_attention_interval=2)
@@ -350,8 +351,8 @@ def test_drafts_and_verify_draw_from_the_head_and_trunk_distributions(small_voca
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from worker.mtp.decode import MTPDecoder
-    from worker.mtp.sampling import Sampling
+    from kvbank.worker.compute.mtp.decode import MTPDecoder
+    from kvbank.worker.compute.mtp.sampling import Sampling
 
     model, head = small_vocab
     seen = []
@@ -407,8 +408,8 @@ def test_sampled_answers_are_distributed_as_plain_sampling(small_vocab, temperat
     prefix through the trunk. Seeded; a chi-square test per position at ALPHA. (At RUNS it
     fails a rule that resamples from p instead of the residual; the rule's subtler faults
     are the next test's, with 40x the draws.)"""
-    from worker.mtp.decode import MTPDecoder
-    from worker.mtp.sampling import Sampling
+    from kvbank.worker.compute.mtp.decode import MTPDecoder
+    from kvbank.worker.compute.mtp.sampling import Sampling
 
     model, head = small_vocab
     # Exact marginals of tokens 1..4 by enumeration (16, 256, 4096 prefixes).
@@ -441,7 +442,7 @@ def test_the_acceptance_rule_reproduces_the_target_distribution():
     reuses the acceptance uniform for the residual draw."""
     import mlx.core as mx
 
-    from worker.mtp.sampling import Sampling
+    from kvbank.worker.compute.mtp.sampling import Sampling
 
     rng = np.random.default_rng(0)
     v = 8

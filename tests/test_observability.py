@@ -30,7 +30,7 @@ def _events(stack) -> list[dict]:
 
 
 def _kvbank(stack, *args) -> str:
-    out = subprocess.run([sys.executable, "-m", "apps.cli", args[0], "--address", stack.address,
+    out = subprocess.run([sys.executable, "-m", "kvbank.apps.cli", args[0], "--address", stack.address,
                           *args[1:]],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from apps.cli import build_parser
+from kvbank.apps.cli import build_parser
 
 ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
@@ -84,7 +84,7 @@ def test_every_command_in_the_readme_runs_in_the_suite():
 
 
 def _kvbank(*argv: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "apps.cli", *argv], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvbank.apps.cli", *argv], capture_output=True,
                           text=True, timeout=300, cwd=ROOT, **kw)
 
 
@@ -108,7 +108,7 @@ def test_ask_chat_and_status_as_the_readme_shows_them(module_stack, tmp_path):
     # draws its first frame, and Ctrl-C ends it cleanly
     screen, terminal = pty.openpty()
     with open(tmp_path / "watch.err", "w+") as err:
-        watch = subprocess.Popen([sys.executable, "-m", "apps.cli", "status", *at, "--watch"],
+        watch = subprocess.Popen([sys.executable, "-m", "kvbank.apps.cli", "status", *at, "--watch"],
                                  stdout=terminal, stderr=err, cwd=ROOT)
         os.close(terminal)
         try:
@@ -131,7 +131,7 @@ def test_ask_chat_and_status_as_the_readme_shows_them(module_stack, tmp_path):
 def test_ctrl_c_in_chat_stops_the_answer_and_the_chat_goes_on(module_stack):
     """Ctrl-C while an answer streams stops that answer, and the chat asks for the next line
     (the model answers greedily: where its first text comes is the same every run)."""
-    chat = subprocess.Popen([sys.executable, "-m", "apps.cli", "chat", "--address",
+    chat = subprocess.Popen([sys.executable, "-m", "kvbank.apps.cli", "chat", "--address",
                              module_stack.address, "--session", "interrupted",
                              "--max-tokens", "300"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)

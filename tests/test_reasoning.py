@@ -3,7 +3,7 @@ completions, a `thinking` block on Messages, a `reasoning` item on Responses; ea
 reasoning switch; and reasoning sent back with the history is taken.
 
 One stack on a tiny random llama whose tokenizer has `<think>` / `</think>` and whose
-template (kvbank/tiny's Qwen3.5-style one) opens the reasoning in the generation prompt, so a
+template (kvbank/testing/tiny.py's Qwen3.5-style one) opens the reasoning in the generation prompt, so a
 greedy answer of a few tokens is all reasoning; with the switch off, the template closes it
 and the answer is all text. What the model wrote is checked against /v1/completions on the
 same prompt text, whose raw answer nothing splits."""
@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from tests.conftest import start_stack
-from worker.decoding import ReasoningText
+from kvbank.worker.compute.decoding import ReasoningText
 
 MAX_TOKENS = 8
 GREEDY = {"temperature": 0}  # the Anthropic SDK takes it only as extra_body
@@ -53,7 +53,7 @@ def test_reasoning_tokens_are_counted_on_tokens_markers_included():
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, cache_dir):
-    from kvbank.tiny import make_arch_model
+    from kvbank.testing.tiny import make_arch_model
 
     model = make_arch_model(tmp_path_factory.mktemp("reasoning-model") / "model", "llama",
                             seed=3, context=4096, cache_dir=cache_dir)

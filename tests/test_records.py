@@ -1,5 +1,5 @@
 """Records at scale: the worker's record of a conversation holds no history the store has
-(worker/conversations.py). A store holds many conversations of 80-100K tokens; held for each
+(worker/tiers/conversations.py). A store holds many conversations of 80-100K tokens; held for each
 in RAM, their tokens alone cost 4 bytes a token (400 KB a conversation of 100K).
 """
 
@@ -13,15 +13,15 @@ from pathlib import Path
 
 import numpy as np
 
-from coldstore.store import ColdStore
+from kvbank.coldstore.store import ColdStore
 from kvbank.blocks import chain_block_ids, chain_root
 from kvbank.contracts.store_layout import StoreReader
 from kvbank.contracts.vocabulary import TrimReason
 from tests.coldstore_rig import B, ColdstoreProc, Link, caches_holding, make_kv
 from tests.conftest import start_stack
-from worker import upkeep
-from worker.conversations import Conversations
-from worker.lineage import CONTINUE_SLACK_TOKENS
+from kvbank.worker.tiers import upkeep
+from kvbank.worker.tiers.conversations import Conversations
+from kvbank.worker.tiers.lineage import CONTINUE_SLACK_TOKENS
 
 TENANT = "acme"
 LONG = 100_000  # tokens: an agent's conversation late in its life

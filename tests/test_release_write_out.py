@@ -1,6 +1,6 @@
 """The seed PRs' scenarios: release with write-out, and trims that keep unwritten work.
 
-The engine's own `Holdings` (worker/holdings.py: its bank, writer, records and coldstore link)
+The engine's own `Holdings` (worker/tiers/holdings.py: its bank, writer, records and coldstore link)
 over the tiny model's real MLX caches, a real coldstore process, real ZeroMQ and LMDB. Each
 turn is committed by `Holdings.commit`, the code the engine runs. The engine's thread is this
 test: it pumps the coldstore's word as the engine's loop does, and it says busy on the
@@ -19,10 +19,12 @@ from kvbank.blocks import chain_root
 from kvbank.config import Layout
 from tests.coldstore_rig import ColdstoreProc
 from tests.waiting import wait_until
-from worker.bank import SessionBank
-from worker.cache_kinds import CacheKinds
-from worker.holdings import Holdings
-from worker.upkeep import keep_within_cap, pressure_trim, write_ahead
+from kvbank.worker.tiers.bank import SessionBank
+from kvbank.worker.kv.cache_kinds import CacheKinds
+from kvbank.worker.tiers.holdings import Holdings
+from kvbank.worker.tiers.upkeep import keep_within_cap, pressure_trim, write_ahead
+
+pytestmark = pytest.mark.unit  # make test-fast
 
 B = 16
 FP = b"test-release-fingerprint"

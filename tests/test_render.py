@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from kvbank.client import Client
-from router.tokenizer import PromptTokenizer
+from kvbank.router.tokenizer import PromptTokenizer
 from tests.conftest import rpc_error, start_stack
 
 KEYS = {"alice": "key-alice-0123", "bob": "key-bob-4567"}
@@ -275,7 +275,7 @@ def test_render_does_not_wait_for_an_admission_slot(keyed):
 def test_a_template_that_takes_a_system_message_only_first_gets_the_later_ones_lifted():
     """Claude Code's environment block is a system message after the first user message; a
     template that refuses one there gets it joined to the leading system message."""
-    from router.tokenizer import lift_system
+    from kvbank.router.tokenizer import lift_system
 
     msgs = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
             {"role": "system", "content": "# Environment"},

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from deploy.local import LocalStack
-from apps.resilience import Run
+from kvbank.deploy.local import LocalStack
+from kvbank.apps.resilience import Run
 from tests.conftest import start_stack
 
 

@@ -99,7 +99,7 @@ def test_previous_response_id_continues_after_kill_9_of_the_worker_and_the_colds
 
 
 def test_the_store_retires_responses_by_age_and_by_its_cap(tmp_path):
-    from coldstore.store import ColdStore
+    from kvbank.coldstore.store import ColdStore
 
     store = ColdStore(tmp_path / "s")
     for i in range(4):

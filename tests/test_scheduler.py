@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from kvbank.v1 import api_pb2, worker_pb2
-from worker import commands as cmd
-from worker.decoding import Decoding, make_request_sampler
-from worker.scheduler import BatchScheduler, Running
+from kvbank.worker import commands as cmd
+from kvbank.worker.compute.decoding import Decoding, make_request_sampler
+from kvbank.worker.compute.scheduler import BatchScheduler, Running
+
+pytestmark = pytest.mark.unit  # make test-fast
 
 ANSWER = 8
 
@@ -211,7 +213,7 @@ def test_a_first_token_is_sent_before_the_next_forward_starts(
     """The first token leaves before the forward after it (the next decode token, or the one
     that puts a one-token answer into the cache) takes the cores: the scheduler pauses
     `HANDOFF_S` once per answer, after its first token, and not after the later ones."""
-    import worker.scheduler as scheduler
+    import kvbank.worker.compute.scheduler as scheduler
     from mlx_lm.models.cache import make_prompt_cache
 
     model, tokenizer = model_and_tokenizer

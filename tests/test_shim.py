@@ -17,8 +17,8 @@ import openai
 import pytest
 import uvicorn
 
-from deploy.local import free_ports
-from apps.shim.server import create_app, error_for
+from kvbank.deploy.local import free_ports
+from kvbank.apps.shim.server import create_app, error_for
 from kvbank.v1 import api_pb2, api_pb2_grpc
 from tests.conftest import start_stack
 from tests.waiting import wait_until
@@ -419,7 +419,7 @@ def test_router_statuses_map_to_http():
 
 
 def test_bench_overhead_compares_the_same_answer(tiny_model):
-    from apps.bench.overhead import run
+    from kvbank.apps.bench.overhead import run
 
     result = run(model=str(tiny_model), prompt_tokens=32, max_tokens=16, rounds=1)
     assert result["same_text"] and result["completion_tokens"] == 16

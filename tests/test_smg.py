@@ -32,8 +32,8 @@ import httpx
 import openai
 import pytest
 
-from deploy import cluster
-from deploy.local import LocalStack
+from kvbank.deploy import cluster
+from kvbank.deploy.local import LocalStack
 from tests.served import served_by
 from tests.waiting import wait_until
 

@@ -17,8 +17,8 @@ import lmdb
 import numpy as np
 import pytest
 
-from apps.store_verify import verify
-from coldstore.pages import DataFile, Walk, check
+from kvbank.apps.store_verify import verify
+from kvbank.coldstore.pages import DataFile, Walk, check
 from kvbank.v1 import api_pb2
 from tests.conftest import start_stack
 from tests.test_faults import _turn
@@ -113,7 +113,7 @@ def _cut(store_dir, how: str) -> None:
 def _small_store(path, conversations):
     """A real ColdStore of (name, blocks) conversations of 16-token blocks, each record and
     block its own commit; and each one's tokens."""
-    from coldstore.store import ColdStore
+    from kvbank.coldstore.store import ColdStore
     from kvbank.blocks import BlockHeader, chain_block_ids, chain_root, encode_block
 
     B, root, rng = 16, chain_root(b"fp", ""), np.random.default_rng(0)
@@ -134,7 +134,7 @@ def test_a_salvage_takes_from_the_commit_before_what_the_newest_lost(tmp_path):
     blocks from the commit before it (LMDB reuses none of its pages before the next commit)
     and the records from the newest, so the conversations come back whole, and the one the
     newest commit deleted stays deleted."""
-    from coldstore.salvage import open_store
+    from kvbank.coldstore.salvage import open_store
 
     store, want = _small_store(tmp_path, (("a", 5), ("b", 5), ("d", 4)))
     store.delete_session("", "d")  # the newest commit: its blocks go, the blocks tree changes
@@ -162,7 +162,7 @@ def test_a_salvage_stopped_midway_goes_on_at_the_next_start(tmp_path):
     """Killed after the damaged file moved aside (the marker names it), the next start
     salvages from the file set aside: records whose blocks verify come back whole, one is cut
     short at its block past the end, a stored response is kept; the marker goes."""
-    from coldstore.salvage import SALVAGING, set_aside, open_store
+    from kvbank.coldstore.salvage import SALVAGING, set_aside, open_store
 
     store, want = _small_store(tmp_path, (("a", 5), ("b", 5), ("c", 6)))  # "c": the file's last
     store.put_response("", "resp_1", 1.0, b'{"id": "resp_1"}')
@@ -234,7 +234,7 @@ def test_a_full_map_refuses_kv_but_still_takes_records_and_deletions(tmp_path):
     is refused (StoreFull), while records and deletions take a little more, so the store
     shrinks and a block fits again right after a deletion (its pages are reused two commits
     on: the store commits once more before it gives up)."""
-    from coldstore.store import ColdStore, StoreFull
+    from kvbank.coldstore.store import ColdStore, StoreFull
     from kvbank.blocks import chain_block_ids, chain_root
 
     B, root, rng = 16, chain_root(b"fp", ""), np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""kvbank/tiny.py: random-weight models of every architecture kvbank means to serve load with
+"""kvbank/testing/tiny.py: random-weight models of every architecture kvbank means to serve load with
 mlx-lm, give finite greedy tokens, are reproducible per seed, and carry think tokens and the
 Qwen3.5-style reasoning template."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbank.tiny import ARCHS, THINK_TOKENS, build_model, main, make_arch_model
+from kvbank.testing.tiny import ARCHS, THINK_TOKENS, build_model, main, make_arch_model
 
 WINDOW = 16  # shorter than a templated prompt plus its answer, so sliding caches wrap
 CONTEXT = 4096
@@ -142,7 +142,7 @@ def test_options_and_cli(tmp_path, cache_dir, capsys):
 def test_the_routers_render_passes_the_reasoning_switch(tmp_path, cache_dir):
     """`thinking` on /v1/messages becomes GenerateRequest.enable_thinking, which the router
     hands the chat template on every render (here its prompt tokenizer, directly)."""
-    from router.tokenizer import PromptTokenizer
+    from kvbank.router.tokenizer import PromptTokenizer
 
     path = make_arch_model(tmp_path / "llama", "llama", cache_dir=cache_dir)
     tok = PromptTokenizer(path)

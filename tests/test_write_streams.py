@@ -14,6 +14,8 @@ from tests.coldstore_rig import (B, TENANT, check_record_against_kv, concat_kv, 
                                   root_for, start, tokens)
 from tests.waiting import wait_until
 
+pytestmark = pytest.mark.unit  # make test-fast
+
 
 def test_a_corrupt_block_shared_by_two_sessions_is_dropped_from_both(start):
     """DropBlocks (a restore found the block's checksum wrong): the block goes, and each
@@ -79,12 +81,12 @@ def test_a_stream_stops_when_a_request_takes_its_entry_and_goes_on_when_given_ba
 
 
 def test_an_encode_buffer_is_written_again_only_once_zeromq_let_go_of_its_frame():
-    """The kv-encode thread encodes blocks into buffers it reuses (worker/writer.py
+    """The kv-encode thread encodes blocks into buffers it reuses (worker/link/writer.py
     `EncodeBuffers`). A frame still queued in ZeroMQ keeps its buffer: the next block goes into
     another, so what arrives is what was encoded; once ZeroMQ let go, the buffer is reused."""
     import zmq
 
-    from worker.writer import EncodeBuffers
+    from kvbank.worker.link.writer import EncodeBuffers
 
     n = 256 << 10  # above pyzmq's copy threshold: the frame is the buffer itself
     ctx = zmq.Context()

@@ -115,7 +115,7 @@ class PrefetchReport:
 @dataclass
 class History(Command):
     """A conversation's record and committed tokens, read where they are
-    (worker/conversations.py): (None, None) without a record. LMDB is read on the engine's
+    (worker/tiers/conversations.py): (None, None) without a record. LMDB is read on the engine's
     thread only: a map resize there remaps what another thread would be reading."""
 
     session: SessionKey
@@ -144,7 +144,7 @@ class SessionInfo:
     recorded: bool = True  # the record on disk holds this history
     held: Any = None  # the history itself (np.ndarray) while the store may lack it
     ram: Any = None  # weakref to the bank entry's tokens: read there while it is in RAM
-    tail: Any = None  # an anonymous one's tokens after its lineage anchor (worker/lineage.py)
+    tail: Any = None  # an anonymous one's tokens after its lineage anchor (worker/tiers/lineage.py)
 
 
 @dataclass(frozen=True)

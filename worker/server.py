@@ -26,9 +26,9 @@ from kvbank import events, metrics
 from kvbank.config import Layout
 from kvbank.contracts.failures import ColdstoreUnavailable, KvbankError, grpc_status
 from kvbank.v1 import api_pb2, worker_pb2, worker_pb2_grpc
-from worker import commands as cmd
-from worker.conversations import history_in_ram
-from worker.engine import Engine
+from kvbank.worker import commands as cmd
+from kvbank.worker.tiers.conversations import history_in_ram
+from kvbank.worker.compute.engine import Engine
 
 logger = logging.getLogger(__name__)
 

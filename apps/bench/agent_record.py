@@ -3,15 +3,15 @@
 Claude Code (`claude -p`, then `claude -p --continue`, on /v1/messages), Codex (`codex exec`,
 then `codex exec resume --last`, on /v1/responses) and the OpenAI Agents SDK (`Runner.run`
 with a function tool, on /v1/responses) each run against a fresh stack of their own on the
-agent model (kvbank/agent_model.py), the shim recording every request it answers
+agent model (kvbank/testing/agent_model.py), the shim recording every request it answers
 (`--record-requests`): body as sent, usage, answer. The recordings are kept gzipped:
 
-    python -m apps.bench.agent_record [--out tests/agents/recordings] [--turns 10]
+    python -m kvbank.apps.bench.agent_record [--out tests/agents/recordings] [--turns 10]
 
 The pinned CLIs come from `make agents` (tests/agents); their telemetry, update checks and
 non-essential traffic are off, their homes scratch folders: nothing leaves loopback.
 Every client's ten requests are a tool loop. The CLIs choose tools themselves, so their model
-(kvbank/agent_model.py: calls_once) calls one of their own tools that takes no arguments
+(kvbank/testing/agent_model.py: calls_once) calls one of their own tools that takes no arguments
 (`CALLS`) and answers "Done" once its output comes back: each prompt makes two requests, the
 call and the answer after the tool's output. The Agents SDK's model answers "Done"
 (says_done); each run forces one call of a function tool (the worker's grammar writes it),
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = REPO / "tests" / "agents" / "node_modules" / ".bin"
 RECORDINGS = REPO / "tests" / "agents" / "recordings"
 CLIENTS = ("claude-code", "codex", "agents-sdk")
-# The tool each CLI's model calls once a turn (kvbank/agent_model.py: calls_once): one of its
+# The tool each CLI's model calls once a turn (kvbank/testing/agent_model.py: calls_once): one of its
 # own that takes no arguments and changes nothing. The Agents SDK's calls are forced instead.
 CALLS = {"claude-code": "ListAgents", "codex": "get_goal", "agents-sdk": None}
 MAX_TOKENS = 64
@@ -195,8 +195,8 @@ def write_gzip(src: Path, dest: Path) -> None:
 
 def record(clients: list[str], out: Path, turns: int, cache_dir: Path | None = None) -> dict:
     """Each client's recording, made on a fresh stack of its own; {client: requests}."""
-    from deploy.local import LocalStack
-    from kvbank.agent_model import CONTEXT, agent_model
+    from kvbank.deploy.local import LocalStack
+    from kvbank.testing.agent_model import CONTEXT, agent_model
 
     counts = {}
     with tempfile.TemporaryDirectory(prefix="kvbank-record-") as tmp:

@@ -7,11 +7,11 @@ agents send.
 Each client's recorded requests (tests/agents/recordings: Claude Code, Codex and the OpenAI
 Agents SDK, ten turns each, recorded against a stack with `--record-requests` by
 
-    python -m apps.bench.agent_record [--out tests/agents/recordings] [--turns 10]
+    python -m kvbank.apps.bench.agent_record [--out tests/agents/recordings] [--turns 10]
 
 which needs the pinned CLIs of `make agents`; see its docstring) are replayed in order, same
 path and same body, against a fresh stack on the model they were recorded on
-(kvbank/agent_model.py, built in-process from its seed). A turn is a request of the main
+(kvbank/testing/agent_model.py, built in-process from its seed). A turn is a request of the main
 conversation (one that carries tools; side requests, such as Claude Code's titles, are
 replayed but not counted). For turn t >= 2:
 
@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from apps.bench.agent_record import CALLS, CLIENTS, RECORDINGS, REPO, STACK_FLAGS
+from kvbank.apps.bench.agent_record import CALLS, CLIENTS, RECORDINGS, REPO, STACK_FLAGS
 
 GOAL = 0.98
 QUICK = {"clients": ["agents-sdk"], "turns": 3}
@@ -263,13 +263,13 @@ def run(clients: list[str], recordings: Path, turns: int | None = None,
     """Each client's recording replayed on a fresh stack of its own."""
     import httpx
 
-    from deploy.local import LocalStack
-    from kvbank.agent_model import agent_model
+    from kvbank.deploy.local import LocalStack
+    from kvbank.testing.agent_model import agent_model
 
     for name in clients:
         if not (recordings / f"{name}.jsonl.gz").exists():
             raise FileNotFoundError(f"{recordings / name}.jsonl.gz: record it with "
-                                    "`python -m apps.bench.agent_record`")
+                                    "`python -m kvbank.apps.bench.agent_record`")
     started = time.time()
     result = {"bench": "agents", "definition": DEFINITION, "goal": GOAL,
               "recordings": _shown(recordings), "model": MODEL, "calls": CALLS,
@@ -306,7 +306,7 @@ def summary(result: dict) -> dict:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from apps.bench.report import print_result, write_json
+    from kvbank.apps.bench.report import print_result, write_json
 
     clients = QUICK["clients"] if args.quick else [c for c in args.clients.split(",") if c]
     turns = QUICK["turns"] if args.quick and args.turns is None else args.turns

@@ -131,7 +131,7 @@ class _TapClient:
 def _tapped_target(base_url: str, model_name: str):
     """An `OpenAITarget` (no session names) that records, per (agent, turn), the shim's
     `usage.kvbank.session_id` and the conversation's length after the turn in `.served`."""
-    from apps.loadgen.targets import OpenAITarget
+    from kvbank.apps.loadgen.targets import OpenAITarget
 
     class TappedTarget(OpenAITarget):
         def __init__(self):
@@ -219,7 +219,7 @@ def _ratio(a: float | None, b: float | None, nd: int = 3) -> float | None:
 
 
 def _measure(result, stack_of: dict, n_stacks: int) -> dict:
-    from apps.loadgen.report import summarize
+    from kvbank.apps.loadgen.report import summarize
 
     s = summarize(result)
     by_agent: dict[str, list] = {}
@@ -271,8 +271,8 @@ def _measure(result, stack_of: dict, n_stacks: int) -> dict:
 def _run_policy(policy: str, *, model_dir: Path, base_dir: Path, stacks: int, scenario,
                 counter, extra: list[str], env: dict | None, max_wall_s: float,
                 progress: bool, start_timeout_s: float) -> dict:
-    from apps.loadgen.cli import execute
-    from deploy.cluster import ClusterStack
+    from kvbank.apps.loadgen.cli import execute
+    from kvbank.deploy.cluster import ClusterStack
 
     logger.info("bench cluster: starting %d stacks behind vllm-router --policy %s",
                 stacks, policy)
@@ -316,9 +316,9 @@ def run(*, model: str | Path | None = None, stacks: int | None = None,
     """Every policy in `policies` on a fresh cluster of `stacks` stacks (None: 3 if the free
     memory holds them, else 2), the same scenario each time; returns the result document.
     `extra`: more `kvbank up` flags for every stack; `env`: more environment for them."""
-    from apps.loadgen.run import TokenCounter
-    from apps.loadgen.scenarios import build, params
-    from deploy.cluster import POLICIES
+    from kvbank.apps.loadgen.run import TokenCounter
+    from kvbank.apps.loadgen.scenarios import build, params
+    from kvbank.deploy.cluster import POLICIES
     from kvbank.models import prepare_model
 
     policies = list(policies)
@@ -417,7 +417,24 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
 
 
-def run_cli(args) -> dict:
+def run_cli(args) -> int:
+    """`kvbank bench cluster`: its result, or exit 2 naming a bad flag, or a stack or the
+    router that did not start."""
+    import sys
+
+    from kvbank.apps.bench.report import print_result
+    from kvbank.deploy.cluster import ClusterError
+
+    try:
+        result = _result(args)
+    except (ValueError, ClusterError) as e:
+        sys.stderr.write(f"kvbank bench cluster: {e}\n")
+        return 2
+    print_result(args.bench, result, args.json)
+    return 0
+
+
+def _result(args) -> dict:
     """The result document for `kvbank bench cluster`'s arguments (ValueError: bad ones)."""
     import sys
 

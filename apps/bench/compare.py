@@ -129,7 +129,7 @@ class _Peaks:
             logger.warning("could not read the worker's peak bank bytes")
 
     def _run(self) -> None:
-        from worker.admission import resident_bytes
+        from kvbank.worker.memory.pricing import resident_bytes
 
         pid = self.stack.pid("worker")
         while not self._stop.wait(self.every_s):
@@ -144,7 +144,7 @@ def _kvbank(model_dir: Path, data_dir: Path, budget_bytes: int, after: dict,
             memory_budget: str | None = None) -> Iterator[str]:
     """kvbank with its OpenAI shim; `after` gets the sessions' state once the run is over,
     and the peaks of its bank and its worker's memory through the run."""
-    from deploy.local import LocalStack
+    from kvbank.deploy.local import LocalStack
 
     extra = ["--bank-bytes", str(budget_bytes)]
     if memory_budget:
@@ -164,7 +164,7 @@ def _kvbank(model_dir: Path, data_dir: Path, budget_bytes: int, after: dict,
 
 @contextmanager
 def _mlx_lm(model_dir: Path, tmp: Path, cache_bytes: int, name: str) -> Iterator[str]:
-    from deploy.local import free_port
+    from kvbank.deploy.local import free_port
 
     port = free_port()
     log = tmp / f"{name}.log"
@@ -191,8 +191,8 @@ def _mlx_lm(model_dir: Path, tmp: Path, cache_bytes: int, name: str) -> Iterator
 
 def _run_side(name: str, label: str, url: str, scenario, counter, model_name: str | None,
               max_wall_s: float, progress: bool, names: bool, prefetch: bool = False):
-    from apps.loadgen.cli import execute
-    from apps.loadgen.targets import parse_target
+    from kvbank.apps.loadgen.cli import execute
+    from kvbank.apps.loadgen.targets import parse_target
 
     _warm_up(url, model_name)
     target = parse_target("openai://" + url, model_name=model_name, names=names)
@@ -247,7 +247,7 @@ def prefetch_summary(without, hinted) -> dict:
     """The two kvbank runs, without hints (`without`, may be None) and with: how many
     returning turns (an agent's second and later) came from SSD, and the TTFT p50 of the
     hinted turns against the RAM hits of the same run."""
-    from apps.loadgen.report import percentile
+    from kvbank.apps.loadgen.report import percentile
 
     def returning(result, source: str | None = None) -> list:
         return [r for r in (result.rows if result else []) if r.status == "ok" and r.turn > 1
@@ -277,12 +277,12 @@ def run(*, model: str | None, scenario, budget_bytes: int, max_wall_s: float,
         memory_budget: str | None = None, sides: tuple[str, ...] = DEFAULT_SIDES,
         rounds: int = 1, arch: str | None = None) -> tuple[dict, list[dict]]:
     """Returns (the result document, one {side: RunResult} per round). `arch`: a random-weight
-    model of the default model's size with that architecture (kvbank/tiny.py), its tokenizer
+    model of the default model's size with that architecture (kvbank/testing/tiny.py), its tokenizer
     with think tokens and its template Qwen3.5's, which drops earlier answers' reasoning."""
     from kvbank.models import prepare_model
-    from kvbank.tiny import bench_model
-    from apps.loadgen.report import summarize
-    from apps.loadgen.run import TokenCounter
+    from kvbank.testing.tiny import bench_model
+    from kvbank.apps.loadgen.report import summarize
+    from kvbank.apps.loadgen.run import TokenCounter
 
     if rounds < 1:
         raise ValueError(f"--rounds must be 1 or more, not {rounds}")
@@ -409,9 +409,9 @@ def print_table(doc: dict, *, stderr: bool = False) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`kvbank bench compare`'s flags."""
-    from apps.loadgen.cli import add_scenario_arguments
+    from kvbank.apps.loadgen.cli import add_scenario_arguments
 
-    from kvbank.tiny import ARCHS
+    from kvbank.testing.tiny import ARCHS
 
     p.add_argument("--model", default=None,
                    help="an mlx-lm model folder or a .gguf file (default: SmolLM2-135M-Instruct)")
@@ -451,8 +451,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from apps.loadgen import report
-    from apps.loadgen.scenarios import build, params
+    from kvbank.apps.loadgen import report
+    from kvbank.apps.loadgen.scenarios import build, params
 
     try:
         p = params(args.scenario, seed=args.seed, turns=args.turns,

@@ -19,14 +19,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from deploy.local import LocalStack
+from kvbank.deploy.local import LocalStack
 
 SESSION = "bench-overhead"
 
 
 def add_arguments(p) -> None:
     """`kvbank bench overhead`'s flags."""
-    from apps.flags import model_flag
+    from kvbank.apps.flags import model_flag
 
     model_flag(p)
     p.add_argument("--prompt-tokens", type=int, default=256)
@@ -115,3 +115,11 @@ def run(*, model: str | None, prompt_tokens: int, max_tokens: int, rounds: int =
         "in_process_decode_tps_rounds": [round(rate, 2) for rate, _, _ in local],
         "decode_ratio": round(kvbank_tps / local_tps, 3) if local_tps else None,
     }
+
+
+def run_cli(args) -> int:
+    from kvbank.apps.bench.report import print_result
+
+    print_result(args.bench, run(model=args.model, prompt_tokens=args.prompt_tokens,
+                     max_tokens=args.max_tokens), args.json)
+    return 0

@@ -14,7 +14,6 @@ and an after with the same script.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import statistics
 import tempfile
@@ -29,12 +28,10 @@ from prometheus_client.parser import text_string_to_metric_families
 SKIP_GAPS = 5  # the streaming answer's first gaps (its hand-off, warming up): left out
 
 
-def register(bsub) -> None:
-    """The subcommand, its flags and its handler (apps/cli.py calls this)."""
-    from apps.flags import model_flag
+def add_arguments(p) -> None:
+    """`kvbank bench restore`'s flags."""
+    from kvbank.apps.flags import model_flag
 
-    p = bsub.add_parser("restore", help="a streaming answer's inter-token gaps while another "
-                                        "conversation restores from SSD")
     model_flag(p)
     p.add_argument("--tokens", type=int, default=8000,
                    help="the returning conversation's length (default: %(default)s)")
@@ -46,14 +43,11 @@ def register(bsub) -> None:
     p.add_argument("--stack-dir", type=Path, default=None,
                    help="run the stack from the code in this checkout (a before/after)")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_main)
 
 
-def _main(args: argparse.Namespace) -> int:
-    from apps.bench.report import print_result
+def run_cli(args: argparse.Namespace) -> int:
+    from kvbank.apps.bench.report import print_result
 
-    logging.basicConfig(level=os.environ.get("KVBANK_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s bench     %(levelname)s %(name)s: %(message)s")
     print_result("restore", run(model=args.model, tokens=args.tokens, repeats=args.repeats,
                                 around=args.around, stream_tokens=args.stream_tokens,
                                 stack_dir=args.stack_dir), args.json)
@@ -134,7 +128,7 @@ def _ms(xs: list[float], q: str) -> float:
 
 def run(model: Path | None = None, tokens: int = 8000, repeats: int = 3, around: int = 40,
         stream_tokens: int = 4000, stack_dir: Path | None = None) -> dict:
-    from deploy.local import LocalStack
+    from kvbank.deploy.local import LocalStack
     from kvbank.models import prepare_model
     from kvbank.v1 import api_pb2
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deploy.local import LocalStack
+from kvbank.deploy.local import LocalStack
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class Floor:
     def __init__(self, model_dir: Path, context_tokens: int, new_tokens: int, *, seed: int = 0,
                  chunk_tokens: int = 512):
         """A model with window or recurrent caches cannot trim them: its floor restores the
-        cache from a checkpoint of it (worker/cache_kinds.py) before each timed forward."""
+        cache from a checkpoint of it (worker/kv/cache_kinds.py) before each timed forward."""
         from kvbank.config import preload_openblas
 
         preload_openblas()
@@ -62,7 +62,7 @@ class Floor:
         from mlx_lm import load
         from mlx_lm.models.cache import make_prompt_cache
 
-        from worker.cache_kinds import CacheKinds
+        from kvbank.worker.kv.cache_kinds import CacheKinds
 
         self.mx, self.new_tokens = mx, new_tokens
         self.model, _ = load(str(model_dir))
@@ -179,9 +179,9 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
         repeats: int = 3, arch: str | None = None) -> dict:
     """Raises ValueError, before any stack starts, when the conversation would outgrow the
     model's context. `arch`: a random-weight model of the default model's size with that
-    architecture (kvbank/tiny.py) instead of `model`."""
+    architecture (kvbank/testing/tiny.py) instead of `model`."""
     from kvbank.models import prepare_model
-    from kvbank.tiny import bench_model
+    from kvbank.testing.tiny import bench_model
 
     model_dir = bench_model(arch) if arch else prepare_model(model)
     if tokens > (fit := longest_fit(model_dir, repeats)):
@@ -278,3 +278,38 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
             [s["first_token"] for s in stages_ram], floor_ram), 2),
         "checkpoints": checkpoints,
     }
+
+
+def add_arguments(p) -> None:
+    """`kvbank bench turn`'s flags."""
+    from kvbank.apps.flags import model_flag
+    from kvbank.config import DEFAULT_BLOCK_TOKENS
+    from kvbank.testing.tiny import ARCHS
+
+    model_flag(p)
+    p.add_argument("--tokens", type=int, default=2048, help="conversation length")
+    p.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="returning turns from RAM and from SSD, each; the medians count")
+    p.add_argument("--arch", choices=ARCHS, default=None,
+                   help="a random-weight model of the default model's size with this "
+                        "architecture, instead of --model")
+    p.add_argument("--json", action="store_true")
+
+
+def run_cli(args) -> int:
+    import sys
+
+    from kvbank.apps.bench.report import print_result
+
+    if args.repeats < 1:
+        print("kvbank bench turn: --repeats must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        result = run(model=args.model, tokens=args.tokens, block_tokens=args.block_tokens,
+                     repeats=args.repeats, arch=args.arch)
+    except ValueError as e:
+        print(f"kvbank bench turn: {e}", file=sys.stderr)
+        return 2
+    print_result(args.bench, result, args.json)
+    return 0

@@ -13,7 +13,7 @@ import secrets
 import sys
 from pathlib import Path
 
-from apps.loadgen.scenarios import SCENARIOS
+from kvbank.apps.loadgen.scenarios import SCENARIOS
 
 
 def add_scenario_arguments(p: argparse.ArgumentParser, *, default: str | None) -> None:
@@ -75,7 +75,7 @@ def execute(scenario, target, *, run_id: str, max_wall_s: float, request_timeout
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn)
 
-    from apps.loadgen.run import Runner
+    from kvbank.apps.loadgen.run import Runner
 
     total = scenario.params.agents * scenario.params.turns
     if not progress:
@@ -103,9 +103,9 @@ def _fail(msg: str) -> int:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from apps.loadgen import report
-    from apps.loadgen.scenarios import build, params
-    from apps.loadgen.targets import TargetUnreachable, parse_target
+    from kvbank.apps.loadgen import report
+    from kvbank.apps.loadgen.scenarios import build, params
+    from kvbank.apps.loadgen.targets import TargetUnreachable, parse_target
 
     try:
         p = params(args.scenario, seed=args.seed, agents=args.agents, turns=args.turns,
@@ -122,7 +122,7 @@ def run_cli(args: argparse.Namespace) -> int:
         return _fail(f"cannot reach {args.target}: {e}")
     counter = None
     if args.tokenizer is not None:
-        from apps.loadgen.run import TokenCounter
+        from kvbank.apps.loadgen.run import TokenCounter
 
         try:
             counter = TokenCounter(args.tokenizer)

@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from apps.loadgen.run import Row, RunResult
+from kvbank.apps.loadgen.run import Row, RunResult
 
 # Plot colours by cache source: kvbank's own (ram/ssd/none), or derived (see run.Row).
 SOURCE_COLOURS = {"ram": "tab:green", "ssd": "tab:blue", "none": "tab:red",

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from apps.loadgen.scenarios import AgentScript, Conversation, Params, Scenario, TurnScript
-from apps.loadgen.targets import Reply, Target
+from kvbank.apps.loadgen.scenarios import AgentScript, Conversation, Params, Scenario, TurnScript
+from kvbank.apps.loadgen.targets import Reply, Target
 
 logger = logging.getLogger(__name__)
 

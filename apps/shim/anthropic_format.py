@@ -30,9 +30,9 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from apps.shim.openai_answer import usage_body as openai_usage
-from apps.shim.openai_format import (MAX_INT32, MAX_REQUEST_BYTES, ApiError, _int, _number,
-                                     _optional, each_message, invalid)
+from kvbank.apps.shim.openai_answer import usage_body as openai_usage
+from kvbank.apps.shim.openai_format import (MAX_INT32, MAX_REQUEST_BYTES, ApiError, _int, _number,
+                                            _optional, each_message, invalid)
 from kvbank.v1 import api_pb2
 
 DEFAULT_TEMPERATURE = 1.0  # Anthropic's default

@@ -6,7 +6,7 @@ import logging
 
 import grpc
 
-from apps.shim.openai_format import ApiError
+from kvbank.apps.shim.openai_format import ApiError
 from kvbank.contracts.failures import HTTP_STATUS, failure_for
 from kvbank.contracts.vocabulary import NO_RETRY_VERDICTS
 

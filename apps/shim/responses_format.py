@@ -26,8 +26,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from apps.shim.openai_answer import usage_body as openai_usage
-from apps.shim.openai_format import OpenAIRequest, invalid, parse as parse_chat, reasoning_switch
+from kvbank.apps.shim.openai_answer import usage_body as openai_usage
+from kvbank.apps.shim.openai_format import (OpenAIRequest, invalid, parse as parse_chat,
+                                            reasoning_switch)
 from kvbank.contracts.failures import InvalidRequest
 from kvbank.custom_tools import CUSTOM_ARG, chat_function
 from kvbank.v1 import api_pb2

@@ -15,8 +15,8 @@ import logging
 
 import grpc
 
-from apps.shim.errors import error_for
-from apps.shim.openai_format import ApiError
+from kvbank.apps.shim.errors import error_for
+from kvbank.apps.shim.openai_format import ApiError
 from kvbank.v1 import api_pb2
 
 logger = logging.getLogger(__name__)

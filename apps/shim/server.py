@@ -38,14 +38,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from apps.shim import anthropic_format, responses_format, responses_store
-from apps.shim.openai_answer import Answer
-from apps.shim.errors import error_for
-from apps.shim.recorder import Recorder
-from apps.shim.openai_format import DEFAULT_MAX_TOKENS, ApiError, invalid, parse, parse_render
+from kvbank.apps.shim import anthropic_format, responses_format, responses_store
+from kvbank.apps.shim.openai_answer import Answer
+from kvbank.apps.shim.errors import error_for
+from kvbank.apps.shim.recorder import Recorder
+from kvbank.apps.shim.openai_format import (DEFAULT_MAX_TOKENS, ApiError, invalid, parse,
+                                            parse_render)
 from kvbank.contracts.failures import Unauthenticated
 from kvbank.v1 import api_pb2, api_pb2_grpc
-from router.auth import AUTH_KEY, tenant_for
+from kvbank.router.auth import AUTH_KEY, tenant_for
 
 logger = logging.getLogger(__name__)
 

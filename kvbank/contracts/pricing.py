@@ -26,7 +26,7 @@ class Pricing:
     # Resident memory the ledger does not explain (allocator caches, fragmentation), measured
     # against RSS every guard tick and counted as held, so the budget is the real one.
     unaccounted_bytes: int = 0
-    # A request's window and recurrent caches (worker/cache_kinds.py), whatever its length,
+    # A request's window and recurrent caches (worker/kv/cache_kinds.py), whatever its length,
     # and the checkpoints it takes of them: twice their largest size.
     state_bytes: int = 0
 

@@ -117,7 +117,7 @@ class StoreReader:
     """Reads (any process). `readonly=False` only for the coldstore's `ColdStore`.
 
     Several threads may read at once, each in a read txn of its own (the worker's engine, and
-    a restore read on a thread beside it, worker/restoring.py); `_read_txn` counts them,
+    a restore read on a thread beside it, worker/tiers/restore_threads.py); `_read_txn` counts them,
     because adopting the writer's larger map (`set_mapsize`) is only safe while no txn of
     this process is open, and so is `close`."""
 

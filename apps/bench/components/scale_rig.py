@@ -1,0 +1,224 @@
+"""`kvbank bench scale`'s rig: the worker's own `Holdings` (worker/tiers/holdings.py: bank, records,
+writer, restorer, the coldstore link and its message handling, the commit) over a real
+coldstore process, and what the bench measures beside it: the process's memory, the page
+cache, and raw LMDB on the same disk."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TENANT = ""
+
+
+class Rig:
+    """A coldstore process on `data_dir` and the worker's holdings of it, driven from this
+    thread as the engine drives them from its own."""
+
+    def __init__(self, data_dir: Path, kinds, fingerprint: bytes, block_tokens: int,
+                 bank_bytes: int):
+        from kvbank.config import Layout
+        from kvbank.contracts.health import coldstore_up
+        from kvbank.worker.tiers.holdings import Holdings
+
+        self.layout = Layout(data_dir).ensure()
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvbank.apps.cli", "coldstore",
+                                      "--data-dir", str(data_dir), "--quiet-grace-s", "0",
+                                      "--tail-delay-s", "0"])
+        while not coldstore_up(self.layout.coldstore_address):
+            if self.proc.poll() is not None:
+                raise RuntimeError("the coldstore did not start")
+            time.sleep(0.05)
+        self.h = Holdings(self.layout, kinds=kinds, fingerprint=fingerprint,
+                          block_tokens=block_tokens, bank_bytes=bank_bytes, active_pin_s=0)
+        self.kinds, self.bank, self.block_tokens = kinds, self.h.bank, block_tokens
+
+    def key(self, name: str) -> tuple[str, str]:
+        return (TENANT, name)
+
+    def wait_durable(self, name: str) -> float:
+        """Until the conversation's bank entry is all on SSD (the writer pumped, as the
+        engine's loop pumps it): seconds waited."""
+        t0 = time.perf_counter()
+        e = self.bank.terminal(self.key(name))
+        while e is not None and e.durable_tokens < e.n_tokens:
+            self.h.writer.pump(timeout_s=0.05)
+        return time.perf_counter() - t0
+
+    def release_all_but(self, keep: str, bytes_per_token: int) -> dict:
+        """The seeds' admission step for `keep`'s turn: every other conversation leaves RAM,
+        written out first. What each release still had to write, and how long it took."""
+        others = [e for e in self.bank.entries.values() if e.session != self.key(keep)]
+        pending = sum((e.n_tokens - min(e.durable_tokens, e.n_tokens)) * bytes_per_token
+                      for e in others)
+        r = self.bank.release_sessions(None, keep_sessions=[self.key(keep)],
+                                       reason="admission_release", write_out_before_release=True)
+        return {"released_bytes": r.released_bytes, "unwritten_bytes_at_release": pending,
+                "written_out_entries": r.written_out_entries,
+                "write_out_s": round(r.write_out_s, 3), "unwritten_dropped": r.unwritten_dropped}
+
+    def come_back(self, name: str, prompt, *, seed: int, every: int, first_chunk: int
+                  ) -> dict:
+        """A conversation's next turn, as the engine runs it: its cache from the worker's
+        restorer (RAM, or SSD when RAM has it not), room for the prompt (`with_room`, the
+        scheduler's), the forwards (synthesized: scale_kv.forward) with the checkpoints the
+        worker takes every `every` tokens and at the turn's end, then the engine's commit.
+        Times: the restore, and restore to the first forward evaluated (`first_chunk`
+        tokens, the worker's --prefill-chunk-tokens)."""
+        from kvbank.blocks import chain_block_ids
+        from kvbank.v1 import api_pb2
+
+        from kvbank.apps.bench.components.scale_kv import forward
+
+        key = self.key(name)
+        ids = chain_block_ids(prompt, self.h.root_for(TENANT), self.block_tokens)
+        t0 = time.perf_counter()
+        cache, cached, source, handed = self.h.restorer.restore(prompt, ids, TENANT, key,
+                                                                no_cache=False)
+        restore_s = time.perf_counter() - t0
+        self.kinds.with_room(cache, len(prompt))
+        room_s = time.perf_counter() - t0
+        splits = self.kinds.splits(cached, len(prompt), (), every)
+        checkpoints, first_s = forward(self.kinds, cache, cached, len(prompt), seed=seed,
+                                       splits=splits, first_chunk=first_chunk)
+        self.h.commit(key, prompt, cache, handed=handed, checkpoints=checkpoints)
+        return {"source": api_pb2.CacheSource.Name(source).removeprefix("CACHE_SOURCE_").lower(),
+                "cached_tokens": cached, "tokens": len(prompt),
+                "restore_s": round(restore_s, 3), "with_room_s": round(room_s - restore_s, 3),
+                "first_forward_s": round(first_s, 3),
+                "to_first_forward_s": round(room_s + first_s, 3)}
+
+    def close(self) -> None:
+        self.h.close()
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def status(field: str) -> int:
+    """A line of /proc/self/status, in bytes: VmHWM (the kernel's high-water mark of this
+    process's resident memory, mapped file pages included), RssAnon (what it holds itself)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def vm_hwm() -> int:
+    return status("VmHWM")
+
+
+def cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user and system, every thread) a process has used: this one, or `pid`."""
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+class AnonPeak:
+    """RssAnon sampled every 20 ms: the worker's own memory (a restore's reads of the LMDB
+    map are file pages, counted in VmHWM, not here; kvbank's budget counts what this counts)."""
+
+    def __init__(self):
+        import threading
+
+        self.peak, self._stop = 0, threading.Event()
+        self.window_peak = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            now = status("RssAnon")
+            self.peak, self.window_peak = max(self.peak, now), max(self.window_peak, now)
+
+    def window(self) -> int:
+        """The peak since the last call, and a new window from now (a write's own peak)."""
+        got, self.window_peak = self.window_peak, status("RssAnon")
+        return got
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def drop_caches(path: Path) -> str:
+    """Make the next read of `path` come from the disk: the kernel's page cache dropped
+    whole where this process may (root), else this file's pages (posix_fadvise), which the
+    kernel may keep. Says which."""
+    from kvbank.apps.bench.components.coldstore import _drop_page_cache
+
+    _drop_page_cache(path)
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return "dropped (drop_caches)"
+    except OSError:
+        return "this file's pages dropped (posix_fadvise): the kernel may keep some"
+
+
+class Raw:
+    """Raw LMDB on the same disk, measured beside each write and each restore (this disk's
+    speed moves from one minute to the next): as many bytes as the write beside it, in blocks
+    of `block_bytes`, put with one synced commit each (as the coldstore commits), read back
+    (the latest sample) after the page cache is dropped. One payload serves every key: LMDB
+    stores each.
+
+    Each sample is a new environment beside the earlier ones, kept until the run ends: new
+    file space, as the coldstore's growing store writes. A sample written where the last one
+    was just deleted reuses the page-cache pages that freed, and on a VM whose free memory
+    goes back to the host that is 3-4x faster than new pages (680-710 MB/s against 190-260 in
+    the same minute, 1 GiB, Dec 2026): a rewrite's speed, not the disk's."""
+
+    def __init__(self, scratch: Path, block_bytes: int):
+        from concurrent.futures import ProcessPoolExecutor
+        from multiprocessing import get_context
+
+        self.scratch, self.block_bytes = scratch, block_bytes
+        self.ids: list[bytes] = []  # the latest sample's keys
+        self.write_cpu_s = 0.0  # the latest write sample's CPU seconds
+        self.samples = 0
+        # In a process of its own: its copies and map pages are not the worker's memory (the
+        # bench reads the worker's peak from this process's VmHWM).
+        self.child = ProcessPoolExecutor(1, mp_context=get_context("spawn"))
+
+    @property
+    def latest(self) -> Path:
+        return self.scratch / f"sample-{self.samples - 1}"
+
+    def write_mb_s(self, nbytes: int) -> float:
+        """A new sample of `nbytes` (the same bytes as the write it is paired with: a shorter
+        one would fit in what the VM's host absorbs at once, 0.8-1.4 GB/s for 1 GiB here,
+        where the disk commits 200-350 MB/s sustained)."""
+        self.samples += 1
+        self.ids = [i.to_bytes(16, "big") for i in range(max(1, nbytes // self.block_bytes))]
+        self.latest.mkdir(parents=True)
+        dt, self.write_cpu_s = self.child.submit(_raw_write_sample, self.latest, self.ids,
+                                                 self.block_bytes).result()
+        return len(self.ids) * self.block_bytes / dt / 1e6
+
+    def read_mb_s(self) -> float:
+        from kvbank.apps.bench.components.coldstore import _raw_read
+
+        drop_caches(self.latest / "data.mdb")
+        dt = self.child.submit(_raw_read, self.latest, self.ids).result()
+        return len(self.ids) * self.block_bytes / dt / 1e6
+
+    def close(self) -> None:
+        self.child.shutdown()
+
+
+def _raw_write_sample(path: Path, ids: list[bytes], block_bytes: int) -> tuple[float, float]:
+    """`_raw_write` of one random payload under every key (in the raw child process): its
+    seconds, and the CPU seconds it took."""
+    from kvbank.apps.bench.components.coldstore import _raw_write
+
+    payload = os.urandom(block_bytes)
+    cpu = cpu_s()
+    return _raw_write(path, ids, [payload] * len(ids)), cpu_s() - cpu
+
+

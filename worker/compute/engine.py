@@ -1,0 +1,559 @@
+"""The engine: the one thread that owns the model, the scheduler and, through its `Holdings`
+(worker/tiers/holdings.py), the SessionBank, the KV writer and the conversation records.
+
+It is an actor. Other threads never touch what it owns: they post commands
+(worker/commands.py) to its queue and read the `Snapshot` it publishes whole after every turn
+of its loop. The coldstore link's acknowledgements arrive through the writer's inbox, which
+the loop empties at every turn (and a write-out, while it waits).
+
+A generation goes: its conversation (the name, else the one its tokens continue), admission
+(price it, make room by the bank's policies, or refuse), restore the longest cached prefix
+(RAM bank, else SSD), then the scheduler prefills the rest and decodes, step by step with the
+other admitted requests, and finally the turn is committed: the conversation's record first
+(durable before the final message), then the bank entry, then the write-behind job for its
+new KV blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from kvbank import metrics
+from kvbank.blocks import BlockId, chain_block_ids, chain_root, common_prefix_len
+from kvbank.config import Layout
+from kvbank.contracts.failures import InvalidRequest, Refused
+from kvbank.contracts.pricing import Pricing
+from kvbank.contracts.vocabulary import Decision, TrimReason
+from kvbank.v1 import api_pb2, worker_pb2
+from kvbank.worker import commands as cmd
+from kvbank.worker.tiers import upkeep
+from kvbank.worker.compute.scheduler_config import SchedulerConfig
+from kvbank.worker.memory.pricing import calibrate, held_bytes, memory_budget_bytes, resident_bytes
+from kvbank.worker.memory.allocator import (give_back_freed_memory, mlx_cache_limit,
+                                            serve_buffers_from_the_heap)
+from kvbank.worker.tiers.admission import make_room
+from kvbank.worker.tiers.bank import MAX_CHECKPOINTS, SessionKey
+from kvbank.worker.compute.served_model import load_served_model
+from kvbank.worker.memory.guard import Guard
+from kvbank.worker.tiers.holdings import Holdings
+from kvbank.worker.link.kv_events import EventsConfig, KVEvents, Publisher
+from kvbank.worker.tiers.prefetch import Prefetcher
+from kvbank.worker.compute import reports
+from kvbank.worker.tiers import sharing
+from kvbank.worker.tiers.restore_threads import Restores, Restoring
+from kvbank.worker.compute.decoding import Decodings
+from kvbank.worker.compute.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running, warm_up
+
+logger = logging.getLogger(__name__)
+
+class Start(enum.Enum):
+    """What `_start` says of a request: running now, or still waiting, for memory held by
+    requests in flight (it stops the line) or for a prefix a running request is computing, or a
+    prefetch hint is reading from SSD (it does not)."""
+
+    STARTED = "started"
+    WAIT_MEMORY = "wait_memory"
+    WAIT_PREFIX = "wait_prefix"
+
+
+class Engine:
+    def __init__(self, model_path: Path, layout: Layout, *, block_tokens: int, bank_bytes: int,
+                 staging_max_bytes: int | None = None, restore_via: str = "direct",
+                 scheduler: SchedulerConfig = SchedulerConfig(),
+                 memory_budget: str | int | None = None, active_pin_s: float = 600.0,
+                 admission_chain_shed: bool = False,
+                 prefill_chunk_tokens: int = PREFILL_STEP_TOKENS,
+                 write_out_deadline_s: float | None = None,
+                 max_checkpoints: int = MAX_CHECKPOINTS, checkpoint_every: int | None = None,
+                 kv_events: EventsConfig | None = None, kv_bits: int | None = None):
+        """Built on the caller's thread; once its thread starts, that thread owns it all."""
+        serve_buffers_from_the_heap()
+        self.layout = layout.ensure()
+        self.block_tokens = block_tokens
+        self.scheduler = scheduler
+        served = load_served_model(Path(model_path), block_tokens, kv_bits=kv_bits)
+        self.model_path, self.model, self.tokenizer = served.path, served.model, served.tokenizer
+        self.config, self.kinds, self.fingerprint = served.config, served.kinds, served.fingerprint
+        self.max_context_tokens = served.max_context_tokens
+        self.eos_token_ids = sorted(self.tokenizer.eos_token_ids)
+        self.vocab_size = served.vocab_size
+        self.kv_bytes_per_token, self.kv_dtype = served.kv_bytes_per_token, served.kv_dtype
+        self.kv_rest_bytes_per_token = served.kv_rest_bytes_per_token  # a bank entry's
+        self.checkpoint_bytes = served.checkpoint_bytes
+        self.checkpoint_every = served.checkpoint_every(checkpoint_every, block_tokens)
+        self.decodings = Decodings(self.tokenizer, self.vocab_size, self.model_path.name)
+        self._queue: queue.Queue = queue.Queue()
+        self._pending: deque[cmd.Generate] = deque()
+        self.holdings = h = Holdings(
+            layout, kinds=self.kinds, fingerprint=self.fingerprint, block_tokens=block_tokens,
+            bank_bytes=bank_bytes, staging_max_bytes=staging_max_bytes, restore_via=restore_via,
+            active_pin_s=active_pin_s, max_checkpoints=max_checkpoints,
+            write_out_deadline_s=write_out_deadline_s, kv_events=self._kv_events(kv_events),
+            wake=self._wake)
+        # The same objects, named as the policies' functions and reports take them.
+        self.coldstore, self.writer, self.bank = h.coldstore, h.writer, h.bank
+        self.conversations, self.restorer, self.kv_events = h.conversations, h.restorer, h.kv_events
+        mx.set_cache_limit(0)  # until the budget is known (below)
+        self.pricing = calibrate(self.model, Pricing(self.kv_bytes_per_token, 0,
+                                                     prefill_chunk_tokens,
+                                                     state_bytes=2 * self.checkpoint_bytes))
+        self.admission_chain_shed = admission_chain_shed
+        self.batch = BatchScheduler(self.model, kinds=self.kinds, max_active=scheduler.max_active,
+                                    eos_token_ids=self.eos_token_ids,
+                                    decode=self.tokenizer.decode,
+                                    prefill_step_tokens=prefill_chunk_tokens,
+                                    decode_wait_s=scheduler.decode_wait_s)
+        warm_up(self.batch, self.kinds, self.tokenizer, prefill_chunk_tokens)
+        self.pricing.fixed_bytes = resident_bytes()
+        self.memory_budget = memory_budget_bytes(memory_budget, self.pricing)
+        cache_limit = mlx_cache_limit(self.memory_budget, self.pricing.fixed_bytes)
+        mx.set_cache_limit(cache_limit)
+        self.pricing.fixed_bytes += cache_limit  # MLX may keep that much: held, always
+        self.prefetcher = Prefetcher(
+            bank=self.bank, restorer=self.restorer, conversations=self.conversations,
+            root_for=self.root_for, block_tokens=block_tokens,
+            kv_bytes_per_token=self.kv_rest_bytes_per_token,  # what the bank holds of one
+            room=lambda: None if self._pending else min(  # waiting requests come first
+                self.bank.effective_max_bytes - self.bank.total_nbytes,
+                self.memory_budget - held_bytes(self.pricing, self.bank)),
+            reads=Restores(self._wake, self.kv_rest_bytes_per_token))
+        self.restores = Restores(self._wake, self.kv_bytes_per_token)  # reads on a thread
+        self._admissions: deque = deque(maxlen=1024)  # admission receipts, newest last
+        self._retried_at = 0.0
+        self._held_seen = 0  # the ledger at the last _give_back_freed
+        self._handlers = {
+            cmd.DeleteSession: lambda c: self._delete_session(c.session),
+            cmd.Release: lambda c: self.bank.release_sessions(
+                None, only_sessions=[c.session], reason=TrimReason.ADMIN_RELEASE,
+                write_out_before_release=c.write_out),
+            cmd.Trim: lambda c: upkeep.trim(self.bank),
+            cmd.Flush: lambda c: upkeep.flush(self.bank, self.writer),
+            cmd.Status: lambda c: (reports.status(self),
+                                   *reports.recent_receipts(self._admissions, self.bank,
+                                                            c.tenant)),
+            cmd.Tick: self._tick,
+            cmd.PressureTrim: lambda c: upkeep.pressure_trim(self.bank, c.level, c.source,
+                                                             c.deferred_s),
+            cmd.Probe: lambda c: self.restorer.held(
+                c.tokens, chain_block_ids(c.tokens, self.root_for(c.tenant), self.block_tokens),
+                c.tenant),
+            cmd.Prefetch: self._prefetch,
+            cmd.History: lambda c: (self.conversations.get(c.session),
+                                    self.conversations.history(c.session)),
+            cmd.Announce: lambda c: self.kv_events and self.kv_events.announce_all(),
+        }
+        self.snapshot = cmd.Snapshot()
+        self._publish()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+        for state in cmd.SESSION_STATES:  # counted when scraped, from the snapshot
+            metrics.SESSIONS.labels(state).set_function(
+                lambda state=state: sum(self.snapshot.state(k) == state
+                                        for k in self.snapshot.sessions))
+        metrics.MEMORY_BUDGET.set(self.memory_budget)
+        self.guard = Guard(self).start()
+
+    # -- identity ---------------------------------------------------------------------------
+
+    def root_for(self, tenant: str) -> BlockId:
+        return chain_root(self.fingerprint, tenant)
+
+    def _kv_events(self, config: EventsConfig | None) -> KVEvents | None:
+        """Several machines behind a router: the events that say what this worker holds."""
+        if config is None:
+            return None
+        publisher = Publisher(config, on_subscribe=lambda: self.post(cmd.Announce()))
+        return KVEvents(publisher.start(), block_size=config.block_size,
+                        salt_for=lambda tenant: bytes(self.root_for(tenant)))
+
+    # -- the queue --------------------------------------------------------------------------
+
+    def post(self, command) -> Any:
+        """Any thread: hand a command to the engine; returns it (its `reply` resolves)."""
+        self._queue.put(command)
+        return command
+
+    def ask(self, command: cmd.Command, timeout_s: float | None = None) -> Any:
+        """Any thread but the engine's: post and wait for the answer."""
+        return self.post(command).reply.result(timeout=timeout_s)
+
+    def _wake(self) -> None:
+        """The writer's inbox has mail, or a restore's read ended: a blocked loop turns once."""
+        self._queue.put(_WAKE)
+
+    def _run(self) -> None:
+        while True:
+            idle = not self.batch and not self._pending
+            items = [self._queue.get()] if idle else []
+            while True:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            self.writer.pump()  # acknowledgements first: they free staging and mark durable
+            for item in items:
+                if isinstance(item, cmd.Stop):
+                    for r in self.restores.stop(timeout_s=4):
+                        self._end_restoring(r, None)
+                    self.prefetcher.stop(timeout_s=2)
+                    item.reply.set_result(None)
+                    return
+                if isinstance(item, cmd.Generate):
+                    self._pending.append(item)
+                elif item is not _WAKE:
+                    self._handle(item)
+            self.coldstore.set_busy(bool(self.batch or self._pending or self.restores
+                                         or self.prefetcher.reading))
+            running = self._running()
+            self._join_restored()
+            if self.prefetcher.land():  # hints' reads that ended, into the bank
+                self.holdings.refresh_ram_bytes()
+            self._admit_pending()
+            if self._running() > running:  # seen running (guard, Status) before it answers
+                self._publish()
+            self._give_back_freed()  # what commands, acknowledged writes and evictions freed
+            if self.batch:
+                self._step()
+            self._publish()
+            if self._pending and not self.batch:  # first in line waits for memory
+                time.sleep(0.01)
+
+    def _handle(self, command: cmd.Command) -> None:
+        """Run a command; its effect is in the snapshot before its caller hears back."""
+        try:
+            result, error = self._handlers[type(command)](command), None
+        except Exception as e:
+            logger.exception("%s failed", type(command).__name__)
+            result, error = None, e
+        self.holdings.refresh_ram_bytes()
+        self._publish()
+        if error is None:
+            command.reply.set_result(result)
+        else:
+            command.reply.set_exception(error)
+
+    def _publish(self) -> None:
+        """The snapshot other threads read, replaced whole (and this turn's KV events)."""
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        ledger = self.bank.ledger()  # once: this runs at every step of the loop
+        held = self.pricing.fixed_bytes + self.pricing.unaccounted_bytes + ledger["held_bytes"]
+        self.snapshot = cmd.Snapshot(
+            sessions=self.conversations.records, ram_bytes=self.holdings.ram_bytes,
+            checkpoint_bytes=self.holdings.checkpoint_bytes,
+            busy=self.bank.busy_sessions(), held_bytes=held,
+            kv_bytes=ledger["entries_bytes"] + ledger["active_bytes"],
+            bank_bytes=self.bank.total_nbytes, bank_entries=len(self.bank.entries),
+            running=self._running(), waiting=len(self._pending))
+
+    def _running(self) -> int:
+        """Admitted requests: in the batch, or restoring from SSD on a thread."""
+        return len(self.batch) + len(self.restores)
+
+    def close(self) -> None:
+        self.guard.close()
+        try:
+            self.ask(cmd.Stop(), timeout_s=5)
+        except Exception:  # a step still running: the thread is a daemon, the process ends
+            logger.warning("the engine did not stop within 5 s")
+        self.holdings.close()
+
+    # -- one generation ---------------------------------------------------------------------
+
+    def _admit_pending(self) -> None:
+        """Start waiting requests in order while the scheduler has room and memory allows. A
+        request waiting for memory stops the line (it is first in it); one waiting for the
+        prefix a running request is computing lets the requests behind it start."""
+        i = 0
+        while i < len(self._pending) and self._running() < self.scheduler.max_active:
+            job = self._pending[i]
+            if job.cancelled.is_set():
+                del self._pending[i]
+                job.emit(None)
+                continue
+            try:
+                started = self._start(job)
+            except (InvalidRequest, Refused) as e:
+                del self._pending[i]
+                job.emit(e)
+                continue
+            except Exception as e:
+                logger.exception("could not start a request")
+                del self._pending[i]
+                job.emit(e)
+                continue
+            if started is Start.WAIT_MEMORY:
+                return  # waits for memory held by requests in flight
+            if started is Start.WAIT_PREFIX:
+                i += 1
+                continue
+            del self._pending[i]
+
+    def _start(self, job: cmd.Generate):
+        """Admission, restore, and hand-over to the scheduler: STARTED, or WAIT_MEMORY, or
+        WAIT_PREFIX (a running request is computing KV this one would compute again)."""
+        req = job.request
+        tokens = np.asarray(req.token_ids, dtype=np.uint32)
+        if len(tokens) == 0:
+            raise InvalidRequest("the prompt is empty: send at least one token")
+        if len(tokens) + req.max_tokens > self.max_context_tokens:
+            raise InvalidRequest(
+                f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
+                f"model's context of {self.max_context_tokens} tokens")
+        decoding = self.decodings.for_request(req)  # a request the model cannot serve: refused
+        tenant = req.tenant
+        ids = chain_block_ids(tokens, self.root_for(tenant), self.block_tokens)  # hashed once
+        if not req.no_cache:  # a running request's prompt: wait for it, or take it
+            if sharing.wait_for_prefix(job, tokens, ids, self.batch, self.restorer,
+                                       self.block_tokens):
+                return Start.WAIT_PREFIX
+            if sharing.share_answered_prefix(tokens, ids, tenant, self.batch, self.bank,
+                                             self.restorer, self.block_tokens,
+                                             self.kv_rest_bytes_per_token):
+                self.holdings.refresh_ram_bytes()
+        session = self.conversations.resolve(
+            tokens, ids, tenant, req.session_id, busy=self.bank.is_busy,
+            in_ram=lambda k: bool(self.bank.session_entries(k)))
+        if self.prefetcher.reading_for(session):  # its hint's read lands first: a RAM hit
+            return Start.WAIT_PREFIX
+        need = self._price(len(tokens), req.max_tokens)
+        try:
+            receipt = make_room(bank=self.bank, pricing=self.pricing, budget=self.memory_budget,
+                                need=need, tokens=tokens, tenant=tenant,
+                                solo_need=self.pricing.request_bytes(len(tokens), req.max_tokens),
+                                session_id=session[1], running=len(self.batch),
+                                chain_shed=self.admission_chain_shed)
+        except Refused as e:
+            reports.log_admission(self._admissions, req, session, e.receipt)
+            raise
+        finally:
+            self.holdings.refresh_ram_bytes()
+        if receipt.decision == Decision.WAIT:
+            return Start.WAIT_MEMORY
+        reports.log_admission(self._admissions, req, session, receipt)
+        job.emit(worker_pb2.WorkerGenerateResponse())  # admitted: a client's stream may open
+        history = self.conversations.history(session)
+        self.prefetcher.started(session)
+        self.bank.begin_request(session)
+        self.bank.reserve_active(session, need)
+        t0 = time.monotonic()
+        try:
+            look = self.restorer.look(tokens, ids, tenant, req.no_cache)
+            restoring = Restoring(job=job, tokens=tokens, ids=ids, session=session,
+                                  history=history,
+                                  decoding=decoding, look=look, t0=t0)
+            read = lambda on_corrupt: self.restorer.read_ssd(  # noqa: E731
+                look, tokens, ids, tenant, session, req.shared_checkpoint_at, on_corrupt)
+            if self.restores.worth_a_thread(look.ssd_more):  # the batch steps on while it reads
+                self.restores.start(restoring, read)
+                restoring.stall_s = time.monotonic() - t0
+                return Start.STARTED
+            restoring.ssd = read(None)
+        except Exception:
+            self.bank.end_request(session)
+            raise
+        self._join(restoring, where="inline")
+        return Start.STARTED
+
+    def _join(self, restoring: Restoring, where: str) -> None:
+        """A request's restored cache (from `restoring.ssd`, else RAM's hit) into the batch.
+        Raises, the bank given back, when it cannot join."""
+        job, tokens, session, history = (restoring.job, restoring.tokens, restoring.session,
+                                         restoring.history)
+        req = job.request
+        t_join, handed = time.monotonic(), None
+        try:
+            cache, cached, source, handed = self.restorer.take(restoring.look, restoring.ssd,
+                                                               session)
+            restoring.ssd = None  # the cache holds it now
+            reports.count_restore(req, session, len(tokens), cached, source)
+            r = Running(job=job, tokens=tokens, bank_key=session, session=session,
+                        cached=cached, source=source,
+                        known=common_prefix_len(history, tokens) if history is not None else 0,
+                        started=time.monotonic(), stops=list(req.stop),
+                        detok=self.tokenizer.detokenizer, decoding=restoring.decoding,
+                        handed=handed, at_rest=self.kinds.at_rest(cache),
+                        split_at=self.kinds.splits(cached, len(tokens), req.checkpoint_at,
+                                                   self.checkpoint_every))
+            r.restore_s = r.started - restoring.t0
+            if not req.no_cache:
+                r.prefix_lost = self.restorer.lost(tokens, restoring.ids, req.tenant, cached)
+                metrics.PREFIX_LOST.labels("no_checkpoint").inc(r.prefix_lost)
+            self.batch.add(r, cache, req.max_tokens)
+        except Exception:
+            if handed is not None:
+                self.bank.take_back(handed)
+            self.bank.end_request(session)
+            raise
+        if source == api_pb2.CACHE_SOURCE_SSD:
+            stall = (r.restore_s if where == "inline"
+                     else restoring.stall_s + time.monotonic() - t_join)
+            metrics.RESTORE_STALL.labels(where).observe(stall)
+
+    def _join_restored(self) -> None:
+        """Restores whose read on a thread ended: each request joins the batch, or ends (its
+        client went away, the read failed); a corrupt block the read found is reported here,
+        on the thread that owns the coldstore link."""
+        for r in self.restores.take_done():
+            for block, e in r.corrupt:
+                self.restorer.corrupt(block, e, r.job.request.tenant, r.session)
+            if r.job.cancelled.is_set() or r.error is not None:
+                self._end_restoring(r, r.error)
+                continue
+            if r.ssd is None:  # RAM's hit, then: the bank may have changed while it read
+                r.look = self.restorer.look(r.tokens, r.ids, r.job.request.tenant, False)
+            try:
+                self._join(r, where="thread")
+            except Exception as e:
+                logger.exception("could not start a request")
+                r.job.emit(e)
+
+    def _end_restoring(self, r: Restoring, error: BaseException | None) -> None:
+        """A request that ends while, or as, its KV was read on a thread: its reservation and
+        what was read go; its client hears the error, or the end of its stream."""
+        r.ssd = None
+        self.bank.end_request(r.session)
+        if error is not None:
+            logger.error("restore of session %s failed: %s", r.session[1], error)
+        r.job.emit(error if isinstance(error, Exception) else None)
+
+    def _leave(self, r: Running) -> None:
+        """A request is done with the bank (answered, failed or cancelled): a conversation's
+        entry that it took and did not commit over comes back."""
+        sharing.withdraw_shared(r, self.bank)  # gone already when its commit superseded it
+        if r.handed is not None:
+            if self.conversations.deleted_since(r.bank_key, r.started):
+                self.bank.let_go(r.handed)
+            else:
+                self.bank.take_back(r.handed)
+        r.handed = None
+        self.bank.end_request(r.bank_key)
+
+    def _price(self, prompt_tokens: int, max_tokens: int) -> int:
+        """This request's bytes, with the padding a batched cache adds to the batch."""
+        lens = [len(r.tokens) + r.job.request.max_tokens for r in self.batch.running.values()]
+        return self.pricing.request_bytes(prompt_tokens, max_tokens,
+                                          batch_len=max(lens, default=0), batch_size=len(lens))
+
+    def _step(self) -> None:
+        # A cancelled turn is not committed: the client never saw it, so the session's
+        # history stays as it was (an append builds on what the client has).
+        for r in self.batch.take_cancelled():
+            self._leave(r)
+            r.job.emit(None)
+        if not self.batch:
+            return
+        try:
+            done = self.batch.step()
+            for r in self.batch.take_prefix_ready():
+                sharing.share_prefix(r, self.batch, self.bank)
+                self.holdings.refresh_ram_bytes()
+        except Exception as e:  # a failed step fails every request in it, not the worker
+            logger.exception("generation step failed")
+            for r in list(self.batch.running.values()):
+                self.batch.drop(r)
+                self._leave(r)
+                r.job.emit(e)
+            return
+        for r, e in self.batch.take_failed():  # its own forward failed; the others went on
+            self._leave(r)
+            r.job.emit(e)
+        answers = []
+        for r, cache in done:
+            try:
+                answers.append((r, self._finish(r, cache)))
+            except Exception as e:
+                logger.exception("commit failed")
+                answers.append((r, e))
+            finally:
+                self._leave(r)
+        if done:
+            if self.prefetcher.live and self.prefetcher.retry():  # memory they held is free
+                self.holdings.refresh_ram_bytes()
+            # The turns are in the snapshot (and their KV events out) before their clients
+            # hear back: what a client reads next (its session, a router's view) includes it.
+            self._publish()
+            for r, answer in answers:
+                r.job.emit(answer)
+                if not isinstance(answer, Exception):
+                    r.job.emit(None)
+            self._give_back_freed(turn_ended=True)
+
+    def _give_back_freed(self, *, turn_ended: bool = False) -> None:
+        """The heap's free pages back to the OS (`serve_buffers_from_the_heap` keeps them),
+        after a turn and whenever the ledger fell since the last look: RSS follows it."""
+        held = self.bank.ledger()["held_bytes"]
+        if turn_ended or held < self._held_seen:
+            give_back_freed_memory()
+        self._held_seen = held
+
+    def _finish(self, r: Running, cache: list) -> worker_pb2.WorkerGenerateResponse:
+        """Commit a finished turn; its last message, to send once the snapshot has it."""
+        full = np.concatenate([r.tokens, np.asarray(r.completion, dtype=np.uint32)])
+        durable = self.holdings.commit(r.session, full, cache, r.started, handed=r.handed,
+                               checkpoints=r.checkpoints, at_rest=r.at_rest)
+        r.handed = None  # superseded by the turn, or gone with its deleted conversation
+        reasoning = r.decoding.reasoning
+        usage = api_pb2.Usage(
+            prompt_tokens=len(r.tokens),
+            completion_tokens=len(r.completion),
+            cached_tokens=r.cached,
+            cache_source=r.source,
+            recomputed_tokens=max(0, min(r.known, len(r.tokens) - 1) - r.cached),
+            ttft_s=(r.first_token_at or time.monotonic()) - r.started,
+            queue_s=r.started - r.job.queued_at,
+            durable=durable,
+            session_id=r.session[1],
+            max_tokens=r.job.request.max_tokens,
+            prefix_lost_tokens=r.prefix_lost,
+            reasoning_tokens=reasoning.count(r.completion) if reasoning else 0,
+        )
+        for stage, seconds in (("waiting", usage.queue_s - r.restore_s),
+                               ("restore", r.restore_s), ("first_token", usage.ttft_s)):
+            metrics.WORKER_STAGE.labels(stage).observe(seconds)
+        metrics.GENERATION_TOKENS.inc(len(r.completion))
+        metrics.RECOMPUTED_TOKENS.inc(usage.recomputed_tokens)
+        finish = r.finish
+        if finish == api_pb2.FINISH_REASON_STOP and r.decoding.tools and r.decoding.tools.made_calls:
+            finish = api_pb2.FINISH_REASON_TOOL_CALLS
+        return worker_pb2.WorkerGenerateResponse(finish_reason=finish, usage=usage,
+                                                 stop_sequence=r.stop_sequence)
+
+    # -- prefetch ---------------------------------------------------------------------------
+
+    def _prefetch(self, c: cmd.Prefetch) -> cmd.PrefetchReport:
+        report = self.prefetcher.hint(c.tenant, c.session_id, np.asarray(c.tokens, np.uint32))
+        self.holdings.refresh_ram_bytes()
+        return report
+
+    # -- commands (engine thread) --------------------------------------------------------------
+
+    def _delete_session(self, session: SessionKey) -> bool:
+        self.prefetcher.started(session)  # a deleted conversation never comes back
+        return self.holdings.delete(session)
+
+    def _tick(self, tick: cmd.Tick) -> None:
+        """The guard's tick: the ledger meets RSS, the dynamic ceiling, writes sent again."""
+        upkeep.reconcile_rss(self.pricing, self.bank, self.memory_budget, tick.rss_bytes)
+        upkeep.apply_dynamic_ceiling(self.bank, self.pricing, self.memory_budget)
+        now = time.monotonic()
+        if now - self._retried_at >= upkeep.RETRY_WRITES_EVERY_S:
+            self._retried_at = now
+            upkeep.retry_writes(self.bank, self.writer, self.coldstore, self.conversations,
+                                self.block_tokens)
+        if self.prefetcher.live and self.prefetcher.retry():
+            self.holdings.refresh_ram_bytes()
+        metrics.MEMORY_HELD.set(held_bytes(self.pricing, self.bank))
+
+
+_WAKE = object()  # a turn of the loop, nothing else (the writer's inbox has mail)

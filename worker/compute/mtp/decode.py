@@ -1,0 +1,216 @@
+"""Speculative decoding of one sequence with the checkpoint's MTP head.
+
+State between rounds (the invariant every step keeps):
+
+- the trunk's caches hold every token of the conversation but the last one emitted, `y`;
+- the head's KV cache holds the pairs (h_i, token i+1) folded so far, and `MTPState.hidden`
+  the trunk hiddens whose pairs are not folded yet, `MTPState.tokens` their next tokens (one
+  fewer when the last one's next token is not known yet: a finished turn).
+
+A round: the head folds the pending pairs and drafts d1 (the pair (h_{n-1}, y) predicts the
+token after y), then d2..dk from its own output g and the embedding of the draft before;
+the trunk verifies [y, d1..dk] in one forward; `Sampling.accept` keeps a drafts and gives
+the token z that follows them; every trunk cache is rolled back to [y, d1..da]
+(`rollback.Speculation`), the head's k-1 speculative pairs are cut, and the true pairs
+(H_0, d1) .. (H_a, z) wait to be folded by the next round's first draft.
+
+A stop token or max_tokens inside a round cuts it there: the caches end exactly where plain
+decoding would. Nothing here ever leaves a cache in a speculative state between rounds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import time
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from kvbank.mtp_head import Trunk
+from kvbank.worker.kv.rollback import Speculation, install
+from kvbank.worker.compute.mtp.sampling import Sampling
+
+MAX_DEPTH = 3
+PREFILL_STEP = 2048  # mlx-lm's generate_step default
+
+
+@dataclass
+class MTPState:
+    """The head's history of one conversation (see the module docstring)."""
+
+    cache: KVCache = field(default_factory=KVCache)
+    hidden: mx.array | None = None  # [1, p, H]
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class DraftStats:
+    """What the head proposed and the trunk kept, per draft position."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
+    kept: list[int] = field(default_factory=lambda: [0] * (MAX_DEPTH + 1))  # rounds by drafts kept
+
+    def rates(self) -> list[float]:
+        """Acceptance per draft position: P(draft j kept) over rounds."""
+        return [a / self.rounds if self.rounds else 0.0 for a in self.accepted_at]
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Tokens emitted per trunk verify (1 + accepted drafts, on average)."""
+        return 1 + self.accepted / self.rounds if self.rounds else 0.0
+
+
+class MTPDecoder:
+    """Prefill and speculative rounds over mlx-lm caches, for one model and head."""
+
+    def __init__(self, model, head, depth: int, *, profile: dict | None = None):
+        """`profile`: a dict that gets the seconds each phase of the rounds took (draft,
+        verify, accept, rollback), each phase evaluated on its own (slower: benchmarks)."""
+        if not 1 <= depth <= MAX_DEPTH:
+            raise ValueError(f"MTP depth must be 1..{MAX_DEPTH}; given {depth}")
+        self.model, self.head, self.depth = model, head, depth
+        self.trunk = Trunk(model)
+        install(self.trunk.text.layers)
+        self.stats = DraftStats()
+        self.profile = profile
+        self._t = 0.0
+
+    def _tick(self, phase: str, *arrays) -> None:
+        if self.profile is None:
+            return
+        mx.eval(*arrays)
+        now = time.perf_counter()
+        if phase:
+            self.profile[phase] = self.profile.get(phase, 0.0) + now - self._t
+        self._t = now
+
+    # -- the head's pairs ------------------------------------------------------------------
+
+    def _fold(self, state: MTPState, hidden: mx.array | None = None, tokens=()) -> mx.array | None:
+        """Pend `hidden`'s rows, then fold every pending row whose next token is known
+        (`state.tokens` + `tokens`, in order) into the head's cache; the head's outputs for
+        the folded rows (None if none)."""
+        pend = state.hidden
+        if hidden is not None:
+            pend = hidden if pend is None else mx.concatenate([pend, hidden], axis=1)
+        known = state.tokens + list(tokens)
+        n, out = len(known), None
+        if n:
+            out = self.head(pend[:, :n], self.trunk.embed(mx.array([known])), state.cache)
+        state.hidden = pend[:, n:] if pend is not None and pend.shape[1] > n else None
+        state.tokens = []
+        return out
+
+    def _prefill(self, prompt: list[int], cache, state: MTPState) -> mx.array:
+        """The trunk over the prompt (all but its last token in chunks, then the last alone,
+        as mlx-lm's generate_step does), the head over the pairs it completes; returns the
+        last token's hidden [1, 1, H], left pending (its next token is not drawn yet)."""
+        if state.hidden is not None and len(state.tokens) < state.hidden.shape[1]:
+            state.tokens = state.tokens + prompt[:1]  # a finished turn's last pair
+        rest = prompt[:-1]
+        for i in range(0, len(rest), PREFILL_STEP):
+            chunk = rest[i:i + PREFILL_STEP]
+            h = self.trunk.hidden(mx.array([chunk]), cache)
+            self._fold(state, h, prompt[i + 1:i + 1 + len(chunk)])
+            mx.eval([c.state for c in cache], state.cache.state)
+        h = self.trunk.hidden(mx.array([prompt[-1:]]), cache)
+        self._fold(state, h)
+        return h
+
+    # -- decoding -------------------------------------------------------------------------
+
+    def generate(self, prompt: list[int], sampling: Sampling, *, max_tokens: int,
+                 stop_tokens=(), cache=None, state: MTPState | None = None
+                 ) -> Iterator[tuple[int, mx.array]]:
+        """Yield (token, logprobs [V]) like mlx-lm's generate_step, for up to max_tokens,
+        ending at (and with) a stop token. `cache` and `state` (of a turn ended by `finish`)
+        continue a conversation; the processors read the tokens of this call, as mlx-lm's."""
+        if not prompt or max_tokens < 1:
+            raise ValueError("an empty prompt or no tokens to generate")
+        cache = make_prompt_cache(self.model) if cache is None else cache
+        state = MTPState() if state is None else state
+        history = list(prompt)
+        h = self._prefill(history, cache, state)
+        rows = [mx.array(history)] if sampling.processors else None
+        lp = sampling.logprobs(self.trunk.logits(h[:, -1]), rows)
+        y = sampling.choose(lp)
+        mx.eval(y, lp)
+        y = int(y.item())
+        state.tokens = [y]
+        yield y, lp[0]
+        emitted, stop = 1, set(stop_tokens)
+        spec = Speculation(cache)
+        while emitted < max_tokens and y not in stop:
+            out = self._round(y, history, sampling, cache, state, spec, max_tokens - emitted, stop)
+            yield from out
+            emitted += len(out)
+            history.append(y)
+            history.extend(t for t, _ in out[:-1])
+            y = out[-1][0]
+
+    def _round(self, y: int, history: list[int], sampling: Sampling, cache, state: MTPState,
+               spec: Speculation, budget: int, stop: set) -> list[tuple[int, mx.array]]:
+        k = self.depth
+        self._tick("")
+        base = mx.array(history + [y])  # the tokens up to y (processors read them)
+        procs = bool(sampling.processors)
+        # Draft: fold the pending pairs, the last one predicts d1; then chain.
+        g = self._fold(state)[:, -1:]
+        drafts, q_rows = [], []
+        for j in range(k):
+            hist = [mx.concatenate([base] + drafts)] if procs else None
+            lp = sampling.logprobs(self.trunk.logits(g[:, 0]), hist)
+            d = sampling.choose(lp)
+            drafts.append(d)
+            if not sampling.greedy:
+                q_rows.append(sampling.probs(lp))
+            if j + 1 < k:
+                g = self.head(g, self.trunk.embed(d[None]), state.cache)
+        self._tick("draft", *drafts, *q_rows)
+        # Verify [y, d1..dk] in one forward, keeping what the rollback needs.
+        fed = mx.concatenate([mx.array([y])] + drafts)
+        with spec.recording(k + 1):
+            hidden = self.trunk.hidden(fed[None], cache)
+        rows = ([mx.concatenate([base] + drafts[:j]) for j in range(k + 1)] if procs else None)
+        p_lp = sampling.logprobs(self.trunk.logits(hidden[0]), rows)
+        q = mx.concatenate(q_rows, axis=0) if q_rows else None
+        targets = mx.argmax(p_lp, axis=-1) if sampling.greedy else None
+        mx.eval(fed, p_lp, q, targets)
+        self._tick("verify")
+        d_list = fed[1:].tolist()
+        a, z = sampling.accept(d_list, None if q is None else np.asarray(q, np.float64), p_lp,
+                               None if targets is None else targets.tolist())
+        self.stats.rounds += 1
+        self.stats.drafted += k
+        self.stats.accepted += a
+        self.stats.kept[a] += 1
+        for j in range(a):
+            self.stats.accepted_at[j] += 1
+        # A stop token or the token budget inside the round ends it there.
+        out = d_list[:a] + [z]
+        for i, t in enumerate(out):
+            if t in stop or i + 1 == budget:
+                out = out[:i + 1]
+                break
+        a = len(out) - 1
+        # Roll back: the trunk keeps [y, d1..da]; the head drops its speculative pairs and
+        # pends the true ones, (H_0, d1) .. (H_a, z).
+        self._tick("accept")
+        spec.keep(a + 1)
+        state.cache.trim(k - 1)
+        state.hidden, state.tokens = hidden[:, :a + 1], out
+        self._tick("rollback", [c.state for c in cache], state.hidden)
+        return [(t, p_lp[i]) for i, t in enumerate(out)]
+
+    def finish(self, last: int, cache, state: MTPState) -> None:
+        """End a turn as kvbank commits one: the last emitted token goes into the trunk's
+        caches too (its hidden waits for the next turn's first token)."""
+        h = self.trunk.hidden(mx.array([[last]]), cache)
+        self._fold(state, h)
+        mx.eval([c.state for c in cache], state.cache.state, state.hidden)

@@ -1,0 +1,509 @@
+"""How admitted requests share the model: prompts read one chunk a step on their own caches,
+answers decoded together in mlx-lm's BatchGenerator.
+
+Each `step` reads one chunk (`prefill_step_tokens`) of one prompt and decodes one token for
+every request past its prompt, unless those answers are pausing for the prompts being read
+(at most `decode_wait_s` between tokens: then all decode together, see `_answers_wait`).
+The prompt read is the one with the fewest forwards left, less the steps a
+later request was read instead (a short request that arrives during a long prefill gets its
+first token after one chunk; a long one is not starved; of equal prompts, the first to come
+is read through first, not all of them by turns). A prompt is read on the request's own cache, the
+model called as mlx-lm's own generate does: its chunks without logits, then its last
+<= 64 tokens and its first token in one forward, handed out at once. Reading prompts in the
+batch would pad them to the longest, copy every cache in and out of the batch (merge,
+split), and hand each token out one step after computing it; on this CPU four 512-token
+prompts on 1,600-token histories read together ran at 0.85 of one after another
+(docs/decisions.md). A request whose prompt is read decodes alone on its own cache while
+nothing else decodes, and joins the batch when a second one would (the batch is then worth
+its copies), unless their contexts differ by `own_lead_tokens` or more: then it decodes on its
+own cache beside the batch (`_close`). `hyper` (and `serial`, its alias) use the same path with one request at a time. After a
+request's first token the next forward waits 5 ms, so the token reaches its client before the
+forward takes the cores (`_hand_off`).
+
+A request enters with its own restored cache (RAM bank or SSD) and leaves with the cache of
+everything it read and wrote, which the engine commits. Stop strings and cancellation are
+checked here, on the detokenized text, after each token; so are tool calls, which the
+request's `Decoding` (worker/compute/decoding.py) parses out of the text before it is sent. A request
+with logits processors (penalties, logit_bias, a grammar) takes the batch from the start:
+mlx-lm applies them there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from kvbank.config import DEFAULT_DECODE_WAIT_S
+from kvbank.v1 import api_pb2, worker_pb2
+from kvbank.worker.memory.allocator import drop_stale_buffers
+from kvbank.worker.kv.cache_kinds import CacheKinds
+from kvbank.worker import commands as cmd
+from kvbank.worker.compute.decoding import Decoding, make_request_sampler, token_logprob
+
+logger = logging.getLogger(__name__)
+
+PREFILL_STEP_TOKENS = 512
+LAST_FORWARD_TOKENS = 64  # a prompt's last forward, the one with logits, reads at most this
+# A decoder whose context is this share of the weights (in KV bytes) longer or shorter than
+# another's decodes on its own cache rather than batched with it (`_close`). On a GPU a decode
+# step reads the weights once for the whole batch, so a second forward is a second read of
+# them: it costs less than the padding only past all of the weights. On a CPU the matmuls cost
+# by the row, batched or not: a quarter already paid here (docs/decisions.md).
+OWN_LEAD_OF_WEIGHTS = {"gpu": 1.0, "cpu": 0.25}
+HANDOFF_S = 0.005  # after a first token, before the next forward (`_hand_off`)
+
+
+@dataclass
+class Running:
+    """One admitted request, from restore to commit."""
+
+    job: Any  # commands.Generate
+    tokens: Any  # np.ndarray, the whole prompt
+    bank_key: tuple[str, str]
+    session: tuple[str, str] | None
+    cached: int
+    source: int
+    known: int  # prompt tokens the session's history already had
+    started: float  # restored, handed to the scheduler
+    stops: list[str]
+    detok: Any
+    decoding: Decoding
+    completion: list[int] = field(default_factory=list)
+    text: str = ""
+    sent: int = 0
+    first_token_at: float | None = None
+    finish: int = api_pb2.FINISH_REASON_LENGTH
+    stop_sequence: str = ""  # the stop string that ended the answer
+    uid: int = -1
+    followers: list = field(default_factory=list)  # jobs waiting for this prompt's KV
+    handed: Any = None  # its conversation's bank entry, out of the bank while it runs
+    shared: Any = None  # its prompt's KV, put in the bank for others (worker/tiers/sharing.py)
+    restore_s: float = 0.0  # of the time before `started`
+    split_at: tuple[int, ...] = ()  # prompt positions a forward stops at, for a checkpoint
+    checkpoints: dict = field(default_factory=dict)  # position -> cache_kinds.Checkpoint
+    prefix_lost: int = 0  # prompt tokens held but not restorable (no checkpoint there)
+    at_rest: Any = None  # the quantized KV its cache was restored from (CacheKinds.at_rest)
+
+
+@dataclass(eq=False)  # found in lists by identity
+class _Own:
+    """A request on its own cache, outside the batch: reading its prompt, or decoding (alone,
+    or beside a batch of contexts far from its own length)."""
+
+    r: Running
+    cache: list
+    prompt: list[int]  # prompt tokens not in the cache yet
+    max_tokens: int
+    passed: int = 0  # steps a prompt that came later was read instead
+
+
+class BatchScheduler:
+    def __init__(self, model, *, max_active: int, eos_token_ids: list[int], decode,
+                 kinds: CacheKinds | None = None,
+                 prefill_step_tokens: int = PREFILL_STEP_TOKENS,
+                 decode_wait_s: float = DEFAULT_DECODE_WAIT_S,
+                 own_lead_tokens: int | None = None):
+        """`decode`: the tokenizer's ids -> text, for the tokens of log-probabilities.
+        `decode_wait_s`: how long answers may pause for prompts being read (`_answers_wait`).
+        `own_lead_tokens`: contexts this far apart decode on their own caches, not batched
+        together (`_close`; default: `OWN_LEAD_OF_WEIGHTS` of the weights in KV bytes)."""
+        from mlx_lm.generate import BatchGenerator
+
+        self.max_active = max_active
+        self.decode = decode
+        self.model = model
+        self.kinds = kinds or CacheKinds.of(model)  # what the caches hold
+        self.decode_wait_s = decode_wait_s
+        self._decoded_at = 0.0  # when answers last took a step (or had none to take)
+        self.prefill_step_tokens = prefill_step_tokens
+        self.last_forward_tokens = min(LAST_FORWARD_TOKENS, prefill_step_tokens)
+        self.eos = frozenset(eos_token_ids)
+        self._readers: list[_Own] = []  # in arrival order
+        self._decoders: list[_Own] = []  # past their prompt, on their own caches
+        self.own_lead_tokens = (own_lead_tokens if own_lead_tokens is not None
+                                else _own_lead(model, self.kinds))
+        self._own_uids = itertools.count(-1, -1)  # the batch's uids are >= 0
+        self.gen = BatchGenerator(model, stop_tokens=[[t] for t in eos_token_ids],
+                                  completion_batch_size=max_active,
+                                  prefill_batch_size=max_active,
+                                  prefill_step_size=prefill_step_tokens)
+        self.running: dict[int, Running] = {}
+        self._prefix_ready: list[Running] = []
+        self._failed: list[tuple[Running, Exception]] = []  # see take_failed
+        self._first_token_out = False  # since the last forward (`_hand_off`)
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    def add(self, r: Running, cache: list, max_tokens: int) -> None:
+        prompt = r.tokens[r.cached:].tolist()
+        if r.cached and r.cached in r.job.request.checkpoint_at:
+            # restored where the router marked (a shared system prompt's end): its commit
+            # names that checkpoint too, so a stored anchor lives while a record holds it
+            self._checkpoint(_Own(r, cache, prompt, max_tokens), r.cached, always=True)
+        if r.decoding.processors:
+            self._insert(r, prompt, cache, max_tokens)
+            return
+        self.kinds.with_room(cache, len(r.tokens))  # a buffer of a size MLX has kept
+        r.uid = next(self._own_uids)
+        self._readers.append(_Own(r, cache, prompt, max_tokens))
+        self.running[r.uid] = r
+
+    def _insert(self, r: Running, prompt: list[int], cache: list, max_tokens: int) -> None:
+        d = r.decoding
+        (r.uid,) = self.gen.insert(
+            [prompt], max_tokens=[max_tokens], caches=[cache],
+            samplers=[d.sampler], logits_processors=[d.processors],
+            # the penalties look back into the prompt, as mlx-lm's server has them do
+            all_tokens=[r.tokens[:r.cached].tolist() if d.processors else []])
+        self.running[r.uid] = r
+
+    def _in_batch(self) -> bool:
+        return any(uid >= 0 for uid in self.running)
+
+    def _decodes(self, o: _Own) -> None:
+        """`o` has read its prompt and answers on: in the batch when its context is close to
+        every one there (`_close`); with no batch, in a new one with the decoders on their own
+        caches close to it; else on its own cache (alone, or beside the batch)."""
+        self._readers.remove(o)
+        batch = [r for uid, r in self.running.items() if uid >= 0]
+        if batch:
+            mates = [o] if all(self._close(o.r, r) for r in batch) else []
+        else:
+            mates = [d for d in self._decoders if self._close(o.r, d.r)]
+            mates = mates + [o] if mates else []
+        if not mates:
+            self._decoders.append(o)
+            return
+        for d in mates:
+            self._decoders = [x for x in self._decoders if x is not d]
+            r = self.running.pop(d.r.uid)  # its last token is sampled, not in the cache yet
+            self._insert(r, r.completion[-1:], d.cache, d.max_tokens - len(r.completion))
+
+    def _close(self, a: Running, b: Running) -> bool:
+        """Whether two answers decode together in the batch: their contexts differ by less than
+        `own_lead_tokens`. In the batch the shorter attends over the longer's length (padding)
+        and joining copies both caches into one (mlx-lm's merge): bench restore, 4K tokens beside
+        a short answer, a batch step took 0.40-0.45 s against 0.34 for two forwards on their own
+        caches, and the join's step 1.3-1.9 s, no token out (docs/decisions.md)."""
+        return abs(_context(a) - _context(b)) < self.own_lead_tokens
+
+    def take_cancelled(self) -> list[Running]:
+        """Requests whose client went away, taken out before the next step (in prefill too)."""
+        gone = [r for r in self.running.values() if r.job.cancelled.is_set()]
+        if gone:
+            self._forget(gone)
+        return gone
+
+    def take_failed(self) -> list[tuple[Running, Exception]]:
+        """Requests whose own forward failed in the last step, with the error (the others
+        went on)."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _forget(self, gone: list[Running]) -> None:
+        ids = {id(r) for r in gone}
+        self._readers = [o for o in self._readers if id(o.r) not in ids]
+        self._decoders = [o for o in self._decoders if id(o.r) not in ids]
+        batch = [r.uid for r in gone if r.uid >= 0]
+        if batch:
+            self.gen.remove(batch)
+        for r in gone:
+            del self.running[r.uid]
+
+    def step(self) -> list[tuple[Running, list]]:
+        """One chunk of one prompt, and one decode token for each request past its prompt
+        unless answers wait for the prompts being read (`_answers_wait`). Returns the requests
+        that ended, each with its cache."""
+        done: list[tuple[Running, list]] = []
+        if not self._answers_wait():
+            done = self._batch_step() if self._in_batch() else []
+            for o in list(self._decoders):
+                done += self._own_step(o)
+        if self._readers:
+            o = min(self._readers,  # min() keeps the first of equals: arrival order
+                    key=lambda o: self._forwards_left(o) - o.passed)
+            for other in self._readers[:self._readers.index(o)]:
+                other.passed += 1  # overtaken by a later one; the others wait their turn
+            done += self._own_step(o)
+        return done
+
+    def _answers_wait(self) -> bool:
+        """Whether requests past their prompt skip this step: while prompts are read, for at
+        most `decode_wait_s` since they last took one. A decode step costs about the same for
+        one request as for four (the weights are read once either way), so tokens taken one
+        at a time beside each prompt forward add steps that the batch, once every prompt is
+        read, would have taken together; and every answer that joins the batch alone copies
+        its caches in again. mlx-lm's own server reads every waiting prompt first, unbounded;
+        the bound keeps an answer streaming behind a stream of long prompts."""
+        now = time.monotonic()
+        answering = bool(self._decoders) or self._in_batch()
+        prompts_in_batch = any(r.first_token_at is None  # the batch reads them in its step
+                               for uid, r in self.running.items() if uid >= 0)
+        if (answering and self._readers and not prompts_in_batch
+                and now - self._decoded_at < self.decode_wait_s):
+            return True
+        self._decoded_at = now
+        return False
+
+    def _hand_off(self) -> None:
+        """A first token just sent waits here, not behind the next forward. The token goes out
+        through the worker's event loop, the router and the client, each needing a core, and a
+        forward takes both cores for a tenth of a second or more: `bench turn` measured 8.5 ms
+        between the worker's first token and the client's at 2K without this pause, 3 ms
+        with it (and the same with 30 ms). Later tokens stream behind their forwards as before."""
+        if self._first_token_out:
+            self._first_token_out = False
+            time.sleep(HANDOFF_S)
+
+    def _forwards_left(self, o: _Own) -> int:
+        """Forwards until `o`'s first token: its chunks, then the last one with logits."""
+        return math.ceil(max(0, len(o.prompt) - self.last_forward_tokens)
+                         / self.prefill_step_tokens) + 1
+
+    def _batch_step(self) -> list[tuple[Running, list]]:
+        self._hand_off()
+        _, responses = self.gen.next()
+        done: list[tuple[Running, list]] = []
+        stopped: list[int] = []
+        for resp in responses:
+            r = self.running.get(resp.uid)
+            if r is None:
+                continue
+            if self._take(r, resp):
+                stopped.append(resp.uid)
+                continue
+            if resp.finish_reason is not None:
+                done.append((self.running.pop(resp.uid), resp.prompt_cache))
+        if stopped:
+            caches = self.gen.remove(stopped, return_prompt_caches=True)
+            for uid in stopped:
+                done.append((self.running.pop(uid), caches[uid][0]))
+        for r, _ in done:
+            self._flush_text(r)
+        return done
+
+    def prefilling(self) -> list[Running]:
+        """Requests still reading their prompt (no first token yet)."""
+        return [r for r in self.running.values() if r.first_token_at is None]
+
+    def answering(self) -> list[Running]:
+        """Requests past their prompt, still running."""
+        return [r for r in self.running.values() if r.first_token_at is not None]
+
+    def take_prefix_ready(self) -> list[Running]:
+        """Requests others wait for whose prompt was read by the last step (and still run)."""
+        ready, self._prefix_ready = self._prefix_ready, []
+        return [r for r in ready if r.uid in self.running]
+
+    def prompt_cache(self, r: Running) -> list:
+        """A running request's cache as it is now (a copy, without the batch's padding)."""
+        for o in self._readers + self._decoders:
+            if o.r is r:  # views: MLX copies on write
+                return self.kinds.view(o.cache)
+        return self.gen.extract_cache([r.uid])[r.uid][0]
+
+    def _take(self, r: Running, resp) -> bool:
+        """A request's new token: kept, its text sent; True when a stop string ends it."""
+        if r.first_token_at is None:
+            r.first_token_at = time.monotonic()
+            self._first_token_out = True
+            if r.followers:
+                self._prefix_ready.append(r)
+        r.completion.append(resp.token)
+        if resp.finish_reason == "stop":  # an end-of-turn token: no text of its own
+            r.finish = api_pb2.FINISH_REASON_STOP
+            return False
+        r.detok.add_token(resp.token)
+        r.text += r.detok.last_segment
+        if self._emit(r, resp):
+            r.finish = api_pb2.FINISH_REASON_STOP
+            return True
+        return False
+
+    def _own_step(self, o: _Own) -> list[tuple[Running, list]]:
+        """One forward of a request on its own cache: a prompt chunk without logits, or the
+        last prompt tokens and the next token, or one decode token. A failed forward fails
+        this request only (`take_failed`)."""
+        r = o.r
+        self._hand_off()
+        try:
+            if o.prompt:  # a prompt forward, its transients sized by its context
+                drop_stale_buffers()
+            with mx.stream(self.gen.stream):
+                # A chunk without logits: a long last chunk's would cost more than one forward.
+                n = self._chunk(o)
+                if n:
+                    chunk, o.prompt = o.prompt[:n], o.prompt[n:]
+                    self.model(mx.array(chunk)[None], cache=o.cache)
+                    mx.eval([c.state for c in o.cache])
+                    self._checkpoint(o, len(r.tokens) - len(o.prompt))
+                    return []
+                x, o.prompt = (o.prompt or r.completion[-1:]), []
+                logits = self.model(mx.array(x)[None], cache=o.cache)[:, -1, :]
+                if not r.completion:
+                    self._checkpoint(o, len(r.tokens), always=True)
+                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                token = r.decoding.sampler(logprobs)
+                mx.eval(token, logprobs)
+                token = int(token.item())
+            finish = ("stop" if token in self.eos
+                      else "length" if len(r.completion) + 1 >= o.max_tokens else None)
+            resp = SimpleNamespace(uid=r.uid, token=token, logprobs=logprobs[0],
+                                   finish_reason=finish)
+            if not self._take(r, resp) and finish is None:
+                if any(x is o for x in self._readers):
+                    self._decodes(o)
+                return []
+            self._hand_off()
+            with mx.stream(self.gen.stream):  # the cache holds the answer's last token too
+                self.model(mx.array([[token]]), cache=o.cache)
+                mx.eval([c.state for c in o.cache])
+        except Exception as e:
+            logger.exception("generation step failed")
+            if r.uid in self.running:
+                self._forget([r])
+            self._failed.append((r, e))
+            return []
+        self._forget([r])
+        self._flush_text(r)
+        return [(r, o.cache)]
+
+    def _chunk(self, o: _Own) -> int:
+        """How many prompt tokens the next forward reads without logits (0: the rest, with
+        them): a step's worth, short of the last forward's, and never past a split."""
+        r, last = o.r, self.last_forward_tokens
+        pos = len(r.tokens) - len(o.prompt)
+        n = min(self.prefill_step_tokens, len(o.prompt) - last) if len(o.prompt) > last else 0
+        split = next((p for p in r.split_at if pos < p < len(r.tokens)), None)
+        if split is not None and (n == 0 or split < pos + n):
+            n = split - pos
+        return n
+
+    def _checkpoint(self, o: _Own, position: int, always: bool = False) -> None:
+        """The window and recurrent caches, standing at `position`, kept for the commit."""
+        if self.kinds.checkpointed and (always or position in o.r.split_at):
+            snap = self.kinds.snapshot(o.cache)
+            req = o.r.job.request
+            if position in req.checkpoint_at:
+                snap = dataclasses.replace(snap, anchored=True,
+                                           shared=position == req.shared_checkpoint_at)
+            o.r.checkpoints[position] = snap
+
+    def drop(self, r: Running) -> None:
+        """Take a request out without a commit (it failed)."""
+        if r.uid in self.running:
+            self._forget([r])
+
+    def _emit(self, r: Running, resp) -> bool:
+        """Send what may be sent of the text, with the token; True when a stop string was
+        found (the stop string and what follows it are not sent)."""
+        cut, hit = stop_cut(r.text, r.stops)
+        text = ""
+        if cut > r.sent:
+            text, r.sent = r.text[r.sent:cut], cut
+        elif hit:
+            r.stop_sequence = hit
+            return True
+        msg = worker_pb2.WorkerGenerateResponse(token_ids=[resp.token])
+        if r.decoding.logprobs:
+            msg.logprobs.append(token_logprob(resp.logprobs, resp.token,
+                                              r.decoding.top_logprobs, self.decode))
+        self._send(r, msg, text)
+        r.stop_sequence = hit
+        return bool(hit)
+
+    def _flush_text(self, r: Running) -> None:
+        """The end of the answer: the detokenizer's last text and any held-back tool call."""
+        text = ""
+        if not r.stop_sequence:
+            r.detok.finalize()
+            r.text += r.detok.last_segment
+            end, hit = stop_cut(r.text, r.stops)
+            if end > r.sent:
+                text, r.sent = r.text[r.sent:end], end
+            if hit:
+                r.stop_sequence, r.finish = hit, api_pb2.FINISH_REASON_STOP
+        self._send(r, worker_pb2.WorkerGenerateResponse(), text, final=True)
+
+    @staticmethod
+    def _send(r: Running, msg, text: str, final: bool = False) -> None:
+        """Text through the reasoning split (chat input, a model with think markers), the
+        rest through the tool-call parser (when the request has tools), then out."""
+        reasoning = r.decoding.reasoning
+        if reasoning is not None:
+            msg.reasoning, text = reasoning.feed(text)
+            if final:
+                more, rest = reasoning.finish()
+                msg.reasoning, text = msg.reasoning + more, text + rest
+        tools = r.decoding.tools
+        if tools is not None:
+            text, calls = tools.feed(text)
+            if final:
+                rest, more = tools.finish()
+                text, calls = text + rest, calls + more
+            msg.tool_calls.extend(calls)
+        msg.text = text
+        if msg.text or msg.reasoning or msg.token_ids or msg.tool_calls:
+            r.job.emit(msg)
+
+
+def _context(r: Running) -> int:
+    """A running request's context: its prompt and its answer so far."""
+    return len(r.tokens) + len(r.completion)
+
+
+def _own_lead(model, kinds: CacheKinds) -> int:
+    """`OWN_LEAD_OF_WEIGHTS` of the model's weights, in tokens of a running request's KV: the
+    padding past which a second forward costs less than the batch (SmolLM2-135M on a CPU:
+    ~2.9K tokens; Qwen3.6-27B in 4 bits on a GPU, 16 of its 64 layers with KV: ~230K, more
+    than its context, so always batched there)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    share = OWN_LEAD_OF_WEIGHTS["cpu" if mx.default_device().type == mx.DeviceType.cpu
+                                else "gpu"]
+    weights = sum(int(v.nbytes) for _, v in tree_flatten(model.parameters()))
+    per_token = kinds.measure()[0]
+    return int(share * weights / per_token) if per_token else 1 << 62
+
+
+def stop_cut(text: str, stops: list[str]) -> tuple[int, str]:
+    """How much of `text` may be sent, and the stop string found ("" : none).
+
+    Text that could still grow into a stop string is held back.
+    """
+    if not stops:
+        return len(text), ""
+    found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+    if found:
+        return min(found)
+    hold = max(len(s) for s in stops) - 1
+    return max(0, len(text) - hold), ""
+
+
+def warm_up(batch: "BatchScheduler", kinds, tokenizer, chunk_tokens: int) -> None:
+    """One short request through the scheduler, so the memory a first request leaves behind
+    (kernels, allocator, buffers) is in the fixed part of the budget."""
+    tokens = np.arange(1000, 1000 + 2 * chunk_tokens + 1, dtype=np.uint32)
+    job = cmd.Generate(worker_pb2.WorkerGenerateRequest(max_tokens=2), emit=lambda ev: None)
+    r = Running(job=job, tokens=tokens, bank_key=("", "warm-up"), session=None, cached=0,
+                source=api_pb2.CACHE_SOURCE_NONE, known=0, started=time.monotonic(),
+                stops=[], detok=tokenizer.detokenizer,
+                # a logits processor sends it through mlx-lm's BatchGenerator, whose first-use
+                # buffers belong in the fixed part too (not the solo path)
+                decoding=Decoding(make_request_sampler(0.0, 0.0, None),
+                                  processors=[lambda tokens, logits: logits]))
+    batch.add(r, kinds.new_cache(), 2)
+    while batch:
+        batch.step()
+    mx.clear_cache()

@@ -1,0 +1,86 @@
+"""What the worker's memory costs: a prefill chunk's transients measured on the model
+(`calibrate`, the list itself: kvbank/contracts/pricing.py), the process's resident bytes, the
+memory budget, and every byte the worker answers for (`held_bytes`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvbank.contracts.pricing import Pricing
+
+logger = logging.getLogger(__name__)
+
+
+def calibrate(model, pricing: Pricing) -> Pricing:
+    """Measure a prefill chunk's transient bytes at contexts 0 and 4 chunks (MLX tracks CPU
+    allocations too), so pricing reflects this model and this chunk size."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    C = pricing.chunk_tokens
+    cache = make_prompt_cache(model)
+    peaks = {}
+    for i in range(5):  # measure at context 0 and 4C: the slope over a wide span is steady
+        tokens = mx.array([[(1000 + 7 * j + i) % 5000 for j in range(C)]], dtype=mx.uint32)
+        mx.eval(tokens)
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        model(tokens, cache=cache)
+        mx.eval([c.state for c in cache])
+        kv_growth = mx.get_active_memory() - before
+        if i in (0, 4):
+            peaks[i] = max(0, mx.get_peak_memory() - before - kv_growth)
+    del cache
+    mx.clear_cache()
+    peaks = [peaks[0], peaks[4]]
+    pricing.transient_base = peaks[0]
+    pricing.transient_per_context_token = max(0.0, (peaks[1] - peaks[0]) / (4 * C))
+    return pricing
+
+
+def resident_bytes(pid: int | str = "self") -> int:
+    """Memory a process holds itself: anonymous + shared resident pages (Linux RssAnon +
+    RssShmem). File-backed pages (libraries, the LMDB map a restore reads) are the kernel's
+    page cache and can be dropped any time, so they do not count. Elsewhere: RSS."""
+    try:
+        fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+        return sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem"))
+    except (OSError, KeyError, ValueError):
+        import psutil
+
+        return psutil.Process(None if pid == "self" else int(pid)).memory_info().rss
+
+
+def default_memory_budget() -> int:
+    """60 % of RAM: the rest is for the OS, the coldstore's page cache and other programs."""
+    import psutil
+
+    return int(psutil.virtual_memory().total * 0.6)
+
+
+def memory_budget_bytes(spec: str | int | None, pricing: Pricing) -> int:
+    """--memory-budget: bytes, or "+N" (N bytes for KV beyond the model and one prefill
+    chunk's working memory), or None (default_memory_budget)."""
+    if spec is None:
+        budget = default_memory_budget()
+    elif isinstance(spec, str) and spec.startswith("+"):
+        budget = pricing.fixed_bytes + pricing.transient_base + int(spec[1:])
+    else:
+        budget = int(spec)
+    logger.info("memory budget %.0f MB: model and runtime %.0f MB, a %d-token prefill chunk "
+                "%.0f MB + %.0f KB per context token; one request fits up to %d tokens",
+                budget / 1e6, pricing.fixed_bytes / 1e6, pricing.chunk_tokens,
+                pricing.transient_base / 1e6, pricing.transient_per_context_token / 1e3,
+                pricing.max_fit_tokens(budget))
+    if pricing.fixed_bytes + pricing.transient_base >= budget:
+        raise SystemExit(f"--memory-budget {spec}: {budget} bytes is less than the model "
+                         f"and one prefill chunk take ({pricing.fixed_bytes} + "
+                         f"{pricing.transient_base} bytes): raise it")
+    return budget
+
+
+def held_bytes(pricing: Pricing, bank) -> int:
+    """Every byte the worker answers for: fixed, bank entries, running requests, staged, and
+    what RSS shows beyond them."""
+    return pricing.fixed_bytes + pricing.unaccounted_bytes + bank.ledger()["held_bytes"]

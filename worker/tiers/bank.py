@@ -1,0 +1,595 @@
+"""SessionBank: every conversation's KV that the worker holds in RAM, and the policies that
+decide what leaves.
+
+An entry is one session's KV for one token prefix. Entries are found by prefix, never by
+session id alone: the index maps each chained block id (kvbank.blocks) to the entries that
+contain that block, so a lookup walks the prompt's blocks (O(blocks in the prompt)) and then
+verifies the chosen entry token by token.
+
+Eviction order (who leaves first), kept by `_eviction_order`:
+  1. prefetched entries whose hint has lapsed, not used since;
+  2. conversations without a hint: entries of idle sessions before entries of active ones (a
+     session is active while a request runs on it, and for `active_pin_s` after its last
+     use), least recently used first;
+  3. conversations an agent said it will come back to (a live prefetch hint): the one hinted
+     last goes first, since its tool call started last. Least recently used would be exactly
+     wrong here: agents that think alike come back in the order they left.
+Protections are filters on top of that order, never reorderings: `protect_active` skips
+active sessions, `protect_unwritten` skips entries whose own SSD write is still queued,
+`protect_keys` (entries) / `protect_sessions` (tenant, session id) skip what the caller names.
+
+The bank owns one byte ledger (`total_nbytes`), changed only in `_add` and `_remove`.
+The bank runs on the worker's engine thread: no locks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterable
+
+import numpy as np
+
+from kvbank import events, metrics
+from kvbank.blocks import BlockId, chain_block_ids, common_prefix_len
+from kvbank.contracts.receipts import (Eviction, ReleaseReceipt, ReleaseRow, ShedReceipt,
+                                       ShrinkReceipt)
+from kvbank.contracts.vocabulary import RETRY_OUTCOMES, Outcome, Policy, TrimReason
+from kvbank.worker.kv.cache_kinds import Checkpoint
+from kvbank.worker.kv.arrays import Layers, layers_nbytes
+
+if TYPE_CHECKING:
+    from kvbank.worker.link.writer import KVWriter
+
+logger = logging.getLogger(__name__)
+
+SessionKey = tuple[str, str]  # (tenant, session_id)
+MAX_TAIL_CANDIDATES = 256
+MAX_CHECKPOINTS = 8  # an entry's checkpoints (its end always among them): --max-checkpoints
+
+
+def any_prefix(checkpoints, n_tokens: int) -> int:
+    """The restore point of a model with full-attention caches only: any prefix."""
+    return n_tokens
+
+
+@dataclass(eq=False)
+class BankEntry:
+    key: int
+    session: SessionKey
+    tokens: np.ndarray  # uint32, the prefix this KV covers
+    block_ids: list[BlockId]  # chained ids of its full blocks
+    layers: Layers  # K and V of its full-attention caches (worker/kv/cache_kinds.py)
+    nbytes: int
+    last_used: float
+    checkpoints: dict[int, Checkpoint] = field(default_factory=dict)  # position -> the rest
+    durable_tokens: int = 0  # KV committed in LMDB up to here
+    write_job: int | None = None  # id of its queued coldstore write, if any
+    write_pending: bool = False  # its write must be sent again (refused, lost, no record)
+    prefetched: bool = False  # brought from SSD on a hint, not used since: the first to go
+    in_bank: bool = False  # in the bank's ledger now (not taken over by a request, not gone)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def awaits_queued_write(self) -> bool:
+        """Its SSD write is queued (or waits to be sent again) and not committed: RAM holds
+        the only copy."""
+        return ((self.write_job is not None or self.write_pending)
+                and self.durable_tokens < self.n_tokens)
+
+    @property
+    def durable(self) -> bool:
+        return self.durable_tokens >= self.n_tokens
+
+
+def _inherit(into: dict[int, Checkpoint], old: BankEntry, shared: int) -> None:
+    """`old`'s checkpoints that stand on the `shared` tokens, where `into` has none."""
+    for p, c in old.checkpoints.items():
+        if p <= shared:
+            into.setdefault(p, c)
+
+
+def _newest(checkpoints: dict[int, Checkpoint], end: int, cap: int) -> dict[int, Checkpoint]:
+    """At most `cap` checkpoints: the one at `end`, then those ending a prefix other
+    conversations share (as a block many conversations name, they go last), then the
+    newest."""
+    order = sorted(checkpoints, key=lambda p: (p != end, not checkpoints[p].shared, -p))
+    order = order[:max(1, cap)]
+    return {p: checkpoints[p] for p in sorted(order)}
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    entry: BankEntry
+    n_tokens: int
+
+
+class SessionBank:
+    def __init__(self, *, block_tokens: int, root_for: Callable[[str], BlockId],
+                 max_bytes: int, active_pin_s: float = 600.0, log_size: int = 1024,
+                 writer: "KVWriter | None" = None,
+                 restore_point: Callable[[Iterable[int], int], int] = any_prefix,
+                 max_checkpoints: int = MAX_CHECKPOINTS,
+                 clock: Callable[[], float] = time.monotonic):
+        """`restore_point(checkpoint positions, n)`: the longest prefix <= n an entry with
+        those checkpoints restores (CacheKinds.restore_point; any prefix without one)."""
+        self.restore_point = restore_point
+        self.max_checkpoints = max_checkpoints
+        self.clock = clock  # monotonic seconds: recency and the active pin (tests inject one)
+        self.listener = None  # told of every entry added and removed (worker/link/kv_events.py)
+        self.block_tokens = block_tokens
+        self.writer = writer  # None: no coldstore (nothing is ever written)
+        self.root_for = root_for
+        self.max_bytes = max_bytes
+        self.ceiling_bytes: int | None = None  # a dynamic ceiling below max_bytes
+        self.active_pin_s = active_pin_s
+        # When a live prefetch hint came for the conversation (None: no hint); set by
+        # worker/tiers/prefetch.py, which owns the hints.
+        self.hinted_at: Callable[[SessionKey], float | None] = lambda session: None
+        self.write_out_deadline_s: float | None = None  # None: RELEASE_WRITE_OUT_MAX_S
+        self.entries: dict[int, BankEntry] = {}
+        self.total_nbytes = 0
+        self.eviction_log: deque[Eviction] = deque(maxlen=log_size)
+        self.receipts: deque = deque(maxlen=256)  # every policy receipt that did something
+        self._index: dict[BlockId, set[int]] = {}
+        self._by_session: dict[SessionKey, set[int]] = {}
+        self._in_flight: dict[SessionKey, int] = {}
+        self._active_nbytes: dict[SessionKey, int] = {}  # caches of running requests
+        self._last_use: dict[SessionKey, float] = {}
+        self._ids = itertools.count(1)
+
+    @property
+    def indexed_block_ids(self) -> int:
+        """How many block ids the prefix index holds (a benchmark's measure of its size)."""
+        return len(self._index)
+
+    @property
+    def effective_max_bytes(self) -> int:
+        return min(self.max_bytes, self.ceiling_bytes or self.max_bytes)
+
+    # -- lookup -----------------------------------------------------------------------------
+
+    def lookup(self, tokens: np.ndarray, tenant: str,
+               ids: list[BlockId] | None = None, limit: int | None = None,
+               restore_point: Callable[[Iterable[int], int], int] | None = None) -> Hit | None:
+        """The entry that restores the longest token-verified prefix of `tokens`, at most
+        `limit` tokens (`ids`: their chained block ids, when the caller has them already).
+
+        Without a limit a full hit is returned as such; a restore leaves the last token to
+        compute (the model needs one input to produce the next token's logits).
+        `restore_point=any_prefix`: what the bank holds, restorable or not.
+        """
+        root = self.root_for(tenant)
+        if ids is None:
+            ids = chain_block_ids(tokens, root, self.block_tokens)
+        level = self._index.get(root, set())  # every entry of the tenant
+        depth = 0
+        for i, bid in enumerate(ids):
+            nxt = self._index.get(bid)
+            if not nxt:
+                break
+            level, depth = nxt, i + 1
+        if not level:
+            return None
+        best, best_n = None, 0
+        base = depth * self.block_tokens
+        # The walk stopped at the first block no entry holds, so no candidate shares more than
+        # one block past `base`: compare that far, not the rest of the prompt.
+        end = base + self.block_tokens
+        query = tokens[base:end]
+        for key in itertools.islice(level, MAX_TAIL_CANDIDATES):
+            e = self.entries[key]
+            n = base + common_prefix_len(e.tokens[base:end], query)
+            n = (restore_point or self.restore_point)(e.checkpoints,
+                                                       n if limit is None else min(n, limit))
+            if n > best_n or (n == best_n and best is not None and e.last_used > best.last_used):
+                best, best_n = e, n
+        if best is None or best_n == 0:
+            return None
+        if not np.array_equal(best.tokens[:best_n], tokens[:best_n]):
+            raise RuntimeError("bug: block index and tokens disagree")
+        return Hit(best, best_n)
+
+    # -- ledger: the only two places that change total_nbytes -------------------------------
+
+    def _add(self, e: BankEntry) -> None:
+        self.entries[e.key] = e
+        e.in_bank = True
+        self.total_nbytes += e.nbytes
+        self._by_session.setdefault(e.session, set()).add(e.key)
+        for bid in self._index_keys(e):
+            self._index.setdefault(bid, set()).add(e.key)
+        if self.listener is not None:
+            self.listener.ram_added(e)
+
+    def _remove(self, e: BankEntry, *, announce: bool = True) -> None:
+        del self.entries[e.key]
+        e.in_bank = False
+        self.total_nbytes -= e.nbytes
+        keys = self._by_session[e.session]
+        keys.discard(e.key)
+        if not keys:
+            del self._by_session[e.session]
+        for bid in self._index_keys(e):
+            s = self._index.get(bid)
+            if s is not None:
+                s.discard(e.key)
+                if not s:
+                    del self._index[bid]
+        if announce:
+            self._unannounce(e)
+
+    def _unannounce(self, e: BankEntry) -> None:
+        if self.listener is not None:
+            self.listener.ram_removed(e)
+
+    def _index_keys(self, e: BankEntry) -> list[BlockId]:
+        # Under the tenant's root too, so a shared prefix shorter than one block is found.
+        return [self.root_for(e.session[0]), *e.block_ids]
+
+    # -- commit -----------------------------------------------------------------------------
+
+    def insert(self, session: SessionKey, tokens: np.ndarray, layers: Layers,
+               *, checkpoints: dict[int, Checkpoint] | None = None,
+               durable_tokens: int = 0, supersede_slack: int = 0,
+               prefetched: bool = False, handed: BankEntry | None = None) -> BankEntry:
+        """Add a finished turn's KV. Entries of the same session that are a prefix of it are
+        superseded (the new entry serves every prefix of its own) and leave; entries of a
+        branch stay, as non-terminal. With `supersede_slack`, an entry the new one covers up
+        to its last `supersede_slack` tokens is superseded too (a client that re-rendered the
+        end of the previous answer differently continues, not branches). A `prefetched`
+        entry (read back from SSD on a hint) does not make its session active. `handed`: the
+        entry this turn took out of the bank when it started (`hand_over`): what LMDB held of
+        it counts as for a superseded one.
+
+        `checkpoints`: the entry's window and recurrent caches at its end and wherever else
+        its request stood (worker/kv/cache_kinds.py). Those of the entries it supersedes that
+        stand on its tokens come along, newest first, up to `max_checkpoints`."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.uint32)
+        now = self.clock()
+        superseded = []
+        checkpoints = dict(checkpoints or {})
+        if handed is not None:
+            shared = common_prefix_len(handed.tokens, tokens)
+            durable_tokens = max(durable_tokens, min(handed.durable_tokens, shared))
+            _inherit(checkpoints, handed, shared)
+        for old in self.session_entries(session):
+            shared = common_prefix_len(old.tokens, tokens)
+            if shared == old.n_tokens or (supersede_slack and old.n_tokens <= len(tokens)
+                                          and shared >= old.n_tokens - supersede_slack):
+                durable_tokens = max(durable_tokens, min(old.durable_tokens, shared))
+                superseded.append(old)
+                _inherit(checkpoints, old, shared)
+        checkpoints = _newest(checkpoints, len(tokens), self.max_checkpoints)
+        e = BankEntry(
+            key=next(self._ids),
+            session=session,
+            tokens=tokens,
+            block_ids=chain_block_ids(tokens, self.root_for(session[0]), self.block_tokens),
+            layers=layers,
+            checkpoints=checkpoints,
+            nbytes=layers_nbytes(layers) + sum(c.nbytes for c in checkpoints.values()),
+            last_used=now,
+            durable_tokens=min(durable_tokens, len(tokens)),
+            prefetched=prefetched,
+        )
+        self._add(e)  # before the superseded leave: the blocks they share are never unheld
+        for old in superseded:
+            self._remove(old)
+        if handed is not None:
+            self._unannounce(handed)
+        if not prefetched:
+            self._last_use[session] = now
+        return e
+
+    # -- a running request's own KV ------------------------------------------------------------
+
+    def hand_over(self, e: BankEntry) -> None:
+        """A request that continues the whole of its conversation's entry takes it out of the
+        bank: its KV is now the request's working memory (counted as active, not as the bank's,
+        as in every server's prompt cache), and the request may write past its tokens in place
+        (worker/kv/arrays.py). Its queued SSD write goes on, and its blocks stay announced (KV
+        events): the machine still holds them. The turn's commit supersedes it; a request that
+        fails or is cancelled gives it back (`take_back`), or lets it go (`let_go`)."""
+        self._remove(e, announce=False)
+
+    def take_back(self, e: BankEntry) -> None:
+        """A handed-over entry returns (its request ended without a commit): its tokens' KV
+        is as it was. Left out when an entry of its session covers it already."""
+        if any(common_prefix_len(o.tokens, e.tokens) == e.n_tokens
+               for o in self.session_entries(e.session)):
+            self.let_go(e)
+            return
+        self._add(e)  # a write that ended meanwhile is sent again (upkeep.retry_writes)
+
+    def let_go(self, e: BankEntry) -> None:
+        """A handed-over entry nobody will commit over or give back (its conversation was
+        deleted, or another entry covers it): its blocks leave RAM for the KV events."""
+        self._unannounce(e)
+
+    def withdraw(self, e: BankEntry) -> None:
+        """An entry that was never its conversation's to keep (a running request's prompt,
+        shared with others, whose turn was not committed) leaves, if it is still here: no
+        eviction, nothing of it was the conversation's."""
+        if self.entries.get(e.key) is e:
+            self._remove(e)
+
+    def sessions(self) -> list[SessionKey]:
+        """The conversations with at least one entry in RAM."""
+        return list(self._by_session)
+
+    def session_entries(self, session: SessionKey) -> list[BankEntry]:
+        return [self.entries[k] for k in self._by_session.get(session, ())]
+
+    def terminal(self, session: SessionKey) -> BankEntry | None:
+        entries = self.session_entries(session)
+        return max(entries, key=lambda e: (e.n_tokens, e.last_used)) if entries else None
+
+    def session_nbytes(self, session: SessionKey, checkpoints_only: bool = False) -> int:
+        if checkpoints_only:
+            return sum(c.nbytes for e in self.session_entries(session)
+                       for c in e.checkpoints.values())
+        return sum(e.nbytes for e in self.session_entries(session))
+
+    # -- activity ---------------------------------------------------------------------------
+
+    def begin_request(self, session: SessionKey) -> None:
+        self._in_flight[session] = self._in_flight.get(session, 0) + 1
+        self._last_use[session] = self.clock()
+
+    def end_request(self, session: SessionKey) -> None:
+        n = self._in_flight.get(session, 0) - 1
+        if n > 0:
+            self._in_flight[session] = n
+        else:
+            self._in_flight.pop(session, None)
+            self._active_nbytes.pop(session, None)
+        self._last_use[session] = self.clock()
+
+    def reserve_active(self, session: SessionKey, nbytes: int) -> None:
+        """Bytes a running request's own cache will reach (prompt + max_tokens), or a
+        prefetch hint's read (until `unreserve_active`: it runs no request)."""
+        self._active_nbytes[session] = self._active_nbytes.get(session, 0) + nbytes
+
+    def unreserve_active(self, session: SessionKey, nbytes: int) -> None:
+        if (left := self._active_nbytes.get(session, 0) - nbytes) > 0:
+            self._active_nbytes[session] = left
+        else:
+            self._active_nbytes.pop(session, None)
+
+    def ledger(self) -> dict[str, int]:
+        """Every byte the bank answers for: entries, running requests' caches, and KV handed
+        to the coldstore but not committed yet."""
+        active = sum(self._active_nbytes.values())
+        staged = self.writer.staged_bytes if self.writer is not None else 0
+        return {"entries_bytes": self.total_nbytes, "active_bytes": active,
+                "staged_bytes": staged, "held_bytes": self.total_nbytes + active + staged}
+
+    def is_busy(self, session: SessionKey) -> bool:
+        return session in self._in_flight
+
+    def busy_sessions(self) -> frozenset[SessionKey]:
+        """Conversations with a request in flight (for the engine's snapshot)."""
+        return frozenset(self._in_flight)
+
+    def is_active(self, session: SessionKey, now: float | None = None) -> bool:
+        if session in self._in_flight:
+            return True
+        now = self.clock() if now is None else now
+        return now - self._last_use.get(session, -1e18) < self.active_pin_s
+
+    def touch(self, e: BankEntry) -> None:
+        e.last_used = self.clock()
+        e.prefetched = False  # used: an entry like any other now
+        self._last_use[e.session] = e.last_used
+
+    # -- durability (fed by the coldstore's acknowledgements) -------------------------------
+
+    def mark_durable(self, session: SessionKey, durable_tokens: int,
+                     lowered: bool = False) -> None:
+        """What LMDB holds of the session; `lowered` when a write-out's deadline took back
+        blocks (it can only grow otherwise)."""
+        for e in self.session_entries(session):
+            n = min(durable_tokens, e.n_tokens)
+            e.durable_tokens = n if lowered else max(e.durable_tokens, n)
+
+    def mark_write_done(self, session: SessionKey, job_id: int, outcome: Outcome) -> None:
+        """The job ended; refused, failed or out of time (RETRY_OUTCOMES), its entries still
+        in RAM wait to be sent again, protected."""
+        for e in self.session_entries(session):
+            if e.write_job == job_id:
+                e.write_job = None
+                e.write_pending = outcome in RETRY_OUTCOMES and not e.durable
+
+    # -- policies ---------------------------------------------------------------------------
+
+    def record(self, receipt) -> None:
+        """A policy's receipt leaves the process: the Status RPC reads `receipts`, and the
+        event log gets it as one line."""
+        self.receipts.append(receipt)
+        events.emit(**asdict(receipt))
+
+    def _eviction_order(self, now: float) -> list[BankEntry]:
+        """The module docstring's order."""
+        def rank(e: BankEntry) -> tuple:
+            hinted = self.hinted_at(e.session)
+            if hinted is None:
+                return (not e.prefetched, False, self.is_active(e.session, now), e.last_used)
+            return (True, True, False, -hinted)
+
+        return sorted(self.entries.values(), key=rank)
+
+    def evict(self, e: BankEntry, reason: TrimReason, *, write_out: Outcome | None = None,
+              write_out_s: float | None = None) -> None:
+        self._remove(e)
+        durable = e.durable_tokens >= e.n_tokens
+        self.eviction_log.append(Eviction(
+            at=time.time(), reason=reason, session_id=e.session[1], prefix_tokens=e.n_tokens,
+            nbytes=e.nbytes, durable=durable, release_write_out=write_out,
+            write_out_s=write_out_s, tenant=e.session[0],
+        ))
+        metrics.EVICTIONS.labels(reason).inc()
+        if write_out is not None:
+            metrics.WRITE_OUTS.labels(write_out).inc()
+        if e.awaits_queued_write:
+            metrics.UNWRITTEN_DROPPED.inc()
+        events.emit("kv_evicted", tenant=e.session[0], session_id=e.session[1], reason=reason,
+                    tokens=e.n_tokens, bytes=e.nbytes, durable_tokens=e.durable_tokens,
+                    now="cold" if durable else "gone", write_out=write_out)
+        if e.awaits_queued_write:
+            # Its staged bytes go too: the memory is wanted back, in the coldstore as well.
+            logger.warning("%s: dropped %s (%d tokens) before its SSD write",
+                           reason, e.session[1], e.n_tokens)
+            if self.writer is not None:
+                self.writer.cancel(e)
+
+    def shrink_to_bytes(self, target_bytes: int, *, reason: TrimReason,
+                        protect_active: bool = False, protect_unwritten: bool = False,
+                        protect_keys: Iterable[int] = (),
+                        protect_sessions: Iterable[SessionKey] = ()) -> ShrinkReceipt:
+        """Evict in eviction order until the bank holds <= target_bytes.
+
+        With protect_active the bank may stay above target (dynamic ceiling: an active session
+        never re-prefills because of a trim). With protect_unwritten an entry whose own SSD
+        write is still queued is never taken; when only such entries remain it stops above
+        target and counts them in `unwritten_kept`.
+        """
+        r = ShrinkReceipt(reason=reason, target_bytes=target_bytes)
+        protect_keys, protect_sessions = set(protect_keys), set(protect_sessions)
+        now = self.clock()
+        for e in self._eviction_order(now):
+            if self.total_nbytes <= target_bytes:
+                break
+            if e.key in protect_keys or e.session in protect_sessions or self.is_busy(e.session):
+                continue
+            if protect_active and self.is_active(e.session, now):
+                continue
+            if protect_unwritten and e.awaits_queued_write:
+                r.unwritten_kept += 1
+                continue
+            if e.awaits_queued_write:
+                r.unwritten_dropped += 1
+            r.evicted_entries += 1
+            r.evicted_bytes += e.nbytes
+            self.evict(e, reason)
+        r.bytes_after = self.total_nbytes
+        if r.evicted_entries or r.unwritten_kept:
+            self.record(r)
+        return r
+
+    def drop_session(self, session: SessionKey, reason: TrimReason) -> int:
+        """Evict every entry of one session, whatever its state (the session is gone)."""
+        entries = self.session_entries(session)
+        for e in entries:
+            self.evict(e, reason)
+        return len(entries)
+
+    def shrink_for_admission(self, target_bytes: int, *, protect_tokens: np.ndarray | None,
+                             reason: TrimReason, tenant: str = "",
+                             protect_sessions: Iterable[SessionKey] = (),
+                             protect_unwritten: bool = False) -> ShedReceipt:
+        """Make room before a prefill: non-terminal entries first (LRU), then any entry of a
+        session with no request running. The entries `protect_tokens` would restore from are
+        never taken, nor, with protect_unwritten, one whose SSD write is still queued (the
+        release step writes those out first)."""
+        protected: set[int] = set()
+        if protect_tokens is not None and len(protect_tokens):
+            protect_tokens = np.asarray(protect_tokens, dtype=np.uint32)
+            hit = self.lookup(protect_tokens, tenant, limit=len(protect_tokens) - 1)
+            if hit is not None:
+                protected.add(hit.entry.key)
+        keep = set(protect_sessions)
+        terminals = {t.key for t in (self.terminal(s) for s in list(self._by_session)) if t}
+        order = self._eviction_order(self.clock())
+        r = ShedReceipt(reason=reason, target_bytes=target_bytes)
+        for terminal_phase in (False, True):
+            for e in order:
+                if self.total_nbytes <= target_bytes:
+                    break
+                if (e.key not in self.entries or e.key in protected or e.session in keep
+                        or self.is_busy(e.session) or (e.key in terminals) != terminal_phase
+                        or (protect_unwritten and e.awaits_queued_write)):
+                    continue
+                self.evict(e, reason)
+                r.evicted_bytes += e.nbytes
+                if terminal_phase:
+                    r.terminal_evicted += 1
+                else:
+                    r.non_terminal_evicted += 1
+        r.bytes_after = self.total_nbytes
+        if r.evicted_bytes:
+            self.record(r)
+        return r
+
+    def release_sessions(self, target_bytes: int | None, *,
+                         keep_sessions: Iterable[SessionKey] = (),
+                         protect_keys: Iterable[int] = (),
+                         reason: TrimReason, write_out_before_release: bool = False,
+                         only_sessions: Iterable[SessionKey] | None = None,
+                         max_write_out_s: float | None = None) -> "ReleaseReceipt":
+        """Release whole idle conversations until the bank holds <= target_bytes (None: all).
+
+        Conversations already durable go first, then those without a prefetch hint (least
+        recently used first), then hinted ones (hinted last, first). With write-out, an
+        entry whose SSD write is still queued is written first; all writes of one call share
+        one deadline (RELEASE_WRITE_OUT_MAX_S). A write that runs out of time, is refused or
+        fails leaves the entry dropped, as without write-out; without it the queued write is
+        cancelled. A session with a request running is skipped whole.
+        """
+        from kvbank.worker.link.writer import RELEASE_WRITE_OUT_MAX_S
+
+        budget_s = next(s for s in (max_write_out_s, self.write_out_deadline_s,
+                                    RELEASE_WRITE_OUT_MAX_S) if s is not None)
+        give_up_at = time.time() + budget_s
+        keep, protected = set(keep_sessions), set(protect_keys)
+        only = None if only_sessions is None else set(only_sessions)
+        r = ReleaseReceipt(reason=reason, kind=(Policy.RELEASE_WRITE_OUT if write_out_before_release
+                                                else Policy.IDLE_RELEASE))
+        candidates = [s for s in self._by_session
+                      if s not in keep and (only is None or s in only)]
+        def rank(s: SessionKey) -> tuple:
+            hinted = self.hinted_at(s)
+            return (not all(e.durable for e in self.session_entries(s)), hinted is not None,
+                    -hinted if hinted is not None else self._last_use.get(s, 0.0))
+
+        candidates.sort(key=rank)
+        for session in candidates:
+            if target_bytes is not None and self.total_nbytes <= target_bytes:
+                break
+            if self.is_busy(session):
+                r.skipped_busy_sessions += 1
+                continue
+            row = ReleaseRow(session_id=session[1], tenant=session[0])
+            for e in sorted(self.session_entries(session), key=lambda e: e.n_tokens):
+                if e.key in protected:  # the incoming prompt restores from it
+                    continue
+                if self.is_busy(session):  # a request started while we wrote: keep the rest
+                    r.skipped_busy_sessions += 1
+                    break
+                outcome, took = None, None
+                if write_out_before_release and e.awaits_queued_write and self.writer is not None:
+                    t0 = time.monotonic()
+                    outcome = self.writer.write_out(e, give_up_at)
+                    took = time.monotonic() - t0
+                    r.write_out_s += took
+                    if outcome == Outcome.WRITTEN:
+                        row.written_out_entries += 1
+                row.entries += 1
+                row.held_bytes += e.nbytes
+                if e.durable:
+                    row.on_ssd_entries += 1
+                else:
+                    row.dropped_entries += 1
+                self.evict(e, reason, write_out=outcome, write_out_s=took)
+            if row.entries:  # a conversation whose every entry was protected: no row
+                r.add(row)
+        r.write_out_s = round(r.write_out_s, 4)
+        if r.rows or r.skipped_busy_sessions:
+            self.record(r)
+        return r

@@ -1,0 +1,287 @@
+"""Restore: a request's own cache over the longest prefix kvbank holds, from the RAM bank or
+from SSD, whichever covers more (engine thread)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvbank import events, metrics
+from kvbank.blocks import BlockId, CorruptBlock, decode_header, tail_block_id
+from kvbank.contracts import coldstore_wire as wire
+from kvbank.contracts.store_layout import QUANTIZED_STORE_FORMAT, StoreReader
+from kvbank.v1 import api_pb2
+from kvbank.worker.kv import arrays, codec
+from kvbank.worker.tiers.bank import BankEntry, SessionBank, SessionKey, any_prefix
+from kvbank.worker.kv.cache_kinds import CacheKinds, Checkpoint
+from kvbank.worker.link.client import ColdstoreClient
+
+logger = logging.getLogger(__name__)
+
+READ_TIMEOUT_S = 3.0
+RAM = api_pb2.CACHE_SOURCE_RAM
+
+
+@dataclass
+class Look:
+    """`Restorer.look`: RAM's hit over the prompt (None: none, or no_cache), its tokens, the
+    prompt's restorable limit (0: no_cache), and how many more tokens LMDB holds in whole
+    blocks (what a read from SSD may add, before checkpoints and anchors)."""
+
+    hit: Any
+    ram_n: int
+    limit: int
+    ssd_more: int
+
+
+class Restorer:
+    def __init__(self, *, kinds: CacheKinds, bank: SessionBank, client: ColdstoreClient, store_dir: Path,
+                 root_for, block_tokens: int, restore_via: str = "direct"):
+        self.kinds, self.bank, self.client = kinds, bank, client
+        self.store_dir = store_dir
+        self.root_for = root_for
+        self.block_tokens = block_tokens
+        self.restore_via = restore_via
+        self._store: StoreReader | None = None
+
+    def store(self) -> StoreReader | None:
+        """The store, read-only (the coldstore is its only writer); None until it exists."""
+        if self._store is None and (self.store_dir / "data.mdb").exists():
+            try:
+                self._store = StoreReader(self.store_dir, readonly=True)
+            except Exception as e:
+                logger.warning("cannot open the store read-only yet: %s", e)
+            else:
+                if (self._store.format_version >= QUANTIZED_STORE_FORMAT
+                        and not self.kinds.kv_bits):
+                    logger.warning(
+                        "the store in %s holds KV written with --kv-bits; this worker runs "
+                        "without it, so that KV is never read: those conversations are "
+                        "recomputed (start with the same --kv-bits to restore them)",
+                        self.store_dir)
+        return self._store
+
+    def close(self) -> None:
+        """The read-only view goes (one process opens an LMDB environment once)."""
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def restore(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
+                session: SessionKey, no_cache: bool, anchor_at: int = 0
+                ) -> tuple[list, int, int, BankEntry | None]:
+        """The request's own cache over the longest known prefix: (cache, tokens, source, the
+        bank entry handed over to it, which its commit supersedes or its failure gives back).
+        `anchor_at`: where the prompt's shared prefix (system and tools) ends, whose checkpoint
+        another conversation may have stored (`ssd_prefix`). In three steps, so that the SSD
+        read may run on another thread (worker/tiers/restore_threads.py): `look`, `read_ssd`, `take`."""
+        look = self.look(tokens, ids, tenant, no_cache)
+        return self.take(look, self.read_ssd(look, tokens, ids, tenant, session, anchor_at),
+                         session)
+
+    def look(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
+             no_cache: bool) -> Look:
+        """What RAM holds of the prompt, and how much more LMDB may add (engine thread)."""
+        if no_cache:
+            return Look(None, 0, 0, 0)
+        limit = len(tokens) - 1  # leave one token to compute: its logits give the next token
+        hit = self.bank.lookup(tokens, tenant, ids, limit=limit)
+        ram_n = hit.n_tokens if hit else 0
+        store = self.store() if ram_n < limit else None  # SSD adds only when RAM leaves some
+        n_full = _stored_blocks(store, ids)
+        return Look(hit, ram_n, limit, max(0, min(n_full * self.block_tokens, limit) - ram_n))
+
+    def read_ssd(self, look: Look, tokens: np.ndarray, ids: list[BlockId], tenant: str,
+                 session: SessionKey, anchor_at: int = 0, on_corrupt=None
+                 ) -> tuple[arrays.Layers, Checkpoint | None, int] | None:
+        """What LMDB restores beyond RAM's hit (None: nothing better). Any thread: it touches
+        neither the bank nor the coldstore link; a corrupt block found goes to `on_corrupt`
+        (None: reported here, `corrupt`), which a thread hands to the engine's."""
+        if look.limit == 0 or look.ram_n >= look.limit:
+            return None
+        # Room for the rest of the prompt and the first answer tokens (as a cache grows): the
+        # request appends in place to the arrays it reads from SSD, no second copy.
+        return self.ssd_prefix(tokens, ids, tenant, session, better_than=look.ram_n,
+                               capacity=arrays.capacity(len(tokens)), anchor_at=anchor_at,
+                               on_corrupt=on_corrupt)
+
+    def take(self, look: Look, ssd, session: SessionKey
+             ) -> tuple[list, int, int, BankEntry | None]:
+        """`restore`'s answer from what SSD read (`read_ssd`) or else RAM's hit (engine
+        thread: the bank hands its entry over)."""
+        if ssd is not None:
+            layers, checkpoint, n = ssd
+            return (self.kinds.restore(layers, checkpoint, n, owned=True), n,
+                    api_pb2.CACHE_SOURCE_SSD, None)
+        ram_n = look.ram_n
+        if ram_n > 0:
+            e = look.hit.entry
+            self.bank.touch(e)
+            checkpoint = e.checkpoints.get(ram_n)
+            # Not when kept quantized: the request dequantizes into a buffer of its own, and
+            # the entry stays in the bank, counted, until the commit supersedes it.
+            if e.session == session and ram_n == e.n_tokens and not self.kinds.kv_bits:
+                # The conversation's next turn: its KV goes with the request, which writes its
+                # new tokens in place when the buffer has room (no copy of the history).
+                self.bank.hand_over(e)
+                return self.kinds.restore(e.layers, checkpoint, ram_n, owned=True), ram_n, RAM, e
+            return self.kinds.restore(e.layers, checkpoint, ram_n), ram_n, RAM, None
+        return self.kinds.new_cache(), 0, api_pb2.CACHE_SOURCE_NONE, None
+
+    def lost(self, tokens: np.ndarray, ids: list[BlockId], tenant: str, cached: int) -> int:
+        """Prompt tokens RAM or LMDB hold past `cached` that no checkpoint let a restore reach
+        (0 for a model without window or recurrent caches: any prefix restores)."""
+        if not self.kinds.checkpointed:
+            return 0
+        limit = len(tokens) - 1
+        hit = self.bank.lookup(tokens, tenant, ids, limit=limit, restore_point=any_prefix)
+        ssd = min(self.held(tokens, ids, tenant)[1], limit)
+        return max(0, max(hit.n_tokens if hit else 0, ssd) - cached)
+
+    def held(self, tokens: np.ndarray, ids: list[BlockId], tenant: str) -> tuple[int, int]:
+        """How much of `tokens` RAM and LMDB hold (whole blocks on SSD), nothing restored."""
+        hit = self.bank.lookup(tokens, tenant, ids)
+        store = self.store()
+        return (hit.n_tokens if hit else 0), _stored_blocks(store, ids) * self.block_tokens
+
+    def ssd_prefix(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
+                   session: SessionKey, better_than: int, capacity: int = 0,
+                   limit: int | None = None, anchor_at: int = 0, on_corrupt=None
+                   ) -> tuple[arrays.Layers, Checkpoint | None, int] | None:
+        """The longest prefix LMDB can restore, up to `limit` (None: short of the prompt's
+        last token, whose logits a request needs), if it beats `better_than`: its blocks
+        (arrays with room for `capacity` tokens; 0: tight) and, for a model with checkpoints,
+        the one stored with the last of them, or with an anchor (a checkpoint inside a block,
+        worker/link/writer.py): the conversation's own, named by its record, or the one at
+        `anchor_at` (a shared system prompt's end, stored once by whichever conversation
+        wrote it)."""
+        store = self.store()
+        if store is None:
+            return None
+        B = self.block_tokens
+        root = self.root_for(tenant)
+        n_full = _stored_blocks(store, ids)
+        want = list(ids[:n_full])
+        n = n_full * B
+        got = store.get_session(*session)
+        marks = [anchor_at]
+        if got is not None:
+            meta = got[0]
+            marks += [s + k for _, s, k in meta.anchors]
+            if meta.tail and len(meta.blocks) == n_full and len(tokens) >= n + meta.tail_tokens:
+                parent = ids[n_full - 1] if n_full else root
+                if tail_block_id(parent, tokens[n : n + meta.tail_tokens]).hex() == meta.tail:
+                    want.append(BlockId(bytes.fromhex(meta.tail)))
+                    n += meta.tail_tokens
+        limit = len(tokens) - 1 if limit is None else limit
+        # The furthest anchor this prompt can stand on (its chain and its tokens LMDB's):
+        # one its conversation's record names, the shared system prompt's, or any that
+        # another conversation stored right after the blocks this prompt shares with it,
+        # found by its tokens alone (a few hundred hashes: at most a block's positions).
+        if self.kinds.checkpointed:
+            marks += range(n_full * B + 1, n_full * B + B)
+        at, anchored = next(((p, a) for p in sorted(set(marks), reverse=True)
+                             if better_than < p <= limit
+                             and (a := self._anchored(store, tokens, ids, root, p, n_full))),
+                            (0, None))
+        if min(max(n, at), limit) <= better_than:
+            return None
+        report = on_corrupt or (lambda block, e: self.corrupt(block, e, tenant, session))
+        got = self._read_checked(store, want, limit, better_than, capacity, report)
+        if anchored and (got is None or got[2] < at):
+            got = self._read_checked(store, anchored, limit, better_than, capacity,
+                                     report) or got
+        return got
+
+    def _anchored(self, store: StoreReader, tokens: np.ndarray, ids: list[BlockId],
+                  root: BlockId, anchor_at: int, n_full: int) -> list[BlockId] | None:
+        """The blocks up to an anchor ending at `anchor_at` and the anchor, when LMDB has
+        them for these tokens."""
+        B = self.block_tokens
+        if not (self.kinds.checkpointed and anchor_at % B) or n_full * B < anchor_at // B * B:
+            return None
+        s = anchor_at // B * B
+        anchor = tail_block_id(ids[s // B - 1] if s else root, tokens[s:anchor_at])
+        return list(ids[:s // B]) + [anchor] if store.has_block(anchor) else None
+
+    def _read_checked(self, store: StoreReader, want: list[BlockId], limit: int,
+                      better_than: int, capacity: int, report):
+        """`_read_blocks`, read around each corrupt block, which goes to `report(block id or
+        None, error)`."""
+        while True:
+            try:
+                # None: a block was collected since we looked, or no checkpoint beats it
+                return self._read_blocks(store, want, limit, better_than, capacity)
+            except CorruptBlock as e:  # never restored from: computed again from there on
+                report(want[e.index] if e.index is not None else None, e)
+                if not e.index:
+                    return None
+                want = want[:e.index]
+
+    def corrupt(self, block: BlockId | None, e: CorruptBlock, tenant: str,
+                session: SessionKey) -> None:
+        """A corrupt block a restore found: counted, told, and the coldstore deletes it
+        (engine thread: the link is not thread-safe)."""
+        metrics.CORRUPT_BLOCKS.inc()
+        events.emit("kv_corrupt_block", tenant=tenant, session_id=session[1],
+                    block_id=bytes(block).hex() if block is not None else "", error=str(e))
+        logger.error("session %s: a stored block failed its check (%s); what follows "
+                     "it is recomputed, and the coldstore deletes it", session[1], e)
+        if self.client is not None and block is not None:
+            self.client.send(drop_blocks=wire.pb.DropBlocks(ids=[bytes(block)]))
+
+    def _read_blocks(self, store: StoreReader, ids: list[BlockId], limit: int,
+                     better_than: int, capacity: int = 0
+                     ) -> tuple[arrays.Layers, Checkpoint | None, int] | None:
+        """The blocks' KV up to the last restore point <= `limit`: decoded straight from the
+        read-only LMDB map (zero-copy; the default, `kvbank bench coldstore` measured it
+        faster), or fetched through the coldstore process. None when a block is missing."""
+        if self.restore_via == "direct":
+            return store.get_blocks(ids, decode=lambda views, done_with: self._decode(
+                views, limit, better_than, capacity, done_with))
+        frames = self.client.get_blocks([bytes(b) for b in ids], timeout_s=READ_TIMEOUT_S)
+        if len(frames) != len(ids) or not all(len(f) for f in frames):
+            return None
+        return self._decode(frames, limit, better_than, capacity)
+
+    def _decode(self, payloads: list, limit: int, better_than: int, capacity: int,
+                done_with=None) -> tuple[arrays.Layers, Checkpoint | None, int] | None:
+        """Blocks up to the restore point: the last block end <= limit (any token, for a model
+        without checkpoints: the request writes past it) that carries a checkpoint."""
+        ends, n = [], 0
+        for i, p in enumerate(payloads):
+            try:
+                header = decode_header(p)[0]
+                self.kinds.check_block(header)
+                n += header.n_tokens
+            except CorruptBlock as e:
+                raise CorruptBlock(str(e), index=i) from None
+            ends.append(n)
+        if not self.kinds.checkpointed:
+            n = min(n, limit)
+            return ((codec.decode_blocks(payloads, capacity, done_with), None, n)
+                    if n > better_than else None)
+        for i in range(len(payloads) - 1, -1, -1):
+            if ends[i] <= better_than:
+                return None
+            if ends[i] <= limit and decode_header(payloads[i])[0].has_state:
+                try:
+                    state = self.kinds.checkpoint_from_arrays(codec.decode_state(payloads[i]))
+                except CorruptBlock as e:
+                    raise CorruptBlock(str(e), index=i) from None
+                layers = (codec.decode_blocks(payloads[:i + 1], capacity, done_with)
+                          if self.kinds.full else [])
+                return layers, state, ends[i]
+        return None
+
+
+def _stored_blocks(store: StoreReader | None, ids: list[BlockId]) -> int:
+    """How many of the chain's first blocks LMDB holds (0 without a store)."""
+    n = 0
+    while store is not None and n < len(ids) and store.has_block(ids[n]):
+        n += 1
+    return n
