@@ -80,6 +80,15 @@ class Trunk:
     def embed(self, tokens):
         return self._embed(tokens)
 
+    def lm_head_weight(self):
+        """The LM head's float weights [vocab, hidden] (None when they are quantized)."""
+        import mlx.nn as nn
+
+        layer = self._embed if self._lm_head is None else self._lm_head
+        if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            return None
+        return layer.weight
+
 
 def _head_class():
     import mlx.core as mx

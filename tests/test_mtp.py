@@ -362,7 +362,7 @@ def test_drafts_and_verify_draw_from_the_head_and_trunk_distributions(small_voca
             seen.append((list(drafts), q.copy(), np.asarray(p_logprobs)))
             return super().accept(drafts, q, p_logprobs, targets)
 
-    dec = MTPDecoder(model, head, 2)
+    dec = MTPDecoder(model, head, 2, draft_bits=None)  # q from the trunk's own LM head
     s = Recording(temperature=0.7, top_p=0.9, seed=0)
     tokens = [t for t, _ in dec.generate(SMALL_PROMPT, s, max_tokens=2)]
     drafts, q, p_lp = seen[0]
