@@ -155,7 +155,8 @@ def test_greedy_answers_equal_plain_decoding(models, which, depth):
 
     model, head = models[which]
     dec = MTPDecoder(model, head, depth)
-    for i, prompt in enumerate(_prompts(3, 24, seed=1)):
+    # Every round of the random head rejects: two answers exercise it.
+    for i, prompt in enumerate(_prompts(2 if which == "random" else 3, 24, seed=1)):
         n = 40 + i  # budgets that end inside a round
         want = _plain(model, prompt, n)
         _assert_same(list(dec.generate(prompt, Sampling(), max_tokens=n)), want)
@@ -245,19 +246,59 @@ def mx_roll(x, idx):
     return mx.concatenate([x[..., idx:, :], x[..., :idx, :]], axis=2)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "gemma3_text"])
+QWEN3_NEXT = {  # a tiny Qwen3-Next (kvbank/testing/tiny.py has no such arch): GDN + MoE
+    "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "hidden_size": 64,
+    "num_hidden_layers": 4, "full_attention_interval": 4, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 32,
+    "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 4,
+    "num_experts_per_tok": 2, "decoder_sparse_step": 1, "shared_expert_intermediate_size": 64,
+    "mlp_only_layers": [], "moe_intermediate_size": 32, "rms_norm_eps": 1e-6,
+    "vocab_size": 1024, "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+    "max_position_embeddings": 4096, "tie_word_embeddings": True}
+
+
+def _arch_model(arch: str):
+    from kvbank.testing.tiny import arch_config, build_model
+
+    config = QWEN3_NEXT if arch == "qwen3_next" else arch_config(arch, vocab=1024, window=16)
+    return build_model(config, seed=1)[0]
+
+
+def test_qwen3_next_greedy_answers_equal_plain_decoding():
+    """Qwen3-Next's head (its MoE layer: router, experts, shared expert) and its own Gated
+    DeltaNet class: tokens equal mlx-lm's greedy decoding, logprobs within 1e-4."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from kvbank.mtp_head import Trunk, make_head
+    from kvbank.testing.tiny import _init
+    from kvbank.worker.compute.mtp.decode import MTPDecoder
+    from kvbank.worker.compute.mtp.sampling import Sampling
+
+    model = _arch_model("qwen3_next")
+    head = make_head(Trunk(model))
+    rng = np.random.default_rng(2)
+    head.load_weights([(k, mx.array(_init(k, v, rng)))
+                       for k, v in tree_flatten(head.parameters())])
+    prompt = rng.integers(0, 1024, 24).tolist()
+    dec = MTPDecoder(model, head, 3)
+    _assert_same(list(dec.generate(prompt, Sampling(), max_tokens=30)), _plain(model, prompt, 30))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next", "gemma3_text"])
 def test_a_draft_rejected_at_each_position_leaves_every_cache_as_plain_decoding(arch):
-    """Gated DeltaNet conv and recurrent states, full-attention KV (qwen3_5) and a wrapped
-    sliding window (gemma3_text, window 16): after a verify of 4 tokens that keeps n, every
-    array equals plain decoding's of those n tokens, and the rejected tokens leave no trace
-    (another rejected tail gives the same arrays, bit for bit)."""
+    """Gated DeltaNet conv and recurrent states (qwen3_5's and qwen3_next's classes),
+    full-attention KV, and a wrapped sliding window (gemma3_text, window 16): after a verify
+    of 4 tokens that keeps n, every array equals plain decoding's of those n tokens, and the
+    rejected tokens leave no trace (another rejected tail gives the same arrays, bit for
+    bit)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kvbank.testing.tiny import arch_config, build_model
     from kvbank.worker.kv.rollback import Speculation, install
 
-    model, _ = build_model(arch_config(arch, vocab=1024, window=16), seed=1)
+    model = _arch_model(arch)
     install(model.layers)
     rng = np.random.default_rng(5)
     prompt = mx.array([rng.integers(0, 1024, 40).tolist()])
