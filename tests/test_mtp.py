@@ -268,19 +268,16 @@ def _arch_model(arch: str):
 def test_qwen3_next_greedy_answers_equal_plain_decoding():
     """Qwen3-Next's head (its MoE layer: router, experts, shared expert) and its own Gated
     DeltaNet class: tokens equal mlx-lm's greedy decoding, logprobs within 1e-4."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     from kvbank.mtp_head import Trunk, make_head
-    from kvbank.testing.tiny import _init
+    from kvbank.testing.tiny import mtp_head_weights
     from kvbank.worker.compute.mtp.decode import MTPDecoder
     from kvbank.worker.compute.mtp.sampling import Sampling
 
     model = _arch_model("qwen3_next")
     head = make_head(Trunk(model))
     rng = np.random.default_rng(2)
-    head.load_weights([(k, mx.array(_init(k, v, rng)))
-                       for k, v in tree_flatten(head.parameters())])
+    head.load_weights([(k.removeprefix("mtp."), v)
+                       for k, v in mtp_head_weights(model, seed=2).items()], strict=True)
     prompt = rng.integers(0, 1024, 24).tolist()
     dec = MTPDecoder(model, head, 3)
     _assert_same(list(dec.generate(prompt, Sampling(), max_tokens=30)), _plain(model, prompt, 30))
@@ -296,6 +293,7 @@ def test_a_draft_rejected_at_each_position_leaves_every_cache_as_plain_decoding(
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    from kvbank.worker.kv.cache_kinds import CacheKinds
     from kvbank.worker.kv.rollback import Speculation, install
 
     model = _arch_model(arch)
@@ -311,7 +309,7 @@ def test_a_draft_rejected_at_each_position_leaves_every_cache_as_plain_decoding(
 
     def verified(tokens, n):
         c = prefilled()
-        spec = Speculation(c)
+        spec = Speculation(CacheKinds.of(model), c)
         with spec.recording(len(tokens)):
             mx.eval(model(mx.array([tokens]), cache=c))
         spec.keep(n)

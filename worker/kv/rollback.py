@@ -1,15 +1,11 @@
 """Rollback after a verify: every cache stands where the kept tokens leave it.
 
 A verify feeds the trunk T = k+1 tokens (the last committed one and k drafts) in one forward
-and keeps the first n of them (1 <= n <= T). Per cache kind:
-
-- FULL (`KVCache`): cut the last T-n tokens (`trim`).
-- WINDOW (`RotatingKVCache`): a forward of T > 1 tokens leaves the window in time order with
-  the T new tokens at its end (mlx-lm's concat path), so the rollback cuts that tail: the
-  arrays are exactly those a forward of the n kept tokens would leave.
-- STATE (Gated DeltaNet `ArraysCache`: conv window and recurrent state): the verify keeps the
-  state after each of its tokens (**per-token states**) and the rollback picks the n-th; the
-  conv window is a slice of the verify's conv input. Nothing is recomputed, on any rejection.
+and keeps the first n of them (1 <= n <= T). How each cache kind takes back the rest is its
+own (`CacheKind.rewind` in worker/kv/kinds.py: full caches trim, windows cut the tail the
+forward appended, Gated DeltaNet states pick the state after token n). This module records
+what a state's rewind needs during the verify's forward: **per-token states** (the
+recurrent state after each fed token, and the conv input whose slices are the conv windows).
 
 Why per-token states (docs/decisions.md has the numbers): mlx-lm runs the gated-delta
 recurrence one token at a time on CPU and CUDA anyway, so keeping each step's state costs no
@@ -30,15 +26,12 @@ from contextvars import ContextVar
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_5, qwen3_next
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+
+from kvbank.worker.kv.kinds import RollbackUnsupported
 
 # id(cache) -> (conv_input, per-token states) while a Speculation records a verify.
 _RECORDING: ContextVar[dict | None] = ContextVar("mtp_recording", default=None)
-
-
-class RollbackUnsupported(RuntimeError):
-    """A cache kvbank cannot roll back exactly: the model is served without MTP."""
 
 
 def _qkv_qwen3_5(m, x):
@@ -129,20 +122,23 @@ def install(layers) -> int:
 
 
 class Speculation:
-    """One verify of a request's caches: `recording()` around the forward, then `keep(n)`."""
+    """One request's verifies: `recording(fed)` around the forward, then `keep(n)`."""
 
-    def __init__(self, caches: list):
-        for c in caches:
-            if not isinstance(c, (KVCache, RotatingKVCache, ArraysCache)):
-                raise RollbackUnsupported(f"a cache of type {type(c).__name__}")
-        self.caches = caches
+    def __init__(self, kinds, cache: list):
+        """`kinds`: the model's CacheKinds (worker/kv/cache_kinds.py), the seam that takes
+        each cache back."""
+        why = kinds.rewindable()
+        if why:
+            raise RollbackUnsupported(why)
+        self.kinds, self.cache = kinds, cache
+        self._recorded = kinds.recorded(cache)
         self._record: dict = {}
         self._fed = 0
 
     @contextmanager
     def recording(self, fed: int):
         """The forward of `fed` tokens inside this block keeps what `keep` needs."""
-        self._record = {id(c): None for c in self.caches if isinstance(c, ArraysCache)}
+        self._record = {id(c): None for c in self._recorded}
         self._fed = fed
         token = _RECORDING.set(self._record)
         try:
@@ -154,21 +150,5 @@ class Speculation:
         """Every cache as the first n of the fed tokens leave it (1 <= n <= fed)."""
         if not 1 <= n <= self._fed:
             raise ValueError(f"keep {n} of {self._fed} fed tokens")
-        drop = self._fed - n
-        for c in self.caches:
-            if drop == 0:
-                break
-            if isinstance(c, KVCache):
-                c.trim(drop)
-            elif isinstance(c, RotatingKVCache):
-                keys, values, offset, keep, max_size, idx = c.state
-                if idx != keys.shape[2]:
-                    raise RollbackUnsupported("a window cache not in time order after a verify")
-                c.state = (keys[..., :idx - drop, :], values[..., :idx - drop, :],
-                           offset - drop, keep, max_size, idx - drop)
-            else:
-                conv_input, states = self._record[id(c)]
-                n_keep = conv_input.shape[1] - self._fed
-                c[0] = mx.contiguous(conv_input[:, n:n + n_keep, :])
-                c[1] = states[n - 1]
+        self.kinds.rewind(self.cache, self._fed, n, self._record)
         self._record, self._fed = {}, 0

@@ -127,6 +127,7 @@ def _forward_costs(runs: _Runs, depths: list[int], repeats: int = 7) -> dict:
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
     from kvbank.worker.compute.mtp.decode import MTPDecoder
+    from kvbank.worker.kv.cache_kinds import CacheKinds
     from kvbank.worker.kv.rollback import Speculation
 
     dec = MTPDecoder(runs.model, runs.head, 1, draft_bits=runs.draft_bits)
@@ -142,7 +143,7 @@ def _forward_costs(runs: _Runs, depths: list[int], repeats: int = 7) -> dict:
 
     cache = make_prompt_cache(runs.model)
     mx.eval(runs.model(mx.array([runs.prompt]), cache=cache))
-    spec = Speculation(cache)
+    spec = Speculation(CacheKinds.of(runs.model), cache)
 
     def forward(n: int):
         def fn():

@@ -3,10 +3,10 @@
 KV in the geometry of a real model (bf16, as on a Mac; the numbers from its published
 config.json are in scale_kv.GEOMETRIES), and for a hybrid model (Qwen3.6-27B) its recurrent
 layers' checkpoints, are synthesized at each turn's new tokens, with no model forward, so the
-machine's CPU does not bound the run. Everything else is the worker's own: its `Holdings`
+machine's CPU does not bound the run. Everything else is the worker's own: its KV manager
 (bank, records, writer, restorer, the link to a real coldstore process, the engine's commit),
 its `CacheKinds` over the model's real cache layout (scale_kv.SynthModel), its restore path
-(`Restorer.restore`, `with_room`) and its `Prefetcher`, in this process:
+(`KVManager.restore`, `with_room`) and its `Prefetcher`, in this process:
 
 1. Each of `--conversations` conversations of `--tokens` tokens is built, with a checkpoint
    every `--checkpoint-every` tokens and at its end as the worker takes them, committed and
@@ -189,7 +189,7 @@ def run(*, geometry: str = "qwen3.6-27b", tokens: int | None = None, conversatio
                                  splits=kinds.splits(0, tokens, (), every))
                 # what the write will carry: the KV, and a checkpoint at each split and at
                 # the end (the commit takes that one), as many as the bank keeps
-                ends = min(len(set(cps) | {tokens}), MAX_CHECKPOINTS) if kinds.other else 0
+                ends = min(len(set(cps) | {tokens}), MAX_CHECKPOINTS) if kinds.checkpointed else 0
                 raw_bytes = tokens * g["bytes_per_token"] + ends * cp_bytes
                 # The raw sample goes first in every other build: on this VM memory gets
                 # faster as the page cache fills and is recycled, so the pair's second write

@@ -32,6 +32,7 @@ def run_prefetch(rig, g: dict, held: dict, *, rounds: int, turn_tokens: int, eve
 
     rig.bank.max_bytes = bank_bytes  # this part's own bank: two conversations
     pf = Prefetcher(bank=rig.bank, restorer=rig.h.restorer, conversations=rig.h.conversations,
+                    hints=rig.h.hints, eviction=rig.h.eviction,  # the worker's: its ranking reads them
                     root_for=rig.h.root_for, block_tokens=rig.block_tokens,
                     kv_bytes_per_token=g["bytes_per_token"],
                     room=lambda: rig.bank.effective_max_bytes - rig.bank.total_nbytes)
@@ -51,8 +52,8 @@ def run_prefetch(rig, g: dict, held: dict, *, rounds: int, turn_tokens: int, eve
         return row
 
     def on_ssd_only(name: str) -> None:
-        rig.bank.release_sessions(None, only_sessions=[rig.key(name)], reason="admin_release",
-                                  write_out_before_release=True)
+        rig.h.eviction.release_sessions(None, only_sessions=[rig.key(name)],
+                                        reason="admin_release", write_out_before_release=True)
         drop_caches(data)
 
     for r in range(rounds):

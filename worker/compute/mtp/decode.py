@@ -30,6 +30,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from kvbank.mtp_head import Trunk
+from kvbank.worker.kv.cache_kinds import CacheKinds
 from kvbank.worker.kv.rollback import Speculation, install
 from kvbank.worker.compute.mtp.sampling import Sampling
 
@@ -46,6 +47,7 @@ class MTPState:
     cache: KVCache = field(default_factory=KVCache)
     hidden: mx.array | None = None  # [1, p, H]
     tokens: list[int] = field(default_factory=list)
+    verified: tuple | None = None  # a round's (trunk hiddens, tokens) until it is settled
 
 
 @dataclass
@@ -74,7 +76,7 @@ class MTPDecoder:
     """Prefill and speculative rounds over mlx-lm caches, for one model and head."""
 
     def __init__(self, model, head, depth: int, *, draft_bits: int | None = DRAFT_BITS,
-                 profile: dict | None = None):
+                 profile: dict | None = None, kinds: CacheKinds | None = None):
         """`draft_bits`: the drafts score the vocabulary with a copy of the LM head quantized
         to this many bits (None: the trunk's own head). A draft step is the head's one layer
         and the LM head over every token; the LM head is most of it (SmolLM2-135M's: 21 % of
@@ -87,6 +89,7 @@ class MTPDecoder:
         self.model, self.head, self.depth = model, head, depth
         self.trunk = Trunk(model)
         install(self.trunk.text.layers)
+        self.kinds = kinds if kinds is not None else CacheKinds.of(model)
         self._draft_head = None
         weight = self.trunk.lm_head_weight()
         if draft_bits and weight is not None and weight.shape[-1] % DRAFT_GROUP == 0:
@@ -168,7 +171,7 @@ class MTPDecoder:
         state.tokens = [y]
         yield y, lp[0]
         emitted, stop = 1, set(stop_tokens)
-        spec = Speculation(cache)
+        spec = Speculation(self.kinds, cache)
         while emitted < max_tokens and y not in stop:
             out = self._round(y, history, sampling, cache, state, spec, max_tokens - emitted, stop)
             yield from out
@@ -179,10 +182,21 @@ class MTPDecoder:
 
     def _round(self, y: int, history: list[int], sampling: Sampling, cache, state: MTPState,
                spec: Speculation, budget: int, stop: set) -> list[tuple[int, mx.array]]:
+        out = self.speculate(y, history, sampling, cache, state, spec, budget, stop)
+        self.settle(state, spec, len(out))
+        return out
+
+    def speculate(self, y: int, history: list[int] | None, sampling: Sampling, cache,
+                  state: MTPState, spec: Speculation, budget: int, stop
+                  ) -> list[tuple[int, mx.array]]:
+        """One round up to the tokens it gives (1..depth+1, cut after a stop token or at the
+        budget), each with the trunk's logprobs. The caches stay speculative until `settle`
+        says how many of them the caller keeps (a stop string may end the answer sooner).
+        `history`: the tokens before y, read by the processors (None without them)."""
         k = self.depth
         self._tick("")
-        base = mx.array(history + [y])  # the tokens up to y (processors read them)
         procs = bool(sampling.processors)
+        base = mx.array(history + [y]) if procs else None  # the tokens up to y
         # Draft: fold the pending pairs, the last one predicts d1; then chain.
         g = self._fold(state)[:, -1:]
         drafts, q_rows = [], []
@@ -221,15 +235,31 @@ class MTPDecoder:
             if t in stop or i + 1 == budget:
                 out = out[:i + 1]
                 break
-        a = len(out) - 1
-        # Roll back: the trunk keeps [y, d1..da]; the head drops its speculative pairs and
-        # pends the true ones, (H_0, d1) .. (H_a, z).
+        state.verified = (hidden, out)
         self._tick("accept")
-        spec.keep(a + 1)
-        state.cache.trim(k - 1)
-        state.hidden, state.tokens = hidden[:, :a + 1], out
-        self._tick("rollback", [c.state for c in cache], state.hidden)
         return [(t, p_lp[i]) for i, t in enumerate(out)]
+
+    def settle(self, state: MTPState, spec: Speculation, n: int) -> None:
+        """Keep the first n tokens `speculate` gave: the trunk's caches hold [y, t1..t(n-1)]
+        (all but the last one kept, as between plain decoding's steps); the head drops its
+        speculative pairs and pends the true ones, (H_0, t1) .. (H_(n-1), tn)."""
+        hidden, out = state.verified
+        state.verified = None
+        spec.keep(n)
+        state.cache.trim(self.depth - 1)
+        state.hidden, state.tokens = hidden[:, :n], out[:n]
+        self._tick("rollback", [c.state for c in spec.cache], state.hidden)
+
+    # -- serving: the scheduler's forwards with the head kept current -------------------------
+
+    def read(self, tokens: list[int], next_tokens: list[int], cache, state: MTPState
+             ) -> mx.array:
+        """The trunk over `tokens` (a prompt chunk, or plain decoding's one token), the head
+        over every pair it completes (`next_tokens`: the tokens after them, as far as known;
+        the rest pend); the hidden states [1, T, H] (`Trunk.logits` gives mlx-lm's logits)."""
+        h = self.trunk.hidden(mx.array([tokens]), cache)
+        self._fold(state, h, next_tokens)
+        return h
 
     def finish(self, last: int, cache, state: MTPState) -> None:
         """End a turn as kvbank commits one: the last emitted token goes into the trunk's
