@@ -289,6 +289,7 @@ def _run_worker(args: argparse.Namespace) -> int:
                     write_out_deadline_s=args.write_out_deadline_s,
                     max_checkpoints=args.max_checkpoints,
                     checkpoint_every=args.checkpoint_every, kv_bits=args.kv_bits,
+                    mtp=args.mtp, mtp_depth=args.mtp_depth, mtp_head=args.mtp_head,
                     kv_events=_kv_events(args), metrics_port=args.metrics_port)
     except UnsupportedModel as e:  # never served wrong: refused, with what to do
         raise SystemExit(f"kvbank worker: refused to serve {args.model}: {e}") from None

@@ -143,7 +143,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., append: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., no_cache: _Optional[bool] = ..., fit_max_tokens: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., enable_thinking: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cache_source", "recomputed_tokens", "ttft_s", "queue_s", "durable", "session_id", "max_tokens", "prefix_lost_tokens", "reasoning_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cache_source", "recomputed_tokens", "ttft_s", "queue_s", "durable", "session_id", "max_tokens", "prefix_lost_tokens", "reasoning_tokens", "drafted_tokens", "accepted_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,8 @@ class Usage(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -168,7 +170,9 @@ class Usage(_message.Message):
     max_tokens: int
     prefix_lost_tokens: int
     reasoning_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cache_source: _Optional[_Union[CacheSource, str]] = ..., recomputed_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., durable: _Optional[bool] = ..., session_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., prefix_lost_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ...) -> None: ...
+    drafted_tokens: int
+    accepted_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cache_source: _Optional[_Union[CacheSource, str]] = ..., recomputed_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., durable: _Optional[bool] = ..., session_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., prefix_lost_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "token", "logprob", "top")

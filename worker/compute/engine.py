@@ -38,6 +38,7 @@ from kvbank.worker.compute import reports
 from kvbank.worker.compute.decoding import Decodings
 from kvbank.worker.compute.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running, warm_up
 from kvbank.worker.compute.scheduler_config import SchedulerConfig
+from kvbank.worker.compute.mtp.serving import DEFAULT_DEPTH, load_mtp
 from kvbank.worker.compute.served_model import load_served_model
 from kvbank.worker.link.kv_events import EventsConfig, KVEvents, Publisher
 from kvbank.worker.memory.allocator import (give_back_freed_memory, mlx_cache_limit,
@@ -59,7 +60,8 @@ class Engine:
                  prefill_chunk_tokens: int = PREFILL_STEP_TOKENS,
                  write_out_deadline_s: float | None = None,
                  max_checkpoints: int = MAX_CHECKPOINTS, checkpoint_every: int | None = None,
-                 kv_events: EventsConfig | None = None, kv_bits: int | None = None):
+                 kv_events: EventsConfig | None = None, kv_bits: int | None = None,
+                 mtp: str = "auto", mtp_depth: int = DEFAULT_DEPTH, mtp_head: Path | None = None):
         """Built on the caller's thread; once its thread starts, that thread owns it all."""
         serve_buffers_from_the_heap()
         self.layout = layout.ensure()
@@ -90,11 +92,16 @@ class Engine:
             waiting=lambda: bool(self._pending))  # waiting requests come first
         mx.set_cache_limit(0)  # until the budget is known (below)
         calibrate(self.model, self.pricing)
+        # The head's weights are read before the warm-up: they are in the fixed part.
+        self.mtp, message = load_mtp(self.model, self.model_path, self.kinds, mode=mtp,
+                                     depth=mtp_depth, sidecar=mtp_head)
+        logger.info("%s", message)
+        self.mtp_message = message
         self.batch = BatchScheduler(self.model, kinds=self.kinds, max_active=scheduler.max_active,
                                     eos_token_ids=self.eos_token_ids,
                                     decode=self.tokenizer.decode,
                                     prefill_step_tokens=prefill_chunk_tokens,
-                                    decode_wait_s=scheduler.decode_wait_s)
+                                    decode_wait_s=scheduler.decode_wait_s, mtp=self.mtp)
         warm_up(self.batch, self.kinds, self.tokenizer, prefill_chunk_tokens)
         self.pricing.fixed_bytes = resident_bytes()
         self.memory_budget = memory_budget_bytes(memory_budget, self.pricing)
@@ -416,11 +423,16 @@ class Engine:
             max_tokens=r.job.request.max_tokens,
             prefix_lost_tokens=r.prefix_lost,
             reasoning_tokens=reasoning.count(r.completion) if reasoning else 0,
+            drafted_tokens=r.drafted,
+            accepted_tokens=r.accepted,
         )
         for stage, seconds in (("waiting", usage.queue_s - r.restore_s),
                                ("restore", r.restore_s), ("first_token", usage.ttft_s)):
             metrics.WORKER_STAGE.labels(stage).observe(seconds)
         metrics.GENERATION_TOKENS.inc(len(r.completion))
+        if r.drafted:
+            metrics.MTP_TOKENS.labels("drafted").inc(r.drafted)
+            metrics.MTP_TOKENS.labels("accepted").inc(r.accepted)
         metrics.RECOMPUTED_TOKENS.inc(usage.recomputed_tokens)
         finish = r.finish
         if finish == api_pb2.FINISH_REASON_STOP and r.decoding.tools and r.decoding.tools.made_calls:

@@ -1,0 +1,74 @@
+"""Speculative decoding with the model's MTP head, as a user of `kvbank up --mtp auto` meets it:
+one stack serving the tiny qwen3_5 whose head was trained to draft its own trunk's tokens
+(kvbank/testing/tiny_mtp.py), so that drafts are kept, rejected, and kept in part.
+
+Its answers equal decoding without MTP (the worker's own forwards replayed with mlx-lm, one
+token at a time: tokens equal, logprobs within 1e-4) on an unnamed conversation from scratch,
+from RAM and from SSD after a release; usage says what the head drafted and the model kept;
+a request with a history-dependent processor (a penalty) decodes without drafts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import start_stack
+from tests.test_model_kinds import MAX_TOKENS, Reference, _check, send_back
+
+DEPTH = 2
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, cache_dir):
+    from kvbank.testing.tiny_mtp import mtp_model
+
+    model = mtp_model("tiny", cache_dir)
+    s = start_stack(model, tmp_path_factory.mktemp("mtp") / "data", cache_dir=cache_dir,
+                    extra=["--mtp", "auto", "--mtp-depth", str(DEPTH)])
+    yield model, s
+    s.stop()
+
+
+def test_the_start_log_says_mtp_is_on_with_its_depth(served):
+    _, s = served
+    assert f"MTP on: depth {DEPTH}" in s.log.read_text(errors="replace")
+
+
+def test_speculative_answers_equal_plain_decoding_from_scratch_ram_and_ssd(served):
+    """Three unnamed turns; each answer is the worker's forwards without MTP, replayed."""
+    model, s = served
+    ref = Reference(model)
+    messages = [{"role": "user", "content": "Count on from the parser's line numbers."}]
+    session, drafted, accepted = None, 0, 0
+    for turn, where in enumerate(("first", "ram", "ssd after a release")):
+        with s.client() as c:
+            send_back(s, c, session, where)
+            prompt = c.render(messages=messages, max_tokens=MAX_TOKENS)
+            got = c.generate(messages=messages, max_tokens=MAX_TOKENS, logprobs=True)
+        session = got.usage["session_id"]
+        assert got.usage["cache_source"] == ("none" if turn == 0 else where.split()[0])
+        _check(ref, got, prompt, ref.prompts.checkpoints(messages, prompt), True,
+               f"turn {turn} ({where})", unsplit=False)
+        u = got.usage
+        assert u["accepted_tokens"] <= u["drafted_tokens"] <= DEPTH * u["completion_tokens"]
+        drafted, accepted = drafted + u["drafted_tokens"], accepted + u["accepted_tokens"]
+        messages += [{"role": "assistant", "content": got.text},
+                     {"role": "user", "content": f"And on from line {turn + 2}."}]
+    assert drafted and accepted, "the trained head drafted nothing the model kept"
+
+
+def test_usage_reports_drafts_and_a_penalty_decodes_without_them(served):
+    """OpenAI's SDK, as an agent calls it: usage.kvbank has the drafted and accepted tokens;
+    a frequency penalty reads the answer's history, so that request does not speculate."""
+    import openai
+
+    _, s = served
+    client = openai.OpenAI(base_url=s.shim_url + "/v1", api_key="none", max_retries=0)
+    ask = [{"role": "user", "content": "Number the tests from one."}]
+    plain = client.chat.completions.create(model="kvbank", messages=ask, max_tokens=24,
+                                           temperature=0)
+    mtp = plain.usage.model_extra["kvbank"]
+    assert mtp["drafted_tokens"] > 0 and 0 <= mtp["accepted_tokens"] <= mtp["drafted_tokens"]
+    penalized = client.chat.completions.create(model="kvbank", messages=ask, max_tokens=24,
+                                               temperature=0, frequency_penalty=0.5)
+    assert penalized.usage.model_extra["kvbank"]["drafted_tokens"] == 0
