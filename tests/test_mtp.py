@@ -218,6 +218,53 @@ def test_a_second_turn_continues_exactly_and_the_head_history_is_the_conversatio
     assert mx.allclose(state.hidden, hidden[:, -1:], atol=1e-4).item()
 
 
+def test_the_heads_history_goes_to_ssd_and_comes_back_with_the_conversation(models):
+    """The head's KV rows and the hidden state it pairs with the next token are a layer and
+    a checkpoint array of the conversation's cache (worker/kv: HeadKind, HiddenKind): frozen
+    as the bank keeps them, encoded as SSD blocks, decoded and restored, they equal the ones
+    the request left, bit for bit, and the restored conversation drafts and answers as the
+    one that never left."""
+    import mlx.core as mx
+
+    from kvbank.worker.compute.mtp.decode import MTPDecoder, MTPState
+    from kvbank.worker.compute.mtp.sampling import Sampling
+    from kvbank.worker.kv import arrays, codec
+    from kvbank.worker.kv.cache_kinds import CacheKinds
+
+    model, head = models["trained"]
+    kinds = CacheKinds.of(model)
+    dec = MTPDecoder(model, head, 2, kinds=kinds)
+    kinds.add_head(*dec.head_layer_shape())
+    assert kinds.layout.endswith(",mtp,mtp-hidden")  # in the fingerprint: never misread
+    [prompt] = _prompts(1, 40, seed=9)
+    cache = kinds.new_cache()  # as the scheduler reads a prompt
+    state = MTPState(cache=kinds.head_cache(cache), hidden=dec.unknown_hidden(),
+                     tokens=prompt[:1])
+    h = dec.read(prompt, prompt[1:], cache, state)
+    kinds.keep_hidden(cache, h[:, -1:])
+    n, B = len(prompt), 16
+    layers, end = kinds.freeze(cache, n)
+    views = arrays.layer_views(layers)
+    frames = [codec.encode_views(views, "float32", s, min(s + B, n), layout=kinds.layout,
+                                 state=kinds.checkpoint_views(end) if min(s + B, n) == n
+                                 else None) for s in range(0, n, B)]
+    restored = kinds.restore(codec.decode_blocks(frames, capacity=64),
+                             kinds.checkpoint_from_arrays(codec.decode_state(frames[-1])), n,
+                             owned=True)
+    for got, want in zip(kinds.head_cache(restored).state[:2], state.cache.state[:2]):
+        assert mx.array_equal(got[..., :n, :], want[..., :n, :]).item()
+    assert mx.array_equal(kinds.kept_hidden(restored), state.hidden).item()
+
+    def answer(c):
+        dec.stats.__init__()
+        s = MTPState(cache=kinds.head_cache(c), hidden=kinds.kept_hidden(c))
+        out = [t for t, _ in dec.generate([700, 701], Sampling(), max_tokens=24, cache=c,
+                                          state=s)]
+        return out, dec.stats.accepted, dec.stats.drafted
+
+    assert answer(restored) == answer(cache)
+
+
 # -- rollback ------------------------------------------------------------------------------
 
 def _cache_arrays(caches) -> list:

@@ -72,3 +72,32 @@ def test_usage_reports_drafts_and_a_penalty_decodes_without_them(served):
     penalized = client.chat.completions.create(model="kvbank", messages=ask, max_tokens=24,
                                                temperature=0, frequency_penalty=0.5)
     assert penalized.usage.model_extra["kvbank"]["drafted_tokens"] == 0
+
+
+def test_a_conversation_restored_from_ram_or_ssd_drafts_as_one_read_whole(served):
+    """The head's history is part of the conversation. Two copies of one conversation, each
+    read from scratch, then a second turn that appends to it: one from RAM, one from SSD after
+    a release (the RAM copy is released after its turn, so the other finds neither in RAM).
+    Both answer and draft as a third request that reads the whole second prompt from scratch,
+    its head folding every pair: the same tokens, the same drafts kept."""
+    _, s = served
+    turns = {}
+    for name, where in (("mtp-kept", "ram"), ("mtp-released", "ssd after a release")):
+        with s.client() as c:
+            prompt = c.render(messages=[{"role": "user", "content": "Walk the call graph."}])
+            one = c.generate(session_id=name, token_ids=prompt, max_tokens=MAX_TOKENS,
+                             no_cache=True)
+            send_back(s, c, name, where)
+            turns[where] = two = c.generate(session_id=name, token_ids=[700, 701, 702],
+                                            append=True, max_tokens=MAX_TOKENS)
+            c.release(name)
+        assert two.usage["cache_source"] == where.split()[0], two.usage
+        assert two.usage["cached_tokens"] >= len(prompt) + len(one.token_ids), two.usage
+    with s.client() as c:
+        whole = c.generate(session_id="mtp-whole", no_cache=True, max_tokens=MAX_TOKENS,
+                           token_ids=prompt + one.token_ids + [700, 701, 702])
+    for where, got in turns.items():
+        assert got.token_ids == whole.token_ids, where
+        assert got.usage["drafted_tokens"] == whole.usage["drafted_tokens"] > 0, where
+        assert got.usage["accepted_tokens"] == whole.usage["accepted_tokens"], (
+            where, got.usage, whole.usage)

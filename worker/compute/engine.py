@@ -38,7 +38,7 @@ from kvbank.worker.compute import reports
 from kvbank.worker.compute.decoding import Decodings
 from kvbank.worker.compute.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running, warm_up
 from kvbank.worker.compute.scheduler_config import SchedulerConfig
-from kvbank.worker.compute.mtp.serving import DEFAULT_DEPTH, load_mtp
+from kvbank.worker.compute.mtp.serving import DEFAULT_DEPTH
 from kvbank.worker.compute.served_model import load_served_model
 from kvbank.worker.link.kv_events import EventsConfig, KVEvents, Publisher
 from kvbank.worker.memory.allocator import (give_back_freed_memory, mlx_cache_limit,
@@ -67,7 +67,8 @@ class Engine:
         self.layout = layout.ensure()
         self.block_tokens = block_tokens
         self.scheduler = scheduler
-        served = load_served_model(Path(model_path), block_tokens, kv_bits=kv_bits)
+        served = load_served_model(Path(model_path), block_tokens, kv_bits=kv_bits, mtp=mtp,
+                                   mtp_depth=mtp_depth, mtp_head=mtp_head)
         self.model_path, self.model, self.tokenizer = served.path, served.model, served.tokenizer
         self.config, self.kinds, self.fingerprint = served.config, served.kinds, served.fingerprint
         self.max_context_tokens = served.max_context_tokens
@@ -92,11 +93,7 @@ class Engine:
             waiting=lambda: bool(self._pending))  # waiting requests come first
         mx.set_cache_limit(0)  # until the budget is known (below)
         calibrate(self.model, self.pricing)
-        # The head's weights are read before the warm-up: they are in the fixed part.
-        self.mtp, message = load_mtp(self.model, self.model_path, self.kinds, mode=mtp,
-                                     depth=mtp_depth, sidecar=mtp_head)
-        logger.info("%s", message)
-        self.mtp_message = message
+        self.mtp = served.mtp  # its head's weights read by now: in the fixed part below
         self.batch = BatchScheduler(self.model, kinds=self.kinds, max_active=scheduler.max_active,
                                     eos_token_ids=self.eos_token_ids,
                                     decode=self.tokenizer.decode,

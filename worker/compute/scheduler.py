@@ -160,15 +160,15 @@ class BatchScheduler:
             return
         self.kinds.with_room(cache, len(r.tokens))  # a buffer of a size MLX has kept
         r.uid = next(self._own_uids)
-        run = (self.mtp.run_for(r.job.request, cache, r.decoding.processors)
-               if self.mtp is not None else None)
+        run = (self.mtp.run_for(r.job.request, cache, r.decoding.processors,
+                                int(r.tokens[r.cached])) if self.mtp is not None else None)
         self._readers.append(_Own(r, cache, prompt, max_tokens, mtp=run))
         self.running[r.uid] = r
 
     def _insert(self, r: Running, prompt: list[int], cache: list, max_tokens: int) -> None:
         d = r.decoding
         (r.uid,) = self.gen.insert(
-            [prompt], max_tokens=[max_tokens], caches=[cache],
+            [prompt], max_tokens=[max_tokens], caches=[self.kinds.model_caches(cache)],
             samplers=[d.sampler], logits_processors=[d.processors],
             # the penalties look back into the prompt, as mlx-lm's server has them do
             all_tokens=[r.tokens[:r.cached].tolist() if d.processors else []])
@@ -290,11 +290,12 @@ class BatchScheduler:
                 stopped.append(resp.uid)
                 continue
             if resp.finish_reason is not None:
-                done.append((self.running.pop(resp.uid), resp.prompt_cache))
+                done.append((self.running.pop(resp.uid),
+                             self.kinds.with_head(resp.prompt_cache)))
         if stopped:
             caches = self.gen.remove(stopped, return_prompt_caches=True)
             for uid in stopped:
-                done.append((self.running.pop(uid), caches[uid][0]))
+                done.append((self.running.pop(uid), self.kinds.with_head(caches[uid][0])))
         for r, _ in done:
             self._flush_text(r)
         return done
@@ -317,7 +318,7 @@ class BatchScheduler:
         for o in self._readers + self._decoders:
             if o.r is r:  # views: MLX copies on write
                 return self.kinds.view(o.cache)
-        return self.gen.extract_cache([r.uid])[r.uid][0]
+        return self.kinds.with_head(self.gen.extract_cache([r.uid])[r.uid][0])
 
     def _take(self, r: Running, resp) -> bool:
         """A request's new token: kept, its text sent; True when a stop string ends it."""
@@ -389,9 +390,11 @@ class BatchScheduler:
         speculates, the trunk's hidden states with its head's history kept current (the
         same logits come of them: `Trunk.logits`)."""
         if o.mtp is None:
-            return self.model(mx.array(tokens)[None], cache=o.cache)
+            return self.model(mx.array(tokens)[None], cache=self.kinds.model_caches(o.cache))
         dec = self.mtp.decoder
-        return dec.trunk.logits(dec.read(tokens, next_tokens, o.cache, o.mtp.state))
+        hidden = dec.read(tokens, next_tokens, o.cache, o.mtp.state)
+        self.kinds.keep_hidden(o.cache, hidden[:, -1:])  # a checkpoint here keeps it
+        return dec.trunk.logits(hidden)
 
     def _end_own(self, o: _Own, token: int) -> list[tuple[Running, list]]:
         """An answer on its own cache ended at `token`: the cache holds that token too, as a

@@ -240,6 +240,118 @@ class FullKind(CacheKind):
         return [self.restore(KVCache(), pair, n_tokens, owned) for pair in layers]
 
 
+class HeadKind(FullKind):
+    """The MTP head's own attention layer (kvbank/mtp_head.py), kept beside the model's caches
+    as one more full-attention layer of the conversation: counted, evicted, written and
+    restored as the others are. Row j holds the head's K/V of the pair (the model's hidden
+    state after token j-1, token j); where that hidden state was not kept (a conversation's
+    first token, the first new token of a returning turn) the pair's hidden is zero
+    (worker/compute/mtp/serving.py), and rows the head never saw (a turn decoded in mlx-lm's
+    batch) are zeros. Drafts read these rows; answers never do: they only make drafting
+    better or worse, never an answer different."""
+
+    def __init__(self, bits: int | None, kv_heads: int, head_dim: int, dtype):
+        super().__init__(bits)
+        self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
+
+    @property
+    def tag(self) -> str:
+        return "mtp"
+
+    def measure(self, cache) -> Size:
+        one = mx.zeros((1, self.kv_heads, 1, self.head_dim), self.dtype)
+        rest = (2 * sum(int(x.nbytes) for x in quant.quantize(one, self.bits)) if self.bits
+                else 2 * int(one.nbytes))
+        return Size(per_token=2 * int(one.nbytes), rest_per_token=rest, dtype=_dtype(one))
+
+    def position(self, cache) -> int | None:
+        return None  # the model's caches say where a request stands; the head may lag
+
+    def rewind(self, cache, fed: int, keep: int, record=None) -> None:
+        """Nothing: a verify feeds the model, not the head (the decoder trims the head's
+        speculative rows itself)."""
+
+    def _rows(self, cache, n_tokens: int) -> KVCache:
+        """A cache of the head's first n_tokens rows, zeros past those it holds (the head's
+        own cache is never written)."""
+        keys, values, offset = cache.state
+        if offset >= n_tokens:
+            return cache
+        pad = mx.zeros((1, self.kv_heads, n_tokens - offset, self.head_dim), self.dtype)
+        held = (([keys[..., :offset, :]], [values[..., :offset, :]]) if offset else ([], []))
+        out = KVCache()
+        out.state = (mx.concatenate(held[0] + [pad], axis=2),
+                     mx.concatenate(held[1] + [pad], axis=2), n_tokens)
+        return out
+
+    def freeze(self, cache, n_tokens: int, prefix=None):
+        return super().freeze(self._rows(cache, n_tokens), n_tokens, prefix)
+
+    def trimmable(self, cache, n: int) -> bool:
+        return True
+
+    def fresh(self) -> KVCache:
+        return KVCache()
+
+    def restore(self, fresh, saved, n_tokens: int, owned: bool = False):
+        k = saved[0]
+        held = min(n_tokens, int((k[0] if isinstance(k, tuple) else k).shape[2]))
+        if held:
+            fresh = super().restore(fresh, saved, held, owned)
+        return self._rows(fresh, n_tokens)
+
+    def view(self, cache):
+        keys, values, offset = cache.state
+        return (keys[..., :offset, :], values[..., :offset, :]) if offset else (
+            mx.zeros((1, self.kv_heads, 0, self.head_dim), self.dtype),) * 2
+
+
+class HiddenKind(CacheKind):
+    """The model's last hidden state where a forward stopped: what the MTP head pairs with
+    the next token (kvbank/mtp_head.py). Kept as a checkpoint, where the recurrent states
+    are, so a conversation restored there drafts as one that never left; held in an
+    `ArraysCache` of one array beside the model's caches (None: not known, a zero hidden)."""
+
+    kind = Kind.STATE
+    cache_class = ArraysCache
+
+    def __init__(self, hidden: int, dtype):
+        self.hidden, self.dtype = hidden, dtype
+
+    @property
+    def tag(self) -> str:
+        return "mtp-hidden"
+
+    def fresh(self) -> ArraysCache:
+        return ArraysCache(1)
+
+    def measure(self, cache) -> Size:
+        return Size(checkpoint=int(mx.zeros((1, 1, self.hidden), self.dtype).nbytes),
+                    dtype=_dtype(mx.zeros((1,), self.dtype)))
+
+    def restorable(self, n_tokens: int, checkpoints: Iterable[int]) -> int:
+        return n_tokens  # where it is not kept, drafting starts from a zero hidden
+
+    def rewind(self, cache, fed: int, keep: int, record=None) -> None:
+        """Nothing: set by the forwards kept (`keep_hidden`), never by a verify."""
+
+    def keep(self, cache, hidden: mx.array) -> None:
+        cache[0] = hidden
+
+    def kept(self, cache) -> mx.array | None:
+        return cache[0]
+
+    def snapshot(self, cache) -> tuple:
+        return (cache[0],)
+
+    def restore(self, fresh, saved: tuple, n_tokens: int):
+        fresh[0] = saved[0]
+        return fresh
+
+    def saved_arrays(self) -> int:
+        return 1
+
+
 class WindowKind(CacheKind):
     """`RotatingKVCache`: its checkpoint is the window in token order, at most W (+ keep)
     tokens, whatever the conversation's length."""

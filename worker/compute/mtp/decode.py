@@ -109,6 +109,21 @@ class MTPDecoder:
             self.profile[phase] = self.profile.get(phase, 0.0) + now - self._t
         self._t = now
 
+    def head_layer_shape(self) -> tuple[int, int, object, int]:
+        """(kv_heads, head_dim, dtype) of one row of the head's own KV cache, and the
+        hidden size."""
+        cache = KVCache()
+        x = self.unknown_hidden()
+        self.head(x, x, cache)
+        keys = cache.state[0]
+        return int(keys.shape[1]), int(keys.shape[3]), keys.dtype, int(x.shape[-1])
+
+    def unknown_hidden(self) -> mx.array:
+        """The hidden state a pair gets where the model's was not kept: zeros [1, 1, H]
+        (the head's RMSNorm of it is zero: the pair is its token's embedding alone)."""
+        return mx.zeros((1, 1, self.trunk.args.hidden_size),
+                        self.trunk.embed(mx.array([0])).dtype)
+
     def draft_logits(self, g: mx.array) -> mx.array:
         if self._draft_head is None:
             return self.trunk.logits(g)

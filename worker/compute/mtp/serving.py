@@ -5,6 +5,12 @@ At start `load_mtp` reads the head (kvbank/mtp_head.py) and checks that every ca
 model can be rolled back after a rejected draft (worker/kv: the cache-kind seam); any reason
 it cannot is logged and the model is served without MTP, never wrong and never silently.
 
+The head's history is part of the conversation: the cache kinds get its attention layer (a
+row a token, worker/kv/kinds.py HeadKind) and the model's hidden state it pairs with the next
+token (HiddenKind, kept at checkpoints) before the model is measured and fingerprinted, so
+both are counted, evicted, written to SSD and restored with the rest
+(`CacheKinds.add_head`).
+
 Which requests speculate (the scheduler asks `MTP.run_for`): a request with no logits
 processors (penalties, logit_bias and grammars run in mlx-lm's BatchGenerator, where a
 processor that keeps state, a grammar's matcher, would be stepped by drafts that are then
@@ -50,14 +56,23 @@ class MTP:
         self.decoder = decoder
         self.depth = decoder.depth
 
-    def run_for(self, request, cache, processors) -> MTPRun | None:
-        """A speculation for a request that can have one (see the module docstring)."""
+    def run_for(self, request, cache, processors, first: int) -> MTPRun | None:
+        """A speculation for a request that can have one (see the module docstring). Its
+        head's history is the conversation's (the head's cache in `cache`, as restored: one
+        row per token before `first`, the first token the request reads, and the model's hidden
+        state before `first`, kept with the checkpoint it was restored at; zero where none
+        was kept)."""
         if processors:
             return None
         s = request.sampling
         sampling = Sampling(temperature=s.temperature, top_p=s.top_p, min_p=s.min_p,
                             top_k=s.top_k, seed=s.seed if s.HasField("seed") else None)
-        return MTPRun(MTPState(), Speculation(self.decoder.kinds, cache), sampling)
+        dec = self.decoder
+        hidden = dec.kinds.kept_hidden(cache)
+        state = MTPState(cache=dec.kinds.head_cache(cache),
+                         hidden=hidden if hidden is not None else dec.unknown_hidden(),
+                         tokens=[first])
+        return MTPRun(state, Speculation(dec.kinds, cache), sampling)
 
 
 def load_mtp(model, model_dir: Path, kinds, *, mode: str = "auto", depth: int = DEFAULT_DEPTH,
@@ -79,4 +94,5 @@ def load_mtp(model, model_dir: Path, kinds, *, mode: str = "auto", depth: int = 
         decoder = MTPDecoder(model, got.head, depth, kinds=kinds)
     except RollbackUnsupported as e:
         return None, f"MTP off: {e}"
+    kinds.add_head(*decoder.head_layer_shape())  # its history: a layer of every cache
     return MTP(decoder), f"MTP on: depth {depth}; {got.message}"
