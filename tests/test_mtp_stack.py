@@ -101,3 +101,24 @@ def test_a_conversation_restored_from_ram_or_ssd_drafts_as_one_read_whole(served
         assert got.usage["drafted_tokens"] == whole.usage["drafted_tokens"] > 0, where
         assert got.usage["accepted_tokens"] == whole.usage["accepted_tokens"], (
             where, got.usage, whole.usage)
+
+
+def test_four_agents_at_once_answer_as_each_alone(served):
+    """Four requests decoding together (each drafts only while it decodes alone, then decodes
+    beside the others or in mlx-lm's batch) answer as each does alone, and all four finish."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, s = served
+    prompts = [[300 + 50 * i + j for j in range(12)] for i in range(4)]
+
+    def ask(prompt):
+        with s.client() as c:
+            return c.generate(token_ids=prompt, max_tokens=MAX_TOKENS, no_cache=True,
+                              timeout_s=120)
+
+    alone = [ask(p) for p in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(ask, prompts))
+    for a, t in zip(alone, together):
+        assert t.token_ids == a.token_ids
+    assert sum(a.usage["drafted_tokens"] for a in alone) > 0

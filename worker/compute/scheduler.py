@@ -92,6 +92,7 @@ class Running:
     checkpoints: dict = field(default_factory=dict)  # position -> cache_kinds.Checkpoint
     prefix_lost: int = 0  # prompt tokens held but not restorable (no checkpoint there)
     at_rest: Any = None  # the quantized KV its cache was restored from (CacheKinds.at_rest)
+    head_cache: Any = None  # its MTP head's KV while mlx-lm's batch runs it (CacheKinds.with_head)
     drafted: int = 0  # tokens its MTP head drafted (worker/compute/mtp/serving.py)
     accepted: int = 0  # of them, those the model kept
 
@@ -167,6 +168,7 @@ class BatchScheduler:
 
     def _insert(self, r: Running, prompt: list[int], cache: list, max_tokens: int) -> None:
         d = r.decoding
+        r.head_cache = self.kinds.head_cache(cache)  # the batch runs the model's caches only
         (r.uid,) = self.gen.insert(
             [prompt], max_tokens=[max_tokens], caches=[self.kinds.model_caches(cache)],
             samplers=[d.sampler], logits_processors=[d.processors],
@@ -290,12 +292,13 @@ class BatchScheduler:
                 stopped.append(resp.uid)
                 continue
             if resp.finish_reason is not None:
-                done.append((self.running.pop(resp.uid),
-                             self.kinds.with_head(resp.prompt_cache)))
+                r = self.running.pop(resp.uid)
+                done.append((r, self.kinds.with_head(resp.prompt_cache, r.head_cache)))
         if stopped:
             caches = self.gen.remove(stopped, return_prompt_caches=True)
             for uid in stopped:
-                done.append((self.running.pop(uid), self.kinds.with_head(caches[uid][0])))
+                r = self.running.pop(uid)
+                done.append((r, self.kinds.with_head(caches[uid][0], r.head_cache)))
         for r, _ in done:
             self._flush_text(r)
         return done
@@ -318,7 +321,7 @@ class BatchScheduler:
         for o in self._readers + self._decoders:
             if o.r is r:  # views: MLX copies on write
                 return self.kinds.view(o.cache)
-        return self.kinds.with_head(self.gen.extract_cache([r.uid])[r.uid][0])
+        return self.kinds.with_head(self.gen.extract_cache([r.uid])[r.uid][0], r.head_cache)
 
     def _take(self, r: Running, resp) -> bool:
         """A request's new token: kept, its text sent; True when a stop string ends it."""

@@ -119,12 +119,14 @@ class CacheKinds:
         the head's."""
         return list(cache[:-2]) if self.head is not None else cache
 
-    def with_head(self, cache: list) -> list:
-        """A cache list back from mlx-lm's batch, with a head history that saw none of it (its
-        rows are zeros, its hidden not known)."""
+    def with_head(self, cache: list, head_cache=None) -> list:
+        """A cache list back from mlx-lm's batch with the head's history: `head_cache` (the
+        one it had when the batch took it; None: a fresh one), which saw none of the batch's
+        tokens (their rows are zeros: HeadKind), and no hidden state."""
         if self.head is None:
             return cache
-        return [*cache, self.head.fresh(), self._hidden.fresh()]
+        head = head_cache if head_cache is not None else self.head.fresh()
+        return [*cache, head, self._hidden.fresh()]
 
     @classmethod
     def of(cls, model, kv_bits: int | None = None) -> "CacheKinds":
