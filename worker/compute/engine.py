@@ -80,8 +80,11 @@ class Engine:
         self.decodings = Decodings(self.tokenizer, self.vocab_size, self.model_path.name)
         self._queue: queue.Queue = queue.Queue()
         self._pending: deque[cmd.Generate] = deque()
-        self.pricing = Pricing(self.kv_bytes_per_token, 0, prefill_chunk_tokens,
-                               state_bytes=2 * self.checkpoint_bytes)  # calibrated below
+        # A request's window and recurrent caches, priced twice; with MTP, a verify also keeps
+        # the recurrent states after each of its depth + 1 tokens (worker/kv/rollback.py).
+        speculation = served.mtp.depth + 1 if served.mtp is not None else 0
+        self.pricing = Pricing(self.kv_bytes_per_token, 0, prefill_chunk_tokens,  # calibrated below
+                               state_bytes=(2 + speculation) * self.checkpoint_bytes)
         self.memory_budget = 0  # known once the model and the tiers are in memory (below)
         self.kv = KVManager(
             layout, kinds=self.kinds, fingerprint=self.fingerprint, block_tokens=block_tokens,
