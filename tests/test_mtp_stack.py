@@ -4,8 +4,10 @@ one stack serving the tiny qwen3_5 whose head was trained to draft its own trunk
 
 Its answers equal decoding without MTP (the worker's own forwards replayed with mlx-lm, one
 token at a time: tokens equal, logprobs within 1e-4) on an unnamed conversation from scratch,
-from RAM and from SSD after a release; usage says what the head drafted and the model kept;
-a request with a history-dependent processor (a penalty) decodes without drafts.
+from RAM, from SSD after a release and after a kill -9 of the worker; the head's history
+comes back with the conversation; four agents at once answer as each alone; usage says what
+the head drafted and the model kept; a request with a history-dependent processor (a
+penalty) decodes without drafts.
 """
 
 from __future__ import annotations
@@ -34,13 +36,13 @@ def test_the_start_log_says_mtp_is_on_with_its_depth(served):
     assert f"MTP on: depth {DEPTH}" in s.log.read_text(errors="replace")
 
 
-def test_speculative_answers_equal_plain_decoding_from_scratch_ram_and_ssd(served):
-    """Three unnamed turns; each answer is the worker's forwards without MTP, replayed."""
+def test_speculative_answers_equal_plain_decoding_from_scratch_ram_ssd_and_after_kill_9(served):
+    """Four unnamed turns; each answer is the worker's forwards without MTP, replayed."""
     model, s = served
     ref = Reference(model)
     messages = [{"role": "user", "content": "Count on from the parser's line numbers."}]
     session, drafted, accepted = None, 0, 0
-    for turn, where in enumerate(("first", "ram", "ssd after a release")):
+    for turn, where in enumerate(("first", "ram", "ssd after a release", "ssd after kill -9")):
         with s.client() as c:
             send_back(s, c, session, where)
             prompt = c.render(messages=messages, max_tokens=MAX_TOKENS)
