@@ -61,7 +61,8 @@ def test_speculative_answers_equal_plain_decoding_from_scratch_ram_ssd_and_after
 
 def test_usage_reports_drafts_and_a_penalty_decodes_without_them(served):
     """OpenAI's SDK, as an agent calls it: usage.kvbank has the drafted and accepted tokens;
-    a frequency penalty reads the answer's history, so that request does not speculate."""
+    a frequency penalty reads the answer's history, so that request does not speculate; a
+    seeded sampled request drafts and gives the same answer twice."""
     import openai
 
     _, s = served
@@ -74,6 +75,11 @@ def test_usage_reports_drafts_and_a_penalty_decodes_without_them(served):
     penalized = client.chat.completions.create(model="kvbank", messages=ask, max_tokens=24,
                                                temperature=0, frequency_penalty=0.5)
     assert penalized.usage.model_extra["kvbank"]["drafted_tokens"] == 0
+    sampled = [client.chat.completions.create(model="kvbank", messages=ask, max_tokens=24,
+                                              temperature=0.7, top_p=0.9, seed=5)
+               for _ in range(2)]  # the speculative-sampling rule, seeded: reproducible
+    assert sampled[0].choices[0].message == sampled[1].choices[0].message
+    assert sampled[0].usage.model_extra["kvbank"]["drafted_tokens"] > 0
 
 
 def test_a_conversation_restored_from_ram_or_ssd_drafts_as_one_read_whole(served):
