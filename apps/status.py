@@ -73,7 +73,8 @@ def render(c: Client):
                          str(s.durable_tokens), _ago(s.updated_at, now) if dirty else "-",
                          _ago(s.updated_at, now))
     rest = f"{st.kv_bits} bits" if st.kv_bits else "full precision"  # --kv-bits
-    memory = Table(title=f"worker memory (KV at rest: {rest})", title_justify="left")
+    memory = Table(title=f"worker memory (KV at rest: {rest}; MTP {st.mtp})",
+                   title_justify="left")
     for col in ("budget", "held", "model", "bank", "running", "staged", "bank cap",
                 "pressure", "scheduler", "running / waiting"):
         memory.add_column(col, justify="right")

@@ -31,9 +31,11 @@ def served(tmp_path_factory, cache_dir):
     s.stop()
 
 
-def test_the_start_log_says_mtp_is_on_with_its_depth(served):
+def test_the_start_log_and_status_say_mtp_is_on_with_its_depth(served):
     _, s = served
     assert f"MTP on: depth {DEPTH}" in s.log.read_text(errors="replace")
+    with s.client() as c:
+        assert c.status().mtp.startswith(f"on, depth {DEPTH}: "), c.status().mtp
 
 
 def test_speculative_answers_equal_plain_decoding_from_scratch_ram_ssd_and_after_kill_9(served):

@@ -393,7 +393,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("pressure_level", "pressure_source", "memory_budget_bytes", "held_bytes", "fixed_bytes", "bank_bytes", "running_bytes", "staged_bytes", "bank_max_bytes", "bank_ceiling_bytes", "bank_entries", "scheduler", "running_requests", "waiting_requests", "recent_receipts_json", "kv_bytes_per_token", "prefill_chunk_tokens", "transient_base_bytes", "transient_per_context_token", "unaccounted_bytes", "rss_bytes", "coldstore_json", "recent_evictions_json", "mlx_cache_bytes", "kv_bits")
+    __slots__ = ("pressure_level", "pressure_source", "memory_budget_bytes", "held_bytes", "fixed_bytes", "bank_bytes", "running_bytes", "staged_bytes", "bank_max_bytes", "bank_ceiling_bytes", "bank_entries", "scheduler", "running_requests", "waiting_requests", "recent_receipts_json", "kv_bytes_per_token", "prefill_chunk_tokens", "transient_base_bytes", "transient_per_context_token", "unaccounted_bytes", "rss_bytes", "coldstore_json", "recent_evictions_json", "mlx_cache_bytes", "kv_bits", "mtp")
     PRESSURE_LEVEL_FIELD_NUMBER: _ClassVar[int]
     PRESSURE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -419,6 +419,7 @@ class StatusResponse(_message.Message):
     RECENT_EVICTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
     MLX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_BITS_FIELD_NUMBER: _ClassVar[int]
+    MTP_FIELD_NUMBER: _ClassVar[int]
     pressure_level: str
     pressure_source: str
     memory_budget_bytes: int
@@ -444,4 +445,5 @@ class StatusResponse(_message.Message):
     recent_evictions_json: _containers.RepeatedScalarFieldContainer[str]
     mlx_cache_bytes: int
     kv_bits: int
-    def __init__(self, pressure_level: _Optional[str] = ..., pressure_source: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ..., fixed_bytes: _Optional[int] = ..., bank_bytes: _Optional[int] = ..., running_bytes: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., bank_max_bytes: _Optional[int] = ..., bank_ceiling_bytes: _Optional[int] = ..., bank_entries: _Optional[int] = ..., scheduler: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., recent_receipts_json: _Optional[_Iterable[str]] = ..., kv_bytes_per_token: _Optional[int] = ..., prefill_chunk_tokens: _Optional[int] = ..., transient_base_bytes: _Optional[int] = ..., transient_per_context_token: _Optional[float] = ..., unaccounted_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., coldstore_json: _Optional[str] = ..., recent_evictions_json: _Optional[_Iterable[str]] = ..., mlx_cache_bytes: _Optional[int] = ..., kv_bits: _Optional[int] = ...) -> None: ...
+    mtp: str
+    def __init__(self, pressure_level: _Optional[str] = ..., pressure_source: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ..., fixed_bytes: _Optional[int] = ..., bank_bytes: _Optional[int] = ..., running_bytes: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., bank_max_bytes: _Optional[int] = ..., bank_ceiling_bytes: _Optional[int] = ..., bank_entries: _Optional[int] = ..., scheduler: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., recent_receipts_json: _Optional[_Iterable[str]] = ..., kv_bytes_per_token: _Optional[int] = ..., prefill_chunk_tokens: _Optional[int] = ..., transient_base_bytes: _Optional[int] = ..., transient_per_context_token: _Optional[float] = ..., unaccounted_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., coldstore_json: _Optional[str] = ..., recent_evictions_json: _Optional[_Iterable[str]] = ..., mlx_cache_bytes: _Optional[int] = ..., kv_bits: _Optional[int] = ..., mtp: _Optional[str] = ...) -> None: ...

@@ -97,6 +97,7 @@ class Engine:
         mx.set_cache_limit(0)  # until the budget is known (below)
         calibrate(self.model, self.pricing)
         self.mtp = served.mtp  # its head's weights read by now: in the fixed part below
+        self.mtp_message = served.mtp_message
         self.batch = BatchScheduler(self.model, kinds=self.kinds, max_active=scheduler.max_active,
                                     eos_token_ids=self.eos_token_ids,
                                     decode=self.tokenizer.decode,

@@ -28,10 +28,19 @@ def status(engine) -> dict:
         "scheduler": e.scheduler.mode,
         "running_requests": e.running(), "waiting_requests": e.waiting(),
         "kv_bytes_per_token": e.kv_bytes_per_token, "kv_bits": e.kinds.kv_bits or 0,
+        "mtp": _mtp(e),
         "prefill_chunk_tokens": e.pricing.chunk_tokens,
         "transient_base_bytes": e.pricing.transient_base,
         "transient_per_context_token": e.pricing.transient_per_context_token,
     }
+
+
+def _mtp(e) -> str:
+    """MTP on, its depth and what its drafts kept so far; or off, and why."""
+    if e.mtp is None:
+        return "off: " + e.mtp_message.removeprefix("MTP off").lstrip(": ")
+    s = e.mtp.decoder.stats
+    return f"on, depth {e.mtp.depth}: {s.accepted} of {s.drafted} drafts kept"
 
 
 def count_restore(req, session, n_tokens: int, cached: int, source: int) -> None:
