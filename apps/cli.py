@@ -304,6 +304,7 @@ def _run_worker(args: argparse.Namespace) -> int:
                     write_out_deadline_s=args.write_out_deadline_s,
                     max_checkpoints=args.max_checkpoints,
                     checkpoint_every=args.checkpoint_every, kv_bits=args.kv_bits,
+                    mtp=args.mtp, mtp_depth=args.mtp_depth, mtp_head=args.mtp_head,
                     kv_events=_kv_events(args), metrics_port=args.metrics_port,
                     grammar_timeout_s=args.grammar_timeout_s,
                     max_grammar_bytes=args.max_grammar_bytes)

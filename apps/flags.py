@@ -187,6 +187,17 @@ def worker_flags(p: argparse.ArgumentParser) -> None:
            (["--max-grammar-bytes"], dict(type=int, default=256 << 10,
             help="a larger JSON schema (or forced call's tools) is refused at once (400) "
                  "(default: 256 KiB)")),
+           (["--mtp"], dict(choices=("auto", "off"), default="auto",
+            help="decode speculatively with the model's own multi-token-prediction head "
+                 "(Qwen3.5/3.6/3.8, Qwen3-Next: `mtp.*` weights): auto uses it where the "
+                 "checkpoint carries one that fits and every cache can be rolled back, and "
+                 "the worker's start log says which, or why not; answers equal decoding "
+                 "without it (default: %(default)s)")),
+           (["--mtp-depth"], dict(type=int, default=2, metavar="N",
+            help="tokens the MTP head drafts a round, 1-3 (default: %(default)s)")),
+           (["--mtp-head"], dict(type=Path, default=None, metavar="DIR",
+            help="the MTP head from this folder (model_type qwen3_5_mtp, as mlx-vlm splits "
+                 "it out) instead of the model's own mtp.* tensors (default: the model's)")),
            (["--kv-events-endpoint"], dict(default=None, metavar="tcp://HOST:PORT",
             help="publish which KV blocks this machine holds (RAM, SSD) in vLLM's KV-event "
                  "format on this ZeroMQ endpoint, for `vllm-router --policy kv_aware "

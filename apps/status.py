@@ -83,9 +83,10 @@ def render(c: Client):
                          str(s.durable_tokens), _ago(s.updated_at, now) if dirty else "-",
                          _ago(s.updated_at, now))
     rest = f"{st.kv_bits} bits" if st.kv_bits else "full precision"  # --kv-bits
+    mtp = f"; MTP {st.mtp}" if st.mtp else ""
     if st.scope == "tenant":
         return Group(sessions, _tenant_memory(st, rest))
-    memory = Table(title=f"worker memory (KV at rest: {rest})", title_justify="left")
+    memory = Table(title=f"worker memory (KV at rest: {rest}{mtp})", title_justify="left")
     for col in ("budget", "held", "model", "bank", "running", "staged", "bank cap",
                 "pressure", "scheduler", "running / waiting"):
         memory.add_column(col, justify="right")

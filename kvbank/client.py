@@ -33,6 +33,8 @@ def usage_dict(u: api_pb2.Usage) -> dict:
         "queue_s": round(u.queue_s, 4),
         "durable": u.durable,
         "session_id": u.session_id,
+        "drafted_tokens": u.drafted_tokens,
+        "accepted_tokens": u.accepted_tokens,
     }
 
 

@@ -57,6 +57,9 @@ RESTORE_STALL = Histogram("kvbank_worker_restore_stall_seconds",
                           "and its hand-over when read on a thread (worker/tiers/restore_threads.py)",
                           ["where"], buckets=LATENCY_BUCKETS)
 GENERATION_TOKENS = Counter("kvbank_generation_tokens_total", "Tokens generated")
+MTP_TOKENS = Counter("kvbank_mtp_tokens_total",
+                     "Speculative decoding with the model's MTP head: tokens the head drafted "
+                     "(`drafted`) and those the model kept (`accepted`)", ["outcome"])
 CORRUPT_BLOCKS = Counter("kvbank_corrupt_blocks_total",
                          "Stored blocks that failed their checksum on a restore (recomputed)")
 PREFIX_LOST = Counter("kvbank_prefix_lost_tokens_total",

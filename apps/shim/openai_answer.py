@@ -29,7 +29,8 @@ def usage_body(u: api_pb2.Usage) -> dict:
                    "recomputed_tokens": u.recomputed_tokens,
                    "prefix_lost_tokens": u.prefix_lost_tokens, "ttft_s": round(u.ttft_s, 4),
                    "queue_s": round(u.queue_s, 4), "durable": u.durable,
-                   "session_id": u.session_id},
+                   "session_id": u.session_id, "drafted_tokens": u.drafted_tokens,
+                   "accepted_tokens": u.accepted_tokens},
     }
 
 

@@ -6,7 +6,11 @@ folders are built from mlx-lm's own model classes, so they load with ``mlx_lm.lo
 a real checkpoint of the architecture would, with the default model's tokenizer (plus
 ``<think>``/``</think>``) and a Qwen3.5-style reasoning chat template.
 
-    python -m kvbank.testing.tiny qwen3_5 /tmp/qwen35-tiny [--size default] [--context N] [--seed N]
+    python -m kvbank.testing.tiny qwen3_5 /tmp/qwen35-tiny [--size default] [--context N] [--seed N] [--mtp]
+
+``--mtp`` adds a multi-token-prediction head (`mtp.*` tensors, `mtp_num_hidden_layers: 1`,
+as Qwen3.5 checkpoints ship it) with seeded random weights; kvbank/testing/tiny_mtp.py trains
+one.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from kvbank.models import TOKENIZER_FILES, atomic_dir, default_model_dir, llama_
 
 ARCHS = ("llama", "qwen3", "gpt_oss", "gemma3_text", "qwen3_5", "nemotron_h", "mamba2",
          "falcon_h1", "baichuan_m1")
+MTP_ARCHS = ("qwen3_5",)  # the architectures whose checkpoints ship an MTP head
 SIZES = ("tiny", "default")
 THINK_TOKENS = ("<think>", "</think>")
 TEMPLATE_PATH = Path(__file__).parent / "templates" / "qwen35_reasoning.jinja"
@@ -279,19 +284,36 @@ def make_tiny_model(out_dir: Path, seed: int = 0, *, cache_dir: Path | None = No
     return out_dir
 
 
+def mtp_head_weights(model, seed: int) -> dict:
+    """Seeded random weights of an MTP head for model, under their checkpoint names
+    (`mtp.fc.weight`, `mtp.layers.0.self_attn.q_proj.weight`, ...), drawn as ``_init`` draws."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from kvbank.mtp_head import Trunk, make_head
+
+    head = make_head(Trunk(model))
+    rng = np.random.default_rng(seed + 1_000_003)
+    return {f"mtp.{name}": mx.array(_init(name, p, rng))
+            for name, p in sorted(tree_flatten(head.parameters()))}
+
+
 def make_arch_model(out_dir: Path, arch: str, *, seed: int = 0, context: int = 8192,
                     window: int = 128, think_tokens: bool = True, template: str | None = None,
                     cache_dir: Path | None = None, size: str = "tiny",
-                    head_dim: int | None = None) -> Path:
+                    head_dim: int | None = None, mtp: bool = False) -> Path:
     """Write a random-weight ``arch`` model folder at out_dir (float32) and return it.
 
     One seed gives bit-identical files. ``context`` is max_position_embeddings, ``window`` the
     sliding window of gpt_oss and gemma3_text, ``template`` a chat template replacing the
-    Qwen3.5-style one, ``cache_dir`` where the default model (the tokenizer's source) lives.
+    Qwen3.5-style one, ``cache_dir`` where the default model (the tokenizer's source) lives,
+    ``mtp`` adds a random MTP head (`mtp.*`, which mlx-lm's load drops; kvbank reads it).
     """
     import mlx.core as mx
 
     _check(arch, size)
+    if mtp and arch not in MTP_ARCHS:
+        raise ValueError(f"no MTP head for {arch!r}; expected one of {', '.join(MTP_ARCHS)}")
     out_dir = Path(out_dir)
     tok_dir = default_model_dir(cache_dir)
     src = json.loads((tok_dir / "config.json").read_text())
@@ -302,7 +324,10 @@ def make_arch_model(out_dir: Path, arch: str, *, seed: int = 0, context: int = 8
         config = arch_config(arch, size=size, vocab=vocab, context=context, window=window,
                              head_dim=head_dim)
         config.update({k: src[k] for k in ("bos_token_id", "eos_token_id") if k in src})
-        _, weights = build_model(config, seed)
+        model, weights = build_model(config, seed)
+        if mtp:
+            config["mtp_num_hidden_layers"] = 1
+            weights.update(mtp_head_weights(model, seed))
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
@@ -334,10 +359,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=8192, help="max_position_embeddings")
     p.add_argument("--window", type=int, default=128, help="sliding window (gpt_oss, gemma3_text)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mtp", action="store_true", help="add a random MTP head (qwen3_5)")
     args = p.parse_args(argv)
     preload_openblas()
     print(make_arch_model(args.out_dir, args.arch, seed=args.seed, context=args.context,
-                          window=args.window, size=args.size))
+                          window=args.window, size=args.size, mtp=args.mtp))
 
 
 if __name__ == "__main__":

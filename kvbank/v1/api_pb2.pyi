@@ -143,7 +143,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., append: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., no_cache: _Optional[bool] = ..., fit_max_tokens: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., enable_thinking: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cache_source", "recomputed_tokens", "ttft_s", "queue_s", "durable", "session_id", "max_tokens", "prefix_lost_tokens", "reasoning_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "cache_source", "recomputed_tokens", "ttft_s", "queue_s", "durable", "session_id", "max_tokens", "prefix_lost_tokens", "reasoning_tokens", "drafted_tokens", "accepted_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,8 @@ class Usage(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -168,7 +170,9 @@ class Usage(_message.Message):
     max_tokens: int
     prefix_lost_tokens: int
     reasoning_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cache_source: _Optional[_Union[CacheSource, str]] = ..., recomputed_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., durable: _Optional[bool] = ..., session_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., prefix_lost_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ...) -> None: ...
+    drafted_tokens: int
+    accepted_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cache_source: _Optional[_Union[CacheSource, str]] = ..., recomputed_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., durable: _Optional[bool] = ..., session_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., prefix_lost_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "token", "logprob", "top")
@@ -391,7 +395,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("pressure_level", "pressure_source", "memory_budget_bytes", "held_bytes", "fixed_bytes", "bank_bytes", "running_bytes", "staged_bytes", "bank_max_bytes", "bank_ceiling_bytes", "bank_entries", "scheduler", "running_requests", "waiting_requests", "recent_receipts_json", "kv_bytes_per_token", "prefill_chunk_tokens", "transient_base_bytes", "transient_per_context_token", "unaccounted_bytes", "rss_bytes", "coldstore_json", "recent_evictions_json", "mlx_cache_bytes", "kv_bits", "scope")
+    __slots__ = ("pressure_level", "pressure_source", "memory_budget_bytes", "held_bytes", "fixed_bytes", "bank_bytes", "running_bytes", "staged_bytes", "bank_max_bytes", "bank_ceiling_bytes", "bank_entries", "scheduler", "running_requests", "waiting_requests", "recent_receipts_json", "kv_bytes_per_token", "prefill_chunk_tokens", "transient_base_bytes", "transient_per_context_token", "unaccounted_bytes", "rss_bytes", "coldstore_json", "recent_evictions_json", "mlx_cache_bytes", "kv_bits", "scope", "mtp")
     PRESSURE_LEVEL_FIELD_NUMBER: _ClassVar[int]
     PRESSURE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -418,6 +422,7 @@ class StatusResponse(_message.Message):
     MLX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_BITS_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
+    MTP_FIELD_NUMBER: _ClassVar[int]
     pressure_level: str
     pressure_source: str
     memory_budget_bytes: int
@@ -444,4 +449,5 @@ class StatusResponse(_message.Message):
     mlx_cache_bytes: int
     kv_bits: int
     scope: str
-    def __init__(self, pressure_level: _Optional[str] = ..., pressure_source: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ..., fixed_bytes: _Optional[int] = ..., bank_bytes: _Optional[int] = ..., running_bytes: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., bank_max_bytes: _Optional[int] = ..., bank_ceiling_bytes: _Optional[int] = ..., bank_entries: _Optional[int] = ..., scheduler: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., recent_receipts_json: _Optional[_Iterable[str]] = ..., kv_bytes_per_token: _Optional[int] = ..., prefill_chunk_tokens: _Optional[int] = ..., transient_base_bytes: _Optional[int] = ..., transient_per_context_token: _Optional[float] = ..., unaccounted_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., coldstore_json: _Optional[str] = ..., recent_evictions_json: _Optional[_Iterable[str]] = ..., mlx_cache_bytes: _Optional[int] = ..., kv_bits: _Optional[int] = ..., scope: _Optional[str] = ...) -> None: ...
+    mtp: str
+    def __init__(self, pressure_level: _Optional[str] = ..., pressure_source: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ..., fixed_bytes: _Optional[int] = ..., bank_bytes: _Optional[int] = ..., running_bytes: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., bank_max_bytes: _Optional[int] = ..., bank_ceiling_bytes: _Optional[int] = ..., bank_entries: _Optional[int] = ..., scheduler: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., recent_receipts_json: _Optional[_Iterable[str]] = ..., kv_bytes_per_token: _Optional[int] = ..., prefill_chunk_tokens: _Optional[int] = ..., transient_base_bytes: _Optional[int] = ..., transient_per_context_token: _Optional[float] = ..., unaccounted_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., coldstore_json: _Optional[str] = ..., recent_evictions_json: _Optional[_Iterable[str]] = ..., mlx_cache_bytes: _Optional[int] = ..., kv_bits: _Optional[int] = ..., scope: _Optional[str] = ..., mtp: _Optional[str] = ...) -> None: ...

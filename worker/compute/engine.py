@@ -39,6 +39,7 @@ from kvbank.worker.compute import reports
 from kvbank.worker.compute.decoding import Decodings
 from kvbank.worker.compute.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running, warm_up
 from kvbank.worker.compute.scheduler_config import SchedulerConfig
+from kvbank.worker.compute.mtp.serving import DEFAULT_DEPTH
 from kvbank.worker.compute.served_model import load_served_model
 from kvbank.worker.link.kv_events import EventsConfig, KVEvents, Publisher
 from kvbank.worker.memory import calibration
@@ -61,13 +62,15 @@ class Engine:
                  prefill_chunk_tokens: int = PREFILL_STEP_TOKENS,
                  write_out_deadline_s: float | None = None,
                  max_checkpoints: int = MAX_CHECKPOINTS, checkpoint_every: int | None = None,
-                 kv_events: EventsConfig | None = None, kv_bits: int | None = None):
+                 kv_events: EventsConfig | None = None, kv_bits: int | None = None,
+                 mtp: str = "auto", mtp_depth: int = DEFAULT_DEPTH, mtp_head: Path | None = None):
         """Built on the caller's thread; once its thread starts, that thread owns it all."""
         serve_buffers_from_the_heap()
         self.layout = layout.ensure()
         self.block_tokens = block_tokens
         self.scheduler = scheduler
-        served = load_served_model(Path(model_path), block_tokens, kv_bits=kv_bits)
+        served = load_served_model(Path(model_path), block_tokens, kv_bits=kv_bits, mtp=mtp,
+                                   mtp_depth=mtp_depth, mtp_head=mtp_head)
         self.model_path, self.model, self.tokenizer = served.path, served.model, served.tokenizer
         self.config, self.kinds, self.fingerprint = served.config, served.kinds, served.fingerprint
         self.max_context_tokens = served.max_context_tokens
@@ -79,8 +82,11 @@ class Engine:
         self.decodings = Decodings(self.tokenizer, self.vocab_size, self.model_path.name)
         self._queue: queue.Queue = queue.Queue()
         self._pending: deque[cmd.Generate] = deque()
-        self.pricing = Pricing(self.kv_bytes_per_token, 0, prefill_chunk_tokens,
-                               state_bytes=2 * self.checkpoint_bytes)  # calibrated below
+        # A request's window and recurrent caches, priced twice; with MTP, a verify also keeps
+        # the recurrent states after each of its depth + 1 tokens (worker/kv/rollback.py).
+        speculation = served.mtp.depth + 1 if served.mtp is not None else 0
+        self.pricing = Pricing(self.kv_bytes_per_token, 0, prefill_chunk_tokens,  # calibrated below
+                               state_bytes=(2 + speculation) * self.checkpoint_bytes)
         self.memory_budget = 0  # known once the model and the tiers are in memory (below)
         self.kv = KVManager(
             layout, kinds=self.kinds, fingerprint=self.fingerprint, block_tokens=block_tokens,
@@ -91,11 +97,13 @@ class Engine:
             chain_shed=admission_chain_shed, kv_bytes_per_token=self.kv_bytes_per_token,
             waiting=lambda: bool(self._pending))  # waiting requests come first
         mx.set_cache_limit(0)  # until the budget is known (below)
+        self.mtp = served.mtp  # its head's weights read by now: in the fixed part below
+        self.mtp_message = served.mtp_message
         self.batch = BatchScheduler(self.model, kinds=self.kinds, max_active=scheduler.max_active,
                                     eos_token_ids=self.eos_token_ids,
                                     decode=self.tokenizer.decode,
                                     prefill_step_tokens=prefill_chunk_tokens,
-                                    decode_wait_s=scheduler.decode_wait_s)
+                                    decode_wait_s=scheduler.decode_wait_s, mtp=self.mtp)
         # The prefill transients and what a first request leaves behind (the fixed part of
         # the budget): measured at a first start, read from kvbank's cache at every other
         # (into the one Pricing the KV manager holds too).
@@ -429,11 +437,16 @@ class Engine:
             max_tokens=r.job.request.max_tokens,
             prefix_lost_tokens=r.prefix_lost,
             reasoning_tokens=reasoning.count(r.completion) if reasoning else 0,
+            drafted_tokens=r.drafted,
+            accepted_tokens=r.accepted,
         )
         for stage, seconds in (("waiting", usage.queue_s - r.restore_s),
                                ("restore", r.restore_s), ("first_token", usage.ttft_s)):
             metrics.WORKER_STAGE.labels(stage).observe(seconds)
         metrics.GENERATION_TOKENS.inc(len(r.completion))
+        if r.drafted:
+            metrics.MTP_TOKENS.labels("drafted").inc(r.drafted)
+            metrics.MTP_TOKENS.labels("accepted").inc(r.accepted)
         metrics.RECOMPUTED_TOKENS.inc(usage.recomputed_tokens)
         finish = r.finish
         if finish == api_pb2.FINISH_REASON_STOP and r.decoding.tools and r.decoding.tools.made_calls:

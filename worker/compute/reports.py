@@ -24,6 +24,7 @@ def status(engine, tenant: str | None = None) -> dict:
         "memory_budget_bytes": e.memory_budget, "fixed_bytes": e.pricing.fixed_bytes,
         "bank_max_bytes": e.kv.bank.max_bytes, "scheduler": e.scheduler.mode,
         "kv_bytes_per_token": e.kv_bytes_per_token, "kv_bits": e.kinds.kv_bits or 0,
+        "mtp": _mtp(e),
         "prefill_chunk_tokens": e.pricing.chunk_tokens,
         "transient_base_bytes": e.pricing.transient_base,
         "transient_per_context_token": e.pricing.transient_per_context_token,
@@ -50,6 +51,14 @@ def tenant_status(engine, tenant: str) -> dict:
             "bank_entries": mine["bank_entries"],
             "running_requests": running + mine["reading_requests"],
             "waiting_requests": e.waiting(tenant)}
+
+
+def _mtp(e) -> str:
+    """MTP on, its depth and what its drafts kept so far; or off, and why."""
+    if e.mtp is None:
+        return "off: " + e.mtp_message.removeprefix("MTP off").lstrip(": ")
+    s = e.mtp.decoder.stats
+    return f"on, depth {e.mtp.depth}: {s.accepted} of {s.drafted} drafts kept"
 
 
 def count_restore(req, session, n_tokens: int, cached: int, source: int) -> None:

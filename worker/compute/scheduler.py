@@ -98,6 +98,9 @@ class Running:
     checkpoints: dict = field(default_factory=dict)  # position -> cache_kinds.Checkpoint
     prefix_lost: int = 0  # prompt tokens held but not restorable (no checkpoint there)
     at_rest: Any = None  # the quantized KV its cache was restored from (CacheKinds.at_rest)
+    head_cache: Any = None  # its MTP head's KV while mlx-lm's batch runs it (CacheKinds.with_head)
+    drafted: int = 0  # tokens its MTP head drafted (worker/compute/mtp/serving.py)
+    accepted: int = 0  # of them, those the model kept
 
 
 @dataclass(eq=False)  # found in lists by identity
@@ -110,6 +113,7 @@ class _Own:
     prompt: list[int]  # prompt tokens not in the cache yet
     max_tokens: int
     passed: int = 0  # steps a prompt that came later was read instead
+    mtp: Any = None  # its speculation (mtp.serving.MTPRun), when it has one
 
 
 class BatchScheduler:
@@ -117,16 +121,18 @@ class BatchScheduler:
                  kinds: CacheKinds | None = None,
                  prefill_step_tokens: int = PREFILL_STEP_TOKENS,
                  decode_wait_s: float = DEFAULT_DECODE_WAIT_S,
-                 own_lead_tokens: int | None = None):
+                 own_lead_tokens: int | None = None, mtp=None):
         """`decode`: the tokenizer's ids -> text, for the tokens of log-probabilities.
         `decode_wait_s`: how long answers may pause for prompts being read (`_answers_wait`).
         `own_lead_tokens`: contexts this far apart decode on their own caches, not batched
-        together (`_close`; default: `OWN_LEAD_OF_WEIGHTS` of the weights in KV bytes)."""
+        together (`_close`; default: `OWN_LEAD_OF_WEIGHTS` of the weights in KV bytes).
+        `mtp`: the model's MTP head (worker/compute/mtp/serving.py), or None."""
         from mlx_lm.generate import BatchGenerator
 
         self.max_active = max_active
         self.decode = decode
         self.model = model
+        self.mtp = mtp
         self.kinds = kinds or CacheKinds.of(model)  # what the caches hold
         self.decode_wait_s = decode_wait_s
         self._decoded_at = 0.0  # when answers last took a step (or had none to take)
@@ -163,13 +169,16 @@ class BatchScheduler:
             return
         self.kinds.with_room(cache, len(r.tokens))  # a buffer of a size MLX has kept
         r.uid = next(self._own_uids)
-        self._readers.append(_Own(r, cache, prompt, max_tokens))
+        run = (self.mtp.run_for(r.job.request, cache, r.decoding.processors,
+                                int(r.tokens[r.cached])) if self.mtp is not None else None)
+        self._readers.append(_Own(r, cache, prompt, max_tokens, mtp=run))
         self.running[r.uid] = r
 
     def _insert(self, r: Running, prompt: list[int], cache: list, max_tokens: int) -> None:
         d = r.decoding
+        r.head_cache = self.kinds.head_cache(cache)  # the batch runs the model's caches only
         (r.uid,) = self.gen.insert(
-            [prompt], max_tokens=[max_tokens], caches=[cache],
+            [prompt], max_tokens=[max_tokens], caches=[self.kinds.model_caches(cache)],
             samplers=[d.sampler], logits_processors=[d.processors],
             # the penalties look back into the prompt, as mlx-lm's server has them do
             all_tokens=[r.tokens[:r.cached].tolist() if d.processors else []])
@@ -320,11 +329,13 @@ class BatchScheduler:
                 stopped.append(resp.uid)
                 continue
             if resp.finish_reason is not None:
-                done.append((self.running.pop(resp.uid), resp.prompt_cache))
+                r = self.running.pop(resp.uid)
+                done.append((r, self.kinds.with_head(resp.prompt_cache, r.head_cache)))
         if stopped:
             caches = self.gen.remove(stopped, return_prompt_caches=True)
             for uid in stopped:
-                done.append((self.running.pop(uid), caches[uid][0]))
+                r = self.running.pop(uid)
+                done.append((r, self.kinds.with_head(caches[uid][0], r.head_cache)))
         for r, _ in done:
             self._flush_text(r)
         return done
@@ -347,7 +358,7 @@ class BatchScheduler:
         for o in self._readers + self._decoders:
             if o.r is r:  # views: MLX copies on write
                 return self.kinds.view(o.cache)
-        return self.gen.extract_cache([r.uid])[r.uid][0]
+        return self.kinds.with_head(self.gen.extract_cache([r.uid])[r.uid][0], r.head_cache)
 
     def _take(self, r: Running, resp) -> bool:
         """A request's new token: kept, its text sent; True when a stop string ends it."""
@@ -377,22 +388,27 @@ class BatchScheduler:
             if o.prompt:  # a prompt forward, its transients sized by its context
                 drop_stale_buffers()
             with mx.stream(self.gen.stream):
+                if o.mtp is not None and not o.prompt and self._speculates(o):
+                    return self._speculate(o)
                 # A chunk without logits: a long last chunk's would cost more than one forward.
                 n = self._chunk(o)
                 if n:
                     chunk, o.prompt = o.prompt[:n], o.prompt[n:]
-                    self.model(mx.array(chunk)[None], cache=o.cache)
+                    self._forward(o, chunk, r.tokens[len(r.tokens) - len(o.prompt) - n + 1:
+                                                     len(r.tokens) - len(o.prompt) + 1].tolist())
                     mx.eval([c.state for c in o.cache])
                     self._checkpoint(o, len(r.tokens) - len(o.prompt))
                     return []
                 x, o.prompt = (o.prompt or r.completion[-1:]), []
-                logits = self.model(mx.array(x)[None], cache=o.cache)[:, -1, :]
+                logits = self._forward(o, x, x[1:] if not r.completion else [])[:, -1, :]
                 if not r.completion:
                     self._checkpoint(o, len(r.tokens), always=True)
                 logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
                 token = r.decoding.sampler(logprobs)
                 mx.eval(token, logprobs)
                 token = int(token.item())
+                if o.mtp is not None:
+                    o.mtp.state.tokens = [token]  # the pending row's next token
             finish = ("stop" if token in self.eos
                       else "length" if len(r.completion) + 1 >= o.max_tokens else None)
             resp = SimpleNamespace(uid=r.uid, token=token, logprobs=logprobs[0],
@@ -401,19 +417,65 @@ class BatchScheduler:
                 if any(x is o for x in self._readers):
                     self._decodes(o)
                 return []
-            self._hand_off()
-            with mx.stream(self.gen.stream):  # the cache holds the answer's last token too
-                self.model(mx.array([[token]]), cache=o.cache)
-                mx.eval([c.state for c in o.cache])
+            return self._end_own(o, token)
         except Exception as e:
             logger.exception("generation step failed")
             if r.uid in self.running:
                 self._forget([r])
             self._failed.append((r, e))
             return []
+
+    def _forward(self, o: _Own, tokens: list[int], next_tokens: list[int]) -> mx.array:
+        """The model over `tokens` on `o`'s cache: mlx-lm's logits, or, for a request that
+        speculates, the trunk's hidden states with its head's history kept current (the
+        same logits come of them: `Trunk.logits`)."""
+        if o.mtp is None:
+            return self.model(mx.array(tokens)[None], cache=self.kinds.model_caches(o.cache))
+        dec = self.mtp.decoder
+        hidden = dec.read(tokens, next_tokens, o.cache, o.mtp.state)
+        self.kinds.keep_hidden(o.cache, hidden[:, -1:])  # a checkpoint here keeps it
+        return dec.trunk.logits(hidden)
+
+    def _end_own(self, o: _Own, token: int) -> list[tuple[Running, list]]:
+        """An answer on its own cache ended at `token`: the cache holds that token too, as a
+        turn's commit wants it."""
+        r = o.r
+        self._hand_off()
+        with mx.stream(self.gen.stream):
+            self._forward(o, [token], [])
+            mx.eval([c.state for c in o.cache])
         self._forget([r])
         self._flush_text(r)
         return [(r, o.cache)]
+
+    def _speculates(self, o: _Own) -> bool:
+        """Whether `o` drafts this step: only while it decodes alone (no batch, no other
+        answer on its own cache). Rows of a batch would each accept their own number of
+        drafts; oMLX measured MTP per row inside a batch slower than plain batched decode."""
+        return not self._in_batch() and len(self._decoders) == 1
+
+    def _speculate(self, o: _Own) -> list[tuple[Running, list]]:
+        """One speculative round of `o` (worker/compute/mtp/decode.py): its tokens taken one
+        by one as plain decoding's would be (stop strings, max_tokens, the stream), then every
+        cache rolled back to the last one kept."""
+        r, run, dec = o.r, o.mtp, self.mtp.decoder
+        accepted = dec.stats.accepted
+        out = dec.speculate(r.completion[-1], None, run.sampling, o.cache, run.state, run.spec,
+                            o.max_tokens - len(r.completion), self.eos)
+        kept, ended = 0, False
+        for token, logprobs in out:
+            kept += 1
+            finish = ("stop" if token in self.eos
+                      else "length" if len(r.completion) + 1 >= o.max_tokens else None)
+            resp = SimpleNamespace(uid=r.uid, token=token, logprobs=logprobs,
+                                   finish_reason=finish)
+            if self._take(r, resp) or finish is not None:
+                ended = True
+                break
+        dec.settle(run.state, run.spec, kept)
+        r.drafted += dec.depth
+        r.accepted += min(dec.stats.accepted - accepted, kept)
+        return self._end_own(o, r.completion[-1]) if ended else []
 
     def _chunk(self, o: _Own) -> int:
         """How many prompt tokens the next forward reads without logits (0: the rest, with

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvbank.worker.compute.mtp.serving import DEFAULT_DEPTH, load_mtp
 from kvbank.worker.kv import codec
 from kvbank.worker.kv.cache_kinds import CHECKPOINT_EVERY, CacheKinds, UnsupportedModel
 
@@ -29,6 +30,8 @@ class ServedModel:
     fingerprint: bytes
     kv_rest_bytes_per_token: int = 0  # as the bank and SSD hold them (--kv-bits: quantized)
     kv_bits: int | None = None
+    mtp: object = None  # worker/compute/mtp/serving.py MTP, when the model drafts with its head
+    mtp_message: str = ""
 
     @property
     def max_context_tokens(self) -> int:
@@ -50,10 +53,12 @@ class ServedModel:
         return -(-tokens // block_tokens) * block_tokens
 
 
-def load_served_model(path: Path, block_tokens: int, kv_bits: int | None = None
-                      ) -> ServedModel:
+def load_served_model(path: Path, block_tokens: int, kv_bits: int | None = None, *,
+                      mtp: str = "off", mtp_depth: int = DEFAULT_DEPTH,
+                      mtp_head: Path | None = None) -> ServedModel:
     """Load and measure; UnsupportedModel for a cache kind kvbank cannot restore exactly
-    (or, with `kv_bits`, a head_dim it cannot quantize)."""
+    (or, with `kv_bits`, a head_dim it cannot quantize). `mtp`: `--mtp`; the head, when it
+    runs, is read first: its KV is a layer of every cache, measured and fingerprinted."""
     from mlx_lm import load
 
     t0 = time.monotonic()
@@ -61,13 +66,15 @@ def load_served_model(path: Path, block_tokens: int, kv_bits: int | None = None
     model, tokenizer = load(str(path))
     config = json.loads((path / "config.json").read_text())
     kinds = CacheKinds(model, model_type(config), kv_bits)
+    head, message = load_mtp(model, path, kinds, mode=mtp, depth=mtp_depth, sidecar=mtp_head)
+    logger.info("%s", message)
     try:
         per_token, checkpoint, dtype = kinds.measure()
     except ValueError as e:  # a head_dim --kv-bits cannot quantize
         raise UnsupportedModel(str(e)) from None
     served = ServedModel(path, model, tokenizer, config, kinds, per_token, checkpoint, dtype,
                          fingerprint(path, config, kinds, dtype, per_token, block_tokens),
-                         kinds.rest_bytes_per_token, kv_bits)
+                         kinds.rest_bytes_per_token, kv_bits, head, message)
     logger.info("model %s loaded in %.1fs: %d KV bytes/token (%d at rest%s), %d bytes a "
                 "checkpoint (%s), caches %s, fingerprint %s", path, time.monotonic() - t0,
                 per_token, served.kv_rest_bytes_per_token,

@@ -40,8 +40,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kvbank.blocks import CorruptBlock
 from kvbank.worker.kv import arrays, codec, quant
-from kvbank.worker.kv.kinds import (MLX_LM_VERSION, CacheKind, FullKind, Kind,  # noqa: F401
-                                    UnsupportedModel, kind_of)
+from kvbank.worker.kv.kinds import (MLX_LM_VERSION, CacheKind, FullKind, HeadKind,  # noqa: F401
+                                    HiddenKind, Kind, ListKind, RollbackUnsupported, UnsupportedModel,
+                                    kind_of)
 
 CHECKPOINT_EVERY = 2048  # tokens between a long prompt's checkpoints, at least
 
@@ -81,10 +82,51 @@ class CacheKinds:
             kind_of(c, model_type, kv_bits) for c in make_prompt_cache(model))
         if not self.slots:
             raise UnsupportedModel(f"model_type {model_type!r} returns no caches")
+        self.head: HeadKind | None = None  # the MTP head's layer, when it runs (`add_head`)
+        self._index()
+        self.full_kind = FullKind(kv_bits)  # what the FULL leaves share: their bits at rest
+
+    def _index(self) -> None:
         self.leaves = tuple(leaf for s in self.slots for leaf in s.leaves())
         # One of each (leaves of one tag restore alike): what `restore_point` asks.
         self._distinct = tuple({leaf.tag: leaf for leaf in self.leaves}.values())
-        self.full_kind = FullKind(kv_bits)  # what the FULL leaves share: their bits at rest
+
+    def add_head(self, kv_heads: int, head_dim: int, dtype, hidden: int) -> None:
+        """The MTP head's history becomes the last two slots of every cache: its attention
+        layer (HeadKind, a row a token) and the model's hidden state it pairs with the next
+        token (HiddenKind, at checkpoints). Before `measure` and the fingerprint, which then
+        count them."""
+        self.head = HeadKind(self.kv_bits, kv_heads, head_dim, dtype)
+        self._hidden = HiddenKind(hidden, dtype)
+        self.slots = self.slots + (self.head, self._hidden)
+        self._index()
+
+    def head_cache(self, cache: list):
+        """The head's KV cache in a request's cache list (None without a head)."""
+        return cache[-2] if self.head is not None else None
+
+    def keep_hidden(self, cache: list, hidden: mx.array) -> None:
+        """The model's hidden state [1, 1, H] where the cache now stands (its next
+        checkpoint keeps it)."""
+        self._hidden.keep(cache[-1], hidden)
+
+    def kept_hidden(self, cache: list) -> mx.array | None:
+        """The hidden state restored with the cache (None: not known)."""
+        return self._hidden.kept(cache[-1])
+
+    def model_caches(self, cache: list) -> list:
+        """The caches the model's forward takes (mlx-lm's BatchGenerator among them): all but
+        the head's."""
+        return list(cache[:-2]) if self.head is not None else cache
+
+    def with_head(self, cache: list, head_cache=None) -> list:
+        """A cache list back from mlx-lm's batch with the head's history: `head_cache` (the
+        one it had when the batch took it; None: a fresh one), which saw none of the batch's
+        tokens (their rows are zeros: HeadKind), and no hidden state."""
+        if self.head is None:
+            return cache
+        head = head_cache if head_cache is not None else self.head.fresh()
+        return [*cache, head, self._hidden.fresh()]
 
     @classmethod
     def of(cls, model, kv_bits: int | None = None) -> "CacheKinds":
@@ -113,7 +155,7 @@ class CacheKinds:
         return any(leaf.every_token for leaf in self.leaves)
 
     def new_cache(self) -> list:
-        return make_prompt_cache(self.model)
+        return self.with_head(make_prompt_cache(self.model))
 
     def _leaves(self, cache: list) -> list[tuple[CacheKind, object]]:
         """(kind, cache) of every leaf of a model's cache list, in order."""
@@ -136,7 +178,7 @@ class CacheKinds:
         token are a running request's (full precision); `rest_bytes_per_token` is what the
         bank and SSD hold of one token."""
         cache = self.new_cache()
-        self.model(mx.array([[0]]), cache=cache)
+        self.model(mx.array([[0]]), cache=self.model_caches(cache))
         mx.eval([c.state for c in cache])
         per_token, checkpoint, dtype, rest = 0, 0, None, 0
         for leaf, c in self._leaves(cache):
@@ -173,8 +215,12 @@ class CacheKinds:
     def full_layers(self, cache: list, n_tokens: int, prefix=None) -> arrays.Layers:
         """The FULL leaves' first n_tokens (a cache that may stand past them), as kept at rest:
         quantized past `prefix` when kv_bits is set (see `at_rest`)."""
-        return self.full_kind.freeze_layers(self.full_caches(cache), n_tokens,
-                                            prefix if self.kv_bits else None)
+        held = prefix[0] if prefix is not None and self.kv_bits else None
+        layers = [leaf.freeze(c, n_tokens, (held[i], prefix[1]) if held is not None else None)
+                  for i, (leaf, c) in enumerate((leaf, c) for leaf, c in self._leaves(cache)
+                                                if leaf.every_token)]
+        mx.eval(layers)
+        return layers
 
     def at_rest(self, cache: list) -> tuple[arrays.Layers, int] | None:
         """The quantized layers (and how many of their tokens) a cache `restore` made stands
@@ -200,6 +246,23 @@ class CacheKinds:
         for leaf, c in leaves:
             leaf.trim(c, n)
         return True
+
+    def rewindable(self) -> str | None:
+        """Why a speculative verify could not be rolled back exactly (None: it can)."""
+        for leaf in self._distinct:
+            if type(leaf).rewind is CacheKind.rewind or isinstance(leaf, ListKind):
+                return f"a {leaf.tag} cache cannot be rolled back after a rejected draft"
+        return None
+
+    def recorded(self, cache: list) -> list:
+        """The leaves whose rollback needs the verify's per-token record (their caches)."""
+        return [c for leaf, c in self._leaves(cache) if leaf.records]
+
+    def rewind(self, cache: list, fed: int, keep: int, records: dict) -> None:
+        """Every leaf as a forward of the first `keep` of the `fed` tokens just fed would have
+        left it (`records`: id(leaf cache) -> what the forward kept for it)."""
+        for leaf, c in self._leaves(cache):
+            leaf.rewind(c, fed, keep, records.get(id(c)))
 
     # -- the bank -> a request's own cache ----------------------------------------------------
 
@@ -233,7 +296,7 @@ class CacheKinds:
         """A running request's cache as it stands, as a new cache that copies on write."""
         snap = self.snapshot(cache)
         n = self.position(cache)
-        layers = [self.full_kind.view(c) for c in self.full_caches(cache)]
+        layers = [leaf.view(c) for leaf, c in self._leaves(cache) if leaf.every_token]
         return self.restore(layers, snap, n if n is not None else 0)
 
     def block_bits(self) -> int | None:

@@ -49,6 +49,11 @@ class UnsupportedModel(RuntimeError):
     """A model with a cache kind kvbank cannot restore exactly: refused at start."""
 
 
+class RollbackUnsupported(RuntimeError):
+    """A cache kvbank cannot roll back exactly after a rejected draft: the model is served
+    without MTP."""
+
+
 @dataclass(frozen=True, slots=True)
 class Size:
     """What one cache holds after a one-token forward: bytes a token adds while running and
@@ -105,6 +110,16 @@ class CacheKind:
         """Take back the cache's last n tokens in place (`trimmable` first)."""
         raise RuntimeError(f"bug: a {self.kind} cache cannot be trimmed")
 
+    # -- a rejected draft (MTP): worker/kv/rollback.py records, these take back ---------------
+
+    records: ClassVar[bool] = False  # whether `rewind` needs what the verify's forward kept
+
+    def rewind(self, cache, fed: int, keep: int, record=None) -> None:
+        """After a forward of `fed` tokens (a speculative verify), the cache as a forward of
+        its first `keep` tokens would have left it, exactly. `record`: what that forward
+        kept for this cache (`records` kinds only)."""
+        raise RollbackUnsupported(f"a {type(cache).__name__} cache")
+
     # -- checkpoints (not every_token) --------------------------------------------------------
 
     def snapshot(self, cache) -> tuple:
@@ -150,6 +165,10 @@ class FullKind(CacheKind):
 
     def trim(self, cache, n: int) -> None:
         cache.trim(n)
+
+    def rewind(self, cache, fed: int, keep: int, record=None) -> None:
+        if fed > keep:
+            cache.trim(fed - keep)
 
     def freeze(self, cache, n_tokens: int, prefix=None):
         """The cache's first n_tokens as the bank keeps them (not yet evaluated): its own
@@ -221,6 +240,118 @@ class FullKind(CacheKind):
         return [self.restore(KVCache(), pair, n_tokens, owned) for pair in layers]
 
 
+class HeadKind(FullKind):
+    """The MTP head's own attention layer (kvbank/mtp_head.py), kept beside the model's caches
+    as one more full-attention layer of the conversation: counted, evicted, written and
+    restored as the others are. Row j holds the head's K/V of the pair (the model's hidden
+    state after token j-1, token j); where that hidden state was not kept (a conversation's
+    first token, the first new token of a returning turn) the pair's hidden is zero
+    (worker/compute/mtp/serving.py), and rows the head never saw (a turn decoded in mlx-lm's
+    batch) are zeros. Drafts read these rows; answers never do: they only make drafting
+    better or worse, never an answer different."""
+
+    def __init__(self, bits: int | None, kv_heads: int, head_dim: int, dtype):
+        super().__init__(bits)
+        self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
+
+    @property
+    def tag(self) -> str:
+        return "mtp"
+
+    def measure(self, cache) -> Size:
+        one = mx.zeros((1, self.kv_heads, 1, self.head_dim), self.dtype)
+        rest = (2 * sum(int(x.nbytes) for x in quant.quantize(one, self.bits)) if self.bits
+                else 2 * int(one.nbytes))
+        return Size(per_token=2 * int(one.nbytes), rest_per_token=rest, dtype=_dtype(one))
+
+    def position(self, cache) -> int | None:
+        return None  # the model's caches say where a request stands; the head may lag
+
+    def rewind(self, cache, fed: int, keep: int, record=None) -> None:
+        """Nothing: a verify feeds the model, not the head (the decoder trims the head's
+        speculative rows itself)."""
+
+    def _rows(self, cache, n_tokens: int) -> KVCache:
+        """A cache of the head's first n_tokens rows, zeros past those it holds (the head's
+        own cache is never written)."""
+        keys, values, offset = cache.state
+        if offset >= n_tokens:
+            return cache
+        pad = mx.zeros((1, self.kv_heads, n_tokens - offset, self.head_dim), self.dtype)
+        held = (([keys[..., :offset, :]], [values[..., :offset, :]]) if offset else ([], []))
+        out = KVCache()
+        out.state = (mx.concatenate(held[0] + [pad], axis=2),
+                     mx.concatenate(held[1] + [pad], axis=2), n_tokens)
+        return out
+
+    def freeze(self, cache, n_tokens: int, prefix=None):
+        return super().freeze(self._rows(cache, n_tokens), n_tokens, prefix)
+
+    def trimmable(self, cache, n: int) -> bool:
+        return True
+
+    def fresh(self) -> KVCache:
+        return KVCache()
+
+    def restore(self, fresh, saved, n_tokens: int, owned: bool = False):
+        k = saved[0]
+        held = min(n_tokens, int((k[0] if isinstance(k, tuple) else k).shape[2]))
+        if held:
+            fresh = super().restore(fresh, saved, held, owned)
+        return self._rows(fresh, n_tokens)
+
+    def view(self, cache):
+        keys, values, offset = cache.state
+        return (keys[..., :offset, :], values[..., :offset, :]) if offset else (
+            mx.zeros((1, self.kv_heads, 0, self.head_dim), self.dtype),) * 2
+
+
+class HiddenKind(CacheKind):
+    """The model's last hidden state where a forward stopped: what the MTP head pairs with
+    the next token (kvbank/mtp_head.py). Kept as a checkpoint, where the recurrent states
+    are, so a conversation restored there drafts as one that never left; held in an
+    `ArraysCache` of one array beside the model's caches (None: not known, a zero hidden)."""
+
+    kind = Kind.STATE
+    cache_class = ArraysCache
+
+    def __init__(self, hidden: int, dtype):
+        self.hidden, self.dtype = hidden, dtype
+
+    @property
+    def tag(self) -> str:
+        return "mtp-hidden"
+
+    def fresh(self) -> ArraysCache:
+        return ArraysCache(1)
+
+    def measure(self, cache) -> Size:
+        return Size(checkpoint=int(mx.zeros((1, 1, self.hidden), self.dtype).nbytes),
+                    dtype=_dtype(mx.zeros((1,), self.dtype)))
+
+    def restorable(self, n_tokens: int, checkpoints: Iterable[int]) -> int:
+        return n_tokens  # where it is not kept, drafting starts from a zero hidden
+
+    def rewind(self, cache, fed: int, keep: int, record=None) -> None:
+        """Nothing: set by the forwards kept (`keep_hidden`), never by a verify."""
+
+    def keep(self, cache, hidden: mx.array) -> None:
+        cache[0] = hidden
+
+    def kept(self, cache) -> mx.array | None:
+        return cache[0]
+
+    def snapshot(self, cache) -> tuple:
+        return (cache[0],)
+
+    def restore(self, fresh, saved: tuple, n_tokens: int):
+        fresh[0] = saved[0]
+        return fresh
+
+    def saved_arrays(self) -> int:
+        return 1
+
+
 class WindowKind(CacheKind):
     """`RotatingKVCache`: its checkpoint is the window in token order, at most W (+ keep)
     tokens, whatever the conversation's length."""
@@ -254,6 +385,19 @@ class WindowKind(CacheKind):
 
     def trim(self, cache, n: int) -> None:
         cache.trim(n)
+
+    def rewind(self, cache, fed: int, keep: int, record=None) -> None:
+        """A forward of fed > 1 tokens leaves the ring in time order with the fed tokens at
+        its end (mlx-lm's concatenating path), wrapped or not: cutting that tail leaves the
+        arrays a forward of the kept tokens would."""
+        drop = fed - keep
+        if drop <= 0:
+            return
+        keys, values, offset, keep_first, max_size, idx = cache.state
+        if fed < 2 or idx != keys.shape[2]:
+            raise RollbackUnsupported("a window cache not in time order after a verify")
+        cache.state = (keys[..., :idx - drop, :], values[..., :idx - drop, :],
+                       offset - drop, keep_first, max_size, idx - drop)
 
     def snapshot(self, cache) -> tuple:
         """The window's tokens in order: its `keep` first, then the last W - keep (after a
@@ -315,6 +459,23 @@ class StateKind(CacheKind):
     def snapshot(self, cache) -> tuple:
         return tuple(cache.state[0])
 
+    records = True
+
+    def rewind(self, cache, fed: int, keep: int, record=None) -> None:
+        """A Gated DeltaNet's (conv window, recurrent state) after the first `keep` fed
+        tokens: the conv window is a slice of the verify's conv input, the state the one the
+        recurrence left after token `keep` (`record`: the forward's conv input and per-token
+        states, worker/kv/rollback.py). Nothing is recomputed."""
+        if fed == keep:
+            return
+        if record is None or self.size != 2:
+            raise RollbackUnsupported(f"a state of {self.size} arrays with no per-token record")
+        conv_input, states = record
+        n_keep = conv_input.shape[1] - fed
+        _, left_padding, lengths = cache.state
+        cache.state = ([mx.contiguous(conv_input[:, keep:keep + n_keep, :]), states[keep - 1]],
+                       left_padding, lengths)
+
     def restore(self, fresh, saved: tuple, n_tokens: int):
         _, left_padding, lengths = fresh.state
         fresh.state = ([None if a is None else a[...] for a in saved], left_padding, lengths)
@@ -342,6 +503,10 @@ class ListKind(CacheKind):
 
     def caches(self, cache) -> list:
         return [c for i, p in enumerate(self.parts) for c in p.caches(cache[i])]
+
+    def rewind(self, cache, fed: int, keep: int, record=None) -> None:
+        raise RollbackUnsupported("a layer keeping a list of caches (its mixer has no "
+                                  "per-token states here)")
 
     def rebuild(self, fresh, restored):
         return CacheList(*(p.rebuild(fresh[i], restored) for i, p in enumerate(self.parts)))

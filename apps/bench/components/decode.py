@@ -1,0 +1,308 @@
+"""`kvbank bench decode --mtp`: decode tokens/s with and without the model's MTP head, one
+agent, depth 1..3, in one run, alternated.
+
+Plain decoding is mlx-lm's own `generate_step` (it overlaps the next forward's graph with
+the current one's evaluation: the faster of the two plain paths kvbank has); MTP is
+worker/compute/mtp/decode.py's `MTPDecoder`. Greedy, EOS is no stop token, prompts are seeded
+random token ids, each run on a fresh cache; a run's decode speed is (tokens - 1) over the
+time from its first token to its last (its prompt is read before the clock starts). Runs
+alternate (plain, depth 1, 2, 3, then backwards) and speedups are the median of each
+repeat's ratio to that repeat's plain run. Every MTP run's tokens must equal plain's.
+
+Then one profiled run per depth evaluates each phase of a round on its own (draft, verify,
+accept, rollback) and times a plain forward, a verify forward of k+1 tokens and a draft step
+alone, for the ceiling the machine allows: (1 + a1 + a1 a2 + ...) / (round cost in plain
+forwards), where a_j is the acceptance at draft position j given the drafts before it kept,
+and the round costs k draft steps and one verify. What a round takes beyond that is ours
+(Python, the rollback, sampling).
+
+This machine is shared: each rate is also given per CPU second of this process
+(`cpu_tok_s`, `cpu_speedup`), which others' load does not inflate, and the profile and the
+forward costs are CPU seconds; the load average is recorded at the start and the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+GOAL = 1.6  # MTP over plain tok/s at one agent, at the best depth
+SEED = 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvbank.apps.flags import model_flag
+
+    model_flag(p)
+    p.add_argument("--arch", choices=("qwen3_5",), default=None,
+                   help="a model of the default model's size with a trained MTP head "
+                        "(kvbank/testing/tiny_mtp.py), built once into kvbank's cache dir")
+    p.add_argument("--mtp", action="store_true", help="compare decoding with the MTP head")
+    p.add_argument("--depths", default="1,2,3", help="MTP depths (default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=96, help="tokens decoded per run "
+                                                          "(default: %(default)s)")
+    p.add_argument("--draft-bits", type=int, choices=(0, 4, 8), default=4,
+                   help="the drafts' copy of the LM head, quantized (0: the trunk's own) "
+                        "(default: %(default)s)")
+    p.add_argument("--prompt-tokens", type=int, default=64,
+                   help="tokens per prompt (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="repeats, order alternating (default: %(default)s)")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                   help="print the result as JSON (to FILE if given)")
+
+
+def _provenance(argv: list[str]) -> dict:
+    import mlx.core as mx
+    import mlx_lm
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], check=True,
+                                capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return {"argv": argv, "commit": commit, "date": datetime.now(timezone.utc).isoformat(),
+            "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
+            "python": platform.python_version(), "machine": platform.machine(),
+            "cpus": os.cpu_count(), "device": str(mx.default_device()),
+            "loadavg_start": list(os.getloadavg())}
+
+
+def _med(xs) -> float:
+    return round(statistics.median(list(xs)), 4)
+
+
+class _Runs:
+    """Decode runs of one model: plain (mlx-lm) and with the head at a depth."""
+
+    def __init__(self, model, head, prompt: list[int], tokens: int, draft_bits: int | None):
+        self.model, self.head, self.prompt, self.tokens = model, head, prompt, tokens
+        self.draft_bits = draft_bits
+
+    def _timed(self, steps) -> tuple[list[int], float, float]:
+        """The tokens, their tok/s by the clock and by this process's CPU seconds (on a
+        shared machine the clock also counts others' work; the CPU time counts ours)."""
+        out, first = [], None
+        for t, _ in steps:
+            out.append(t)
+            if first is None:
+                first = (time.perf_counter(), time.process_time())
+        n = len(out) - 1
+        return out, n / (time.perf_counter() - first[0]), n / (time.process_time() - first[1])
+
+    def plain(self) -> tuple[list[int], float]:
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+
+        tokens, tok_s, cpu_tok_s = self._timed(generate_step(mx.array(self.prompt), self.model,
+                                                             max_tokens=self.tokens))
+        return tokens, tok_s, None, cpu_tok_s
+
+    def mtp(self, depth: int, profile: dict | None = None):
+        from kvbank.worker.compute.mtp.decode import MTPDecoder
+        from kvbank.worker.compute.mtp.sampling import Sampling
+
+        dec = MTPDecoder(self.model, self.head, depth, draft_bits=self.draft_bits,
+                         profile=profile)
+        tokens, tok_s, cpu_tok_s = self._timed(dec.generate(self.prompt, Sampling(),
+                                                            max_tokens=self.tokens))
+        return tokens, tok_s, dec.stats, cpu_tok_s
+
+
+def _forward_costs(runs: _Runs, depths: list[int], repeats: int = 7) -> dict:
+    """CPU seconds of one plain forward (1 token), a verify forward (k+1 tokens, per-token
+    states kept) and a draft step (the head and the LM head, 1 row), each alone, median."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from kvbank.worker.compute.mtp.decode import MTPDecoder
+    from kvbank.worker.kv.cache_kinds import CacheKinds
+    from kvbank.worker.kv.rollback import Speculation
+
+    dec = MTPDecoder(runs.model, runs.head, 1, draft_bits=runs.draft_bits)
+    trunk = dec.trunk
+
+    def median_s(fn) -> float:  # CPU seconds of this process: others' load does not count
+        ts = []
+        for _ in range(repeats):
+            t0 = time.process_time()
+            fn()
+            ts.append(time.process_time() - t0)
+        return statistics.median(ts)
+
+    cache = make_prompt_cache(runs.model)
+    mx.eval(runs.model(mx.array([runs.prompt]), cache=cache))
+    spec = Speculation(CacheKinds.of(runs.model), cache)
+
+    def forward(n: int):
+        def fn():
+            inputs = mx.array([runs.prompt[:n]])
+            if n == 1:  # plain decoding's forward: nothing kept for a rollback
+                mx.eval(trunk.logits(trunk.hidden(inputs, cache)))
+            else:
+                with spec.recording(n):
+                    mx.eval(trunk.logits(trunk.hidden(inputs, cache)))
+                spec.keep(1)
+            for c in cache:  # the attention caches back to where they stood
+                if hasattr(c, "offset"):
+                    c.trim(1)
+        return fn
+
+    head_cache = KVCache()
+    h = mx.zeros((1, 1, trunk.args.hidden_size))
+    mx.eval(runs.head(mx.zeros((1, 8, trunk.args.hidden_size)),
+                      trunk.embed(mx.array([runs.prompt[:8]])), head_cache))
+
+    def draft():
+        g = runs.head(h, trunk.embed(mx.array([[runs.prompt[0]]])), head_cache)
+        mx.eval(mx.argmax(dec.draft_logits(g[:, 0]), axis=-1))
+        head_cache.trim(1)
+
+    return {"plain_forward_s": round(median_s(forward(1)), 5),
+            "verify_forward_s": {str(k): round(median_s(forward(k + 1)), 5) for k in depths},
+            "draft_step_s": round(median_s(draft), 5)}
+
+
+def run(*, model: str | None, arch: str | None, depths: list[int], tokens: int,
+        prompt_tokens: int, repeats: int, argv: list[str], draft_bits: int | None = 4) -> dict:
+    from kvbank.config import preload_openblas
+    from kvbank.models import prepare_model
+
+    if arch:
+        from kvbank.testing.tiny_mtp import mtp_model
+
+        model_dir = mtp_model("default")
+    else:
+        model_dir = prepare_model(model)
+    preload_openblas()  # before the first `import mlx` in this process
+    from mlx_lm import load
+
+    from kvbank.mtp_head import read_head
+
+    mlx_model, _ = load(str(model_dir))
+    loaded = read_head(mlx_model, model_dir)
+    if loaded.head is None:
+        raise SystemExit(f"kvbank bench decode --mtp: {loaded.message}")
+    meta = _provenance(argv)
+    from kvbank.mtp_head import Trunk
+
+    rng = np.random.default_rng(SEED)
+    prompt = rng.integers(256, Trunk(mlx_model).args.vocab_size, prompt_tokens).tolist()
+    runs = _Runs(mlx_model, loaded.head, prompt, tokens, draft_bits)
+    runs.plain(), runs.mtp(depths[0])  # first-use kernels and buffers of both paths
+
+    plain, mtp = [], {d: [] for d in depths}
+    same = True
+    for i in range(repeats):
+        order = [0, *depths] if i % 2 == 0 else [*depths[::-1], 0]
+        row = {}
+        for d in order:
+            if d == 0:
+                row[0] = runs.plain()
+            else:
+                row[d] = runs.mtp(d)
+        plain.append(row[0])
+        for d in depths:
+            mtp[d].append(row[d])
+            same &= row[d][0] == row[0][0]
+
+    costs = _forward_costs(runs, depths)
+    per_depth = {}
+    for d in depths:
+        stats = mtp[d][0][2]
+        profile: dict = {}
+        _, _, pstats, _ = runs.mtp(d, profile)
+        rates = stats.rates()[:d]
+        expected = 1 + sum(float(np.prod(rates[:j + 1])) for j in range(d))
+        round_cost = (d * costs["draft_step_s"] + costs["verify_forward_s"][str(d)]) \
+            / costs["plain_forward_s"]
+        per_round = {k: round(v / pstats.rounds, 5) for k, v in profile.items()}
+        per_depth[str(d)] = {
+            "tok_s": _med(r[1] for r in mtp[d]),
+            "runs_tok_s": [round(r[1], 3) for r in mtp[d]],
+            "speedup": _med(r[1] / p[1] for r, p in zip(mtp[d], plain)),
+            "cpu_tok_s": _med(r[3] for r in mtp[d]),
+            "cpu_speedup": _med(r[3] / p[3] for r, p in zip(mtp[d], plain)),
+            "acceptance": [round(x, 4) for x in rates],
+            "tokens_per_forward": round(stats.tokens_per_forward, 4),
+            "rounds_by_drafts_kept": stats.kept[:d + 1],
+            "ceiling": round(expected / round_cost, 4),
+            "round_cost_plain_forwards": round(round_cost, 4),
+            "profiled_round_s": per_round,
+            "profiled_round_plain_forwards": round(sum(per_round.values())
+                                                   / costs["plain_forward_s"], 4),
+        }
+    best = max(depths, key=lambda d: per_depth[str(d)]["speedup"])
+    meta["loadavg_end"] = list(os.getloadavg())
+    return {"model": str(model_dir), "head": loaded.message, **meta,
+            "args": {"depths": depths, "tokens": tokens, "prompt_tokens": prompt_tokens,
+                     "repeats": repeats, "draft_bits": draft_bits},
+            "plain_tok_s": _med(p[1] for p in plain),
+            "plain_runs_tok_s": [round(p[1], 3) for p in plain],
+            "plain_cpu_tok_s": _med(p[3] for p in plain),
+            "mtp": per_depth, "forward_costs": costs, "same_tokens": same,
+            "best_depth": best, "goal": GOAL,
+            "within_goal": per_depth[str(best)]["speedup"] >= GOAL}
+
+
+def print_summary(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    a = result["args"]
+    t = Table(title=f"kvbank bench decode --mtp: {a['tokens']} tokens after a "
+                    f"{a['prompt_tokens']}-token prompt, {Path(result['model']).name}, "
+                    f"{a['repeats']} repeats", title_justify="left")
+    for col in ("depth", "tok/s", "x plain", "ceiling", "acceptance", "tok/verify",
+                "round: fwds", "draft ms", "verify ms", "accept ms", "rollback ms"):
+        t.add_column(col, justify="right")
+    t.add_row("plain", f"{result['plain_tok_s']:.2f}", "1", "", "", "1", "1", "", "", "", "")
+    for d, r in result["mtp"].items():
+        ph = {k: f"{v * 1e3:.1f}" for k, v in r["profiled_round_s"].items()}
+        t.add_row(d, f"{r['tok_s']:.2f}", f"{r['speedup']:.3f}", f"{r['ceiling']:.3f}",
+                  " ".join(f"{x:.2f}" for x in r["acceptance"]), f"{r['tokens_per_forward']:.2f}",
+                  f"{r['round_cost_plain_forwards']:.2f}/{r['profiled_round_plain_forwards']:.2f}",
+                  ph.get("draft", ""), ph.get("verify", ""), ph.get("accept", ""),
+                  ph.get("rollback", ""))
+    c = result["forward_costs"]
+    t.caption = (f"alone: a forward {c['plain_forward_s'] * 1e3:.1f} ms, a verify "
+                 f"{', '.join(f'{k}+1: {v * 1e3:.1f}' for k, v in c['verify_forward_s'].items())}"
+                 f" ms, a draft step {c['draft_step_s'] * 1e3:.1f} ms. round: fwds = plain "
+                 f"forwards a round costs by those (the ceiling's) / as profiled. Same tokens: "
+                 f"{result['same_tokens']}; goal >= {result['goal']} at the best depth "
+                 f"({result['best_depth']}): {result['within_goal']}")
+    Console(stderr=True).print(t)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from kvbank.apps.bench.report import write_json
+
+    try:
+        depths = sorted({int(x) for x in args.depths.split(",") if x.strip()})
+    except ValueError:
+        depths = []
+    if not args.mtp:
+        sys.stderr.write("kvbank bench decode: only --mtp is measured so far\n")
+        return 2
+    if (not depths or min(depths) < 1 or max(depths) > 3 or args.tokens < 2
+            or args.prompt_tokens < 8 or args.repeats < 1):
+        sys.stderr.write("kvbank bench decode: --depths takes 1..3 (e.g. 1,2,3), --tokens "
+                         ">= 2, --prompt-tokens >= 8, --repeats >= 1\n")
+        return 2
+    result = run(model=args.model, arch=args.arch, depths=depths, tokens=args.tokens,
+                 prompt_tokens=args.prompt_tokens, repeats=args.repeats, argv=sys.argv,
+                 draft_bits=args.draft_bits or None)
+    print_summary(result)
+    write_json(result, args.json)
+    return 0
