@@ -52,12 +52,13 @@ from pathlib import Path
 
 import numpy as np
 
-from kvbank.apps.bench.components.scale_io import (Disk, Memory, ReadProbe, delta, file_write,
-                                                   fresh_page_mb_s, io_counters, own_bytes,
-                                                   raw_get, raw_lmdb_write, remove)
+from kvbank.apps.bench.components.scale_io import (Disk, Memory, ReadProbe, file_write,
+                                                   fresh_page_mb_s, own_bytes, raw_lmdb_write,
+                                                   remove)
 from kvbank.apps.bench.components.scale_kv import (GEOMETRIES, checkpoint_bytes, checkpoint_every,
                                                    forward, presize)
-from kvbank.apps.bench.components.scale_rig import Rig, cpu_s, drop_caches, status
+from kvbank.apps.bench.components.scale_rig import Rig, cpu_s, status
+from kvbank.apps.bench.disk import delta, drop_caches, io_counters, raw_get
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,8 @@ memory of every process through each phase.
   bytes (the sum of the values' lengths: what was read, every checkpoint-bearing block in the
   chain included), the read phase's seconds and its I/O counters.
 - `Disk`: a process of its own (spawned; its memory is not the worker's) that reads the same
-  blocks of the same store file cold with a no-copy `get` loop (`raw_get`), writes as the
+  blocks of the same store file cold with a no-copy `get` loop (apps/bench/disk.py
+  `raw_get`), writes as the
   coldstore writes (`raw_lmdb_write`: one synced commit a block, the coldstore's env flags and
   heap settings) and as fast as a file takes bytes (`file_write`: sequential, one fsync at the
   end: the ceiling), and times the VM's fresh memory (`fresh_page_mb_s`: how fast new pages
@@ -18,8 +19,8 @@ memory of every process through each phase.
   of their kernel high-water marks (VmHWM, reset at each phase's start: file pages mapped
   included, and no spike between samples missed).
 
-I/O counters (`io_counters`) are the kernel's for a process: /proc/PID/io `read_bytes` (bytes
-it caused to be fetched from storage) and /proc/PID/stat's major faults.
+I/O counters (apps/bench/disk.py `io_counters`) are the kernel's for a process: /proc/PID/io
+`read_bytes` (bytes it caused to be fetched from storage) and /proc/PID/stat's major faults.
 """
 
 from __future__ import annotations
@@ -29,17 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-
-def io_counters(pid: int | str = "self") -> dict:
-    """The kernel's I/O and fault counters of a process (all its threads)."""
-    io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
-    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return {"read_bytes": int(io["read_bytes"]), "write_bytes": int(io["write_bytes"]),
-            "rchar": int(io["rchar"]), "minflt": int(stat[7]), "majflt": int(stat[9])}
-
-
-def delta(after: dict, before: dict) -> dict:
-    return {k: after[k] - before[k] for k in after}
+from kvbank.apps.bench.disk import cpu_s, delta, io_counters
 
 
 class ReadProbe:
@@ -99,31 +90,6 @@ class Disk:
 
     def close(self) -> None:
         self.child.shutdown()
-
-
-def cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
-def raw_get(store_dir: Path, ids: list[bytes]) -> dict:
-    """The blocks `ids` of the store at `store_dir` read with py-lmdb's `get` in order, in one
-    read txn, no copy (a value's pages are faulted in as it is got): seconds, bytes, I/O."""
-    import lmdb
-
-    env = lmdb.open(str(store_dir), readonly=True, lock=False, readahead=True, max_dbs=16)
-    try:
-        db = env.open_db(b"blocks", create=False)
-        io0, cpu0 = io_counters(), cpu_s()
-        t0 = time.perf_counter()
-        n = 0
-        with env.begin(db=db, buffers=True) as txn:
-            for bid in ids:
-                n += len(txn.get(bid))
-        dt = time.perf_counter() - t0
-        return {"s": dt, "bytes": n, "io": delta(io_counters(), io0), "cpu_s": cpu_s() - cpu0}
-    finally:
-        env.close()
 
 
 def _coldstore_heap() -> str:

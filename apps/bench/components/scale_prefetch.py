@@ -28,7 +28,8 @@ import time
 
 import numpy as np
 
-from kvbank.apps.bench.components.scale_rig import TENANT, drop_caches
+from kvbank.apps.bench.components.scale_rig import TENANT
+from kvbank.apps.bench.disk import drop_caches
 
 
 def run_prefetch(rig, g: dict, held: dict, *, memory, rounds: int, turn_tokens: int,

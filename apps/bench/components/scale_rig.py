@@ -5,7 +5,6 @@ cache (the disk's yardsticks are scale_io.py's)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -165,20 +164,3 @@ class AnonPeak:
         self._stop.set()
         self._thread.join()
         return self.peak
-
-
-def drop_caches(path: Path) -> str:
-    """Make the next read of `path` come from the disk: the kernel's page cache dropped
-    whole where this process may (root), else this file's pages (posix_fadvise), which the
-    kernel may keep (a folder: written out, nothing dropped but by the kernel's drop).
-    Says which."""
-    from kvbank.apps.bench.components.coldstore import _drop_page_cache
-
-    if Path(path).is_file():
-        _drop_page_cache(path)
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-        return "dropped (drop_caches)"
-    except OSError:
-        return "this file's pages dropped (posix_fadvise): the kernel may keep some"
