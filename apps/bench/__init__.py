@@ -75,5 +75,5 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from kvbank.apps.bench.provenance import begin
 
-    begin()  # the load and date as the run starts: every result carries them
+    begin(getattr(args, "argv", None))  # the command, load and date as the run starts
     return module.run_cli(args)
