@@ -71,15 +71,17 @@ def versions() -> dict:
 
 
 def commit() -> dict:
-    """The git commit this kvbank runs from, and whether its tracked files differ from it
-    (`dirty`); None for an install without a checkout."""
+    """The git commit this kvbank runs from, and whether its tracked code differs from it
+    (`dirty`; docs aside); None for an install without a checkout."""
     here = Path(__file__).resolve().parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
                               text=True, timeout=10)
         if head.returncode != 0:
             return {"sha": None, "dirty": None}
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+        # the code: docs written while a run goes on do not make it another run's code
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                ".", ":(top,exclude)docs", ":(top,exclude)*.md"],
                                cwd=here, capture_output=True, text=True, timeout=30)
         return {"sha": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
     except (OSError, subprocess.TimeoutExpired):
