@@ -307,10 +307,10 @@ def print_table(doc: dict, *, stderr: bool = False) -> None:
     console.print(t)
     sp = doc["spread"]
     console.print("; ".join(
-        f"{key} {f(doc[key])} [{f((sp[key] or [None])[0])}-{f((sp[key] or [None, None])[1])}]"
+        f"{key} {f(doc[key])} ({f((sp[key] or [None])[0])} to {f((sp[key] or [None, None])[1])})"
         for key in ("wall_speedup", "vs_ideal", "recomputed_fraction", "mlx_lm_vs_unlimited",
-                    "unbounded_kvbank_vs_mlx_lm")) + f" (medians over {doc['rounds']} rounds, "
-                  "[min-max])")
+                    "unbounded_kvbank_vs_mlx_lm")) + f": medians over {doc['rounds']} rounds "
+                  "(the lowest to the highest)", markup=False)
     console.print("goals: " + ", ".join(
         f"{k} {g['goal']}: {f(g['value'])} {'met' if g['met'] else '-' if g['met'] is None else 'NOT met'}"
         for k, g in doc["goals"].items()))
