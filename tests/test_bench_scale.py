@@ -60,6 +60,7 @@ def test_bench_scale_quick_reports_writes_restores_and_releases(tmp_path):
     assert all(x["source"] == "ram" for x in hinted if x["landed_first"])
     assert p["landed_first_fraction"] == sum(x["landed_first"] for x in hinted) / 2
     assert all(x["cached_tokens"] == x["tokens"] - 256 for x in p["returns"])  # all of it
+    assert r["fairness"]["ok"] == ("drop_caches" in r["page_cache"])
     assert set(r["goals"]) == {"read_vs_raw", "restore_vs_raw", "write_vs_raw_every_pair",
                                "peak_vs_budget_every_phase"}
     assert list((tmp_path / "not" / "yet").iterdir()) == []  # the store it made is gone

@@ -374,6 +374,18 @@ def _report(*, geometry, g, tokens, sized, conversations, write_pairs, turns, tu
         "turns_done": len(turns_done), "turn_rows": turns_done,
         "prefetch": prefetch,
     }
+    # what makes each comparison fair, each checked (a test reads the recorded runs)
+    dropped = "drop_caches" in out["page_cache"]
+    out["fairness"] = {
+        "same_blocks": out["same_blocks"],
+        "same_bytes_written": all(abs(p["raw_bytes"] - p["bytes"]) <= block_bytes
+                                  for p in pairs),
+        "orders_alternate": (len({p["order"][0] for p in pairs}) > 1 or len(pairs) < 2)
+        and (len({x["order"] for x in restores}) > 1 or len(restores) < 2),
+        "page_cache_dropped": dropped,
+        "budget": budget_by,
+    }
+    out["fairness"]["ok"] = all(v for k, v in out["fairness"].items() if k != "budget")
     out["goals"] = {
         "read_vs_raw": {"goal": ">= 0.9", "value": out["read_vs_raw"]},
         "restore_vs_raw": {"goal": ">= 0.8", "value": out["restore_vs_raw"]},
