@@ -29,6 +29,7 @@ def begin(argv: list[str] | None = None) -> dict:
     _started = {"argv": list(sys.argv if argv is None else argv),
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                     timespec="seconds"),
+                "commit": commit(),  # the code as the run starts (a commit may land during it)
                 "load_at_start": load(), "_t0": time.monotonic()}
     return _started
 
@@ -43,7 +44,7 @@ def record() -> dict:
     commit, date, machine, the load at its start and now, its duration."""
     start = _started or begin()
     end = load()
-    return {"argv": start["argv"], "date": start["date"], "commit": commit(),
+    return {"argv": start["argv"], "date": start["date"], "commit": start["commit"],
             "versions": versions(), "machine": machine(),
             "load_at_start": start["load_at_start"], "load_at_end": end,
             "quiet": max(start["load_at_start"][0], end[0]) < QUIET_LOAD,
