@@ -72,7 +72,7 @@ def test_a_hybrid_models_checkpoints_are_reported_from_the_banks_ledger(
     monkeypatch.setenv("KVBANK_CACHE_DIR", str(cache_dir))
     model = make_arch_model(tmp_path / "qwen3_5", "qwen3_5", seed=2, context=2048,
                             cache_dir=cache_dir)
-    out = run(model=str(model), tokens=300, block_tokens=16, repeats=1)
+    out = run(model=str(model), tokens=300, block_tokens=16, repeats=1, cold_turns=False)
     ck = out["checkpoints"]
     assert out["cached_tokens_ram"] >= 300 and out["cache_source_ssd"] == "ssd"
     assert ck["checkpoint_bytes"] > 0 and ck["kv_bytes_per_token"] > 0

@@ -186,10 +186,11 @@ def longest_fit(model_dir: Path, repeats: int) -> int:
 
 
 def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
-        repeats: int = 3, arch: str | None = None) -> dict:
+        repeats: int = 3, arch: str | None = None, cold_turns: bool = True) -> dict:
     """Raises ValueError, before any stack starts, when the conversation would outgrow the
     model's context. `arch`: a random-weight model of the default model's size with that
-    architecture (kvbank/testing/tiny.py) instead of `model`."""
+    architecture (kvbank/testing/tiny.py) instead of `model`. `cold_turns=False`: no cold-SSD turns
+    (their keys are then absent)."""
     from kvbank.models import prepare_model
     from kvbank.testing.tiny import bench_model
 
@@ -248,6 +249,8 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
                     paired(len(prompt) - TURN_TOKENS, ssd, floor_ssd, stages_ssd,
                            lambda: c.generate(session_id=SESSION, token_ids=prompt,
                                               max_tokens=1).usage)
+                    if not cold_turns:
+                        continue
                     # Cold: released, every block on SSD, the page cache dropped; the same
                     # blocks read raw before the turn or after it, in turn.
                     c.release(SESSION)
@@ -280,10 +283,9 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
             stack.stop()
     ram_s = float(np.median([u["ttft_s"] for u in ram]))
     ssd_s = float(np.median([u["ttft_s"] for u in ssd]))
-    cold_s = float(np.median([u["ttft_s"] for u in cold]))
     cold_floors = [f + r["s"] for f, r in zip(floor_cold, raw_cold)]
     floor_s = float(np.median(floor_ram + floor_ssd))
-    return {
+    out = {
         "model": str(model_dir),
         "arch": arch or "",
         "tokens": tokens,
@@ -317,9 +319,14 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
         "stages_ssd_all_s": stages_ssd,
         "ram_forward_vs_floor": round(_paired_ratio(
             [s["first_token"] for s in stages_ram], floor_ram), 2),
+        "checkpoints": checkpoints,
+    }
+    if not cold_turns:
+        return out
+    out.update({
         # from SSD cold: against the compute floor plus reading the same blocks from the disk
         "page_cache": page_cache,
-        "ttft_cold_ssd_s": round(cold_s, 4),
+        "ttft_cold_ssd_s": round(float(np.median([u["ttft_s"] for u in cold])), 4),
         "ttft_cold_ssd_all_s": [u["ttft_s"] for u in cold],
         "cached_tokens_cold_ssd": min(u["cached_tokens"] for u in cold),
         "cache_source_cold_ssd": ",".join(sorted({u["cache_source"] for u in cold})),
@@ -336,8 +343,8 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
         "stages_cold_ssd_all_s": stages_cold,
         "cold_restore_vs_read": round(float(np.median(
             [s["restore"] / r["s"] for s, r in zip(stages_cold, raw_cold)])), 2),
-        "checkpoints": checkpoints,
-    }
+    })
+    return out
 
 
 def add_arguments(p) -> None:

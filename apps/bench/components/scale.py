@@ -124,11 +124,11 @@ def _median(rows, key):
 
 
 def _write_pair(w, disk: Disk, scratch: Path, i: int, write_kvbank, predicted_bytes: int,
-                block_bytes: int) -> dict:
+                block_bytes: int, probe_bytes: int) -> dict:
     """One write pair (module docstring, part 1): each writer after a page-cache drop, in
-    ABBA order, with the fresh-page rate before and after."""
+    ABBA order, with the fresh-page rate (over `probe_bytes`) before and after."""
     order = list(WRITERS) if i % 2 == 0 else list(WRITERS)[::-1]
-    phase_before = disk.call(fresh_page_mb_s)
+    phase_before = disk.call(fresh_page_mb_s, probe_bytes)
     got: dict = {}
     n_blocks = max(1, round(predicted_bytes / block_bytes))
     for writer in order:
@@ -142,7 +142,7 @@ def _write_pair(w, disk: Disk, scratch: Path, i: int, write_kvbank, predicted_by
             got["ceiling"] = disk.call(file_write, scratch / f"ceiling-{i}", n_blocks,
                                        block_bytes)
             remove(scratch / f"ceiling-{i}")
-    phase_after = disk.call(fresh_page_mb_s)
+    phase_after = disk.call(fresh_page_mb_s, probe_bytes)
     mb_s = {k: v["bytes"] / v["s"] / 1e6 for k, v in got.items()}
     return {
         "order": order, "bytes": got["kvbank"]["bytes"], "raw_bytes": got["raw"]["bytes"],
@@ -270,7 +270,7 @@ def run(*, geometry: str = "qwen3.6-27b", tokens: int | None = None, conversatio
 
                 del cache, cps
                 pairs.append(_write_pair(w, disk, scratch, i, write_kvbank, predicted,
-                                         block_bytes))
+                                         block_bytes, min(256 << 20, max(16 << 20, predicted))))
                 held[name] = toks
             held = {n: held[n] for n in list(held)[:conversations]}  # these come back
             memory.phase("ssd_returns")
@@ -479,7 +479,7 @@ def add_arguments(p) -> None:
 
 def _result(args) -> dict:
     if args.quick:
-        return run(geometry="tiny", tokens=2048, conversations=3, write_pairs=4, turns=1,
+        return run(geometry="tiny", tokens=2048, conversations=3, write_pairs=3, turns=1,
                    turn_tokens=256, block_tokens=64, checkpoint_every_tokens=512,
                    prefetch_rounds=1, think_fractions=(0.5, 2.0), first_chunk=128,
                    memory_budget=args.memory_budget, data_dir=args.data_dir)
