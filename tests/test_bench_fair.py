@@ -142,3 +142,28 @@ def test_every_result_carries_its_provenance(capsys):
     assert len(got["commit"]["sha"]) == 40 and got["versions"]["mlx-lm"]
     assert got["quiet"] == (max(got["load_at_start"][0], got["load_at_end"][0])
                             < provenance.QUIET_LOAD)
+
+
+def test_a_runs_commit_is_dirty_when_any_code_in_the_checkout_differs(tmp_path):
+    """A change anywhere in the checkout's code (not only the bench's own folder) makes the
+    run another code's; a doc written during the run does not."""
+    from kvbank.apps.bench.provenance import commit
+
+    def git(*a):
+        subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *a], cwd=tmp_path,
+                       check=True, capture_output=True)
+
+    (tmp_path / "apps" / "bench").mkdir(parents=True)
+    (tmp_path / "docs").mkdir()
+    for f in ("apps/bench/b.py", "worker.py", "docs/d.md", "README.md"):
+        (tmp_path / f).write_text("x\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "c")
+    here = tmp_path / "apps" / "bench"
+    assert commit(here)["dirty"] is False and len(commit(here)["sha"]) == 40
+    (tmp_path / "docs" / "d.md").write_text("y\n")
+    (tmp_path / "README.md").write_text("y\n")
+    assert commit(here)["dirty"] is False
+    (tmp_path / "worker.py").write_text("y\n")
+    assert commit(here)["dirty"] is True

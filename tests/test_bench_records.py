@@ -7,24 +7,35 @@ here, before anyone quotes it."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.unit  # make test-fast
 
-RECORDS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]
+RECORDS = ROOT / "docs" / "benchmarks"
 REMEASURED = ("compare-", "scale-", "turn-", "kvbits")  # the benches issue #46 made fair
+CITING = ("docs/benchmarks.md", "README.md")
 
 
 def _records() -> list[Path]:
     return sorted(p for p in RECORDS.glob("*.json") if p.name.startswith(REMEASURED))
 
 
-def test_there_are_records_of_each_remeasured_bench():
-    names = [p.name for p in _records()]
-    for prefix in REMEASURED:
-        assert any(n.startswith(prefix) for n in names), f"no {prefix}*.json in {RECORDS}"
+def test_the_docs_quote_a_remeasured_bench_only_from_a_record_checked_here():
+    """Every record of these benches that docs/benchmarks.md or the README links is either
+    one this file checks (docs/benchmarks/, present) or marked superseded (its folder), so a
+    figure from an unfair run cannot be quoted as current."""
+    for doc in CITING:
+        text = (ROOT / doc).read_text()
+        for path in re.findall(r"benchmarks/((?:[\w.-]+/)*[\w.-]+\.json)", text):
+            name = path.rsplit("/", 1)[-1]
+            if not name.startswith(REMEASURED) or path.startswith("superseded/"):
+                continue
+            assert "/" not in path and (RECORDS / path).exists(), (
+                f"{doc} quotes {path}: neither a record checked here nor superseded")
 
 
 @pytest.mark.parametrize("path", _records(), ids=lambda p: p.name)

@@ -71,18 +71,20 @@ def versions() -> dict:
     return out
 
 
-def commit() -> dict:
-    """The git commit this kvbank runs from, and whether its tracked code differs from it
-    (`dirty`; docs aside); None for an install without a checkout."""
-    here = Path(__file__).resolve().parent
+def commit(here: Path | None = None) -> dict:
+    """The git commit this kvbank runs from (the checkout `here`, this file's by default),
+    and whether its tracked code anywhere in it differs from it (`dirty`; docs aside); None
+    for an install without a checkout."""
+    here = here or Path(__file__).resolve().parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
                               text=True, timeout=10)
         if head.returncode != 0:
             return {"sha": None, "dirty": None}
-        # the code: docs written while a run goes on do not make it another run's code
+        # the whole checkout's code (`:(top)`; a bare `.` would be this folder's alone); docs
+        # written while a run goes on do not make it another run's code
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
-                                ".", ":(top,exclude)docs", ":(top,exclude)*.md"],
+                                ":(top)", ":(top,exclude)docs", ":(top,exclude)*.md"],
                                cwd=here, capture_output=True, text=True, timeout=30)
         return {"sha": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
     except (OSError, subprocess.TimeoutExpired):
