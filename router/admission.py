@@ -3,7 +3,7 @@
 They run before the worker is asked for anything, so a request that can never fit, or one
 that would wait forever, is answered at once. Every refusal is a `Refused` (kvbank/contracts/failures.py):
 a reason code, a retry verdict and, when waiting can help, a retry-after in seconds. The
-worker's own steps (bank shrink, admission shed, release) follow in worker/tiers/admission.py.
+worker's own steps (bank shrink, admission shed, release) follow in worker/tiers/eviction.py (`make_room`).
 """
 
 from __future__ import annotations

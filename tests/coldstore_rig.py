@@ -1,6 +1,6 @@
 """The worker's side of the coldstore for tests: synthetic KV, the store read as the worker
 reads it, the coldstore process as the supervisor starts it, and `Link`, the engine's own
-`Holdings` (bank, writer, records, link; worker/tiers/holdings.py) over a fake cache kind (a test
+KV manager (bank, writer, records, link; worker/tiers/manager.py) over a fake cache kind (a test
 seam: full-attention caches holding synthetic KV, no model needed). The test's thread is the
 engine's: it commits turns with the engine's commit, pumps the coldstore's word and says busy
 or quiet on the worker-state channel as the engine does.
@@ -28,7 +28,7 @@ from kvbank.contracts.store_layout import StoreReader
 from tests.waiting import wait_until
 from kvbank.worker.kv import arrays, codec
 from kvbank.worker.kv.cache_kinds import CacheKinds
-from kvbank.worker.tiers.holdings import Holdings
+from kvbank.worker.tiers.manager import KVManager
 
 B = 16
 FP = b"test-coldstore-fingerprint"
@@ -101,7 +101,7 @@ def tokens(n: int, seed: int) -> np.ndarray:
 
 class Disk:
     """Read-only views of the store. `reader`: the worker's own (one process opens an LMDB
-    environment once, and a Link's holdings hold one); else one opened for each read."""
+    environment once, and a Link's KV manager holds one); else one opened for each read."""
 
     def __init__(self, store_dir: Path, reader: Callable[[], StoreReader | None] | None = None):
         self.store_dir, self.reader = store_dir, reader
@@ -214,7 +214,7 @@ def caches_holding(layers: arrays.Layers) -> list[KVCache]:
 
 
 class Link:
-    """The worker's side: the engine's holdings over `n_layers` full-attention layers, and a
+    """The worker's side: the engine's KV manager over `n_layers` full-attention layers, and a
     log of the coldstore's acknowledgements (`progress`, `done`, `retired` messages) and of the
     ops the worker sent unasked. The test's thread is the engine's: it pumps the writer."""
 
@@ -223,13 +223,13 @@ class Link:
         self.events: list[pb.Message] = []
         self.sent: list[dict] = []  # each send's op, e.g. {"write": pb.Write(...)}
         self._lock = threading.Lock()
-        self.holdings = Holdings(layout, kinds=CacheKinds(FullAttention(n_layers), "fake"),
+        self.kv = KVManager(layout, kinds=CacheKinds(FullAttention(n_layers), "fake"),
                                  fingerprint=FP, block_tokens=B,
                                  bank_bytes=1 << 40,  # no cap's policy acts unasked
                                  active_pin_s=0)
-        self.client, self.writer = self.holdings.coldstore, self.holdings.writer
-        self.bank = self.holdings.bank
-        self.disk = Disk(layout.store_dir, reader=self.holdings.restorer.store)
+        self.client, self.writer = self.kv.coldstore, self.kv.writer
+        self.bank, self.eviction = self.kv.bank, self.kv.eviction
+        self.disk = Disk(layout.store_dir, reader=self.kv.restorer.store)
         hear = self.client.on_event  # into the writer's inbox: the test's thread applies it
 
         def recording(msg: pb.Message) -> None:
@@ -251,16 +251,16 @@ class Link:
         return [op["write"] for op in self.sent if "write" in op]
 
     def close(self) -> None:
-        if self.holdings is not None:
-            self.holdings.close()
-            self.holdings = None
+        if self.kv is not None:
+            self.kv.close()
+            self.kv = None
             self.disk.reader = None  # its reads open the store themselves now
 
     def block_bytes(self, layers: arrays.Layers, start: int = 0, end: int = B) -> int:
         """What one block of `layers` weighs as the writer encodes it (its header names the
         cache layout)."""
         return codec.encoded_views_nbytes(arrays.layer_views(layers), arrays.dtype_name(layers), start, end,
-                                       layout=self.holdings.kinds.layout)
+                                       layout=self.kv.kinds.layout)
 
     def ping(self) -> pb.PingReply:
         return self.client.ping(timeout_s=5)
@@ -285,7 +285,7 @@ class Link:
         """A turn that computed `layers`, committed by the engine's commit: record, bank
         entry, write-behind job. Its bank entry, its write handed over."""
         session = (TENANT, session_id)
-        assert self.holdings.commit(session, toks, caches_holding(layers)), "not durable"
+        assert self.kv.commit(session, toks, caches_holding(layers)), "not durable"
         e = self.bank.terminal(session)
         assert e.write_job is not None
         self.writer.drain()  # encoded and sent (the kv-encode thread)

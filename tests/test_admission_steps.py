@@ -9,11 +9,11 @@ import pytest
 from tests.test_bank import TENANT, layers_of, make_bank, own_tokens, toks
 from kvbank.contracts.pricing import Pricing
 from kvbank.contracts.failures import Refused
-from kvbank.worker.tiers.admission import make_room
+from kvbank.worker.tiers.eviction import EvictionPolicy
 
 pytestmark = pytest.mark.unit  # make test-fast
 
-KV_PER_TOKEN = 8  # bytes: a request of n tokens is priced 2 * 8 * n (worker/tiers/admission.py)
+KV_PER_TOKEN = 8  # bytes: a request of n tokens is priced 2 * 8 * n (worker/tiers/eviction.py)
 
 
 def _fill(bank, sessions, nbytes=800):
@@ -24,9 +24,10 @@ def _fill(bank, sessions, nbytes=800):
 def _room(bank, *, free: int, need: int, tokens, tenant=TENANT, session_id="incoming",
           chain_shed=False):
     pricing = Pricing(KV_PER_TOKEN, 0, 16)
-    return make_room(bank=bank, pricing=pricing, budget=bank.total_nbytes + free, need=need,
-                     solo_need=need, tokens=np.asarray(tokens, np.uint32), tenant=tenant,
-                     session_id=session_id, running=0, chain_shed=chain_shed)
+    return EvictionPolicy(bank).make_room(
+        pricing=pricing, budget=bank.total_nbytes + free, need=need, solo_need=need,
+        tokens=np.asarray(tokens, np.uint32), tenant=tenant, session_id=session_id, running=0,
+        chain_shed=chain_shed)
 
 
 @pytest.mark.parametrize("chain_shed, shed", [(False, 1), (True, 3)])

@@ -1,9 +1,10 @@
 """SessionBank: what leaves first, what is found, and what a restore gives back.
 
-Real SessionBank, real MLX arrays, no coldstore (writer=None: nothing is ever written; a
-"queued write" is modelled by setting `entry.write_job` by hand). Eviction-order tests size
-entries by hand; the restores with the real tiny model are in tests/test_bank_restore.py. Time is the test's own `Clock`:
-no test sleeps to let a pin or a recency pass.
+Real SessionBank and its eviction rules (worker/tiers/eviction.py), real MLX arrays, no
+coldstore (no writer: nothing is ever written; a "queued write" is modelled by the bank
+recording a job by hand, `write_queued`). Eviction-order tests size entries by hand; the
+restores with the real tiny model are in tests/test_bank_restore.py. Time is the test's own
+`Clock`: no test sleeps to let a pin or a recency pass.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kvbank.blocks import chain_root, common_prefix_len
 from kvbank.contracts.receipts import ShrinkReceipt
 from kvbank.worker.kv import arrays
 from kvbank.worker.tiers.bank import SessionBank
+from kvbank.worker.tiers.eviction import EvictionPolicy
 
 pytestmark = pytest.mark.unit  # make test-fast
 
@@ -48,7 +50,12 @@ class Clock:
 def make_bank(*, block_tokens: int = 4, active_pin_s: float = 0.0,
               max_bytes: int = 1 << 30, clock: Clock | None = None) -> SessionBank:
     return SessionBank(block_tokens=block_tokens, root_for=root_for, max_bytes=max_bytes,
-                       active_pin_s=active_pin_s, writer=None, clock=clock or Clock())
+                       active_pin_s=active_pin_s, clock=clock or Clock())
+
+
+def policy(bank: SessionBank, **kw) -> EvictionPolicy:
+    """The rules of who leaves the bank (no writer: no coldstore here)."""
+    return EvictionPolicy(bank, **kw)
 
 
 def layers_of(nbytes: int) -> arrays.Layers:
@@ -73,8 +80,9 @@ def own_tokens(i: int, n: int = 6) -> np.ndarray:
 
 
 def put(bank: SessionBank, sid: str, tokens: np.ndarray, nbytes: int = 800, *,
-        tenant: str = TENANT, durable_tokens: int = 0):
-    return bank.insert((tenant, sid), tokens, layers_of(nbytes), durable_tokens=durable_tokens)
+        tenant: str = TENANT, durable_tokens: int = 0, prefetched: bool = False):
+    return bank.insert((tenant, sid), tokens, layers_of(nbytes), durable_tokens=durable_tokens,
+                       prefetched=prefetched)
 
 
 def log_ids(bank: SessionBank) -> list[str]:
@@ -115,7 +123,7 @@ def test_shrink_to_zero_evicts_idle_lru_then_active_lru_in_exact_order():
     bank.touch(a1)  # active-1 used after active-2
     assert not bank.is_active((TENANT, "idle-3")) and bank.is_active((TENANT, "active-2"))
 
-    receipt = bank.shrink_to_bytes(0, reason="critical")
+    receipt = policy(bank).shrink_to_bytes(0, reason="critical")
 
     assert log_ids(bank) == ["idle-2", "idle-3", "idle-1", "active-2", "active-1"]
     assert [ev.prefix_tokens for ev in bank.eviction_log] == [6, 6, 8, 6, 6]
@@ -137,8 +145,8 @@ def test_protect_active_keeps_active_session_above_target():
     bank.ceiling_bytes = 1000
     assert bank.effective_max_bytes == 1000
 
-    receipt = bank.shrink_to_bytes(bank.effective_max_bytes, reason="dynamic_ceiling",
-                                   protect_active=True)
+    receipt = policy(bank).shrink_to_bytes(bank.effective_max_bytes, reason="dynamic_ceiling",
+                                           protect_active=True)
 
     assert log_ids(bank) == ["idle-old", "idle-new"]
     assert receipt.evicted_entries == 2
@@ -158,7 +166,7 @@ def test_shrink_stops_as_soon_as_under_target():
     bank = make_bank()
     for i in range(4):
         put(bank, f"s{i}", own_tokens(i), 800)
-    bank.shrink_to_bytes(1600, reason="warning")
+    policy(bank).shrink_to_bytes(1600, reason="warning")
     assert log_ids(bank) == ["s0", "s1"]
     assert sorted(e.session[1] for e in bank.entries.values()) == ["s2", "s3"]
     check_invariants(bank)
@@ -168,17 +176,18 @@ def test_shrink_stops_as_soon_as_under_target():
 
 
 def _unwritten_bank() -> tuple[SessionBank, dict[str, object]]:
-    """Five idle entries, oldest first. No coldstore here: `write_job` is set by hand to model
-    a write that is queued and not yet committed."""
+    """Five idle entries, oldest first. No coldstore here: the bank records a job by hand
+    (`write_queued`, as it does the writer's report) to model a write that is queued and not
+    yet committed."""
     bank = make_bank()
     e = {}
     e["unwritten-1"] = put(bank, "unwritten-1", own_tokens(1))
-    e["unwritten-1"].write_job = 1  # queued, nothing durable: RAM holds the only copy
+    bank.write_queued(e["unwritten-1"], 1)  # queued, nothing durable: RAM holds the only copy
     e["durable"] = put(bank, "durable", own_tokens(2), durable_tokens=6)
     e["written"] = put(bank, "written", own_tokens(3), durable_tokens=6)
-    e["written"].write_job = 3  # committed, ack not yet cleared: not awaiting anything
+    bank.write_queued(e["written"], 3)  # committed, ack not yet cleared: not awaiting anything
     e["unwritten-2"] = put(bank, "unwritten-2", own_tokens(4), durable_tokens=4)
-    e["unwritten-2"].write_job = 4  # half written
+    bank.write_queued(e["unwritten-2"], 4)  # half written
     e["never-queued"] = put(bank, "never-queued", own_tokens(5))  # anonymous-like: no write
     return bank, e
 
@@ -190,7 +199,7 @@ def test_protect_unwritten_keeps_queued_writes_and_takes_durable_ones():
     bank, e = _unwritten_bank()
     assert [x.awaits_queued_write for x in e.values()] == [True, False, False, True, False]
 
-    warn = bank.shrink_to_bytes(0, reason="warning", protect_unwritten=True)
+    warn = policy(bank).shrink_to_bytes(0, reason="warning", protect_unwritten=True)
     assert log_ids(bank) == ["durable", "written", "never-queued"]
     assert [ev.durable for ev in bank.eviction_log] == [True, True, False]
     assert warn.unwritten_kept == 2 and warn.unwritten_dropped == 0
@@ -199,7 +208,7 @@ def test_protect_unwritten_keeps_queued_writes_and_takes_durable_ones():
     assert set(bank.entries) == {e["unwritten-1"].key, e["unwritten-2"].key}
     check_invariants(bank)
 
-    crit = bank.shrink_to_bytes(0, reason="critical")
+    crit = policy(bank).shrink_to_bytes(0, reason="critical")
     assert log_ids(bank)[3:] == ["unwritten-1", "unwritten-2"]
     assert crit.unwritten_dropped == 2 and crit.unwritten_kept == 0
     assert bank.total_nbytes == 0 and not bank.entries
@@ -208,7 +217,7 @@ def test_protect_unwritten_keeps_queued_writes_and_takes_durable_ones():
 
 def test_critical_trim_takes_everything_idle_in_lru_order_and_counts_unwritten():
     bank, _ = _unwritten_bank()
-    crit = bank.shrink_to_bytes(0, reason="critical")
+    crit = policy(bank).shrink_to_bytes(0, reason="critical")
     assert log_ids(bank) == ["unwritten-1", "durable", "written", "unwritten-2", "never-queued"]
     assert crit.unwritten_dropped == 2 and crit.evicted_entries == 5
     assert bank.total_nbytes == 0
@@ -250,8 +259,8 @@ def test_admission_takes_non_terminal_first_then_terminal_never_restore_source_o
     incoming = toks(e["C1"].tokens, [99, 98])  # C's user goes back to the C1 branch
     assert bank.lookup(incoming, TENANT).entry is e["C1"]
 
-    got = bank.shrink_for_admission(0, protect_tokens=incoming, reason="admission",
-                                    tenant=TENANT)
+    got = policy(bank).shrink_for_admission(0, protect_tokens=incoming, reason="admission",
+                                            tenant=TENANT)
 
     assert (got.non_terminal_evicted, got.terminal_evicted) == (1, 3)
     assert log_ids(bank) == ["A", "B", "A", "C"]
@@ -265,12 +274,12 @@ def test_admission_prefers_a_newer_non_terminal_over_an_older_terminal():
     latest turn is older."""
     bank, e = _branch_bank()
     target = bank.total_nbytes - 800  # one entry must go
-    got = bank.shrink_for_admission(target, protect_tokens=None, reason="admission")
+    got = policy(bank).shrink_for_admission(target, protect_tokens=None, reason="admission")
     assert (got.non_terminal_evicted, got.terminal_evicted) == (1, 0)
     assert [(ev.session_id, ev.prefix_tokens) for ev in bank.eviction_log] == [("A", 9)]
     assert e["B"].key in bank.entries and e["A1"].key not in bank.entries
 
-    got = bank.shrink_for_admission(target - 800, protect_tokens=None, reason="admission")
+    got = policy(bank).shrink_for_admission(target - 800, protect_tokens=None, reason="admission")
     assert (got.non_terminal_evicted, got.terminal_evicted) == (1, 0)  # C1 (D1 is busy)
     assert log_ids(bank) == ["A", "C"]
     check_invariants(bank)
@@ -393,7 +402,7 @@ def test_random_operations_keep_the_ledger_and_index_consistent():
             e = bank.insert(s, np.asarray(new, np.uint32), layers_of(8 * rng.randint(1, 40)),
                             durable_tokens=rng.choice([0, len(new)]))
             if rng.random() < 0.3:
-                e.write_job = step  # models a queued write (no coldstore here)
+                bank.write_queued(e, step)  # models a queued write (no coldstore here)
         elif op < 0.7:
             q = np.asarray(system[: rng.randint(0, 6)]
                            + [rng.randint(0, 9) for _ in range(rng.randint(1, 12))], np.uint32)
@@ -403,21 +412,21 @@ def test_random_operations_keep_the_ledger_and_index_consistent():
                 assert 0 < hit.n_tokens == common_prefix_len(hit.entry.tokens, q)
         elif op < 0.8:
             busy_keys = {k for k, e in bank.entries.items() if bank.is_busy(e.session)}
-            bank.shrink_to_bytes(rng.randint(0, max(1, bank.total_nbytes)), reason="r",
-                                 protect_active=rng.random() < 0.5,
-                                 protect_unwritten=rng.random() < 0.5)
+            policy(bank).shrink_to_bytes(rng.randint(0, max(1, bank.total_nbytes)), reason="r",
+                                         protect_active=rng.random() < 0.5,
+                                         protect_unwritten=rng.random() < 0.5)
             assert busy_keys <= set(bank.entries)  # a request's KV is never trimmed
         elif op < 0.88:
             q = history.get(s)
             protect = None if q is None else np.asarray(q, np.uint32)
             source = None if q is None else bank.lookup(protect, s[0])
-            bank.shrink_for_admission(rng.randint(0, max(1, bank.total_nbytes)),
-                                      protect_tokens=protect,
-                                      reason="admission", tenant=s[0])
+            policy(bank).shrink_for_admission(rng.randint(0, max(1, bank.total_nbytes)),
+                                              protect_tokens=protect,
+                                              reason="admission", tenant=s[0])
             assert source is None or source.entry.key in bank.entries  # restore source stays
         elif op < 0.93:
-            bank.release_sessions(rng.choice([None, rng.randint(0, max(1, bank.total_nbytes))]),
-                                  reason="release")
+            policy(bank).release_sessions(
+                rng.choice([None, rng.randint(0, max(1, bank.total_nbytes))]), reason="release")
         elif bank.is_busy(s):
             bank.end_request(s)
         else:
@@ -448,8 +457,9 @@ def test_release_all_idle_sessions_durable_first_then_lru():
     """Releasing idle conversations frees those already on SSD first (nothing lost), then the
     least recently used; a conversation mid-request and a kept one stay whole."""
     bank = _release_bank()
-    r = bank.release_sessions(None, reason="idle_release", keep_sessions=[(TENANT, "keep")],
-                              write_out_before_release=False)
+    r = policy(bank).release_sessions(None, reason="idle_release",
+                                      keep_sessions=[(TENANT, "keep")],
+                                      write_out_before_release=False)
 
     rows = [(w.session_id, w.entries, w.held_bytes, w.on_ssd_entries, w.dropped_entries,
              w.written_out_entries) for w in r.rows]
@@ -476,14 +486,14 @@ def test_release_with_target_stops_once_under_target():
     """A release to a byte target frees whole conversations only until the bank fits."""
     bank = _release_bank()
     target = bank.total_nbytes - 1600 - 1  # durable-old alone is not enough
-    r = bank.release_sessions(target, reason="admission_release")
+    r = policy(bank).release_sessions(target, reason="admission_release")
     assert [w.session_id for w in r.rows] == ["durable-old", "durable-new"]
     assert r.skipped_busy_sessions == 0  # stopped before reaching the busy session
     assert bank.total_nbytes <= target
     assert sorted({e.session[1] for e in bank.entries.values()}) == [
         "branchy", "busy", "dirty-old", "keep"]
 
-    r = bank.release_sessions(bank.total_nbytes, reason="admission_release")
+    r = policy(bank).release_sessions(bank.total_nbytes, reason="admission_release")
     assert r.rows == [] and r.released_bytes == 0
     check_invariants(bank)
 
@@ -497,13 +507,54 @@ def test_hinted_conversations_stay_longest_and_the_last_hinted_goes_first():
     clock = Clock()
     bank = make_bank(clock=clock)
     hints: dict = {}
-    bank.hinted_at = hints.get
     for i, name in enumerate(["back-first", "back-second", "no-hint", "lapsed"]):
-        put(bank, name, own_tokens(i + 1), durable_tokens=6)
+        put(bank, name, own_tokens(i + 1), durable_tokens=6, prefetched=name == "lapsed")
         clock.advance(1)
     hints[(TENANT, "back-first")], hints[(TENANT, "back-second")] = 10.0, 20.0
-    bank.entries[next(e.key for e in bank.entries.values()
-                      if e.session[1] == "lapsed")].prefetched = True
     for left in (3, 2, 1, 0):
-        bank.shrink_to_bytes(800 * left, reason="test")
+        policy(bank, hinted_at=hints.get).shrink_to_bytes(800 * left, reason="test")
     assert log_ids(bank) == ["lapsed", "no-hint", "back-second", "back-first"]
+
+
+# -- one writer per field ---------------------------------------------------------------------
+
+
+def test_an_entrys_fields_have_one_writer_the_bank():
+    """Every field of a BankEntry is written by the bank alone: to any other module an entry
+    is frozen (assigning a field raises), and no module of the worker but bank.py goes around
+    that (`object.__setattr__`). The writer reports a job's fate and the coldstore its durable
+    extent; the bank records them (`write_queued`, `write_ended`, `mark_durable`, ...)."""
+    import ast
+    import dataclasses
+    from pathlib import Path
+
+    bank = make_bank()
+    e = put(bank, "s", own_tokens(1))
+    for f in dataclasses.fields(e):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(e, f.name, getattr(e, f.name))
+    bank.write_queued(e, 7)
+    bank.mark_durable(e.session, 4)
+    assert (e.write_job, e.write_pending, e.durable_tokens) == (7, False, 4)
+    bank.write_ended(e.session, 7, "refused")  # a retry outcome: sent again, protected
+    assert (e.write_job, e.write_pending) == (None, True) and e.awaits_queued_write
+
+    root = Path(__file__).resolve().parents[1] / "worker"
+    around = [f"{p.relative_to(root)}:{n.lineno}" for p in sorted(root.rglob("*.py"))
+              if p.name != "bank.py" for n in ast.walk(ast.parse(p.read_text()))
+              if isinstance(n, ast.Attribute) and n.attr == "__setattr__"]
+    assert not around, around
+
+
+def test_only_the_eviction_rules_take_kv_out_of_the_bank():
+    """Who leaves RAM is decided in one module: only worker/tiers/eviction.py tells the bank
+    to evict (a request taking its entry, or giving it back, is not a leaving)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "worker"
+    callers = {str(p.relative_to(root)) for p in root.rglob("*.py")
+               for n in ast.walk(ast.parse(p.read_text()))
+               if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+               and n.func.attr == "evict"}
+    assert callers == {"tiers/eviction.py"}, callers

@@ -11,6 +11,7 @@ import pytest
 from kvbank.blocks import chain_block_ids
 from tests.test_bank import TENANT, make_bank, root_for, toks
 from kvbank.worker.kv import arrays
+from kvbank.worker.kv.kinds import FullKind
 
 pytestmark = pytest.mark.unit  # make test-fast
 
@@ -49,7 +50,7 @@ def test_restore_is_isolated_and_continues_like_recomputation(model_and_tokenize
     bank = make_bank(block_tokens=4)
     cache = make_prompt_cache(model)
     _last_logits(model, prompt, cache)
-    entry = bank.insert((TENANT, "s"), prompt, arrays.freeze(cache, len(prompt)))
+    entry = bank.insert((TENANT, "s"), prompt, FullKind().freeze_layers(cache, len(prompt)))
     n = len(prompt)
     assert entry.nbytes == arrays.layers_nbytes(entry.layers)
     assert entry.layers[0][0].shape[2] == n
@@ -60,8 +61,8 @@ def test_restore_is_isolated_and_continues_like_recomputation(model_and_tokenize
     hit = bank.lookup(full, TENANT)
     assert hit.entry is entry and hit.n_tokens == n
 
-    first = arrays.restore(hit.entry.layers, hit.n_tokens)
-    second = arrays.restore(hit.entry.layers, hit.n_tokens)
+    first = FullKind().restore_layers(hit.entry.layers, hit.n_tokens)
+    second = FullKind().restore_layers(hit.entry.layers, hit.n_tokens)
     from_ram = _last_logits(model, more, first)  # extends `first` by len(more) tokens
     assert first[0].offset == n + len(more)
     reference = _last_logits(model, full, make_prompt_cache(model))
@@ -75,11 +76,11 @@ def test_restore_is_isolated_and_continues_like_recomputation(model_and_tokenize
 
     # A full hit leaves the last token to compute; trimming a restored cache and writing
     # over the trimmed positions must not touch the bank either.
-    third = arrays.restore(entry.layers, n - 1)
+    third = FullKind().restore_layers(entry.layers, n - 1)
     last = _last_logits(model, prompt[n - 1:], third)
     ref_prompt = _last_logits(model, prompt, make_prompt_cache(model))
     assert np.allclose(last, ref_prompt, atol=1e-4)
-    fourth = arrays.restore(entry.layers, n)
+    fourth = FullKind().restore_layers(entry.layers, n)
     for c in fourth:
         c.trim(3)
     _last_logits(model, np.asarray([1, 2, 3], np.uint32), fourth)
@@ -120,9 +121,11 @@ def test_returning_turn_takes_its_entry_and_writes_in_place(model_and_tokenizer,
     restorer = Restorer(kinds=CacheKinds.of(model), bank=bank, client=None, store_dir=tmp_path,
                         root_for=root_for, block_tokens=4)
 
-    def restore(tokens, session):
+    def restore(tokens, session):  # the steps the KV manager takes: look, read SSD, take
         ids = chain_block_ids(tokens, root_for(TENANT), 4)
-        return restorer.restore(tokens, ids, TENANT, (TENANT, session), False)
+        look = restorer.look(tokens, ids, TENANT, False)
+        ssd = restorer.read_ssd(look, tokens, ids, TENANT, (TENANT, session))
+        return restorer.take(look, ssd, (TENANT, session))
 
     def unchanged() -> bool:
         return _same([(k[..., :n, :], v[..., :n, :]) for k, v in entry.layers], snap)

@@ -13,12 +13,13 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from kvbank.blocks import CorruptBlock, chain_block_ids, tail_block_id
 from tests.test_bank import TENANT, make_bank, root_for
 from kvbank.worker.kv import arrays, codec
 from kvbank.worker.kv.cache_kinds import CacheKinds, Kind, UnsupportedModel
+from kvbank.worker.kv.kinds import FullKind
 
 pytestmark = pytest.mark.unit  # make test-fast
 
@@ -36,13 +37,18 @@ class Fake:
     def make_cache(self):
         return [KVCache(), RotatingKVCache(max_size=WINDOW), ArraysCache(1)]
 
+    def parts(self, cache):
+        """Its full-attention, window and state caches."""
+        return cache[0], cache[1], cache[2]
+
     def __call__(self, x, cache):
+        full, window, recurrent = self.parts(cache)
         e = self.emb[x[0]][None, None]  # (1, 1, S, 2)
         S = e.shape[2]
-        full_k, _ = cache[0].update_and_fetch(e, e)
-        mask = cache[1].make_mask(S, window_size=WINDOW)
-        win_k, _ = cache[1].update_and_fetch(e * 2, e * 2)
-        state = cache[2][0] if cache[2][0] is not None else mx.zeros((1, 2))
+        full_k, _ = full.update_and_fetch(e, e)
+        mask = window.make_mask(S, window_size=WINDOW)
+        win_k, _ = window.update_and_fetch(e * 2, e * 2)
+        state = recurrent[0] if recurrent[0] is not None else mx.zeros((1, 2))
         rows = []
         for i in range(S):  # every position reads what its caches show it
             n_full = full_k.shape[2] - S + i + 1
@@ -57,8 +63,22 @@ class Fake:
             state = state * 0.5 + e[0, 0, i][None]
             rows.append(mx.concatenate([full_k[0, 0, :n_full].mean(0)[None], seen, state],
                                        axis=1))
-        cache[2][0] = state
+        recurrent[0] = state
         return (mx.concatenate(rows)[None] @ self.out)
+
+
+class FakeList(Fake):
+    """The same layers, its state and full attention as one layer's `CacheList` (as
+    Falcon-H1's and Baichuan-M1's are), the window after it."""
+
+    def make_cache(self):
+        return [CacheList(ArraysCache(1), KVCache()), RotatingKVCache(max_size=WINDOW)]
+
+    def parts(self, cache):
+        return cache[0][1], cache[1], cache[0][0]
+
+
+LAYOUTS = {"kinds": "full,window:4:0,state:1", "list": "list(state:1+full),window:4:0"}
 
 
 def _continues(kinds, cache, tokens, suffix) -> bool:
@@ -80,9 +100,10 @@ def _logits(model, cache, tokens, chunk=3, last=1):
     return mx.concatenate(out)[-last:]
 
 
-@pytest.fixture
-def kinds():
-    return CacheKinds(Fake(), "fake")
+@pytest.fixture(params=["kinds", "list"])
+def kinds(request):
+    """The seam over each fake: its kinds one cache each, and with a `CacheList`."""
+    return CacheKinds(Fake() if request.param == "kinds" else FakeList(), "fake")
 
 
 def _run(kinds, tokens):
@@ -93,8 +114,12 @@ def _run(kinds, tokens):
 
 
 def test_the_seam_names_each_kind_and_refuses_what_it_does_not_know(kinds):
-    assert [s.kind for s in kinds.slots] == [Kind.FULL, Kind.WINDOW, Kind.STATE]
-    assert kinds.layout == "full,window:4:0,state:1" and kinds.checkpointed
+    if isinstance(kinds.model, FakeList):
+        assert [s.kind for s in kinds.slots] == [Kind.LIST, Kind.WINDOW]
+    else:
+        assert [s.kind for s in kinds.slots] == [Kind.FULL, Kind.WINDOW, Kind.STATE]
+    assert kinds.layout == LAYOUTS["list" if isinstance(kinds.model, FakeList) else "kinds"]
+    assert kinds.checkpointed and kinds.has_full
 
     class Other(Fake):
         def make_cache(self):
@@ -150,7 +175,7 @@ def test_a_longer_turn_keeps_the_checkpoints_it_supersedes_up_to_the_cap(kinds):
     for i, t in enumerate(tokens, 1):
         kinds.model(mx.array([int(t)])[None], cache)
         snaps[i] = kinds.snapshot(cache)
-    layers = arrays.freeze([cache[0]], 29)
+    layers = FullKind().freeze_layers(kinds.full_caches(cache), 29)
     for n in (6, 12, 18, 24):  # turns of one conversation, each superseding the last
         bank.insert((TENANT, "s"), tokens[:n], [(k[..., :n, :], v[..., :n, :])
                                                 for k, v in layers],
@@ -174,7 +199,7 @@ def test_a_shared_checkpoint_outlives_newer_ones_at_the_cap(kinds):
     for i, t in enumerate(tokens, 1):
         kinds.model(mx.array([int(t)])[None], cache)
         snaps[i] = kinds.snapshot(cache)
-    layers = arrays.freeze([cache[0]], 19)
+    layers = FullKind().freeze_layers(kinds.full_caches(cache), 19)
     bank.insert((TENANT, "s"), tokens, layers, checkpoints={
         3: dataclasses.replace(snaps[3], shared=True), 10: snaps[10], 15: snaps[15],
         19: snaps[19]})
@@ -193,7 +218,7 @@ def test_an_anchor_is_stored_once_and_lives_while_a_record_names_it(kinds, tmp_p
     for i, t in enumerate(tokens[:6], 1):
         kinds.model(mx.array([int(t)])[None], cache)
     state = kinds.checkpoint_views(kinds.snapshot(cache))
-    layers = arrays.freeze([cache[0]], 6)
+    layers = FullKind().freeze_layers(kinds.full_caches(cache), 6)
     root = root_for(TENANT)
     ids = chain_block_ids(tokens, root, B)
     anchor = tail_block_id(ids[0], tokens[4:6])  # after the first block, 2 tokens in
@@ -331,7 +356,7 @@ def test_a_flipped_byte_costs_the_blocks_from_it_on_and_store_verify_finds_it(ki
         kinds.model(mx.array([int(t)])[None], cache)
         if i % B == 0:
             states[i] = kinds.snapshot(cache)
-    layers = arrays.freeze([cache[0]], n)
+    layers = FullKind().freeze_layers(kinds.full_caches(cache), n)
     layout = Layout(tmp_path)
     store = ColdStore(layout.store_dir)
     store.put_session_tokens(TENANT, "s", tokens, B)
@@ -385,18 +410,18 @@ def test_a_prompt_read_stops_where_the_router_says_and_every_interval(kinds):
 
 
 def test_the_engines_commit_release_and_restore_over_the_fake_kind(kinds, tmp_path):
-    """The engine's own holdings (worker/tiers/holdings.py: bank, records, writer, restorer, link)
+    """The engine's own KV manager (worker/tiers/manager.py: bank, records, writer, restorer, link)
     over the fake kind and a real coldstore process, no model and no stack: a turn committed,
     restored from RAM, released with its write-out, restored from LMDB. Each restore continues
     exactly as recomputation of the whole prompt does."""
     from kvbank.contracts.vocabulary import TrimReason
     from kvbank.v1 import api_pb2
     from tests.coldstore_rig import ColdstoreProc
-    from kvbank.worker.tiers.holdings import Holdings
+    from kvbank.worker.tiers.manager import KVManager
 
     proc = ColdstoreProc(tmp_path / "data")
-    h = Holdings(proc.layout, kinds=kinds, fingerprint=b"fake-kind", block_tokens=B,
-                 bank_bytes=1 << 30, active_pin_s=0)
+    h = KVManager(proc.layout, kinds=kinds, fingerprint=b"fake-kind", block_tokens=B,
+                  bank_bytes=1 << 30, active_pin_s=0)
     try:
         session, tokens = (TENANT, "s"), np.arange(1, 11, dtype=np.uint32)  # 2 blocks + 2
         assert h.commit(session, tokens, _run(kinds, tokens)), "the record is not durable"
@@ -404,19 +429,81 @@ def test_the_engines_commit_release_and_restore_over_the_fake_kind(kinds, tmp_pa
         prompt = np.concatenate([tokens, more]).astype(np.uint32)
         ids = chain_block_ids(prompt, h.root_for(TENANT), B)
 
-        cache, cached, source, handed = h.restorer.restore(prompt, ids, TENANT, session, False)
-        assert (cached, source) == (10, api_pb2.CACHE_SOURCE_RAM)
-        assert _continues(kinds, cache, prompt.tolist(), more)
-        h.bank.take_back(handed)  # the request ended without a commit: the entry comes back
+        t = h.restore(prompt, TENANT, session)
+        assert (t.cached, t.source) == (10, api_pb2.CACHE_SOURCE_RAM)
+        assert _continues(kinds, t.cache, prompt.tolist(), more)
+        h.bank.take_back(t.handed)  # the request ended without a commit: the entry comes back
 
-        r = h.bank.release_sessions(None, reason=TrimReason.ADMIN_RELEASE,
-                                    write_out_before_release=True)
+        r = h.release(session, write_out=True)
         assert (r.written_out_entries, r.unwritten_dropped, len(h.bank.entries)) == (1, 0, 0)
         assert h.conversations.get(session).durable_tokens == 10  # the coldstore's word, heard
 
-        cache, cached, source, handed = h.restorer.restore(prompt, ids, TENANT, session, False)
-        assert (cached, source, handed) == (10, api_pb2.CACHE_SOURCE_SSD, None)
-        assert _continues(kinds, cache, prompt.tolist(), more)
+        t = h.restore(prompt, TENANT, session)
+        assert (t.cached, t.source, t.handed) == (10, api_pb2.CACHE_SOURCE_SSD, None)
+        assert _continues(kinds, t.cache, prompt.tolist(), more)
     finally:
         h.close()
         proc.stop()
+
+
+def test_the_restorable_length_is_a_fixed_point_over_the_kinds(kinds):
+    """Each kind accepts a candidate length or lowers it: FULL any prefix, a window or a state
+    only a checkpoint's position; a model of FULL caches alone restores any prefix."""
+    assert kinds.restore_point([5, 12], 11) == 5
+    assert kinds.restore_point([5, 12], 12) == 12
+    assert kinds.restore_point([5, 12], 4) == 0
+    full_only = CacheKinds(type("M", (Fake,), {"make_cache": lambda self: [KVCache()]})(),
+                           "llama")
+    assert full_only.restore_point([5], 11) == 11 and not full_only.checkpointed
+
+
+def test_a_cache_takes_back_tokens_only_where_every_kind_can(kinds):
+    """A rollback (`trim`) of a cache whose kinds all can take back tokens (full attention, a
+    window before it wraps) leaves it as if they were never read; one with a state cannot."""
+    full_window = type("M", (Fake,), {
+        "make_cache": lambda self: [KVCache(), RotatingKVCache(max_size=WINDOW)],
+        "parts": lambda self, cache: (cache[0], cache[1], _Stateless())})()
+    fw = CacheKinds(full_window, "fake")
+    cache = _run(fw, [1, 2])
+    grown = _run(fw, [1, 2, 3])
+    assert fw.trim(grown, 1) and fw.position(grown) == 2
+    more = [4, 5]
+    assert bool(mx.allclose(_logits(full_window, grown, more, last=2),
+                            _logits(full_window, cache, more, last=2)))
+    assert not fw.trim(_run(fw, [1, 2, 3, 4, 5, 6]), 1)  # the window wrapped: refused
+    with_state = _run(kinds, [1, 2, 3])
+    assert not kinds.trim(with_state, 1) and kinds.position(with_state) == 3  # untouched
+
+
+class _Stateless:
+    """A state that is never kept (for a model of full and window caches only)."""
+
+    def __getitem__(self, i):
+        return None
+
+    def __setitem__(self, i, value):
+        pass
+
+
+def test_no_module_of_the_worker_writes_an_mlx_cache_outside_its_public_state():
+    """Caches are restored through mlx-lm's `state` setters and constructors
+    (worker/kv/kinds.py): nothing in the worker assigns a cache's fields or reads its
+    private ones, so an mlx-lm upgrade that keeps `state` keeps kvbank working."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "worker"
+    fields = {"keys", "values", "offset", "cache", "keep", "max_size", "caches"}
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for t in targets:
+                for a in ast.walk(t):
+                    if (isinstance(a, ast.Attribute) and a.attr in fields
+                            and not (isinstance(a.value, ast.Name) and a.value.id == "self")):
+                        bad.append(f"{path.relative_to(root)}:{node.lineno} assigns .{a.attr}")
+            if isinstance(node, ast.Attribute) and node.attr in ("_idx", "_temporal_order"):
+                bad.append(f"{path.relative_to(root)}:{node.lineno} reads .{node.attr}")
+    assert not bad, bad

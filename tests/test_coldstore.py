@@ -2,7 +2,7 @@
 
 Real LMDB, real ZeroMQ and, wherever the behaviour is the process's (lanes, deadlines, crash),
 the real coldstore process started as the supervisor starts it. The "worker" is this test: the
-engine's own `Holdings` (bank, writer, records, link; worker/tiers/holdings.py) over a fake cache
+engine's own KV manager (bank, writer, records, link; worker/tiers/manager.py) over a fake cache
 kind (a test seam: full-attention caches holding synthetic KV, no model needed), committing
 turns with the engine's commit and saying busy or quiet on the worker-state channel exactly as
 the engine does.

@@ -47,7 +47,7 @@ def test_each_budget_refuses_with_its_reason(tmp_path, model, flag, value, reaso
     rig = recording_rig(cs.layout, model)
     try:
         rig.turn("a", 40, seed=1)
-        r = rig.bank.release_sessions(None, reason="admission", write_out_before_release=True)
+        r = rig.eviction.release_sessions(None, reason="admission", write_out_before_release=True)
         assert r.written_out_entries == 0 and r.unwritten_dropped == 1
         assert rig.bank.eviction_log[-1].release_write_out == "refused"
         done = done_event(rig)
@@ -64,7 +64,7 @@ def test_store_cap_retires_the_least_recently_used_kv_and_keeps_its_history(tmp_
     rig = Rig(probe.layout, model)
     e = rig.turn("size", 40, seed=1)
     rig.let_idle_lane_write(e)
-    one = rig.holdings.restorer.store().block_bytes()  # the worker's read-only view
+    one = rig.kv.restorer.store().block_bytes()  # the worker's read-only view
     rig.close()
     probe.stop()
 
@@ -76,7 +76,7 @@ def test_store_cap_retires_the_least_recently_used_kv_and_keeps_its_history(tmp_
         second = rig.turn("second", 40, seed=3)
         rig.let_idle_lane_write(second)
         assert rig.durable_on_disk("first") == 0  # retired: its KV left the store...
-        store = rig.holdings.restorer.store()
+        store = rig.kv.restorer.store()
         meta, toks = store.get_session("", "first")
         assert len(toks) == 40  # ...but its token history stays
         assert store.block_bytes() <= one * 1.5

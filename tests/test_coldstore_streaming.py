@@ -2,7 +2,7 @@
 before the whole job has arrived, and a job whose payloads stop coming does not wait forever.
 
 The rig of tests/coldstore_rig.py: the real coldstore process, real ZeroMQ and LMDB, the
-engine's holdings driven by this test as the worker.
+engine's KV manager driven by this test as the worker.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from kvbank.blocks import CorruptBlock, decode_header
 from kvbank.worker.kv import arrays, codec, quant
 from kvbank.worker.kv.cache_kinds import CacheKinds
+from kvbank.worker.kv.kinds import FullKind
 
 HEADS, DIM, WINDOW = 2, 64, 4
 
@@ -110,7 +111,7 @@ def test_a_commit_quantizes_only_the_tokens_its_turn_added(bits):
         assert _eq(tuple(a[..., 9:, :] for a in again[0][j]), new)
     requantized, _ = kinds.freeze(cache, 14)  # what a commit without its prefix would keep
     assert not _eq(arrays.cut(requantized[0][0], 9), layers[0][0])
-    assert kinds.at_rest(_kinds(None).restore(arrays.freeze([cache[0]], 14), None, 14)) is None
+    assert kinds.at_rest(_kinds(None).restore(FullKind().freeze_layers([cache[0]], 14), None, 14)) is None
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
@@ -137,7 +138,7 @@ def test_a_quantized_block_round_trips_bit_exactly_and_refuses_a_flipped_byte(bi
         assert _eq(k, k2) and _eq(v, v2)
         assert all(a.dtype == b.dtype for a, b in zip(k, k2))
     assert _eq(kinds.restore(back, None, n)[0].state, kinds.restore(layers, None, n)[0].state)
-    full = codec.encode_views(arrays.layer_views(arrays.freeze([_run(_kinds(None, dtype), [1, 2])[0]], 2)),
+    full = codec.encode_views(arrays.layer_views(FullKind().freeze_layers([_run(_kinds(None, dtype), [1, 2])[0]], 2)),
                            name, 0, 2)
     assert bytes(full[:4]) == b"KVB2" and decode_header(full)[0].quant is None  # as before
     bad = bytearray(frames[1])

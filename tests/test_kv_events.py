@@ -391,7 +391,7 @@ def _traced() -> int:
 
 def _book_of_a_store(reader: StoreReader, check=None) -> tuple[KVEvents, int]:
     """The worker's KV events over a store's conversations, told what LMDB holds as the worker
-    tells them at start (worker/tiers/holdings.py), each batch sent; what the book keeps (bytes,
+    tells them at start (worker/tiers/manager.py), each batch sent; what the book keeps (bytes,
     with its publisher closed: its replay buffer is bounded apart, by batches).
     `check(events, subscriber)`: run on the engine's side before the publisher closes."""
     conversations = Conversations(root_for=_root, block_tokens=256, store=lambda: reader)
@@ -406,9 +406,9 @@ def _book_of_a_store(reader: StoreReader, check=None) -> tuple[KVEvents, int]:
         before = _traced()
         events = KVEvents(publisher.start(), salt_for=lambda t: bytes(_root(t)),
                           block_size=BLOCK)
-        events.ssd_tokens = conversations.history  # as worker/tiers/holdings.py sets it
+        events.ssd_tokens = conversations.history  # as worker/tiers/manager.py sets it
         assert joined.wait(10), "the subscriber joined"
-        for key, info in conversations.records.items():  # Holdings._ssd_changed
+        for key, info in conversations.records.items():  # KVManager._ssd_changed
             events.ssd_holds(key, conversations.history(key)[:info.durable_tokens])
             events.flush()  # the engine's loop, once a turn
         got = 0

@@ -522,7 +522,7 @@ def test_the_layer_rule_on_imports_it_knows():
                       (f"{W}.memory.guard", f"{W}.compute.engine"),
                       (f"{W}.commands", f"{W}.tiers.bank")]
     worker_allowed = [(f"{W}.tiers.bank", f"{W}.kv.arrays"), (f"{W}.link.writer", f"{W}.kv.codec"),
-                      (f"{W}.compute.engine", f"{W}.tiers.holdings"),
+                      (f"{W}.compute.engine", f"{W}.tiers.manager"),
                       (f"{W}.server", f"{W}.compute.engine"), (f"{W}.kv.codec", f"{W}.kv.arrays"),
                       (f"{W}.tiers.bank", "kvbank.blocks")]
     assert [p for p in worker_refused if _worker_violation(imp(*p)) is None] == []
@@ -561,3 +561,26 @@ def test_the_unit_tier_is_marked_and_starts_no_stack():
     for path in marked:
         assert not re.search(r"start_stack\(|LocalStack\.start|ClusterStack\.start",
                              path.read_text()), f"{path.name} starts a stack"
+
+
+def test_the_engine_asks_the_kv_manager_alone_about_kv():
+    """The engine reaches the KV tiers through one object, the KV manager: it imports nothing
+    else of worker/tiers, and asks `self.kv` only what the manager offers (its calls below)."""
+    engine = ROOT / "worker" / "compute" / "engine.py"
+    tiers = {imp.target for imp in _imports() if imp.importer == f"{WORKER}.compute.engine"
+             and _within(imp.target, f"{WORKER}.tiers")}
+    assert tiers == {f"{WORKER}.tiers.manager"}, tiers
+    asked = set()
+    for node in ast.walk(ast.parse(engine.read_text())):
+        if isinstance(node, ast.Attribute) and (
+                isinstance(node.value, ast.Name) and node.value.id == "kv"
+                or isinstance(node.value, ast.Attribute) and node.value.attr == "kv"
+                and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"):
+            asked.add(node.attr)
+    requests = {"admit", "start", "ready", "take", "abandon", "leave", "share", "commit",
+                "turns_ended"}
+    loop = {"pump", "set_busy", "land", "refresh", "ledger", "published", "flush_events",
+            "reading", "stop", "close"}
+    commands = {"delete", "release", "trim", "flush", "receipts", "pressure", "probe", "hint",
+                "history", "announce", "tick"}
+    assert asked and asked <= requests | loop | commands, asked - (requests | loop | commands)

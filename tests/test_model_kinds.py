@@ -1,9 +1,10 @@
 """Every model kind kvbank serves answers as mlx-lm does from scratch: from RAM, from SSD after
 a release, and after a kill -9 of the worker.
 
-Tiny random models of each architecture (kvbank/testing/tiny.py: full attention, sliding windows,
-Gated DeltaNet and Mamba layers) run in a real stack. An unnamed conversation takes turns
-through it, and every answer is compared with two references computed here with mlx-lm's own
+Tiny random models of each architecture (kvbank/testing/tiny.py: full attention, sliding
+windows, Gated DeltaNet and Mamba layers, and layers that keep a list of caches: Falcon-H1's and
+Baichuan-M1's) run in a real stack. An unnamed conversation takes turns through it, and every
+answer is compared with two references computed here with mlx-lm's own
 model and caches on the same prompt ids:
 - the same forwards the worker made (its restore point, prefill chunks and checkpoint splits,
   one decode token at a time): greedy tokens equal and each token's logprob within 1e-4;
@@ -21,7 +22,8 @@ import pytest
 
 from tests.conftest import start_stack
 
-ARCHS = ("qwen3", "gpt_oss", "gemma3_text", "qwen3_5", "nemotron_h", "mamba2")
+ARCHS = ("qwen3", "gpt_oss", "gemma3_text", "qwen3_5", "nemotron_h", "mamba2", "falcon_h1",
+         "baichuan_m1")  # the last two: a CacheList per layer
 WINDOW = 32  # shorter than a turn: a restored window must be the ring, not the whole turn
 MAX_TOKENS = 40
 TEMPLATES = Path(__file__).parent.parent / "kvbank" / "testing" / "templates"

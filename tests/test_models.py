@@ -1,7 +1,6 @@
 """Tests for kvbank.models: GGUF import, default model, tiny models (real MLX, no mocks)."""
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -51,10 +50,8 @@ def test_imported_folder_layout(default_dir):
 
 def test_reimport_is_skipped(default_dir, cache_dir):
     before = (default_dir / "model.safetensors").stat().st_mtime_ns
-    start = time.perf_counter()
     assert default_model_dir(cache_dir) == default_dir
-    assert time.perf_counter() - start < 1.0
-    assert (default_dir / "model.safetensors").stat().st_mtime_ns == before
+    assert (default_dir / "model.safetensors").stat().st_mtime_ns == before  # not written again
 
 
 def _permute(w, n_head):
@@ -152,9 +149,7 @@ def test_tiny_model_deterministic_and_generates(tmp_path, cache_dir, default_dir
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
-    start = time.perf_counter()
     a = make_tiny_model(tmp_path / "a", seed=7, cache_dir=cache_dir)
-    assert time.perf_counter() - start < 3.0
     b = make_tiny_model(tmp_path / "b", seed=7, cache_dir=cache_dir)
     c = make_tiny_model(tmp_path / "c", seed=8, cache_dir=cache_dir)
     wa, wb, wc = (mx.load(str(d / "model.safetensors")) for d in (a, b, c))

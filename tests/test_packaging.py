@@ -127,3 +127,20 @@ def test_readme_layout_names_every_module_and_nothing_else():
         bad += [f"{folder}{n}: in README's layout, not in the repository"
                 for n in sorted(listed - there - {"__init__.py"})]
     assert not bad, "\n".join(bad)
+
+
+def test_the_life_of_a_returning_turn_walks_at_most_eight_files_that_exist():
+    """docs/returning-turn.md follows a returning conversation's KV from LMDB into the request
+    and back in a table of at most eight files; each exists, and each function it names there
+    is defined in the code (a rename leaves the page behind: this fails)."""
+    page = (ROOT / "docs" / "returning-turn.md").read_text()
+    rows = re.findall(r"^\| \d+ \| `([^`]+)` \| (.*) \|$", page, re.M)
+    assert 0 < len(rows) <= 8, len(rows)
+    defined = set()
+    for top in ("worker", "coldstore"):
+        for path in (ROOT / top).rglob("*.py"):
+            defined |= set(re.findall(r"^\s*def (\w+)\(", path.read_text(), re.M))
+    for path, text in rows:
+        assert (ROOT / path).is_file(), path
+        named = {n for n in re.findall(r"`(\w+)`", text)}
+        assert named and named <= defined, (path, named - defined)

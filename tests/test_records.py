@@ -19,7 +19,6 @@ from kvbank.contracts.store_layout import StoreReader
 from kvbank.contracts.vocabulary import TrimReason
 from tests.coldstore_rig import B, ColdstoreProc, Link, caches_holding, make_kv
 from tests.conftest import start_stack
-from kvbank.worker.tiers import upkeep
 from kvbank.worker.tiers.conversations import Conversations
 from kvbank.worker.tiers.lineage import CONTINUE_SLACK_TOKENS
 
@@ -106,15 +105,15 @@ def test_a_record_keeps_its_tokens_only_while_the_store_lacks_them(tmp_path):
     was down) keeps its history in the record until the record is sent again."""
     proc = ColdstoreProc(tmp_path / "data")
     link = Link(proc.layout)
-    h = link.holdings
+    h = link.kv
     try:
         key, toks = (TENANT, "named"), _tokens(40, 1)
         link.turn("named", toks.copy(), make_kv(40, 1))  # the entry's own, as a turn's are
         info = h.conversations.get(key)
         assert info.held is None and info.recorded
         assert h.conversations.history(key) is h.bank.terminal(key).tokens  # RAM's, shared
-        h.bank.release_sessions(None, reason=TrimReason.ADMIN_RELEASE,
-                                write_out_before_release=True)
+        h.eviction.release_sessions(None, reason=TrimReason.ADMIN_RELEASE,
+                                    write_out_before_release=True)
         assert not h.bank.entries
         gc.collect()
         assert info.ram() is None  # the entry's tokens went with it
@@ -130,7 +129,7 @@ def test_a_record_keeps_its_tokens_only_while_the_store_lacks_them(tmp_path):
 
         proc = ColdstoreProc(tmp_path / "data")
         link.set_busy(True)
-        assert upkeep.retry_writes(h.bank, h.writer, h.coldstore, h.conversations, B) == 1
+        assert h.retry_writes() == 1
         info = h.conversations.get(key)
         assert info.recorded and info.held is None
         assert np.array_equal(link.disk.record("named")[1], more)

@@ -1,8 +1,8 @@
 """The seed PRs' scenarios: release with write-out, and trims that keep unwritten work.
 
-The engine's own `Holdings` (worker/tiers/holdings.py: its bank, writer, records and coldstore link)
+The engine's own KV manager (worker/tiers/manager.py: its bank, writer, records and coldstore link)
 over the tiny model's real MLX caches, a real coldstore process, real ZeroMQ and LMDB. Each
-turn is committed by `Holdings.commit`, the code the engine runs. The engine's thread is this
+turn is committed by `KVManager.commit`, the code the engine runs. The engine's thread is this
 test: it pumps the coldstore's word as the engine's loop does, and it says busy on the
 worker-state channel, so the coldstore's idle lane writes nothing unless a test lets it
 (quiet) or a release promotes a job to a deadline.
@@ -21,8 +21,8 @@ from tests.coldstore_rig import ColdstoreProc
 from tests.waiting import wait_until
 from kvbank.worker.tiers.bank import SessionBank
 from kvbank.worker.kv.cache_kinds import CacheKinds
-from kvbank.worker.tiers.holdings import Holdings
-from kvbank.worker.tiers.upkeep import keep_within_cap, pressure_trim, write_ahead
+from kvbank.worker.tiers.eviction import EvictionPolicy
+from kvbank.worker.tiers.manager import KVManager
 
 pytestmark = pytest.mark.unit  # make test-fast
 
@@ -61,23 +61,22 @@ def forward(model, n_tokens: int, seed: int) -> tuple[np.ndarray, list]:
 
 def bank_without_coldstore(model, session_id: str, n_tokens: int, seed: int) -> SessionBank:
     """A bank with no writer (no coldstore configured) holding one turn."""
-    bank = SessionBank(block_tokens=B, root_for=root_for, max_bytes=1 << 30, active_pin_s=0,
-                       writer=None)
+    bank = SessionBank(block_tokens=B, root_for=root_for, max_bytes=1 << 30, active_pin_s=0)
     tokens, cache = forward(model, n_tokens, seed)
     bank.insert(("", session_id), tokens, CacheKinds.of(model).freeze(cache, n_tokens)[0])
     return bank
 
 
 class Rig:
-    """The engine's holdings wired to the coldstore at `layout`, owned by the test's thread."""
+    """The engine's KV manager wired to the coldstore at `layout`, owned by the test's thread."""
 
     def __init__(self, layout: Layout, model):
         self.model = model
         self.layout = layout
-        self.holdings = Holdings(layout, kinds=CacheKinds.of(model), fingerprint=FP,
+        self.kv = KVManager(layout, kinds=CacheKinds.of(model), fingerprint=FP,
                                  block_tokens=B, bank_bytes=1 << 30, active_pin_s=0)
-        self.client, self.writer = self.holdings.coldstore, self.holdings.writer
-        self.bank = self.holdings.bank
+        self.client, self.writer = self.kv.coldstore, self.kv.writer
+        self.bank, self.eviction = self.kv.bank, self.kv.eviction
         self.client.set_busy(True)
         self.wait_worker_state("busy")
 
@@ -89,7 +88,7 @@ class Rig:
         """As the engine commits a turn: record, bank entry, write-behind job, the cap's
         policies. Its bank entry."""
         session = ("", session_id)
-        self.holdings.commit(session, tokens, cache)
+        self.kv.commit(session, tokens, cache)
         return self.bank.terminal(session)
 
     def wait_worker_state(self, state: str, timeout_s: float = 10) -> None:
@@ -100,7 +99,7 @@ class Rig:
     def durable_on_disk(self, session_id: str) -> int:
         """The record in LMDB, read through the worker's own read-only view of the store (one
         process opens an LMDB environment once)."""
-        got = self.holdings.restorer.store().get_session("", session_id)
+        got = self.kv.restorer.store().get_session("", session_id)
         return got[0].durable_tokens if got else 0
 
     def heard(self, e) -> bool:
@@ -116,7 +115,7 @@ class Rig:
         self.wait_worker_state("busy")
 
     def close(self):
-        self.holdings.close()
+        self.kv.close()
 
 
 @pytest.fixture
@@ -129,7 +128,7 @@ def rig(coldstore, model):
 def test_unwritten_entry_is_written_before_it_goes(rig):
     e = rig.turn("a", 40, seed=1)
     assert e.awaits_queued_write
-    r = rig.bank.release_sessions(None, reason="admission", write_out_before_release=True)
+    r = rig.eviction.release_sessions(None, reason="admission", write_out_before_release=True)
     assert r.written_out_entries == 1 and r.unwritten_dropped == 0
     assert r.rows[0].on_ssd_entries == 1
     assert rig.durable_on_disk("a") == 40
@@ -141,15 +140,15 @@ def test_every_queued_entry_of_a_released_conversation_is_written(rig):
     """A branched conversation has two entries with queued writes: both reach SSD."""
     rig.turn("b", 40, seed=2)
     rig.turn("other", 24, seed=3)
-    r = rig.bank.release_sessions(None, reason="admission", write_out_before_release=True)
+    r = rig.eviction.release_sessions(None, reason="admission", write_out_before_release=True)
     assert r.written_out_entries == 2
     assert rig.durable_on_disk("b") == 40 and rig.durable_on_disk("other") == 24
 
 
 def test_out_of_time_the_entry_is_dropped_as_before(rig):
     rig.turn("c", 64, seed=4)
-    r = rig.bank.release_sessions(None, reason="admission", write_out_before_release=True,
-                                  max_write_out_s=0.0)
+    r = rig.eviction.release_sessions(None, reason="admission", write_out_before_release=True,
+                                      max_write_out_s=0.0)
     assert r.written_out_entries == 0 and r.unwritten_dropped == 1
     assert rig.bank.eviction_log[-1].release_write_out == "deadline"
     assert rig.durable_on_disk("c") == 0
@@ -159,7 +158,7 @@ def test_without_write_out_the_release_cancels_the_write(rig):
     e = rig.turn("d", 40, seed=5)
     job = e.write_job
     wait_until(lambda: job in rig.client.ping().jobs, f"the coldstore to hold job {job}")
-    r = rig.bank.release_sessions(None, reason="admission")
+    r = rig.eviction.release_sessions(None, reason="admission")
     assert r.unwritten_dropped == 1 and r.written_out_entries == 0
     rig.client.set_busy(False)  # a quiet window: a write still queued would run now
     rig.wait_worker_state("quiet")
@@ -173,14 +172,15 @@ def test_without_write_out_the_release_cancels_the_write(rig):
 def test_an_entry_already_on_disk_is_not_written_again(rig):
     e = rig.turn("e", 40, seed=6)
     rig.let_idle_lane_write(e)
-    r = rig.bank.release_sessions(None, reason="admission", write_out_before_release=True)
+    r = rig.eviction.release_sessions(None, reason="admission", write_out_before_release=True)
     assert r.written_out_entries == 0 and r.rows[0].on_ssd_entries == 1
     assert rig.bank.eviction_log[-1].release_write_out is None
 
 
 def test_no_coldstore_changes_nothing(model):
     bank = bank_without_coldstore(model, "f", 40, seed=7)
-    r = bank.release_sessions(None, reason="admission", write_out_before_release=True)
+    r = EvictionPolicy(bank).release_sessions(None, reason="admission",
+                                              write_out_before_release=True)
     assert r.written_out_entries == 0 and r.rows[0].dropped_entries == 1
     assert not bank.entries
 
@@ -188,7 +188,7 @@ def test_no_coldstore_changes_nothing(model):
 def test_a_session_that_starts_a_request_is_not_written(rig):
     e = rig.turn("g", 40, seed=8)
     rig.bank.begin_request(e.session)
-    r = rig.bank.release_sessions(None, reason="admission", write_out_before_release=True)
+    r = rig.eviction.release_sessions(None, reason="admission", write_out_before_release=True)
     assert r.skipped_busy_sessions == 1 and r.written_out_entries == 0
     assert e.key in rig.bank.entries
     assert rig.durable_on_disk("g") == 0
@@ -199,25 +199,28 @@ def test_warning_trim_keeps_the_unwritten_and_takes_one_on_ssd(rig):
     rig.let_idle_lane_write(on_ssd)  # before: the idle lane writes all that is queued
     unwritten = rig.turn("old-unwritten", 40, seed=9)
     rig.bank.touch(on_ssd)  # the unwritten one is the least recently used
-    receipt = rig.bank.shrink_to_bytes(unwritten.nbytes, reason="pressure_trim:warning",
-                                       protect_unwritten=True)
+    receipt = rig.eviction.shrink_to_bytes(unwritten.nbytes, reason="pressure_trim:warning",
+                                           protect_unwritten=True)
     assert list(rig.bank.entries) == [unwritten.key]
     assert receipt.unwritten_kept == 1 and receipt.evicted_entries == 1
     # Now only the unwritten one is left: a deeper trim keeps it and says so.
-    receipt = rig.bank.shrink_to_bytes(0, reason="pressure_trim:warning", protect_unwritten=True)
+    receipt = rig.eviction.shrink_to_bytes(0, reason="pressure_trim:warning",
+                                           protect_unwritten=True)
     assert receipt.unwritten_kept == 1 and receipt.evicted_entries == 0
     assert unwritten.awaits_queued_write and unwritten.key in rig.bank.entries
 
     # Once its write has run, a later trim takes it.
     rig.let_idle_lane_write(unwritten)
-    receipt = rig.bank.shrink_to_bytes(0, reason="pressure_trim:warning", protect_unwritten=True)
+    receipt = rig.eviction.shrink_to_bytes(0, reason="pressure_trim:warning",
+                                           protect_unwritten=True)
     assert receipt.evicted_entries == 1 and receipt.unwritten_dropped == 0
     assert not rig.bank.entries
 
 
 def test_without_coldstore_the_trim_takes_the_entry_as_before(model):
     bank = bank_without_coldstore(model, "h", 40, seed=11)
-    receipt = bank.shrink_to_bytes(0, reason="pressure_trim:warning", protect_unwritten=True)
+    receipt = EvictionPolicy(bank).shrink_to_bytes(0, reason="pressure_trim:warning",
+                                                   protect_unwritten=True)
     assert receipt.evicted_entries == 1 and receipt.unwritten_kept == 0
 
 
@@ -225,7 +228,7 @@ def test_critical_trim_takes_everything_idle_and_counts_the_unwritten(rig):
     durable = rig.turn("j", 40, seed=13)
     rig.let_idle_lane_write(durable)  # before: the idle lane writes all that is queued
     rig.turn("i", 40, seed=12)
-    receipt = rig.bank.shrink_to_bytes(0, reason="pressure_trim:critical")
+    receipt = rig.eviction.shrink_to_bytes(0, reason="pressure_trim:critical")
     assert receipt.evicted_entries == 2 and receipt.unwritten_dropped == 1
     assert rig.bank.total_nbytes == 0
 
@@ -240,7 +243,7 @@ def test_critical_pressure_from_kvbanks_own_ledger_writes_out_instead_of_droppin
     durable = rig.turn("d", 40, seed=16)
     rig.let_idle_lane_write(durable)
     unwritten = rig.turn("u", 40, seed=15)  # after: the idle lane writes all that is queued
-    receipt = pressure_trim(rig.bank, "critical", source, deferred_s=0.0)
+    receipt = rig.eviction.pressure_trim("critical", source, deferred_s=0.0)
     assert receipt.bank_entries_evicted == 2 and rig.bank.total_nbytes == 0
     kept_on_ssd = source == "ledger"
     assert receipt.bank_unwritten_dropped == (0 if kept_on_ssd else 1)
@@ -281,7 +284,7 @@ def test_staging_at_its_cap_puts_the_hand_over_off_and_keeps_the_entry_protected
     assert rig.writer.staging_deferred == 1
     assert second.write_pending and second.awaits_queued_write
 
-    receipt = rig.bank.shrink_to_bytes(0, reason="bank_budget", protect_unwritten=True)
+    receipt = rig.eviction.shrink_to_bytes(0, reason="bank_budget", protect_unwritten=True)
     assert second.key in rig.bank.entries and receipt.unwritten_kept == 2
 
     rig.let_idle_lane_write(first)  # the coldstore drains: room again
@@ -299,7 +302,7 @@ def test_over_the_cap_with_only_unwritten_entries_the_bank_writes_out_and_releas
     newest = rig.turn("newest", 48, seed=32)
     assert older.awaits_queued_write and newest.awaits_queued_write  # busy: nothing written
     rig.bank.max_bytes = newest.nbytes + older.nbytes // 2  # room for one and a half
-    r = keep_within_cap(rig.bank, protect_keys=(newest.key,))
+    r = rig.eviction.keep_within_cap(protect_keys=(newest.key,))
     assert rig.bank.total_nbytes <= rig.bank.max_bytes
     assert [row.session_id for row in r.rows] == ["older"]
     assert r.kind == "release_write_out" and r.reason == "bank_budget"
@@ -321,8 +324,8 @@ def test_under_a_binding_cap_the_next_release_is_written_ahead_and_then_does_not
     mid = rig.turn("mid", 48, seed=42)
     newest = rig.turn("newest2", 48, seed=43)
     rig.bank.max_bytes = 3 * newest.nbytes
-    assert keep_within_cap(rig.bank, protect_keys=(newest.key,)) is None  # all three fit
-    assert write_ahead(rig.bank) == 1
+    assert rig.eviction.keep_within_cap(protect_keys=(newest.key,)) is None  # all three fit
+    assert rig.eviction.write_ahead() == 1
     wait_until(lambda: rig.heard(old), "the oldest conversation to be written ahead", 20)
     assert mid.awaits_queued_write and newest.awaits_queued_write
     assert rig.durable_on_disk("mid") == rig.durable_on_disk("newest2") == 0
@@ -342,7 +345,7 @@ def test_under_a_binding_cap_the_next_release_is_written_ahead_and_then_does_not
 
 def test_under_the_cap_nothing_is_written_out(rig):
     e = rig.turn("small", 24, seed=33)
-    assert keep_within_cap(rig.bank, protect_keys=(e.key,)) is None
+    assert rig.eviction.keep_within_cap(protect_keys=(e.key,)) is None
     assert e.key in rig.bank.entries and rig.durable_on_disk("small") == 0
 
 
@@ -362,8 +365,8 @@ def test_one_release_of_two_sessions_ends_at_its_deadline_and_counts_what_missed
     for i, sid in enumerate(("w1", "w2")):
         slow_rig.turn(sid, 160, seed=30 + i)
     t0 = time.monotonic()
-    r = slow_rig.bank.release_sessions(None, reason="admission", write_out_before_release=True,
-                                       max_write_out_s=1.0)
+    r = slow_rig.eviction.release_sessions(None, reason="admission", write_out_before_release=True,
+                                           max_write_out_s=1.0)
     took = time.monotonic() - t0
     assert took < 1.0 + 0.3, f"the release took {took:.2f} s against a 1 s deadline"
     assert r.released_entries == 2 and r.written_out_entries == 0
@@ -391,5 +394,5 @@ def test_a_write_ahead_that_runs_out_of_time_keeps_the_entry_protected(slow_rig)
     assert outcome == "deadline"
     assert slow_rig.durable_on_disk("ahead") == 0  # all or nothing
     assert e.awaits_queued_write and e.write_pending
-    r = slow_rig.bank.shrink_to_bytes(0, reason="test", protect_unwritten=True)
+    r = slow_rig.eviction.shrink_to_bytes(0, reason="test", protect_unwritten=True)
     assert e.key in slow_rig.bank.entries and r.unwritten_kept == 1

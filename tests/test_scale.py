@@ -58,7 +58,7 @@ def test_a_gigabyte_conversation_is_written_and_restored_without_a_copy_of_it(st
     # restores into. Its pages of the file sampled through the restore (smaps).
     import numpy as np
 
-    released = link.bank.release_sessions(None, reason="test", write_out_before_release=True)
+    released = link.eviction.release_sessions(None, reason="test", write_out_before_release=True)
     assert released.released_entries == 1 and not link.bank.entries
     prompt = np.concatenate([t, tokens(1, seed=31)])
     ids = chain_block_ids(prompt, root_for(TENANT), B)
@@ -74,7 +74,7 @@ def test_a_gigabyte_conversation_is_written_and_restored_without_a_copy_of_it(st
     sampler = threading.Thread(target=sample_file, daemon=True)
     sampler.start()
     try:
-        got = link.holdings.restorer.ssd_prefix(prompt, ids, TENANT, (TENANT, "gig"),
+        got = link.kv.restorer.ssd_prefix(prompt, ids, TENANT, (TENANT, "gig"),
                                                 better_than=0)
     finally:
         done.set()

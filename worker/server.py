@@ -135,19 +135,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     # -- stored responses: straight to the coldstore (the engine holds none of them) --------
 
     async def PutResponse(self, request, context):
-        await self._coldstore(context, self.engine.coldstore.put_response, _tenant(context),
+        await self._coldstore(context, self.engine.kv.coldstore.put_response, _tenant(context),
                               request.id, request.created_at, request.body)
         return api_pb2.PutResponseReply()
 
     async def GetResponse(self, request, context):
-        body = await self._coldstore(context, self.engine.coldstore.get_response,
+        body = await self._coldstore(context, self.engine.kv.coldstore.get_response,
                                      _tenant(context), request.id)
         if body is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no response {request.id!r}")
         return api_pb2.StoredResponse(id=request.id, body=body)
 
     async def DeleteResponse(self, request, context):
-        deleted = await self._coldstore(context, self.engine.coldstore.delete_response,
+        deleted = await self._coldstore(context, self.engine.kv.coldstore.delete_response,
                                         _tenant(context), request.id)
         return api_pb2.DeleteResponseReply(deleted=deleted)
 
@@ -188,7 +188,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """The caller's tenant sees its own admission receipts only."""
         st, receipts, evictions = await self._ask(cmd.Status(_tenant(context)))
         try:
-            cs = await asyncio.to_thread(self.engine.coldstore.ping, 2.0)
+            cs = await asyncio.to_thread(self.engine.kv.coldstore.ping, 2.0)
             tier = {"store_bytes": cs.stats.block_bytes, "sessions": cs.stats.sessions,
                     "blocks": cs.stats.blocks, "queued_jobs": cs.queued_jobs,
                     "staged_bytes": cs.staged_bytes, "written_bytes": cs.written_bytes,

@@ -20,7 +20,8 @@ import numpy as np
 
 from kvbank.models import TOKENIZER_FILES, atomic_dir, default_model_dir, llama_config, locked
 
-ARCHS = ("llama", "qwen3", "gpt_oss", "gemma3_text", "qwen3_5", "nemotron_h", "mamba2")
+ARCHS = ("llama", "qwen3", "gpt_oss", "gemma3_text", "qwen3_5", "nemotron_h", "mamba2",
+         "falcon_h1", "baichuan_m1")
 SIZES = ("tiny", "default")
 THINK_TOKENS = ("<think>", "</think>")
 TEMPLATE_PATH = Path(__file__).parent / "templates" / "qwen35_reasoning.jinja"
@@ -36,7 +37,11 @@ _ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
     "nemotron_h": "NemotronHForCausalLM", "mamba2": "Mamba2ForCausalLM",
+    "falcon_h1": "FalconH1ForCausalLM", "baichuan_m1": "BaichuanM1ForCausalLM",
 }
+# mlx-lm's load changes these saved weights (its sanitize), the same way every time: the model
+# built here is the sanitized one, as load makes it.
+SANITIZED = {"baichuan_m1": "lm_head's rows normalized"}
 
 
 def _attention(d: dict, arch: str, vocab: int, context: int, tied: bool) -> dict:
@@ -103,7 +108,26 @@ def arch_config(arch: str, *, size: str = "tiny", vocab: int, context: int = 819
                       rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
                                        "partial_rotary_factor": 0.25})
         return config
+    if arch == "baichuan_m1":
+        config = _attention(d, arch, vocab, context, tied=False)
+        del config["head_dim"]  # hidden_size // num_attention_heads
+        layers = list(range(d["layers"]))
+        # Its layers each keep a conv state (the last token's K and V) beside their attention
+        # cache: a CacheList of an ArraysCache and a KVCache, or a RotatingKVCache on the
+        # sliding-window layers (every other one).
+        config.update(rope_theta=1000000.0, sliding_window=window, conv_window=2,
+                      sliding_window_layers=layers[1::2])
+        return config
     m = _mamba(d, tiny)
+    if arch == "falcon_h1":
+        # Each layer runs a Mamba-2 mixer and attention side by side on one input: a CacheList
+        # of an ArraysCache (conv and SSM states) and a KVCache.
+        config = _attention(d, arch, vocab, context, tied=False)
+        config.update(rope_theta=1000000.0, mamba_n_heads=m["heads"], mamba_d_head=m["head_dim"],
+                      mamba_d_ssm=m["heads"] * m["head_dim"], mamba_d_state=m["state"],
+                      mamba_d_conv=m["conv_kernel"], mamba_n_groups=m["n_groups"],
+                      mamba_chunk_size=128)
+        return config
     if arch == "nemotron_h":
         config = _attention(d, arch, vocab, context, tied=False)
         pattern = "M*M-" if tiny else "M-M*-" * 6
@@ -135,7 +159,7 @@ def _init(name: str, p, rng: np.random.Generator):
     not only on the last token's embedding (at 0.02, tiny tied models just repeat it). Biases
     are N(0, 0.02); norms, A_log, D and attention sinks keep mlx-lm's values.
     """
-    if name.endswith("mixer.dt_bias"):
+    if name.endswith(("mixer.dt_bias", "mamba.dt_bias")):
         # Mamba-2's own init (dt log-uniform in [1e-3, 1e-1]): with mlx-lm's ones a state
         # forgets a token within a few steps, and a state that remembers nothing tests no restore.
         dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), p.shape)).astype(np.float32)
@@ -172,9 +196,13 @@ def build_model(config: dict, seed: int = 0):
         # Run it now, so the model below is the loaded one (gemma3_text ties lm_head here),
         # and refuse weights it would change: load must give back what is saved.
         clean = model.sanitize(dict(weights))
-        if clean.keys() != weights.keys() or not all(mx.array_equal(clean[k], weights[k]) for k in weights):
+        if clean.keys() != weights.keys() or (
+                config["model_type"] not in SANITIZED
+                and not all(mx.array_equal(clean[k], weights[k]) for k in weights)):
             raise RuntimeError(f"mlx-lm's {config['model_type']} sanitize alters the saved weights")
-    model.load_weights(list(weights.items()), strict=True)
+        model.load_weights(list(clean.items()), strict=True)
+    else:
+        model.load_weights(list(weights.items()), strict=True)
     model.eval()
     mx.eval(model.parameters())
     return model, weights

@@ -1,5 +1,5 @@
-"""The engine: the one thread that owns the model, the scheduler and, through its `Holdings`
-(worker/tiers/holdings.py), the SessionBank, the KV writer and the conversation records.
+"""The engine: the one thread that owns the model, the scheduler and, through its KV manager
+(worker/tiers/manager.py), the SessionBank, the KV writer and the conversation records.
 
 It is an actor. Other threads never touch what it owns: they post commands
 (worker/commands.py) to its queue and read the `Snapshot` it publishes whole after every turn
@@ -16,7 +16,6 @@ new KV blocks.
 
 from __future__ import annotations
 
-import enum
 import logging
 import queue
 import threading
@@ -33,37 +32,22 @@ from kvbank.blocks import BlockId, chain_block_ids, chain_root, common_prefix_le
 from kvbank.config import Layout
 from kvbank.contracts.failures import InvalidRequest, Refused
 from kvbank.contracts.pricing import Pricing
-from kvbank.contracts.vocabulary import Decision, TrimReason
 from kvbank.v1 import api_pb2, worker_pb2
 from kvbank.worker import commands as cmd
-from kvbank.worker.tiers import upkeep
-from kvbank.worker.compute.scheduler_config import SchedulerConfig
-from kvbank.worker.memory.pricing import calibrate, held_bytes, memory_budget_bytes, resident_bytes
-from kvbank.worker.memory.allocator import (give_back_freed_memory, mlx_cache_limit,
-                                            serve_buffers_from_the_heap)
-from kvbank.worker.tiers.admission import make_room
-from kvbank.worker.tiers.bank import MAX_CHECKPOINTS, SessionKey
-from kvbank.worker.compute.served_model import load_served_model
-from kvbank.worker.memory.guard import Guard
-from kvbank.worker.tiers.holdings import Holdings
-from kvbank.worker.link.kv_events import EventsConfig, KVEvents, Publisher
-from kvbank.worker.tiers.prefetch import Prefetcher
 from kvbank.worker.compute import reports
-from kvbank.worker.tiers import sharing
-from kvbank.worker.tiers.restore_threads import Restores, Restoring
 from kvbank.worker.compute.decoding import Decodings
 from kvbank.worker.compute.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running, warm_up
+from kvbank.worker.compute.scheduler_config import SchedulerConfig
+from kvbank.worker.compute.served_model import load_served_model
+from kvbank.worker.link.kv_events import EventsConfig, KVEvents, Publisher
+from kvbank.worker.memory.allocator import (give_back_freed_memory, mlx_cache_limit,
+                                            serve_buffers_from_the_heap)
+from kvbank.worker.memory.guard import Guard
+from kvbank.worker.memory.pricing import (calibrate, held_bytes, memory_budget_bytes,
+                                          reconcile_rss, resident_bytes)
+from kvbank.worker.tiers.manager import MAX_CHECKPOINTS, KVManager, Restoring, Start
 
 logger = logging.getLogger(__name__)
-
-class Start(enum.Enum):
-    """What `_start` says of a request: running now, or still waiting, for memory held by
-    requests in flight (it stops the line) or for a prefix a running request is computing, or a
-    prefetch hint is reading from SSD (it does not)."""
-
-    STARTED = "started"
-    WAIT_MEMORY = "wait_memory"
-    WAIT_PREFIX = "wait_prefix"
 
 
 class Engine:
@@ -88,26 +72,24 @@ class Engine:
         self.eos_token_ids = sorted(self.tokenizer.eos_token_ids)
         self.vocab_size = served.vocab_size
         self.kv_bytes_per_token, self.kv_dtype = served.kv_bytes_per_token, served.kv_dtype
-        self.kv_rest_bytes_per_token = served.kv_rest_bytes_per_token  # a bank entry's
         self.checkpoint_bytes = served.checkpoint_bytes
         self.checkpoint_every = served.checkpoint_every(checkpoint_every, block_tokens)
         self.decodings = Decodings(self.tokenizer, self.vocab_size, self.model_path.name)
         self._queue: queue.Queue = queue.Queue()
         self._pending: deque[cmd.Generate] = deque()
-        self.holdings = h = Holdings(
+        self.pricing = Pricing(self.kv_bytes_per_token, 0, prefill_chunk_tokens,
+                               state_bytes=2 * self.checkpoint_bytes)  # calibrated below
+        self.memory_budget = 0  # known once the model and the tiers are in memory (below)
+        self.kv = KVManager(
             layout, kinds=self.kinds, fingerprint=self.fingerprint, block_tokens=block_tokens,
             bank_bytes=bank_bytes, staging_max_bytes=staging_max_bytes, restore_via=restore_via,
             active_pin_s=active_pin_s, max_checkpoints=max_checkpoints,
             write_out_deadline_s=write_out_deadline_s, kv_events=self._kv_events(kv_events),
-            wake=self._wake)
-        # The same objects, named as the policies' functions and reports take them.
-        self.coldstore, self.writer, self.bank = h.coldstore, h.writer, h.bank
-        self.conversations, self.restorer, self.kv_events = h.conversations, h.restorer, h.kv_events
+            wake=self._wake, pricing=self.pricing, budget=lambda: self.memory_budget,
+            chain_shed=admission_chain_shed, kv_bytes_per_token=self.kv_bytes_per_token,
+            waiting=lambda: bool(self._pending))  # waiting requests come first
         mx.set_cache_limit(0)  # until the budget is known (below)
-        self.pricing = calibrate(self.model, Pricing(self.kv_bytes_per_token, 0,
-                                                     prefill_chunk_tokens,
-                                                     state_bytes=2 * self.checkpoint_bytes))
-        self.admission_chain_shed = admission_chain_shed
+        calibrate(self.model, self.pricing)
         self.batch = BatchScheduler(self.model, kinds=self.kinds, max_active=scheduler.max_active,
                                     eos_token_ids=self.eos_token_ids,
                                     decode=self.tokenizer.decode,
@@ -119,38 +101,21 @@ class Engine:
         cache_limit = mlx_cache_limit(self.memory_budget, self.pricing.fixed_bytes)
         mx.set_cache_limit(cache_limit)
         self.pricing.fixed_bytes += cache_limit  # MLX may keep that much: held, always
-        self.prefetcher = Prefetcher(
-            bank=self.bank, restorer=self.restorer, conversations=self.conversations,
-            root_for=self.root_for, block_tokens=block_tokens,
-            kv_bytes_per_token=self.kv_rest_bytes_per_token,  # what the bank holds of one
-            room=lambda: None if self._pending else min(  # waiting requests come first
-                self.bank.effective_max_bytes - self.bank.total_nbytes,
-                self.memory_budget - held_bytes(self.pricing, self.bank)),
-            reads=Restores(self._wake, self.kv_rest_bytes_per_token))
-        self.restores = Restores(self._wake, self.kv_bytes_per_token)  # reads on a thread
-        self._admissions: deque = deque(maxlen=1024)  # admission receipts, newest last
-        self._retried_at = 0.0
         self._held_seen = 0  # the ledger at the last _give_back_freed
+        kv = self.kv
         self._handlers = {
-            cmd.DeleteSession: lambda c: self._delete_session(c.session),
-            cmd.Release: lambda c: self.bank.release_sessions(
-                None, only_sessions=[c.session], reason=TrimReason.ADMIN_RELEASE,
-                write_out_before_release=c.write_out),
-            cmd.Trim: lambda c: upkeep.trim(self.bank),
-            cmd.Flush: lambda c: upkeep.flush(self.bank, self.writer),
-            cmd.Status: lambda c: (reports.status(self),
-                                   *reports.recent_receipts(self._admissions, self.bank,
-                                                            c.tenant)),
+            cmd.DeleteSession: lambda c: kv.delete(c.session),
+            cmd.Release: lambda c: kv.release(c.session, c.write_out),
+            cmd.Trim: lambda c: kv.trim(),
+            cmd.Flush: lambda c: kv.flush(),
+            cmd.Status: lambda c: (reports.status(self), *kv.receipts(c.tenant)),
             cmd.Tick: self._tick,
-            cmd.PressureTrim: lambda c: upkeep.pressure_trim(self.bank, c.level, c.source,
-                                                             c.deferred_s),
-            cmd.Probe: lambda c: self.restorer.held(
-                c.tokens, chain_block_ids(c.tokens, self.root_for(c.tenant), self.block_tokens),
-                c.tenant),
-            cmd.Prefetch: self._prefetch,
-            cmd.History: lambda c: (self.conversations.get(c.session),
-                                    self.conversations.history(c.session)),
-            cmd.Announce: lambda c: self.kv_events and self.kv_events.announce_all(),
+            cmd.PressureTrim: lambda c: kv.pressure(c.level, c.source, c.deferred_s),
+            cmd.Probe: lambda c: kv.probe(c.tokens, c.tenant),
+            cmd.Prefetch: lambda c: kv.hint(c.tenant, c.session_id,
+                                            np.asarray(c.tokens, np.uint32)),
+            cmd.History: lambda c: kv.history(c.session),
+            cmd.Announce: lambda c: kv.announce(),
         }
         self.snapshot = cmd.Snapshot()
         self._publish()
@@ -200,26 +165,23 @@ class Engine:
                     items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            self.writer.pump()  # acknowledgements first: they free staging and mark durable
+            self.kv.pump()  # acknowledgements first: they free staging and mark durable
             for item in items:
                 if isinstance(item, cmd.Stop):
-                    for r in self.restores.stop(timeout_s=4):
+                    for r in self.kv.stop(timeout_s=4):
                         self._end_restoring(r, None)
-                    self.prefetcher.stop(timeout_s=2)
                     item.reply.set_result(None)
                     return
                 if isinstance(item, cmd.Generate):
                     self._pending.append(item)
                 elif item is not _WAKE:
                     self._handle(item)
-            self.coldstore.set_busy(bool(self.batch or self._pending or self.restores
-                                         or self.prefetcher.reading))
-            running = self._running()
+            self.kv.set_busy(bool(self.batch or self._pending))
+            running = self.running()
             self._join_restored()
-            if self.prefetcher.land():  # hints' reads that ended, into the bank
-                self.holdings.refresh_ram_bytes()
+            self.kv.land()  # hints' reads that ended, into the bank
             self._admit_pending()
-            if self._running() > running:  # seen running (guard, Status) before it answers
+            if self.running() > running:  # seen running (guard, Status) before it answers
                 self._publish()
             self._give_back_freed()  # what commands, acknowledged writes and evictions freed
             if self.batch:
@@ -235,7 +197,7 @@ class Engine:
         except Exception as e:
             logger.exception("%s failed", type(command).__name__)
             result, error = None, e
-        self.holdings.refresh_ram_bytes()
+        self.kv.refresh()
         self._publish()
         if error is None:
             command.reply.set_result(result)
@@ -244,21 +206,21 @@ class Engine:
 
     def _publish(self) -> None:
         """The snapshot other threads read, replaced whole (and this turn's KV events)."""
-        if self.kv_events is not None:
-            self.kv_events.flush()
-        ledger = self.bank.ledger()  # once: this runs at every step of the loop
+        self.kv.flush_events()
+        ledger = self.kv.ledger()  # once: this runs at every step of the loop
         held = self.pricing.fixed_bytes + self.pricing.unaccounted_bytes + ledger["held_bytes"]
         self.snapshot = cmd.Snapshot(
-            sessions=self.conversations.records, ram_bytes=self.holdings.ram_bytes,
-            checkpoint_bytes=self.holdings.checkpoint_bytes,
-            busy=self.bank.busy_sessions(), held_bytes=held,
+            **self.kv.published(), held_bytes=held,
             kv_bytes=ledger["entries_bytes"] + ledger["active_bytes"],
-            bank_bytes=self.bank.total_nbytes, bank_entries=len(self.bank.entries),
-            running=self._running(), waiting=len(self._pending))
+            running=self.running(), waiting=len(self._pending))
 
-    def _running(self) -> int:
+    def running(self) -> int:
         """Admitted requests: in the batch, or restoring from SSD on a thread."""
-        return len(self.batch) + len(self.restores)
+        return len(self.batch) + self.kv.reading
+
+    def waiting(self) -> int:
+        """Requests in line, not admitted yet."""
+        return len(self._pending)
 
     def close(self) -> None:
         self.guard.close()
@@ -266,7 +228,7 @@ class Engine:
             self.ask(cmd.Stop(), timeout_s=5)
         except Exception:  # a step still running: the thread is a daemon, the process ends
             logger.warning("the engine did not stop within 5 s")
-        self.holdings.close()
+        self.kv.close()
 
     # -- one generation ---------------------------------------------------------------------
 
@@ -275,7 +237,7 @@ class Engine:
         request waiting for memory stops the line (it is first in it); one waiting for the
         prefix a running request is computing lets the requests behind it start."""
         i = 0
-        while i < len(self._pending) and self._running() < self.scheduler.max_active:
+        while i < len(self._pending) and self.running() < self.scheduler.max_active:
             job = self._pending[i]
             if job.cancelled.is_set():
                 del self._pending[i]
@@ -311,107 +273,58 @@ class Engine:
                 f"prompt ({len(tokens)} tokens) + max_tokens ({req.max_tokens}) exceeds the "
                 f"model's context of {self.max_context_tokens} tokens")
         decoding = self.decodings.for_request(req)  # a request the model cannot serve: refused
-        tenant = req.tenant
-        ids = chain_block_ids(tokens, self.root_for(tenant), self.block_tokens)  # hashed once
-        if not req.no_cache:  # a running request's prompt: wait for it, or take it
-            if sharing.wait_for_prefix(job, tokens, ids, self.batch, self.restorer,
-                                       self.block_tokens):
-                return Start.WAIT_PREFIX
-            if sharing.share_answered_prefix(tokens, ids, tenant, self.batch, self.bank,
-                                             self.restorer, self.block_tokens,
-                                             self.kv_rest_bytes_per_token):
-                self.holdings.refresh_ram_bytes()
-        session = self.conversations.resolve(
-            tokens, ids, tenant, req.session_id, busy=self.bank.is_busy,
-            in_ram=lambda k: bool(self.bank.session_entries(k)))
-        if self.prefetcher.reading_for(session):  # its hint's read lands first: a RAM hit
-            return Start.WAIT_PREFIX
+        ids = chain_block_ids(tokens, self.root_for(req.tenant), self.block_tokens)  # once
         need = self._price(len(tokens), req.max_tokens)
-        try:
-            receipt = make_room(bank=self.bank, pricing=self.pricing, budget=self.memory_budget,
-                                need=need, tokens=tokens, tenant=tenant,
-                                solo_need=self.pricing.request_bytes(len(tokens), req.max_tokens),
-                                session_id=session[1], running=len(self.batch),
-                                chain_shed=self.admission_chain_shed)
-        except Refused as e:
-            reports.log_admission(self._admissions, req, session, e.receipt)
-            raise
-        finally:
-            self.holdings.refresh_ram_bytes()
-        if receipt.decision == Decision.WAIT:
-            return Start.WAIT_MEMORY
-        reports.log_admission(self._admissions, req, session, receipt)
+        admitted = self.kv.admit(job, tokens, ids, need=need, batch=self.batch,
+                                 solo_need=self.pricing.request_bytes(len(tokens),
+                                                                      req.max_tokens),
+                                 running=len(self.batch))
+        if isinstance(admitted, Start):
+            return admitted
         job.emit(worker_pb2.WorkerGenerateResponse())  # admitted: a client's stream may open
-        history = self.conversations.history(session)
-        self.prefetcher.started(session)
-        self.bank.begin_request(session)
-        self.bank.reserve_active(session, need)
-        t0 = time.monotonic()
-        try:
-            look = self.restorer.look(tokens, ids, tenant, req.no_cache)
-            restoring = Restoring(job=job, tokens=tokens, ids=ids, session=session,
-                                  history=history,
-                                  decoding=decoding, look=look, t0=t0)
-            read = lambda on_corrupt: self.restorer.read_ssd(  # noqa: E731
-                look, tokens, ids, tenant, session, req.shared_checkpoint_at, on_corrupt)
-            if self.restores.worth_a_thread(look.ssd_more):  # the batch steps on while it reads
-                self.restores.start(restoring, read)
-                restoring.stall_s = time.monotonic() - t0
-                return Start.STARTED
-            restoring.ssd = read(None)
-        except Exception:
-            self.bank.end_request(session)
-            raise
-        self._join(restoring, where="inline")
+        restoring, on_thread = self.kv.start(admitted, need, decoding)
+        if not on_thread:  # the batch steps on while a long read runs on a thread
+            self._join(restoring, where="inline")
         return Start.STARTED
 
     def _join(self, restoring: Restoring, where: str) -> None:
-        """A request's restored cache (from `restoring.ssd`, else RAM's hit) into the batch.
+        """A request's restored cache (from what SSD read, else RAM's hit) into the batch.
         Raises, the bank given back, when it cannot join."""
         job, tokens, session, history = (restoring.job, restoring.tokens, restoring.session,
                                          restoring.history)
         req = job.request
-        t_join, handed = time.monotonic(), None
+        t_join = time.monotonic()
+        taken = self.kv.take(restoring)
         try:
-            cache, cached, source, handed = self.restorer.take(restoring.look, restoring.ssd,
-                                                               session)
-            restoring.ssd = None  # the cache holds it now
-            reports.count_restore(req, session, len(tokens), cached, source)
+            reports.count_restore(req, session, len(tokens), taken.cached, taken.source)
             r = Running(job=job, tokens=tokens, bank_key=session, session=session,
-                        cached=cached, source=source,
+                        cached=taken.cached, source=taken.source,
                         known=common_prefix_len(history, tokens) if history is not None else 0,
                         started=time.monotonic(), stops=list(req.stop),
                         detok=self.tokenizer.detokenizer, decoding=restoring.decoding,
-                        handed=handed, at_rest=self.kinds.at_rest(cache),
-                        split_at=self.kinds.splits(cached, len(tokens), req.checkpoint_at,
+                        handed=taken.handed, at_rest=self.kinds.at_rest(taken.cache),
+                        split_at=self.kinds.splits(taken.cached, len(tokens), req.checkpoint_at,
                                                    self.checkpoint_every))
             r.restore_s = r.started - restoring.t0
             if not req.no_cache:
-                r.prefix_lost = self.restorer.lost(tokens, restoring.ids, req.tenant, cached)
+                r.prefix_lost = taken.lost
                 metrics.PREFIX_LOST.labels("no_checkpoint").inc(r.prefix_lost)
-            self.batch.add(r, cache, req.max_tokens)
+            self.batch.add(r, taken.cache, req.max_tokens)
         except Exception:
-            if handed is not None:
-                self.bank.take_back(handed)
-            self.bank.end_request(session)
+            self.kv.abandon(session, taken.handed)
             raise
-        if source == api_pb2.CACHE_SOURCE_SSD:
+        if taken.source == api_pb2.CACHE_SOURCE_SSD:
             stall = (r.restore_s if where == "inline"
                      else restoring.stall_s + time.monotonic() - t_join)
             metrics.RESTORE_STALL.labels(where).observe(stall)
 
     def _join_restored(self) -> None:
         """Restores whose read on a thread ended: each request joins the batch, or ends (its
-        client went away, the read failed); a corrupt block the read found is reported here,
-        on the thread that owns the coldstore link."""
-        for r in self.restores.take_done():
-            for block, e in r.corrupt:
-                self.restorer.corrupt(block, e, r.job.request.tenant, r.session)
+        client went away, the read failed)."""
+        for r in self.kv.ready():
             if r.job.cancelled.is_set() or r.error is not None:
                 self._end_restoring(r, r.error)
                 continue
-            if r.ssd is None:  # RAM's hit, then: the bank may have changed while it read
-                r.look = self.restorer.look(r.tokens, r.ids, r.job.request.tenant, False)
             try:
                 self._join(r, where="thread")
             except Exception as e:
@@ -422,22 +335,10 @@ class Engine:
         """A request that ends while, or as, its KV was read on a thread: its reservation and
         what was read go; its client hears the error, or the end of its stream."""
         r.ssd = None
-        self.bank.end_request(r.session)
+        self.kv.abandon(r.session)
         if error is not None:
             logger.error("restore of session %s failed: %s", r.session[1], error)
         r.job.emit(error if isinstance(error, Exception) else None)
-
-    def _leave(self, r: Running) -> None:
-        """A request is done with the bank (answered, failed or cancelled): a conversation's
-        entry that it took and did not commit over comes back."""
-        sharing.withdraw_shared(r, self.bank)  # gone already when its commit superseded it
-        if r.handed is not None:
-            if self.conversations.deleted_since(r.bank_key, r.started):
-                self.bank.let_go(r.handed)
-            else:
-                self.bank.take_back(r.handed)
-        r.handed = None
-        self.bank.end_request(r.bank_key)
 
     def _price(self, prompt_tokens: int, max_tokens: int) -> int:
         """This request's bytes, with the padding a batched cache adds to the batch."""
@@ -449,24 +350,23 @@ class Engine:
         # A cancelled turn is not committed: the client never saw it, so the session's
         # history stays as it was (an append builds on what the client has).
         for r in self.batch.take_cancelled():
-            self._leave(r)
+            self.kv.leave(r)
             r.job.emit(None)
         if not self.batch:
             return
         try:
             done = self.batch.step()
             for r in self.batch.take_prefix_ready():
-                sharing.share_prefix(r, self.batch, self.bank)
-                self.holdings.refresh_ram_bytes()
+                self.kv.share(r, self.batch)
         except Exception as e:  # a failed step fails every request in it, not the worker
             logger.exception("generation step failed")
             for r in list(self.batch.running.values()):
                 self.batch.drop(r)
-                self._leave(r)
+                self.kv.leave(r)
                 r.job.emit(e)
             return
         for r, e in self.batch.take_failed():  # its own forward failed; the others went on
-            self._leave(r)
+            self.kv.leave(r)
             r.job.emit(e)
         answers = []
         for r, cache in done:
@@ -476,10 +376,9 @@ class Engine:
                 logger.exception("commit failed")
                 answers.append((r, e))
             finally:
-                self._leave(r)
+                self.kv.leave(r)
         if done:
-            if self.prefetcher.live and self.prefetcher.retry():  # memory they held is free
-                self.holdings.refresh_ram_bytes()
+            self.kv.turns_ended()  # the memory they held is free: hints may read back
             # The turns are in the snapshot (and their KV events out) before their clients
             # hear back: what a client reads next (its session, a router's view) includes it.
             self._publish()
@@ -492,7 +391,7 @@ class Engine:
     def _give_back_freed(self, *, turn_ended: bool = False) -> None:
         """The heap's free pages back to the OS (`serve_buffers_from_the_heap` keeps them),
         after a turn and whenever the ledger fell since the last look: RSS follows it."""
-        held = self.bank.ledger()["held_bytes"]
+        held = self.kv.ledger()["held_bytes"]
         if turn_ended or held < self._held_seen:
             give_back_freed_memory()
         self._held_seen = held
@@ -500,8 +399,8 @@ class Engine:
     def _finish(self, r: Running, cache: list) -> worker_pb2.WorkerGenerateResponse:
         """Commit a finished turn; its last message, to send once the snapshot has it."""
         full = np.concatenate([r.tokens, np.asarray(r.completion, dtype=np.uint32)])
-        durable = self.holdings.commit(r.session, full, cache, r.started, handed=r.handed,
-                               checkpoints=r.checkpoints, at_rest=r.at_rest)
+        durable = self.kv.commit(r.session, full, cache, r.started, handed=r.handed,
+                                 checkpoints=r.checkpoints, at_rest=r.at_rest)
         r.handed = None  # superseded by the turn, or gone with its deleted conversation
         reasoning = r.decoding.reasoning
         usage = api_pb2.Usage(
@@ -529,31 +428,15 @@ class Engine:
         return worker_pb2.WorkerGenerateResponse(finish_reason=finish, usage=usage,
                                                  stop_sequence=r.stop_sequence)
 
-    # -- prefetch ---------------------------------------------------------------------------
-
-    def _prefetch(self, c: cmd.Prefetch) -> cmd.PrefetchReport:
-        report = self.prefetcher.hint(c.tenant, c.session_id, np.asarray(c.tokens, np.uint32))
-        self.holdings.refresh_ram_bytes()
-        return report
-
     # -- commands (engine thread) --------------------------------------------------------------
 
-    def _delete_session(self, session: SessionKey) -> bool:
-        self.prefetcher.started(session)  # a deleted conversation never comes back
-        return self.holdings.delete(session)
-
     def _tick(self, tick: cmd.Tick) -> None:
-        """The guard's tick: the ledger meets RSS, the dynamic ceiling, writes sent again."""
-        upkeep.reconcile_rss(self.pricing, self.bank, self.memory_budget, tick.rss_bytes)
-        upkeep.apply_dynamic_ceiling(self.bank, self.pricing, self.memory_budget)
-        now = time.monotonic()
-        if now - self._retried_at >= upkeep.RETRY_WRITES_EVERY_S:
-            self._retried_at = now
-            upkeep.retry_writes(self.bank, self.writer, self.coldstore, self.conversations,
-                                self.block_tokens)
-        if self.prefetcher.live and self.prefetcher.retry():
-            self.holdings.refresh_ram_bytes()
-        metrics.MEMORY_HELD.set(held_bytes(self.pricing, self.bank))
+        """The guard's tick: the ledger meets RSS, then the tiers' (the dynamic ceiling,
+        writes sent again, hints read back)."""
+        reconcile_rss(self.pricing, self.kv.ledger()["held_bytes"], self.memory_budget,
+                      tick.rss_bytes)
+        self.kv.tick()
+        metrics.MEMORY_HELD.set(held_bytes(self.pricing, self.kv))
 
 
 _WAKE = object()  # a turn of the loop, nothing else (the writer's inbox has mail)

@@ -1,37 +1,35 @@
-"""Moving KV between mlx-lm's full-attention caches and bank entries (their stored form:
-worker/kv/codec.py).
+"""An entry's layers: the FULL caches' K and V as the bank keeps them, and their views.
 
 A bank entry holds, per layer, K and V of its n tokens: (1, kv_heads, m >= n, head_dim),
 contiguous, so its `nbytes` is what RAM really holds: m > n when the entry kept the buffer its
-turn wrote, room and all (at most 1/8 of it), instead of copying it.
+turn wrote, room and all (at most 1/KEEP_ROOM of it), instead of copying it.
 
 A returning turn whose prompt continues the whole of its conversation's entry takes the entry
-out of the bank (`SessionBank.hand_over`) and its arrays with it (`restore(..., owned=True)`),
-and writes its new tokens in place, past n. MLX writes in place only into a buffer no other
-array holds, and copies it first otherwise, so a writer never disturbs a reader (a write-out's
-views, another request's slices). Every other request gets slices, copied before the first
-write.
+out of the bank (`SessionBank.hand_over`) and its arrays with it (`FullKind.restore(...,
+owned=True)`, worker/kv/kinds.py), and writes its new tokens in place, past n. MLX writes in
+place only into a buffer no other array holds, and copies it first otherwise, so a writer never
+disturbs a reader (a write-out's views, another request's slices). Every other request gets
+slices, copied before the first write.
 
 Buffers come in sizes of whole `ROOM_STEP` tokens, a conversation's the same size for many
 turns, so that the buffers a turn frees are the ones the next turn takes from MLX's cache (it
 reuses a buffer only of nearly the same size): fresh memory costs a page fault per 4 KiB, more
 than the copy itself.
 
-Quantized at rest (`--kv-bits`, worker/kv/cache_kinds.py): an entry's K and V are each a tuple
+Quantized at rest (`--kv-bits`, worker/kv/quant.py): an entry's K and V are each a tuple
 `QArray` (packed uint32 words, scales, biases), what `mx.quantize` makes of each token's
 head_dim vector on its own, so the first n tokens of an entry are the first n of each of its
-arrays, and a turn's commit quantizes only the tokens it added (`freeze(..., prefix=)`): a
-token is quantized once, when its turn commits, never again. A request restores them
-dequantized into an ordinary KVCache and runs in full precision.
+arrays, and a turn's commit quantizes only the tokens it added: a token is quantized once,
+when its turn commits, never again. A request restores them dequantized into an ordinary
+KVCache and runs in full precision.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
 
-from kvbank.worker.kv.quant import QArray, dequantize, quantize
+from kvbank.worker.kv.quant import QArray
 
 Layers = list[tuple[mx.array, mx.array]] | list[tuple[QArray, QArray]]
 ROOM_STEP = 256  # tokens; mlx-lm's KVCache grows by as many
@@ -57,29 +55,6 @@ def tight(layers: Layers, n_tokens: int) -> Layers:
     return out
 
 
-def freeze_quantized(cache: list[KVCache], n_tokens: int, bits: int,
-                     prefix: tuple[Layers, int] | None = None) -> Layers:
-    """`freeze`, quantized: tokens past `prefix` (quantized layers for its first m tokens,
-    which this cache was restored from) are quantized here; the prefix's are kept as they
-    are, never quantized again (quantize(dequantize(q)) is not q)."""
-    held, m = prefix if prefix is not None else ([], 0)
-    m = min(m, n_tokens)
-    layers = []
-    for i, c in enumerate(cache):
-        if c.offset < n_tokens:
-            raise RuntimeError(f"bug: cache holds {c.offset} tokens, entry wants {n_tokens}")
-        pair = []
-        for j, a in enumerate((c.keys, c.values)):
-            new = quantize(a[..., m:n_tokens, :], bits) if n_tokens > m else None
-            old = cut(held[i][j], m) if m else None
-            if old is None or new is None:
-                parts = old if new is None else new
-                pair.append(tuple(mx.contiguous(x) for x in parts))
-            else:
-                pair.append(tuple(mx.concatenate([o, x], axis=2) for o, x in zip(old, new)))
-        layers.append(tuple(pair))
-    mx.eval(layers)
-    return layers
 
 
 def capacity(n_tokens: int) -> int:
@@ -87,54 +62,10 @@ def capacity(n_tokens: int) -> int:
     return (n_tokens // ROOM_STEP + 1) * ROOM_STEP
 
 
-def freeze(cache: list[KVCache], n_tokens: int) -> Layers:
-    """The first n_tokens of a request's cache as arrays for the bank: the cache's own buffers
-    when their room is small, else a tight copy."""
-    layers = []
-    for c in cache:
-        if c.offset < n_tokens:
-            raise RuntimeError(f"bug: cache holds {c.offset} tokens, entry wants {n_tokens}")
-        k, v = c.keys, c.values
-        if k.shape[2] - n_tokens > n_tokens // KEEP_ROOM:
-            k, v = k[..., :n_tokens, :], v[..., :n_tokens, :]
-        layers.append((mx.contiguous(k), mx.contiguous(v)))  # no copy when already so
-    mx.eval(layers)
-    return layers
 
 
-def restore(layers: Layers, n_tokens: int, owned: bool = False,
-            bits: int | None = None) -> list[KVCache]:
-    """A request's own cache over the first n_tokens of `layers` (no copy until written).
-
-    `owned`: the request may write past n_tokens (arrays decoded from SSD for it, or a bank
-    entry handed over to it): the cache takes them whole, room included, and writes its new tokens in
-    place (MLX reuses a buffer that only one array holds). Otherwise it gets slices, and its
-    first write copies them. Quantized layers (`bits`) are dequantized into arrays of the
-    request's own."""
-    out = []
-    for k, v in layers:
-        c = KVCache()
-        if isinstance(k, tuple):
-            c.keys, c.values = (dequantize(cut(a, n_tokens), bits) for a in (k, v))
-        elif owned:
-            c.keys, c.values = k, v
-        else:
-            c.keys = k[..., :n_tokens, :]
-            c.values = v[..., :n_tokens, :]
-        c.offset = n_tokens
-        out.append(c)
-    return out
 
 
-def with_room(cache: list, n_tokens: int) -> None:
-    """A restored cache without room for its request's prompt (n_tokens) and a first answer
-    token gets its own buffer of `capacity(n_tokens)` now: the copy its first write would
-    make, at a size that MLX's cache can serve again."""
-    for c in cache:
-        if type(c) is KVCache and c.keys is not None and c.keys.shape[2] <= n_tokens:
-            pad = [(0, 0), (0, 0), (0, capacity(n_tokens) - c.offset), (0, 0)]
-            c.keys = mx.pad(c.keys[..., :c.offset, :], pad)
-            c.values = mx.pad(c.values[..., :c.offset, :], pad)
 
 
 def layers_nbytes(layers: Layers) -> int:

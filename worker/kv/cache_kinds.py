@@ -1,79 +1,56 @@
-"""The cache-kind seam: the one place that knows what a model's per-layer caches hold.
+"""The cache-kind seam: the one place the rest of the worker asks about a model's caches.
 
 `mlx_lm`'s `make_prompt_cache(model)` returns one cache per attention-like layer (some models
-share or skip layers, so this is never the layer count). Each is of a kind:
+share or skip layers, so this is never the layer count), each of a kind (worker/kv/kinds.py:
+FULL, WINDOW, STATE, or a LIST of them). `CacheKinds` composes them: its leaves are the
+caches that keep arrays, in order (a list's parts in place of the list), and
 
-- FULL (`KVCache`): K and V of every token. An entry serves any prefix of its tokens; its
-  arrays are cut at any token and stored as blocks (worker/kv/arrays.py, worker/kv/codec.py).
-- WINDOW (`RotatingKVCache`, W = `max_size`): a ring of the last W tokens' K and V. What
-  continues a conversation at token p is the window before p and nothing else.
-- STATE (`ArraysCache`: Gated DeltaNet, Mamba, conv states): a fixed-size state that exists
-  only where a forward stopped.
+- the FULL leaves' K and V of every token are an entry's `layers`: cut at any token, kept in
+  the bank and stored as blocks (worker/kv/arrays.py, worker/kv/codec.py);
+- the WINDOW and STATE leaves are kept as *checkpoints*: their arrays at one position p,
+  taken when a request's cache stood exactly there (a forward split there, the end of a
+  prompt, the end of a turn). A conversation's state at token p is its FULL blocks up to p
+  plus the checkpoint at p, so a model with any such leaf is restored only at a checkpoint.
+  A window checkpoint holds at most W tokens per layer, so a long answer never costs more
+  than W there.
 
-WINDOW and STATE slots are kept as *checkpoints*: their arrays at one position p, taken when a
-request's cache stood exactly there (a forward split there, the end of a prompt, the end of a
-turn). A conversation's state at token p is its FULL blocks up to p plus the checkpoint at p,
-so a model with any such slot is restored only at a checkpoint (`restore_point`). A window
-checkpoint holds at most W tokens per layer, so a long answer never costs more than W there.
+The longest prefix an entry restores is a fixed point over the leaves (`restore_point`): each
+kind accepts the candidate length or lowers it, until none lowers it (as vLLM's hybrid
+coordinator finds its longest hit).
 
-FULL slots may be kept quantized at rest (`kv_bits`, `--kv-bits 8|4`): in the bank and on
-SSD their K and V are `mx.quantize`d per token vector (worker/kv/quant.py); a request restores them
-dequantized into mlx-lm's ordinary KVCache and runs in full precision, and its commit
-quantizes only the tokens its turn added (`prefix`). WINDOW and STATE slots stay full
+FULL leaves may be kept quantized at rest (`kv_bits`, `--kv-bits 8|4`): in the bank and on
+SSD their K and V are `mx.quantize`d per token vector (worker/kv/quant.py); a request restores
+them dequantized into mlx-lm's ordinary KVCache and runs in full precision, and its commit
+quantizes only the tokens its turn added (`prefix`). WINDOW and STATE leaves stay full
 precision. docs/decisions.md has why at rest and not while running.
 
 Everything else in the worker asks this seam: the bank, restore, sharing, prefetch, the
 scheduler and the writer hand it caches and get back arrays, or the other way round; none of
-them looks inside a cache. A model whose caches include a kind this module does not know is
-refused at start (`UnsupportedModel`), never served wrong.
+them looks inside a cache. A model whose caches include a class worker/kv/kinds.py does not
+know is refused at start (`UnsupportedModel`), never served wrong.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Iterable
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from kvbank.blocks import CorruptBlock
 from kvbank.worker.kv import arrays, codec, quant
+from kvbank.worker.kv.kinds import (MLX_LM_VERSION, CacheKind, FullKind, Kind,  # noqa: F401
+                                    UnsupportedModel, kind_of)
 
-MLX_LM_VERSION = "0.32.2"  # the caches' internals read here (pyproject pins it)
 CHECKPOINT_EVERY = 2048  # tokens between a long prompt's checkpoints, at least
-
-
-class Kind(enum.StrEnum):
-    FULL = "full"
-    WINDOW = "window"
-    STATE = "state"
-
-
-@dataclass(frozen=True, slots=True)
-class Slot:
-    """One cache of the model's list: its kind and the numbers that fix its shape."""
-
-    kind: Kind
-    size: int = 0  # WINDOW: max_size (W); STATE: how many arrays
-    keep: int = 0  # WINDOW: leading tokens the ring never drops
-
-    @property
-    def tag(self) -> str:
-        """How the slot is named in the model fingerprint and a block's header."""
-        if self.kind is Kind.FULL:
-            return "full"
-        return f"{self.kind}:{self.size}" + (f":{self.keep}" if self.kind is Kind.WINDOW else "")
-
-
-class UnsupportedModel(RuntimeError):
-    """A model with a cache kind kvbank cannot restore exactly: refused at start."""
 
 
 @dataclass(frozen=True, eq=False)
 class Checkpoint:
-    """The WINDOW and STATE slots' arrays at one position, in slot order (None: a state array
-    the model has not written yet). Never written in place: a restore copies on first write."""
+    """The WINDOW and STATE leaves' arrays at one position, in leaf order (None: a state
+    array the model has not written yet). Never written in place: a restore copies on first
+    write."""
 
     arrays: tuple[tuple[mx.array | None, ...], ...]
     shared: bool = False  # it ends the prefix other conversations share (system and tools)
@@ -90,22 +67,6 @@ class Checkpoint:
         return [a for slot in self.arrays for a in slot]
 
 
-def classify(c, model_type: str) -> Slot:
-    """The kind of one of `make_prompt_cache`'s caches (exact classes: a subclass may keep
-    more, or less, than its base)."""
-    if type(c) is KVCache:
-        return Slot(Kind.FULL)
-    if type(c) is RotatingKVCache:
-        return Slot(Kind.WINDOW, size=int(c.max_size), keep=int(c.keep))
-    if type(c) is ArraysCache:
-        return Slot(Kind.STATE, size=len(c.cache))
-    raise UnsupportedModel(
-        f"model_type {model_type!r} uses the cache class {type(c).__name__}, which kvbank "
-        f"cannot restore exactly yet (it serves {', '.join(sorted(k.value for k in Kind))} "
-        f"caches: KVCache, RotatingKVCache, ArraysCache). Serve another model, or open an "
-        f"issue naming the model_type.")
-
-
 class CacheKinds:
     """A model's mix of cache kinds, and every move between its caches and kvbank's arrays."""
 
@@ -116,11 +77,14 @@ class CacheKinds:
         self.model_type = model_type
         self.kv_bits = kv_bits
         self.rest_bytes_per_token = 0  # one token's FULL K/V in the bank (`measure`)
-        self.slots = tuple(classify(c, model_type) for c in make_prompt_cache(model))
+        self.slots: tuple[CacheKind, ...] = tuple(
+            kind_of(c, model_type, kv_bits) for c in make_prompt_cache(model))
         if not self.slots:
             raise UnsupportedModel(f"model_type {model_type!r} returns no caches")
-        self.full = [i for i, s in enumerate(self.slots) if s.kind is Kind.FULL]
-        self.other = [i for i, s in enumerate(self.slots) if s.kind is not Kind.FULL]
+        self.leaves = tuple(leaf for s in self.slots for leaf in s.leaves())
+        # One of each (leaves of one tag restore alike): what `restore_point` asks.
+        self._distinct = tuple({leaf.tag: leaf for leaf in self.leaves}.values())
+        self.full_kind = FullKind(kv_bits)  # what the FULL leaves share: their bits at rest
 
     @classmethod
     def of(cls, model, kv_bits: int | None = None) -> "CacheKinds":
@@ -135,80 +99,82 @@ class CacheKinds:
 
     @property
     def quantized(self) -> str:
-        """How FULL slots are kept at rest, for the fingerprint (empty: full precision)."""
+        """How FULL leaves are kept at rest, for the fingerprint (empty: full precision)."""
         return f"kv-bits:{self.kv_bits}:per-token" if self.kv_bits else ""
 
     @property
     def checkpointed(self) -> bool:
-        """Whether restores need a checkpoint (any WINDOW or STATE slot)."""
-        return bool(self.other)
+        """Whether restores need a checkpoint (any WINDOW or STATE leaf)."""
+        return any(not leaf.every_token for leaf in self.leaves)
+
+    @property
+    def has_full(self) -> bool:
+        """Whether entries hold layers (any FULL leaf)."""
+        return any(leaf.every_token for leaf in self.leaves)
 
     def new_cache(self) -> list:
         return make_prompt_cache(self.model)
 
+    def _leaves(self, cache: list) -> list[tuple[CacheKind, object]]:
+        """(kind, cache) of every leaf of a model's cache list, in order."""
+        return [(leaf, c) for s, slot in zip(self.slots, cache)
+                for leaf, c in zip(s.leaves(), s.caches(slot))]
+
+    def full_caches(self, cache: list) -> list:
+        """The FULL leaves' caches, in order (an entry's layers are theirs)."""
+        return [c for leaf, c in self._leaves(cache) if leaf.every_token]
+
+    def other_caches(self, cache: list) -> list:
+        """The WINDOW and STATE leaves' caches, in order (a checkpoint's arrays are theirs)."""
+        return [c for leaf, c in self._leaves(cache) if not leaf.every_token]
+
     # -- sizes ------------------------------------------------------------------------------
 
     def measure(self) -> tuple[int, int, str]:
-        """(bytes per token of FULL slots, bytes of one checkpoint at its largest, dtype),
-        from a one-token forward. A window slot's checkpoint is priced at W tokens. The bytes
-        per token are a running request's (full precision); `rest_bytes_per_token` is what
-        the bank and SSD hold of one token."""
+        """(bytes per token of FULL leaves, bytes of one checkpoint at its largest, dtype),
+        from a one-token forward. A window's checkpoint is priced at W tokens. The bytes per
+        token are a running request's (full precision); `rest_bytes_per_token` is what the
+        bank and SSD hold of one token."""
         cache = self.new_cache()
         self.model(mx.array([[0]]), cache=cache)
         mx.eval([c.state for c in cache])
         per_token, checkpoint, dtype, rest = 0, 0, None, 0
-        for slot, c in zip(self.slots, cache):
-            if slot.kind is Kind.STATE:
-                checkpoint += sum(int(a.nbytes) for a in c.cache if a is not None)
-                dtype = dtype or next(a.dtype for a in c.cache if a is not None)
-                continue
-            one = int(c.keys[..., :1, :].nbytes + c.values[..., :1, :].nbytes)
-            dtype = c.keys.dtype if slot.kind is Kind.FULL or dtype is None else dtype
-            if slot.kind is Kind.FULL:
-                per_token += one
-                rest += (one if not self.kv_bits else
-                         sum(int(x.nbytes) for a in (c.keys, c.values)
-                             for x in quant.quantize(a[..., :1, :], self.kv_bits)))
-            else:
-                checkpoint += one * (slot.size + slot.keep)
+        for leaf, c in self._leaves(cache):
+            size = leaf.measure(c)
+            per_token += size.per_token
+            rest += size.rest_per_token
+            checkpoint += size.checkpoint
+            dtype = size.dtype if leaf.every_token else (dtype or size.dtype)
         self.rest_bytes_per_token = rest
-        return per_token, checkpoint, str(dtype).split(".")[-1]
+        return per_token, checkpoint, dtype or "float32"
 
     # -- a running request's cache -> the bank ------------------------------------------------
 
     def snapshot(self, cache: list) -> Checkpoint | None:
-        """The WINDOW and STATE slots as they stand now (None for a model without them).
+        """The WINDOW and STATE leaves as they stand now (None for a model without them).
         Take it when the cache stands exactly at the position it will be filed under."""
-        if not self.other:
+        if not self.checkpointed:
             return None
-        parts = []
-        for i in self.other:
-            c, slot = cache[i], self.slots[i]
-            if slot.kind is Kind.STATE:
-                parts.append(tuple(c.cache))
-            else:
-                parts.append(_window_tail(c))
-        out = Checkpoint(tuple(parts))
+        out = Checkpoint(tuple(leaf.snapshot(c) for leaf, c in self._leaves(cache)
+                               if not leaf.every_token))
         mx.eval([a for a in out.flat() if a is not None])
         return out
 
     def freeze(self, cache: list, n_tokens: int, prefix=None
                ) -> tuple[arrays.Layers, Checkpoint | None]:
         """A finished turn's cache, standing at `n_tokens`, as the bank keeps it: the FULL
-        slots' first n_tokens, and the checkpoint at n_tokens. `prefix`: what the request's
+        leaves' first n_tokens, and the checkpoint at n_tokens. `prefix`: what the request's
         cache was restored from (`at_rest`), kept as it is."""
         position = self.position(cache)
-        if position is not None and position != n_tokens and self.other:
+        if position is not None and position != n_tokens and self.checkpointed:
             raise RuntimeError(f"bug: cache stands at {position}, checkpoint wants {n_tokens}")
         return self.full_layers(cache, n_tokens, prefix), self.snapshot(cache)
 
     def full_layers(self, cache: list, n_tokens: int, prefix=None) -> arrays.Layers:
-        """The FULL slots' first n_tokens (a cache that may stand past them), as kept at rest:
+        """The FULL leaves' first n_tokens (a cache that may stand past them), as kept at rest:
         quantized past `prefix` when kv_bits is set (see `at_rest`)."""
-        full = [cache[i] for i in self.full]
-        if self.kv_bits:
-            return arrays.freeze_quantized(full, n_tokens, self.kv_bits, prefix)
-        return arrays.freeze(full, n_tokens)
+        return self.full_kind.freeze_layers(self.full_caches(cache), n_tokens,
+                                            prefix if self.kv_bits else None)
 
     def at_rest(self, cache: list) -> tuple[arrays.Layers, int] | None:
         """The quantized layers (and how many of their tokens) a cache `restore` made stands
@@ -221,47 +187,53 @@ class CacheKinds:
         return arrays.tight(layers, n_tokens)
 
     def position(self, cache: list) -> int | None:
-        """Where a cache stands, when a slot can say (a STATE slot cannot)."""
-        for slot, c in zip(self.slots, cache):
-            if slot.kind is not Kind.STATE:
-                return int(c.offset)
-        return None
+        """Where a cache stands, when a leaf can say (a STATE leaf cannot)."""
+        return next((p for leaf, c in self._leaves(cache)
+                     if (p := leaf.position(c)) is not None), None)
+
+    def trim(self, cache: list, n: int) -> bool:
+        """Take back a cache's last n tokens in place, where every leaf can (a STATE leaf
+        cannot: such a model goes back to a checkpoint instead). Whether it did."""
+        leaves = self._leaves(cache)
+        if not all(leaf.trimmable(c, n) for leaf, c in leaves):
+            return False
+        for leaf, c in leaves:
+            leaf.trim(c, n)
+        return True
 
     # -- the bank -> a request's own cache ----------------------------------------------------
 
     def restore(self, layers: arrays.Layers, checkpoint: Checkpoint | None, n_tokens: int,
                 owned: bool = False) -> list:
-        """A request's own cache at `n_tokens`: the FULL slots over `layers` (`owned`: write in
-        place past n_tokens, see arrays.restore), the others from `checkpoint`, which must stand at
-        n_tokens. A checkpoint's arrays are never handed over: the request's writes copy."""
-        if self.other and checkpoint is None and n_tokens:
+        """A request's own cache at `n_tokens`: the FULL leaves over `layers` (`owned`: write
+        in place past n_tokens, see FullKind.restore), the others from `checkpoint`, which must
+        stand at n_tokens. A checkpoint's arrays are never handed over: the request's writes
+        copy."""
+        if self.checkpointed and checkpoint is None and n_tokens:
             raise RuntimeError("bug: a restore past 0 tokens without its checkpoint")
-        cache = self.new_cache()
-        if quant.is_quantized(layers) and n_tokens:
-            if not self.kv_bits:
-                raise RuntimeError("bug: quantized KV restored by a full-precision worker")
+        quantized = quant.is_quantized(layers) and n_tokens
+        if quantized and not self.kv_bits:
+            raise RuntimeError("bug: quantized KV restored by a full-precision worker")
+        full, saved = iter(layers), iter(checkpoint.arrays if checkpoint is not None else ())
+
+        def restored(leaf: CacheKind, fresh):
+            if leaf.every_token:
+                pair = next(full, None)
+                return fresh if pair is None else leaf.restore(fresh, pair, n_tokens, owned)
+            part = next(saved, None)
+            return fresh if part is None else leaf.restore(fresh, part, n_tokens)
+
+        cache = [s.rebuild(c, restored) for s, c in zip(self.slots, self.new_cache())]
+        if quantized:
             cache = _Restored(cache)
             cache.at_rest = (layers, n_tokens)
-        for i, c in zip(self.full, arrays.restore(layers, n_tokens, owned=owned, bits=self.kv_bits)):
-            cache[i] = c
-        if checkpoint is None:
-            return cache
-        for i, saved in zip(self.other, checkpoint.arrays):
-            c = cache[i]
-            if self.slots[i].kind is Kind.STATE:
-                c.cache = [None if a is None else a[...] for a in saved]
-            else:
-                k, v = saved
-                c.keys, c.values = k[...], v[...]
-                c.offset, c._idx = n_tokens, int(k.shape[2])
         return cache
 
     def view(self, cache: list) -> list:
         """A running request's cache as it stands, as a new cache that copies on write."""
         snap = self.snapshot(cache)
         n = self.position(cache)
-        layers = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :])
-                  for c in (cache[i] for i in self.full)]
+        layers = [self.full_kind.view(c) for c in self.full_caches(cache)]
         return self.restore(layers, snap, n if n is not None else 0)
 
     def block_bits(self) -> int | None:
@@ -278,22 +250,30 @@ class CacheKinds:
                                f"keeps --kv-bits {self.kv_bits or 'off'}")
 
     def with_room(self, cache: list, n_tokens: int) -> None:
-        arrays.with_room([cache[i] for i in self.full], n_tokens)
+        for c in self.full_caches(cache):
+            self.full_kind.with_room(c, n_tokens)
 
     # -- which prefixes an entry serves ------------------------------------------------------
 
     def restore_point(self, checkpoints: Iterable[int], n_tokens: int) -> int:
-        """The longest prefix <= n_tokens that an entry can restore: any, for FULL slots alone;
-        else its newest checkpoint at or before n_tokens (0: none)."""
-        if not self.other:
-            return n_tokens
-        return max((p for p in checkpoints if p <= n_tokens), default=0)
+        """The longest prefix <= n_tokens that an entry (or a stored chain) with checkpoints
+        at these positions restores: a fixed point over the leaves, each accepting the
+        candidate or lowering it (any prefix, for FULL leaves alone; else the newest checkpoint
+        at or before it; 0: none)."""
+        positions = tuple(checkpoints)
+        while True:
+            m = n_tokens
+            for leaf in self._distinct:
+                m = leaf.restorable(m, positions)
+            if m == n_tokens:
+                return n_tokens
+            n_tokens = m
 
     def splits(self, cached: int, n_tokens: int, marks, every: int) -> tuple[int, ...]:
         """Where a prompt's read stops to keep a checkpoint (none for a model without window
         or recurrent caches): where the router says the conversation comes back to (`marks`),
         and every `every` tokens past what was restored."""
-        if not self.other:
+        if not self.checkpointed:
             return ()
         steps = range((cached // every + 1) * every, n_tokens, every) if every else ()
         return tuple(sorted({p for p in (*steps, *marks) if cached < p < n_tokens}))
@@ -310,31 +290,12 @@ class CacheKinds:
 
     def checkpoint_from_arrays(self, flat: list[mx.array | None]) -> Checkpoint:
         """A checkpoint decoded from a block, in `checkpoint_views`' order."""
-        out, it = [], iter(flat)
-        for i in self.other:
-            slot = self.slots[i]
-            out.append(tuple(next(it) for _ in range(slot.size if slot.kind is Kind.STATE
-                                                       else 2)))
-        return Checkpoint(tuple(out))
+        it = iter(flat)
+        return Checkpoint(tuple(tuple(next(it) for _ in range(leaf.saved_arrays()))
+                                for leaf in self.leaves if not leaf.every_token))
 
 
 class _Restored(list):
     """A restored cache list that remembers the quantized layers it stands on (`at_rest`)."""
 
     at_rest: tuple | None = None
-
-
-def _window_tail(c: RotatingKVCache) -> tuple[mx.array, mx.array]:
-    """A window cache's tokens in order: its `keep` first, then the last W - keep (after a
-    multi-token forward the ring holds W - 1 + S; before it fills, fewer than W)."""
-    keys, values, offset, keep, max_size, _ = c.state
-    if keys is None:
-        raise RuntimeError("bug: a window checkpoint of an empty cache")
-    held = min(offset, max_size)
-    out = []
-    for a in (c._temporal_order(keys), c._temporal_order(values)):
-        if a.shape[2] > held:
-            a = (mx.concatenate([a[..., :keep, :], a[..., a.shape[2] - (held - keep):, :]],
-                                axis=2) if keep else a[..., a.shape[2] - held:, :])
-        out.append(mx.contiguous(a))
-    return out[0], out[1]

@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import zmq
 
@@ -40,6 +40,17 @@ RELEASE_WRITE_OUT_MAX_S = 30.0
 STREAM_WINDOW_BYTES = 64 << 20  # a job's blocks sent and not yet committed (at least one)
 _KEEP_OUTCOMES = 4096  # finished jobs remembered (a write-out may ask after its job ended)
 BUFFERS_IDLE_S = 1.0  # the kv-encode thread's buffers go back this long after its last send
+
+
+class Records(Protocol):
+    """Where the writer reports what became of an entry's write (worker/tiers/bank.py, the
+    one writer of an entry's fields, records it)."""
+
+    def write_queued(self, entry, job: int) -> None: ...
+    def write_deferred(self, entry) -> None: ...
+    def write_stopped(self, entry, job: int) -> None: ...
+    def write_cancelled(self, entry) -> None: ...
+    def written(self, entry) -> None: ...
 
 
 def default_staging_max_bytes() -> int:
@@ -126,19 +137,21 @@ class KVWriter:
     (write, promote, cancel) leaves through it, in order.
 
     Staging is bounded: bytes handed over but not yet committed stay under
-    `staging_max_bytes`. At the cap `write_behind` hands nothing over and marks the entry as
-    waiting to be sent (`write_pending`): it stays protected, and the engine sends it again
-    (`retry_writes`) once the coldstore has drained. The owner never waits for staging room,
+    `staging_max_bytes`. At the cap `write_behind` hands nothing over and reports the entry as
+    waiting to be sent (`records.write_deferred`): it stays protected, and the engine sends it
+    again (`retry_writes`) once the coldstore has drained. The owner never waits for staging room,
     so requests keep running. A write-out goes whatever the cap: its bytes leave RAM right
     after.
     """
 
     def __init__(self, client: ColdstoreClient, *, block_tokens: int, root_for,
+                 records: Records,
                  kinds=None, staging_max_bytes: int | None = None,
                  window_bytes: int = STREAM_WINDOW_BYTES,
                  on_message: Callable[[object], None] = lambda msg: None,
                  wake: Callable[[], None] = lambda: None):
         self.client = client
+        self.records = records  # the bank: it records each job's fate in its entry
         self.kinds = kinds  # worker/kv/cache_kinds.py (None: full-attention caches only)
         self.staging_max_bytes = staging_max_bytes or default_staging_max_bytes()
         self.staging_deferred = 0  # hand-overs put off because staging was at its cap
@@ -264,7 +277,7 @@ class KVWriter:
 
     def write_behind(self, entry, *, give_up_at: float | None = None) -> int | None:
         """Queue the entry's unwritten blocks; the job id, or None when there was nothing to
-        write or (at the staging cap) it waits to be sent again, marked `write_pending`."""
+        write or (at the staging cap) it waits to be sent again (`records.write_deferred`)."""
         B = self.block_tokens
         start = (entry.durable_tokens // B) * B
         n = entry.n_tokens
@@ -273,7 +286,7 @@ class KVWriter:
         estimate = min((n - start) * entry.nbytes // n, self.window_bytes)  # in the window
         if give_up_at is None and not self.has_room(estimate):
             self.staging_deferred += 1
-            entry.write_pending = True
+            self.records.write_deferred(entry)
             logger.info("session %s: staging at its cap (%d bytes): its KV waits in RAM, "
                         "protected, to be sent again", entry.session[1], self.staging_max_bytes)
             return None
@@ -304,8 +317,7 @@ class KVWriter:
         if give_up_at is not None:
             write.give_up_at = give_up_at
         job = write.job = self.client.next_id()
-        entry.write_job = job
-        entry.write_pending = False
+        self.records.write_queued(entry, job)
         self._staged[job] = estimate
         self._unsent.add(job)
         self._streams[job] = _Stream(entry, write, ranges, sizes)
@@ -345,9 +357,7 @@ class KVWriter:
         del self._streams[job]
         self._send(cancel=wire.pb.Cancel(job=job))
         self._staged.pop(job, None)
-        if entry.write_job == job:
-            entry.write_job = None
-            entry.write_pending = not entry.durable
+        self.records.write_stopped(entry, job)
 
     def _feed(self, job: int) -> None:
         """Hand the kv-encode thread the stream's next blocks, as many as the window holds
@@ -385,8 +395,8 @@ class KVWriter:
 
     def write_ahead(self, entry, give_up_at: float) -> bool:
         """The entry's queued write goes now, not at a quiet window or its deadline: a
-        release will want it soon (`upkeep.write_ahead`); nothing waits for it. False when it
-        has no queued job (nothing to write, or it waits to be sent again)."""
+        release will want it soon (`EvictionPolicy.write_ahead`); nothing waits for it. False
+        when it has no queued job (nothing to write, or it waits to be sent again)."""
         job = entry.write_job
         if job is None:
             return False
@@ -420,7 +430,7 @@ class KVWriter:
             # same session must not count as this entry's write.
             if outcome == Outcome.WRITTEN or (outcome is None and
                                               self._job_durable.get(job, 0) >= entry.n_tokens):
-                entry.durable_tokens = entry.n_tokens
+                self.records.written(entry)
                 self._staged.pop(job, None)  # committed: the coldstore holds it no more
                 return Outcome.WRITTEN
             if outcome == Outcome.SUPERSEDED and self._superseded_by.get(job) is not None:
@@ -437,7 +447,7 @@ class KVWriter:
             self.pump(timeout_s=left)
         if time.time() >= give_up_at:
             return Outcome.DEADLINE
-        entry.write_job = None
+        self.records.write_cancelled(entry)  # lost with the coldstore's restart: sent again
         return self.write_out(entry, give_up_at)
 
     def _send(self, **op) -> None:
@@ -449,4 +459,4 @@ class KVWriter:
             self._send(cancel=wire.pb.Cancel(job=entry.write_job))
             self._staged.pop(entry.write_job, None)
             self._streams.pop(entry.write_job, None)
-            entry.write_job = None
+            self.records.write_cancelled(entry)

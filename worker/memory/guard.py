@@ -7,7 +7,7 @@ Level = the worst of four sources:
            (some avg10 >= 10 % warning, full avg10 >= 10 % critical);
   injected a level an operator or a test set with `kvbank admin pressure` (until `auto`).
 
-Actions (`pressure_trim` in worker/tiers/upkeep.py, with its receipt), posted to the engine on a
+Actions (`pressure_trim` in worker/tiers/eviction.py, with its receipt), posted to the engine on a
 rising edge and then at most every `act_every_s` while the level stays up:
   warning  wait up to `warning_wait_s` for an idle engine, then shrink the bank to half of what
            it holds, never an active conversation nor one whose KV is not on SSD yet;

@@ -11,6 +11,8 @@ from kvbank.contracts.pricing import Pricing
 
 logger = logging.getLogger(__name__)
 
+RSS_SLACK = 0.05  # of the budget: resident memory beyond the ledger that is not yet "held"
+
 
 def calibrate(model, pricing: Pricing) -> Pricing:
     """Measure a prefill chunk's transient bytes at contexts 0 and 4 chunks (MLX tracks CPU
@@ -80,7 +82,15 @@ def memory_budget_bytes(spec: str | int | None, pricing: Pricing) -> int:
     return budget
 
 
-def held_bytes(pricing: Pricing, bank) -> int:
-    """Every byte the worker answers for: fixed, bank entries, running requests, staged, and
-    what RSS shows beyond them."""
-    return pricing.fixed_bytes + pricing.unaccounted_bytes + bank.ledger()["held_bytes"]
+def held_bytes(pricing: Pricing, tiers) -> int:
+    """Every byte the worker answers for: fixed, bank entries, running requests, staged (the
+    `tiers`' ledger: the KV manager's, or a bank's), and what RSS shows beyond them."""
+    return pricing.fixed_bytes + pricing.unaccounted_bytes + tiers.ledger()["held_bytes"]
+
+
+def reconcile_rss(pricing: Pricing, tiers_held: int, budget: int, rss: int) -> None:
+    """RSS may drift past the ledger (the model, and `tiers_held`: every byte the KV tiers
+    answer for) by a little (threads, interpreter, allocator); beyond RSS_SLACK of the budget
+    the excess counts as held, so the budget is the real one."""
+    ledger = pricing.fixed_bytes + tiers_held
+    pricing.unaccounted_bytes = max(0, rss - ledger - int(budget * RSS_SLACK))

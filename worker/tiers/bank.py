@@ -1,22 +1,14 @@
-"""SessionBank: every conversation's KV that the worker holds in RAM, and the policies that
-decide what leaves.
+"""SessionBank: every conversation's KV that the worker holds in RAM.
 
 An entry is one session's KV for one token prefix. Entries are found by prefix, never by
 session id alone: the index maps each chained block id (kvbank.blocks) to the entries that
 contain that block, so a lookup walks the prompt's blocks (O(blocks in the prompt)) and then
 verifies the chosen entry token by token.
 
-Eviction order (who leaves first), kept by `_eviction_order`:
-  1. prefetched entries whose hint has lapsed, not used since;
-  2. conversations without a hint: entries of idle sessions before entries of active ones (a
-     session is active while a request runs on it, and for `active_pin_s` after its last
-     use), least recently used first;
-  3. conversations an agent said it will come back to (a live prefetch hint): the one hinted
-     last goes first, since its tool call started last. Least recently used would be exactly
-     wrong here: agents that think alike come back in the order they left.
-Protections are filters on top of that order, never reorderings: `protect_active` skips
-active sessions, `protect_unwritten` skips entries whose own SSD write is still queued,
-`protect_keys` (entries) / `protect_sessions` (tenant, session id) skip what the caller names.
+Each field of an entry has one writer, the bank: an entry is frozen to every other module, and
+the bank records what the others report (the writer's jobs and their outcomes, the
+coldstore's durable extent, a request taking the entry and giving it back). Who leaves RAM is
+decided in worker/tiers/eviction.py; the bank takes an entry out when told (`evict`).
 
 The bank owns one byte ledger (`total_nbytes`), changed only in `_add` and `_remove`.
 The bank runs on the worker's engine thread: no locks.
@@ -29,20 +21,16 @@ import logging
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
 from kvbank import events, metrics
 from kvbank.blocks import BlockId, chain_block_ids, common_prefix_len
-from kvbank.contracts.receipts import (Eviction, ReleaseReceipt, ReleaseRow, ShedReceipt,
-                                       ShrinkReceipt)
-from kvbank.contracts.vocabulary import RETRY_OUTCOMES, Outcome, Policy, TrimReason
+from kvbank.contracts.receipts import Eviction
+from kvbank.contracts.vocabulary import RETRY_OUTCOMES, Outcome, TrimReason
 from kvbank.worker.kv.cache_kinds import Checkpoint
 from kvbank.worker.kv.arrays import Layers, layers_nbytes
-
-if TYPE_CHECKING:
-    from kvbank.worker.link.writer import KVWriter
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +44,10 @@ def any_prefix(checkpoints, n_tokens: int) -> int:
     return n_tokens
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class BankEntry:
+    """One session's KV for one prefix. Frozen: the bank alone writes its fields (`_set`)."""
+
     key: int
     session: SessionKey
     tokens: np.ndarray  # uint32, the prefix this KV covers
@@ -88,6 +78,12 @@ class BankEntry:
         return self.durable_tokens >= self.n_tokens
 
 
+def _set(e: BankEntry, **fields) -> None:
+    """The one way an entry's fields change: the bank's, in this module."""
+    for name, value in fields.items():
+        object.__setattr__(e, name, value)
+
+
 def _inherit(into: dict[int, Checkpoint], old: BankEntry, shared: int) -> None:
     """`old`'s checkpoints that stand on the `shared` tokens, where `into` has none."""
     for p, c in old.checkpoints.items():
@@ -113,26 +109,25 @@ class Hit:
 class SessionBank:
     def __init__(self, *, block_tokens: int, root_for: Callable[[str], BlockId],
                  max_bytes: int, active_pin_s: float = 600.0, log_size: int = 1024,
-                 writer: "KVWriter | None" = None,
+                 staged_bytes: Callable[[], int] = lambda: 0, listener=None,
                  restore_point: Callable[[Iterable[int], int], int] = any_prefix,
                  max_checkpoints: int = MAX_CHECKPOINTS,
                  clock: Callable[[], float] = time.monotonic):
         """`restore_point(checkpoint positions, n)`: the longest prefix <= n an entry with
-        those checkpoints restores (CacheKinds.restore_point; any prefix without one)."""
+        those checkpoints restores (CacheKinds.restore_point; any prefix without one).
+        `staged_bytes()`: KV handed to the coldstore and not committed yet (the writer's),
+        which the ledger counts. `listener`: told of every entry added and removed
+        (worker/link/kv_events.py)."""
         self.restore_point = restore_point
         self.max_checkpoints = max_checkpoints
         self.clock = clock  # monotonic seconds: recency and the active pin (tests inject one)
-        self.listener = None  # told of every entry added and removed (worker/link/kv_events.py)
+        self.listener = listener
         self.block_tokens = block_tokens
-        self.writer = writer  # None: no coldstore (nothing is ever written)
+        self.staged_bytes = staged_bytes
         self.root_for = root_for
         self.max_bytes = max_bytes
-        self.ceiling_bytes: int | None = None  # a dynamic ceiling below max_bytes
+        self.ceiling_bytes: int | None = None  # a dynamic ceiling below max_bytes (`set_ceiling`)
         self.active_pin_s = active_pin_s
-        # When a live prefetch hint came for the conversation (None: no hint); set by
-        # worker/tiers/prefetch.py, which owns the hints.
-        self.hinted_at: Callable[[SessionKey], float | None] = lambda session: None
-        self.write_out_deadline_s: float | None = None  # None: RELEASE_WRITE_OUT_MAX_S
         self.entries: dict[int, BankEntry] = {}
         self.total_nbytes = 0
         self.eviction_log: deque[Eviction] = deque(maxlen=log_size)
@@ -152,6 +147,10 @@ class SessionBank:
     @property
     def effective_max_bytes(self) -> int:
         return min(self.max_bytes, self.ceiling_bytes or self.max_bytes)
+
+    def set_ceiling(self, nbytes: int) -> None:
+        """The dynamic ceiling the guard's tick sets (worker/tiers/eviction.py)."""
+        self.ceiling_bytes = nbytes
 
     # -- lookup -----------------------------------------------------------------------------
 
@@ -200,7 +199,7 @@ class SessionBank:
 
     def _add(self, e: BankEntry) -> None:
         self.entries[e.key] = e
-        e.in_bank = True
+        _set(e, in_bank=True)
         self.total_nbytes += e.nbytes
         self._by_session.setdefault(e.session, set()).add(e.key)
         for bid in self._index_keys(e):
@@ -210,7 +209,7 @@ class SessionBank:
 
     def _remove(self, e: BankEntry, *, announce: bool = True) -> None:
         del self.entries[e.key]
-        e.in_bank = False
+        _set(e, in_bank=False)
         self.total_nbytes -= e.nbytes
         keys = self._by_session[e.session]
         keys.discard(e.key)
@@ -306,7 +305,7 @@ class SessionBank:
                for o in self.session_entries(e.session)):
             self.let_go(e)
             return
-        self._add(e)  # a write that ended meanwhile is sent again (upkeep.retry_writes)
+        self._add(e)  # a write that ended meanwhile is sent again (KVManager.retry_writes)
 
     def let_go(self, e: BankEntry) -> None:
         """A handed-over entry nobody will commit over or give back (its conversation was
@@ -367,7 +366,7 @@ class SessionBank:
         """Every byte the bank answers for: entries, running requests' caches, and KV handed
         to the coldstore but not committed yet."""
         active = sum(self._active_nbytes.values())
-        staged = self.writer.staged_bytes if self.writer is not None else 0
+        staged = self.staged_bytes()
         return {"entries_bytes": self.total_nbytes, "active_bytes": active,
                 "staged_bytes": staged, "held_bytes": self.total_nbytes + active + staged}
 
@@ -384,30 +383,57 @@ class SessionBank:
         now = self.clock() if now is None else now
         return now - self._last_use.get(session, -1e18) < self.active_pin_s
 
+    def last_use(self, session: SessionKey) -> float:
+        """When a request last began or ended on the session (0: never)."""
+        return self._last_use.get(session, 0.0)
+
     def touch(self, e: BankEntry) -> None:
-        e.last_used = self.clock()
-        e.prefetched = False  # used: an entry like any other now
+        _set(e, last_used=self.clock(), prefetched=False)  # used: an entry like any other now
         self._last_use[e.session] = e.last_used
 
-    # -- durability (fed by the coldstore's acknowledgements) -------------------------------
+    # -- what the writer and the coldstore report (the bank records it) -------------------
 
     def mark_durable(self, session: SessionKey, durable_tokens: int,
                      lowered: bool = False) -> None:
-        """What LMDB holds of the session; `lowered` when a write-out's deadline took back
-        blocks (it can only grow otherwise)."""
+        """What LMDB holds of the session (its record's durable extent, each entry's clipped
+        to its own tokens); `lowered` when a write-out's deadline took back blocks (it can only
+        grow otherwise)."""
         for e in self.session_entries(session):
             n = min(durable_tokens, e.n_tokens)
-            e.durable_tokens = n if lowered else max(e.durable_tokens, n)
+            _set(e, durable_tokens=n if lowered else max(e.durable_tokens, n))
 
-    def mark_write_done(self, session: SessionKey, job_id: int, outcome: Outcome) -> None:
+    def write_queued(self, e: BankEntry, job: int) -> None:
+        """The writer handed the entry's unwritten blocks to the coldstore as `job`."""
+        _set(e, write_job=job, write_pending=False)
+
+    def write_deferred(self, e: BankEntry) -> None:
+        """The writer could not hand it over (staging at its cap, the coldstore away): it
+        waits to be sent again, protected."""
+        _set(e, write_pending=True)
+
+    def write_stopped(self, e: BankEntry, job: int) -> None:
+        """The job's stream stopped (the entry left the bank meanwhile): what it committed
+        stays; an entry given back later is sent again."""
+        if e.write_job == job:
+            _set(e, write_job=None, write_pending=not e.durable)
+
+    def write_cancelled(self, e: BankEntry) -> None:
+        """Its queued job was cancelled, or the coldstore lost it."""
+        _set(e, write_job=None)
+
+    def written(self, e: BankEntry) -> None:
+        """A write-out committed all of the entry's tokens (its own job said so)."""
+        _set(e, durable_tokens=e.n_tokens)
+
+    def write_ended(self, session: SessionKey, job_id: int, outcome: Outcome) -> None:
         """The job ended; refused, failed or out of time (RETRY_OUTCOMES), its entries still
         in RAM wait to be sent again, protected."""
         for e in self.session_entries(session):
             if e.write_job == job_id:
-                e.write_job = None
-                e.write_pending = outcome in RETRY_OUTCOMES and not e.durable
+                _set(e, write_job=None,
+                     write_pending=outcome in RETRY_OUTCOMES and not e.durable)
 
-    # -- policies ---------------------------------------------------------------------------
+    # -- leaving RAM (worker/tiers/eviction.py decides who) -------------------------------
 
     def record(self, receipt) -> None:
         """A policy's receipt leaves the process: the Status RPC reads `receipts`, and the
@@ -415,18 +441,10 @@ class SessionBank:
         self.receipts.append(receipt)
         events.emit(**asdict(receipt))
 
-    def _eviction_order(self, now: float) -> list[BankEntry]:
-        """The module docstring's order."""
-        def rank(e: BankEntry) -> tuple:
-            hinted = self.hinted_at(e.session)
-            if hinted is None:
-                return (not e.prefetched, False, self.is_active(e.session, now), e.last_used)
-            return (True, True, False, -hinted)
-
-        return sorted(self.entries.values(), key=rank)
-
     def evict(self, e: BankEntry, reason: TrimReason, *, write_out: Outcome | None = None,
               write_out_s: float | None = None) -> None:
+        """Out of the ledger and the index, into the eviction log (a queued write is the
+        caller's to cancel: EvictionPolicy.evict)."""
         self._remove(e)
         durable = e.durable_tokens >= e.n_tokens
         self.eviction_log.append(Eviction(
@@ -443,153 +461,5 @@ class SessionBank:
                     tokens=e.n_tokens, bytes=e.nbytes, durable_tokens=e.durable_tokens,
                     now="cold" if durable else "gone", write_out=write_out)
         if e.awaits_queued_write:
-            # Its staged bytes go too: the memory is wanted back, in the coldstore as well.
             logger.warning("%s: dropped %s (%d tokens) before its SSD write",
                            reason, e.session[1], e.n_tokens)
-            if self.writer is not None:
-                self.writer.cancel(e)
-
-    def shrink_to_bytes(self, target_bytes: int, *, reason: TrimReason,
-                        protect_active: bool = False, protect_unwritten: bool = False,
-                        protect_keys: Iterable[int] = (),
-                        protect_sessions: Iterable[SessionKey] = ()) -> ShrinkReceipt:
-        """Evict in eviction order until the bank holds <= target_bytes.
-
-        With protect_active the bank may stay above target (dynamic ceiling: an active session
-        never re-prefills because of a trim). With protect_unwritten an entry whose own SSD
-        write is still queued is never taken; when only such entries remain it stops above
-        target and counts them in `unwritten_kept`.
-        """
-        r = ShrinkReceipt(reason=reason, target_bytes=target_bytes)
-        protect_keys, protect_sessions = set(protect_keys), set(protect_sessions)
-        now = self.clock()
-        for e in self._eviction_order(now):
-            if self.total_nbytes <= target_bytes:
-                break
-            if e.key in protect_keys or e.session in protect_sessions or self.is_busy(e.session):
-                continue
-            if protect_active and self.is_active(e.session, now):
-                continue
-            if protect_unwritten and e.awaits_queued_write:
-                r.unwritten_kept += 1
-                continue
-            if e.awaits_queued_write:
-                r.unwritten_dropped += 1
-            r.evicted_entries += 1
-            r.evicted_bytes += e.nbytes
-            self.evict(e, reason)
-        r.bytes_after = self.total_nbytes
-        if r.evicted_entries or r.unwritten_kept:
-            self.record(r)
-        return r
-
-    def drop_session(self, session: SessionKey, reason: TrimReason) -> int:
-        """Evict every entry of one session, whatever its state (the session is gone)."""
-        entries = self.session_entries(session)
-        for e in entries:
-            self.evict(e, reason)
-        return len(entries)
-
-    def shrink_for_admission(self, target_bytes: int, *, protect_tokens: np.ndarray | None,
-                             reason: TrimReason, tenant: str = "",
-                             protect_sessions: Iterable[SessionKey] = (),
-                             protect_unwritten: bool = False) -> ShedReceipt:
-        """Make room before a prefill: non-terminal entries first (LRU), then any entry of a
-        session with no request running. The entries `protect_tokens` would restore from are
-        never taken, nor, with protect_unwritten, one whose SSD write is still queued (the
-        release step writes those out first)."""
-        protected: set[int] = set()
-        if protect_tokens is not None and len(protect_tokens):
-            protect_tokens = np.asarray(protect_tokens, dtype=np.uint32)
-            hit = self.lookup(protect_tokens, tenant, limit=len(protect_tokens) - 1)
-            if hit is not None:
-                protected.add(hit.entry.key)
-        keep = set(protect_sessions)
-        terminals = {t.key for t in (self.terminal(s) for s in list(self._by_session)) if t}
-        order = self._eviction_order(self.clock())
-        r = ShedReceipt(reason=reason, target_bytes=target_bytes)
-        for terminal_phase in (False, True):
-            for e in order:
-                if self.total_nbytes <= target_bytes:
-                    break
-                if (e.key not in self.entries or e.key in protected or e.session in keep
-                        or self.is_busy(e.session) or (e.key in terminals) != terminal_phase
-                        or (protect_unwritten and e.awaits_queued_write)):
-                    continue
-                self.evict(e, reason)
-                r.evicted_bytes += e.nbytes
-                if terminal_phase:
-                    r.terminal_evicted += 1
-                else:
-                    r.non_terminal_evicted += 1
-        r.bytes_after = self.total_nbytes
-        if r.evicted_bytes:
-            self.record(r)
-        return r
-
-    def release_sessions(self, target_bytes: int | None, *,
-                         keep_sessions: Iterable[SessionKey] = (),
-                         protect_keys: Iterable[int] = (),
-                         reason: TrimReason, write_out_before_release: bool = False,
-                         only_sessions: Iterable[SessionKey] | None = None,
-                         max_write_out_s: float | None = None) -> "ReleaseReceipt":
-        """Release whole idle conversations until the bank holds <= target_bytes (None: all).
-
-        Conversations already durable go first, then those without a prefetch hint (least
-        recently used first), then hinted ones (hinted last, first). With write-out, an
-        entry whose SSD write is still queued is written first; all writes of one call share
-        one deadline (RELEASE_WRITE_OUT_MAX_S). A write that runs out of time, is refused or
-        fails leaves the entry dropped, as without write-out; without it the queued write is
-        cancelled. A session with a request running is skipped whole.
-        """
-        from kvbank.worker.link.writer import RELEASE_WRITE_OUT_MAX_S
-
-        budget_s = next(s for s in (max_write_out_s, self.write_out_deadline_s,
-                                    RELEASE_WRITE_OUT_MAX_S) if s is not None)
-        give_up_at = time.time() + budget_s
-        keep, protected = set(keep_sessions), set(protect_keys)
-        only = None if only_sessions is None else set(only_sessions)
-        r = ReleaseReceipt(reason=reason, kind=(Policy.RELEASE_WRITE_OUT if write_out_before_release
-                                                else Policy.IDLE_RELEASE))
-        candidates = [s for s in self._by_session
-                      if s not in keep and (only is None or s in only)]
-        def rank(s: SessionKey) -> tuple:
-            hinted = self.hinted_at(s)
-            return (not all(e.durable for e in self.session_entries(s)), hinted is not None,
-                    -hinted if hinted is not None else self._last_use.get(s, 0.0))
-
-        candidates.sort(key=rank)
-        for session in candidates:
-            if target_bytes is not None and self.total_nbytes <= target_bytes:
-                break
-            if self.is_busy(session):
-                r.skipped_busy_sessions += 1
-                continue
-            row = ReleaseRow(session_id=session[1], tenant=session[0])
-            for e in sorted(self.session_entries(session), key=lambda e: e.n_tokens):
-                if e.key in protected:  # the incoming prompt restores from it
-                    continue
-                if self.is_busy(session):  # a request started while we wrote: keep the rest
-                    r.skipped_busy_sessions += 1
-                    break
-                outcome, took = None, None
-                if write_out_before_release and e.awaits_queued_write and self.writer is not None:
-                    t0 = time.monotonic()
-                    outcome = self.writer.write_out(e, give_up_at)
-                    took = time.monotonic() - t0
-                    r.write_out_s += took
-                    if outcome == Outcome.WRITTEN:
-                        row.written_out_entries += 1
-                row.entries += 1
-                row.held_bytes += e.nbytes
-                if e.durable:
-                    row.on_ssd_entries += 1
-                else:
-                    row.dropped_entries += 1
-                self.evict(e, reason, write_out=outcome, write_out_s=took)
-            if row.entries:  # a conversation whose every entry was protected: no row
-                r.add(row)
-        r.write_out_s = round(r.write_out_s, 4)
-        if r.rows or r.skipped_busy_sessions:
-            self.record(r)
-        return r

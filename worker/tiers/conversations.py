@@ -114,7 +114,7 @@ class Conversations:
             self.lineages.set(key, len(tokens), block_ids)
 
     def recorded_again(self, key: SessionKey, info: SessionInfo, durable_tokens: int) -> None:
-        """The record `info` missed reached the store (upkeep.retry_writes)."""
+        """The record `info` missed reached the store (KVManager.retry_writes)."""
         if self.records.get(key) is info:
             self.set(key, replace(info, recorded=True, durable_tokens=durable_tokens,
                                   held=self._held(info.held, True)))

@@ -4,8 +4,8 @@ A hint names the conversation (by name, or by the prompt it will send). If its K
 SSD, it is read back into the bank now; if it is in RAM, the hint stays live, and should the
 conversation be pushed out before it returns, it is read back as soon as there is room. While
 the hint is live the bank keeps the conversation longer than those without one, and of two
-hinted ones lets the one hinted last go first (bank.py, eviction order); a hint never keeps
-memory from a request.
+hinted ones lets the one hinted last go first (worker/tiers/eviction.py, its ranking); a
+hint never keeps memory from a request.
 
 Room comes from free memory first. When there is too little, a hint may take RAM from
 conversations that will be back later than its own: hinted after it (its tool call started
@@ -13,8 +13,8 @@ later, so it ends later) or idle with no hint at all. Such a conversation leaves
 of it is on SSD (its unwritten tail is written first, within DISPLACE_WRITE_OUT_S): nothing is
 lost, only a read later. A hint never takes memory from a request, running or waiting.
 
-A read of `THREAD_MIN_BYTES` or more (worker/tiers/restore_threads.py) runs on a thread while the batch
-decodes, and lands in the bank on the engine's turn after it ends: the hint answers
+A read of `THREAD_MIN_BYTES` or more (worker/tiers/restore_threads.py) runs on a thread while
+the batch decodes, and lands in the bank on the engine's turn after it ends: the hint answers
 `restoring` at once; its conversation's next request waits for the read, then finds its KV in
 RAM. The memory is reserved from the start (`reserve_active`). Everything else runs on the
 engine thread, like everything it touches.
@@ -31,10 +31,10 @@ import numpy as np
 
 from kvbank import metrics
 from kvbank.blocks import chain_block_ids
-from kvbank.contracts.vocabulary import Outcome, TrimReason
-from kvbank.worker.tiers.bank import SessionBank, SessionKey
 from kvbank.worker.commands import PrefetchReport
+from kvbank.worker.tiers.bank import SessionBank, SessionKey
 from kvbank.worker.tiers.conversations import Conversations
+from kvbank.worker.tiers.eviction import EvictionPolicy
 from kvbank.worker.tiers.restore import Restorer
 from kvbank.worker.tiers.restore_threads import Read, Restores
 
@@ -52,9 +52,39 @@ class _Hint:
     until: float
 
 
+class Hints:
+    """The live hints, oldest first (engine thread). The prefetcher adds and forgets them; the
+    eviction policy reads when each came (`hinted_at`)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.live: dict[SessionKey, _Hint] = {}
+
+    def add(self, key: SessionKey, tokens: np.ndarray, ids: list) -> _Hint:
+        """A new hint for the conversation: its place in line is now."""
+        self.live.pop(key, None)
+        now = self.clock()
+        h = self.live[key] = _Hint(tokens, ids, now, now + HINT_TTL_S)
+        return h
+
+    def forget(self, key: SessionKey) -> None:
+        self.live.pop(key, None)
+
+    def hinted_at(self, key: SessionKey) -> float | None:
+        """When the conversation's live hint came (None: none, or it lapsed)."""
+        h = self.live.get(key)
+        return h.at if h is not None and self.clock() <= h.until else None
+
+    def came_at(self, key: SessionKey) -> float | None:
+        """When its hint came, lapsed or not, until it is forgotten."""
+        h = self.live.get(key)
+        return h.at if h is not None else None
+
+
 @dataclass(kw_only=True)
 class _Fetch(Read):
-    """A hint's read on a thread (worker/tiers/restore_threads.py); what `_bring_back` knew of it."""
+    """A hint's read on a thread (worker/tiers/restore_threads.py); what `_bring_back` knew
+    of it."""
 
     key: SessionKey
     hint: _Hint  # the tokens it reads (a newer hint of the conversation may name others)
@@ -66,19 +96,19 @@ class _Fetch(Read):
 
 class Prefetcher:
     def __init__(self, *, bank: SessionBank, restorer: Restorer, conversations: Conversations,
-                 root_for: Callable[[str], bytes], block_tokens: int, kv_bytes_per_token: int,
-                 room: Callable[[], int | None], reads: Restores | None = None,
-                 clock: Callable[[], float] = time.monotonic):
-        """`room`: the bytes the bank may take without anything leaving (the smaller of what
-        its cap and the memory budget leave); None while requests wait for memory (they come
-        first: a hint takes nothing then). `reads`: where a long read runs on a thread (the
-        engine's loop calls `land` when one ends); None: every read inline."""
+                 hints: Hints, eviction: EvictionPolicy, root_for: Callable[[str], bytes],
+                 block_tokens: int, kv_bytes_per_token: int, room: Callable[[], int | None],
+                 reads: Restores | None = None):
+        """`hints`: the live hints, which the eviction policy reads too (hinted conversations
+        stay longest). `room`: the bytes the bank may take without anything leaving (the
+        smaller of what its cap and the memory budget leave); None while requests wait for
+        memory (they come first: a hint takes nothing then). `reads`: where a long read runs
+        on a thread (the engine's loop calls `land` when one ends); None: every read inline."""
         self.bank, self.restorer, self.conversations = bank, restorer, conversations
+        self.hints, self.eviction = hints, eviction
         self.root_for, self.block_tokens = root_for, block_tokens
         self.kv_bytes_per_token = kv_bytes_per_token
-        self.room, self.clock = room, clock
-        bank.hinted_at = self._hinted_at  # the bank keeps hinted conversations longest
-        self.live: dict[SessionKey, _Hint] = {}
+        self.room, self.clock = room, hints.clock
         self.reads = reads
         self.reading: dict[SessionKey, _Fetch] = {}  # reads on a thread, by conversation
 
@@ -95,20 +125,14 @@ class Prefetcher:
             tokens, ids, tenant, self.conversations.records, self.bank.is_busy)
         if key is None:  # tokens that continue no conversation kvbank knows
             return self._counted(PrefetchReport("unknown"))
-        now = self.clock()
-        self.live.pop(key, None)  # a new hint: its place in line is now
-        self.live[key] = _Hint(tokens, ids, now, now + HINT_TTL_S)
-        return self._counted(self._bring_back(key, self.live[key],
+        h = self.hints.add(key, tokens, ids)
+        return self._counted(self._bring_back(key, h,
                                               time.time() + DISPLACE_WRITE_OUT_S))
-
-    def _hinted_at(self, key: SessionKey) -> float | None:
-        h = self.live.get(key)
-        return h.at if h is not None and self.clock() <= h.until else None
 
     def started(self, key: SessionKey) -> None:
         """The conversation came back (or was deleted): its hint has done its work. An admin
         release does not end a hint: it is about memory now, and the hint waits for room."""
-        self.live.pop(key, None)
+        self.hints.forget(key)
 
     def retry(self) -> int:
         """Live hints whose conversation left RAM since, read back where room allows (after
@@ -116,9 +140,9 @@ class Prefetcher:
         now = self.clock()
         brought = 0
         give_up_at = time.time() + DISPLACE_WRITE_OUT_S  # one wait for all: the engine waits
-        for key, h in list(self.live.items()):  # oldest hint first: it is back soonest
+        for key, h in list(self.hints.live.items()):  # oldest hint first: it is back soonest
             if now > h.until:
-                del self.live[key]
+                self.hints.forget(key)
                 continue
             report = self._bring_back(key, h, give_up_at, later=True)
             if report.status == "restored":
@@ -141,8 +165,8 @@ class Prefetcher:
         room = self.room()
         if room is not None:  # what reads in flight will take (counted once more: prudent)
             room -= sum(f.need for f in self.reading.values())
-        if room is None or (need > room and not self._displace(key, h, need - room,
-                                                                     give_up_at)):
+        if room is None or (need > room and not self.eviction.displace(key, h.at, need - room,
+                                                                       give_up_at)):
             return PrefetchReport("no_room", ram, ssd)
         read = lambda on_corrupt: self.restorer.ssd_prefix(  # noqa: E731
             h.tokens, h.ids, tenant, key, better_than=ram, limit=len(h.tokens),
@@ -180,7 +204,7 @@ class Prefetcher:
             found, f.ssd = f.ssd, None
             if f.error is not None:
                 logger.error("prefetch of session %s failed: %s", f.key[1], f.error)
-            elif f.key in self.live:
+            elif f.key in self.hints.live:
                 report = self._landed(f.key, f.hint, f.ram, f.ssd_tokens, found)
                 if report.status == "restored" and f.later:
                     metrics.PREFETCHES.labels("restored_later").inc()
@@ -195,44 +219,6 @@ class Prefetcher:
     def stop(self, timeout_s: float) -> None:
         if self.reads is not None:
             self.reads.stop(timeout_s)  # what they read is dropped with them
-
-    def _displace(self, key: SessionKey, h: _Hint, short: int, give_up_at: float) -> bool:
-        """Free `short` bytes for `key` from conversations back later than it (module
-        docstring): the farthest first; nothing leaves unless enough can, and nothing leaves
-        that is not on SSD (a conversation's unwritten tail is written first)."""
-        now = self.clock()
-
-        def back_at(s: SessionKey) -> float | None:  # None: not later than `key`
-            other = self.live.get(s)
-            if other is not None:
-                return other.at if other.at > h.at else None
-            return None if self.bank.is_active(s, now) else float("inf")  # no hint: idle
-
-        later = [(at, s) for s in self.bank.sessions()
-                 if s != key and not self.bank.is_busy(s) and (at := back_at(s)) is not None]
-        if sum(self.bank.session_nbytes(s) for _, s in later) < short:
-            return False
-        chosen, freed = [], 0
-        for _, s in sorted(later, key=lambda p: -p[0]):
-            if freed >= short:
-                break
-            if self._written_out(s, give_up_at):
-                chosen.append(s)
-                freed += self.bank.session_nbytes(s)
-        if freed < short:
-            return False
-        self.bank.release_sessions(self.bank.total_nbytes - short, only_sessions=chosen,
-                                   reason=TrimReason.PREFETCH)
-        return True
-
-    def _written_out(self, s: SessionKey, give_up_at: float) -> bool:
-        """All of the conversation's entries on SSD, writing the unwritten ones now."""
-        writer = self.bank.writer
-        for e in self.bank.session_entries(s):
-            if not e.durable and (writer is None or not e.awaits_queued_write
-                                  or writer.write_out(e, give_up_at) != Outcome.WRITTEN):
-                return False
-        return True
 
     @staticmethod
     def _counted(report: PrefetchReport) -> PrefetchReport:

@@ -1,5 +1,8 @@
 """Restore: a request's own cache over the longest prefix kvbank holds, from the RAM bank or
-from SSD, whichever covers more (engine thread)."""
+from SSD, whichever covers more, in three steps (engine thread, but for the read): `look` at
+what RAM and LMDB hold, `read_ssd` (any thread: worker/tiers/restore_threads.py runs a long
+one on its own), `take` the request's cache. The KV manager (worker/tiers/manager.py) takes
+them for an admitted request."""
 
 from __future__ import annotations
 
@@ -39,8 +42,8 @@ class Look:
 
 
 class Restorer:
-    def __init__(self, *, kinds: CacheKinds, bank: SessionBank, client: ColdstoreClient, store_dir: Path,
-                 root_for, block_tokens: int, restore_via: str = "direct"):
+    def __init__(self, *, kinds: CacheKinds, bank: SessionBank, client: ColdstoreClient,
+                 store_dir: Path, root_for, block_tokens: int, restore_via: str = "direct"):
         self.kinds, self.bank, self.client = kinds, bank, client
         self.store_dir = store_dir
         self.root_for = root_for
@@ -70,18 +73,6 @@ class Restorer:
         if self._store is not None:
             self._store.close()
             self._store = None
-
-    def restore(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
-                session: SessionKey, no_cache: bool, anchor_at: int = 0
-                ) -> tuple[list, int, int, BankEntry | None]:
-        """The request's own cache over the longest known prefix: (cache, tokens, source, the
-        bank entry handed over to it, which its commit supersedes or its failure gives back).
-        `anchor_at`: where the prompt's shared prefix (system and tools) ends, whose checkpoint
-        another conversation may have stored (`ssd_prefix`). In three steps, so that the SSD
-        read may run on another thread (worker/tiers/restore_threads.py): `look`, `read_ssd`, `take`."""
-        look = self.look(tokens, ids, tenant, no_cache)
-        return self.take(look, self.read_ssd(look, tokens, ids, tenant, session, anchor_at),
-                         session)
 
     def look(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
              no_cache: bool) -> Look:
@@ -250,33 +241,33 @@ class Restorer:
 
     def _decode(self, payloads: list, limit: int, better_than: int, capacity: int,
                 done_with=None) -> tuple[arrays.Layers, Checkpoint | None, int] | None:
-        """Blocks up to the restore point: the last block end <= limit (any token, for a model
-        without checkpoints: the request writes past it) that carries a checkpoint."""
-        ends, n = [], 0
+        """Blocks up to the restore point <= limit that the kinds find over them
+        (`CacheKinds.restore_point`): any token for a model without checkpoints (the request
+        writes past it), else the end of a block that carries one."""
+        ends, stated, n = [], [], 0
         for i, p in enumerate(payloads):
             try:
                 header = decode_header(p)[0]
                 self.kinds.check_block(header)
-                n += header.n_tokens
             except CorruptBlock as e:
                 raise CorruptBlock(str(e), index=i) from None
+            n += header.n_tokens
             ends.append(n)
+            if header.has_state:
+                stated.append(i)
+        n = self.kinds.restore_point([ends[i] for i in stated], min(n, limit))
+        if n <= better_than:
+            return None
         if not self.kinds.checkpointed:
-            n = min(n, limit)
-            return ((codec.decode_blocks(payloads, capacity, done_with), None, n)
-                    if n > better_than else None)
-        for i in range(len(payloads) - 1, -1, -1):
-            if ends[i] <= better_than:
-                return None
-            if ends[i] <= limit and decode_header(payloads[i])[0].has_state:
-                try:
-                    state = self.kinds.checkpoint_from_arrays(codec.decode_state(payloads[i]))
-                except CorruptBlock as e:
-                    raise CorruptBlock(str(e), index=i) from None
-                layers = (codec.decode_blocks(payloads[:i + 1], capacity, done_with)
-                          if self.kinds.full else [])
-                return layers, state, ends[i]
-        return None
+            return codec.decode_blocks(payloads, capacity, done_with), None, n
+        i = max(i for i in stated if ends[i] == n)
+        try:
+            state = self.kinds.checkpoint_from_arrays(codec.decode_state(payloads[i]))
+        except CorruptBlock as e:
+            raise CorruptBlock(str(e), index=i) from None
+        layers = (codec.decode_blocks(payloads[:i + 1], capacity, done_with)
+                  if self.kinds.has_full else [])
+        return layers, state, n
 
 
 def _stored_blocks(store: StoreReader | None, ids: list[BlockId]) -> int:

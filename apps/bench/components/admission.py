@@ -42,8 +42,8 @@ def _decision_latency(n_entries: int, decisions: int, seed: int) -> dict:
 
     from kvbank.blocks import chain_root
     from kvbank.contracts.pricing import Pricing
-    from kvbank.worker.tiers.admission import make_room
     from kvbank.worker.tiers.bank import SessionBank
+    from kvbank.worker.tiers.eviction import EvictionPolicy
 
     rng = np.random.default_rng(seed)
     bank = SessionBank(block_tokens=256, root_for=lambda t: chain_root(b"bench", t),
@@ -53,14 +53,15 @@ def _decision_latency(n_entries: int, decisions: int, seed: int) -> dict:
         bank.insert(("", f"s{i}"), rng.integers(1000, 20000, 2048, dtype=np.uint32), kv)
     pricing = Pricing(46080, 500 << 20, 512, 30 << 20, 20_000.0)
     budget = 1 << 40
+    policy = EvictionPolicy(bank)
     times = []
     for i in range(decisions):
         tokens = rng.integers(1000, 20000, 4096, dtype=np.uint32)
         t0 = time.perf_counter_ns()
-        r = make_room(bank=bank, pricing=pricing, budget=budget,
-                      need=pricing.request_bytes(len(tokens), 256),
-                      solo_need=pricing.request_bytes(len(tokens), 256), tokens=tokens,
-                      tenant="", session_id=f"q{i}", running=0)
+        r = policy.make_room(pricing=pricing, budget=budget,
+                             need=pricing.request_bytes(len(tokens), 256),
+                             solo_need=pricing.request_bytes(len(tokens), 256), tokens=tokens,
+                             tenant="", session_id=f"q{i}", running=0)
         times.append(time.perf_counter_ns() - t0)
         assert r.decision == "admitted"
     ms = np.asarray(times) / 1e6

@@ -155,7 +155,7 @@ def _conversation_kv(model_dir: Path, n_tokens: int, seed: int, turn_tokens: int
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kvbank.worker.kv import arrays
+    from kvbank.worker.kv.kinds import FullKind
 
     model, _ = load(str(model_dir))
     tokens = np.random.default_rng(seed).integers(1000, 20000, n_tokens, dtype=np.uint32)
@@ -171,18 +171,18 @@ def _conversation_kv(model_dir: Path, n_tokens: int, seed: int, turn_tokens: int
         model(mx.array(turn[None, s:s + 512]), cache=cache)
         mx.eval([c.state for c in cache])
     turn_s = time.perf_counter() - t0
-    return tokens, arrays.freeze(cache, n_tokens), recompute_s, turn_s
+    return tokens, FullKind().freeze_layers(cache, n_tokens), recompute_s, turn_s
 
 
 def _restore(read, ids: list, n_tokens: int) -> float:
     """Fetch + decode + build mlx-lm caches, as the worker restores a conversation."""
     import mlx.core as mx
 
-    from kvbank.worker.kv import arrays
+    from kvbank.worker.kv.kinds import FullKind
 
     t0 = time.perf_counter()
     layers = read(ids)
-    cache = arrays.restore(layers, n_tokens)
+    cache = FullKind().restore_layers(layers, n_tokens)
     mx.eval([c.state for c in cache])
     return time.perf_counter() - t0
 

@@ -84,14 +84,13 @@ def _filled(kinds, n: int, rng, dtype) -> list:
 
     cache = kinds.new_cache()
     kinds.model(mx.array([rng.integers(1000, 5000, size=min(n, 64)).tolist()]), cache=cache)
-    for i in kinds.full:
-        c = cache[i]
+    for c in kinds.full_caches(cache):
         reps = -(-n // c.offset)
         k, v = (mx.concatenate([a[..., :c.offset, :]] * reps, axis=2)[..., :n, :]
                 for a in (c.keys, c.values))
         if dtype is not None:
             k, v = k.astype(dtype), v.astype(dtype)
-        c.keys, c.values, c.offset = k, v, n
+        c.state = (k, v, n)
     mx.eval([c.state for c in cache])
     return cache
 
@@ -108,7 +107,7 @@ def _sizes(kinds, layers, n: int, budget: int, block_tokens: int) -> dict:
         toks = np.arange(n, dtype=np.uint32) + np.uint32(held * 7 + 1)
         e = bank.insert(("", f"c{held}"), toks, layers)
         if bank.total_nbytes > budget:
-            bank._remove(e)
+            bank.withdraw(e)
             break
         held += 1
         if held > 1_000_000:

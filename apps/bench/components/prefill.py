@@ -101,26 +101,26 @@ class _Bench:
     def add(self, s, r, max_tokens: int, history=None) -> None:
         from mlx_lm.models.cache import make_prompt_cache
 
-        from kvbank.worker.kv import arrays
+        from kvbank.worker.kv.kinds import FullKind
 
         if history is None:
             s.add(r, make_prompt_cache(self.model), max_tokens)
         else:
-            s.add(r, arrays.restore(history[1], len(history[0])), max_tokens)
+            s.add(r, FullKind().restore_layers(history[1], len(history[0])), max_tokens)
 
     def history(self, n: int, rng) -> tuple:
         """A conversation of n tokens, prefilled in chunks: its tokens and frozen KV."""
         import mlx.core as mx
         from mlx_lm.models.cache import make_prompt_cache
 
-        from kvbank.worker.kv import arrays
+        from kvbank.worker.kv.kinds import FullKind
 
         tokens = rng.integers(256, self.tokenizer.vocab_size, size=n, dtype=np.uint32)
         cache = make_prompt_cache(self.model)
         for i in range(0, n, 512):
             self.model(mx.array(tokens[i:i + 512])[None], cache=cache)
             mx.eval([c.state for c in cache])
-        return tokens, arrays.freeze(cache, n)
+        return tokens, FullKind().freeze_layers(cache, n)
 
     @staticmethod
     def drain(s) -> dict[int, int]:

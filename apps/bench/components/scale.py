@@ -3,10 +3,10 @@
 KV in the geometry of a real model (bf16, as on a Mac; the numbers from its published
 config.json are in scale_kv.GEOMETRIES), and for a hybrid model (Qwen3.6-27B) its recurrent
 layers' checkpoints, are synthesized at each turn's new tokens, with no model forward, so the
-machine's CPU does not bound the run. Everything else is the worker's own: its `Holdings`
+machine's CPU does not bound the run. Everything else is the worker's own: its KV manager
 (bank, records, writer, restorer, the link to a real coldstore process, the engine's commit),
 its `CacheKinds` over the model's real cache layout (scale_kv.SynthModel), its restore path
-(`Restorer.restore`, `with_room`) and its `Prefetcher` with its reads on a thread, in this
+(`KVManager.restore`, `with_room`) and its `Prefetcher` with its reads on a thread, in this
 process. The bank's cap is the user's `--memory-budget` less what the process held before it.
 
 1. **Writes**: `max(--conversations, --write-pairs)` conversations of `--tokens` tokens are
@@ -241,7 +241,7 @@ def run(*, geometry: str = "qwen3.6-27b", tokens: int | None = None, conversatio
                                  splits=kinds.splits(0, tokens, (), every))
                 # what the write will carry: the KV, and a checkpoint at each split and at
                 # the end (the commit takes that one), as many as the bank keeps
-                ends = min(len(set(cps) | {tokens}), MAX_CHECKPOINTS) if kinds.other else 0
+                ends = min(len(set(cps) | {tokens}), MAX_CHECKPOINTS) if kinds.checkpointed else 0
                 predicted = tokens * g["bytes_per_token"] + ends * cp_bytes
 
                 def write_kvbank(name=name, toks=toks, box=[cache, cps]) -> dict:

@@ -100,9 +100,8 @@ def presize(kinds, cache: list, n_tokens: int) -> None:
 
     g = kinds.model.g
     shape = (1, g["kv_heads"], arrays.capacity(n_tokens), g["head_dim"])
-    for i in kinds.full:
-        c = cache[i]
-        c.keys, c.values = mx.zeros(shape, dtype=mx.bfloat16), mx.zeros(shape, dtype=mx.bfloat16)
+    for c in kinds.full_caches(cache):
+        c.state = (mx.zeros(shape, dtype=mx.bfloat16), mx.zeros(shape, dtype=mx.bfloat16), 0)
         mx.eval(c.keys, c.values)
 
 
@@ -121,13 +120,12 @@ def forward(kinds, cache: list, start: int, end: int, *, seed: int, splits=(),
     checkpoints, first_s, pos, t0 = {}, None, start, time.perf_counter()
     for stop in (p for p in marks if p <= end):
         n = stop - pos
-        for j, i in enumerate(kinds.full):
+        for j, c in enumerate(kinds.full_caches(cache)):
             k = mx.full((1, g["kv_heads"], n, g["head_dim"]), float(seed % 97 + j),
                         dtype=mx.bfloat16)
-            cache[i].update_and_fetch(k, k + 1)
-            mx.eval(cache[i].keys, cache[i].values)
-        for i in kinds.other:
-            c = cache[i]
+            c.update_and_fetch(k, k + 1)
+            mx.eval(c.keys, c.values)
+        for c in kinds.other_caches(cache):
             if c[0] is None:
                 c[0], c[1] = (mx.full(s, float(seed % 89), dtype=getattr(mx, d))
                               for s, d in state_shapes(g))

@@ -40,6 +40,7 @@ def run_prefetch(rig, g: dict, held: dict, *, memory, rounds: int, turn_tokens: 
     woke = threading.Event()
     reads = Restores(woke.set, g["bytes_per_token"])
     pf = Prefetcher(bank=rig.bank, restorer=rig.h.restorer, conversations=rig.h.conversations,
+                    hints=rig.h.hints, eviction=rig.h.eviction,  # the worker's: its ranking reads them
                     root_for=rig.h.root_for, block_tokens=rig.block_tokens,
                     kv_bytes_per_token=g["bytes_per_token"],
                     room=lambda: rig.bank.effective_max_bytes - rig.bank.total_nbytes,
@@ -74,8 +75,8 @@ def run_prefetch(rig, g: dict, held: dict, *, memory, rounds: int, turn_tokens: 
         return row
 
     def on_ssd_only(name: str) -> None:
-        rig.bank.release_sessions(None, only_sessions=[rig.key(name)], reason="admin_release",
-                                  write_out_before_release=True)
+        rig.h.eviction.release_sessions(None, only_sessions=[rig.key(name)],
+                                        reason="admin_release", write_out_before_release=True)
         rig.wait_all_durable()
         drop_caches(data)
 

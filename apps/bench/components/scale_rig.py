@@ -1,4 +1,4 @@
-"""`kvbank bench scale`'s rig: the worker's own `Holdings` (worker/tiers/holdings.py: bank, records,
+"""`kvbank bench scale`'s rig: the worker's own KV manager (worker/tiers/manager.py: bank, records,
 writer, restorer, the coldstore link and its message handling, the commit) over a real
 coldstore process, and what the bench needs beside it: the process's memory and the page
 cache (the disk's yardsticks are scale_io.py's)."""
@@ -14,14 +14,14 @@ TENANT = ""
 
 
 class Rig:
-    """A coldstore process on `data_dir` and the worker's holdings of it, driven from this
+    """A coldstore process on `data_dir` and the worker's KV manager over it, driven from this
     thread as the engine drives them from its own."""
 
     def __init__(self, data_dir: Path, kinds, fingerprint: bytes, block_tokens: int,
                  bank_bytes: int):
         from kvbank.config import Layout
         from kvbank.contracts.health import coldstore_up
-        from kvbank.worker.tiers.holdings import Holdings
+        from kvbank.worker.tiers.manager import KVManager
 
         self.layout = Layout(data_dir).ensure()
         self.proc = subprocess.Popen([sys.executable, "-m", "kvbank.apps.cli", "coldstore",
@@ -31,8 +31,8 @@ class Rig:
             if self.proc.poll() is not None:
                 raise RuntimeError("the coldstore did not start")
             time.sleep(0.05)
-        self.h = Holdings(self.layout, kinds=kinds, fingerprint=fingerprint,
-                          block_tokens=block_tokens, bank_bytes=bank_bytes, active_pin_s=0)
+        self.h = KVManager(self.layout, kinds=kinds, fingerprint=fingerprint,
+                           block_tokens=block_tokens, bank_bytes=bank_bytes, active_pin_s=0)
         self.kinds, self.bank, self.block_tokens = kinds, self.h.bank, block_tokens
 
     def key(self, name: str) -> tuple[str, str]:
@@ -73,8 +73,9 @@ class Rig:
         others = [e for e in self.bank.entries.values() if e.session != self.key(keep)]
         pending = sum((e.n_tokens - min(e.durable_tokens, e.n_tokens)) * bytes_per_token
                       for e in others)
-        r = self.bank.release_sessions(None, keep_sessions=[self.key(keep)],
-                                       reason="admission_release", write_out_before_release=True)
+        r = self.h.eviction.release_sessions(None, keep_sessions=[self.key(keep)],
+                                             reason="admission_release",
+                                             write_out_before_release=True)
         return {"released_bytes": r.released_bytes, "unwritten_bytes_at_release": pending,
                 "written_out_entries": r.written_out_entries,
                 "write_out_s": round(r.write_out_s, 3), "unwritten_dropped": r.unwritten_dropped}
@@ -87,16 +88,14 @@ class Rig:
         worker takes every `every` tokens and at the turn's end, then the engine's commit.
         Times: the restore, and restore to the first forward evaluated (`first_chunk`
         tokens, the worker's --prefill-chunk-tokens)."""
-        from kvbank.blocks import chain_block_ids
         from kvbank.v1 import api_pb2
 
         from kvbank.apps.bench.components.scale_kv import forward
 
         key = self.key(name)
-        ids = chain_block_ids(prompt, self.h.root_for(TENANT), self.block_tokens)
         t0 = time.perf_counter()
-        cache, cached, source, handed = self.h.restorer.restore(prompt, ids, TENANT, key,
-                                                                no_cache=False)
+        taken = self.h.restore(prompt, TENANT, key)
+        cache, cached, source, handed = taken.cache, taken.cached, taken.source, taken.handed
         restore_s = time.perf_counter() - t0
         self.kinds.with_room(cache, len(prompt))
         room_s = time.perf_counter() - t0
