@@ -72,6 +72,34 @@ def test_bench_compare_names_a_pair_that_ran_under_other_limits_or_settings():
     assert not fairness(unlimited)["ok"]
 
 
+def test_bench_compare_reports_no_ratio_of_a_pair_that_ran_unfairly():
+    """A ratio whose pair ran under other limits is withheld (null, its key named), the
+    others stand; other settings withhold every ratio. `vs_ideal` below 1 is a finding, not a
+    result: noise where the rounds straddle 1, a measurement to look into where none reached
+    it."""
+    from kvbank.apps.bench.compare import fairness, findings, withhold
+
+    ratios = {"wall_speedup": 2.4, "vs_ideal": 1.05, "mlx_lm_vs_unlimited": 2.2,
+              "unbounded_kvbank_vs_mlx_lm": 0.9, "recomputed_fraction": 0.0,
+              "mlx_lm_recomputed_fraction": 0.3, "ttft_p50_speedup": 3.0}
+    same = {"limit_bytes": [10**9], "settings": SETTINGS}
+    none = {"limit_bytes": [None], "settings": SETTINGS}
+    fair = {"kvbank": same, "mlx_lm": same, "kvbank_unbounded": none, "mlx_lm_unlimited": none}
+    assert withhold(ratios, fairness(fair)) == (ratios, [])
+    other = fairness({**fair, "mlx_lm": {**same, "limit_bytes": [2 * 10**9]}})
+    got, keys = withhold(ratios, other)
+    assert got["wall_speedup"] is None and got["mlx_lm_recomputed_fraction"] is None
+    assert got["vs_ideal"] == 1.05 and got["recomputed_fraction"] == 0.0
+    assert "wall_speedup" in keys and "vs_ideal" not in keys
+    chunk = fairness({**fair, "mlx_lm": {**same, "settings": {**SETTINGS,
+                                                              "prefill_chunk_tokens": 2048}}})
+    got, _ = withhold(ratios, chunk)
+    assert got["wall_speedup"] is got["vs_ideal"] is got["mlx_lm_vs_unlimited"] is None
+    assert findings({"vs_ideal": 1.02}, {"vs_ideal": [0.99, 1.1]}) == []
+    assert "noise" in findings({"vs_ideal": 0.98}, {"vs_ideal": [0.97, 1.01]})[0]
+    assert "look into" in findings({"vs_ideal": 0.93}, {"vs_ideal": [0.9, 0.95]})[0]
+
+
 def test_bench_compare_prefetch_summary_counts_returning_turns_only():
     """`bench compare --prefetch`: SSD turns counted among returning turns (an agent's first
     turn has no hint and no history), and hinted turns' TTFT p50 over the p50 of the RAM hits

@@ -61,6 +61,7 @@ def test_bench_scale_quick_reports_writes_restores_and_releases(tmp_path):
     assert p["landed_first_fraction"] == sum(x["landed_first"] for x in hinted) / 2
     assert all(x["cached_tokens"] == x["tokens"] - 256 for x in p["returns"])  # all of it
     assert r["fairness"]["ok"] == ("drop_caches" in r["page_cache"])
+    assert (r["fairness"]["withheld"] == []) == r["fairness"]["ok"]
     assert set(r["goals"]) == {"read_vs_raw", "restore_vs_raw", "write_vs_raw_every_pair",
                                "peak_vs_budget_every_phase"}
     assert list((tmp_path / "not" / "yet").iterdir()) == []  # the store it made is gone
@@ -85,3 +86,29 @@ def test_bench_scale_picks_the_longest_conversations_this_machine_takes(tmp_path
             assert bank < bound["mem_available_bytes"]
         assert ("note" in bound) == (tokens < 32768)
     assert picked["qwen3-32b"][0] <= picked["qwen3.6-27b"][0]
+
+
+def test_bench_scale_withholds_the_ratios_of_an_unfair_comparison_and_a_suspect_read():
+    """Where the page cache was not dropped, the restores' and writes' ratios are withheld
+    (None, named) and meet no goal; where only the blocks read differed, only the restores';
+    a read phase faster than the raw read is not a goal met."""
+    from kvbank.apps.bench.components.scale import withhold
+
+    def report(**fair):
+        f = {"same_blocks": True, "same_bytes_written": True, "orders_alternate": True,
+             "page_cache_dropped": True, "budget": "--memory-budget", **fair}
+        return {"fairness": f, "read_vs_raw": 0.95, "restore_vs_raw": 0.85,
+                "write_vs_raw": 0.8, "write_vs_raw_min": 0.72, "write_vs_ceiling": 0.5,
+                "peak_vs_budget": 1.0, "suspect": []}
+
+    fair = withhold(report())
+    assert fair["fairness"]["withheld"] == [] and all(g["met"] for g in fair["goals"].values())
+    warm = withhold(report(page_cache_dropped=False))
+    assert warm["read_vs_raw"] is warm["write_vs_raw_min"] is None
+    assert warm["goals"]["read_vs_raw"]["met"] is warm["goals"]["write_vs_raw_every_pair"][
+        "met"] is None and warm["goals"]["peak_vs_budget_every_phase"]["met"]
+    other = withhold(report(same_blocks=False))
+    assert other["restore_vs_raw"] is None and other["write_vs_raw_min"] == 0.72
+    fast = withhold({**report(), "read_vs_raw": 1.4, "suspect": [{"read_vs_raw": 1.4}]})
+    assert fast["goals"]["read_vs_raw"]["met"] is None and "suspect" in fast["goals"][
+        "read_vs_raw"]["note"]

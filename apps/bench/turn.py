@@ -344,6 +344,12 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
         "cold_restore_vs_read": round(float(np.median(
             [s["restore"] / r["s"] for s, r in zip(stages_cold, raw_cold)])), 2),
     })
+    # A cold turn is one whose blocks came from the disk: the cache dropped as root, and the
+    # worker's read counters moved; else its ratios are not reported (`cold_withheld`).
+    cold_ok = "drop_caches" in page_cache and all(io["read_bytes"] > 0 for io in cold_io)
+    out["cold_withheld"] = [] if cold_ok else ["cold_ssd_vs_floor", "cold_restore_vs_read"]
+    for key in out["cold_withheld"]:
+        out[key] = None
     return out
 
 
