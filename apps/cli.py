@@ -434,6 +434,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = ["kvbank", *(sys.argv[1:] if argv is None else argv)]  # as typed: benches record it
     return args.func(args)
 
 if __name__ == "__main__":

@@ -489,7 +489,9 @@ class ColdstoreServer:
 
     def _refusal(self, job: WriteJob, nbytes: int) -> WriteRefusal | None:
         """The budgets, checked before each block; the size cap first makes room if it can."""
-        if job.written_blocks == 0:
+        # Sizing what the conversation already stores reads every byte of it (py-lmdb faults a
+        # value's pages in to return it): only when there is a cap to hold it to.
+        if job.written_blocks == 0 and self.limits.entry_max_bytes is not None:
             entry = job.entry_bytes + self.store.session_block_bytes(job.tenant, job.session_id)
             refusal = self.budgets.check_entry(entry)
             if refusal is not None:

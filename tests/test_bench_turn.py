@@ -45,6 +45,23 @@ def test_bench_turn_reports_the_floor_and_the_ratios_to_it(tiny_model, monkeypat
             assert 0 < split["first_token"] <= ttft
             assert abs(sum(split.values()) - ttft) < 0.002
     assert out["ram_forward_vs_floor"] > 0
+    # Cold: restored from SSD with the page cache dropped, against the floor plus a cold raw
+    # read of the same blocks (alternating which goes first), both of which read the disk.
+    assert out["cache_source_cold_ssd"] == "ssd" and out["cached_tokens_cold_ssd"] >= 300
+    floors, computes = out["ttft_floor_cold_all_s"], out["ttft_floor_cold_compute_all_s"]
+    assert all(f >= c > 0 for f, c in zip(floors, computes)) and len(floors) == 2
+    assert all(b > 0 for b in out["cold_read_bytes"])
+    if "drop_caches" in out["page_cache"]:  # the turn and the raw read before it: the disk's
+        # (a raw read after the turn may find pages the worker still maps: tiny blocks share
+        # their pages with their neighbours, and the worker lets go only of whole pages)
+        assert all(io["read_bytes"] > 0 for io in out["cold_turn_worker_io"])
+        assert out["cold_read_io"][1]["read_bytes"] > 0
+        assert out["cold_withheld"] == []
+        ratios = sorted(t / f for t, f in zip(out["ttft_cold_ssd_all_s"], floors))
+        slack = _rounding(ratios, floors)
+        assert ratios[0] - slack <= out["cold_ssd_vs_floor"] <= ratios[-1] + slack
+    else:  # not cold for sure: no cold ratio is reported
+        assert out["cold_ssd_vs_floor"] is out["cold_restore_vs_read"] is None
     assert out["checkpoints"] == {}  # full attention: a restore stands anywhere
 
 
@@ -58,7 +75,7 @@ def test_a_hybrid_models_checkpoints_are_reported_from_the_banks_ledger(
     monkeypatch.setenv("KVBANK_CACHE_DIR", str(cache_dir))
     model = make_arch_model(tmp_path / "qwen3_5", "qwen3_5", seed=2, context=2048,
                             cache_dir=cache_dir)
-    out = run(model=str(model), tokens=300, block_tokens=16, repeats=1)
+    out = run(model=str(model), tokens=300, block_tokens=16, repeats=1, cold_turns=False)
     ck = out["checkpoints"]
     assert out["cached_tokens_ram"] >= 300 and out["cache_source_ssd"] == "ssd"
     assert ck["checkpoint_bytes"] > 0 and ck["kv_bytes_per_token"] > 0
@@ -83,4 +100,4 @@ def test_a_conversation_longer_than_the_context_is_refused_before_anything_start
     assert main(["bench", "turn", "--model", str(tiny_model), "--tokens", str(context),
                  "--repeats", "1"]) == 2
     err = capsys.readouterr().err
-    assert f"use --tokens {context - 1 - 2 * 17} or less" in err and "Traceback" not in err
+    assert f"use --tokens {context - 1 - 3 * 17} or less" in err and "Traceback" not in err

@@ -349,11 +349,18 @@ def test_bench_kvbits_quick_counts_from_the_ledger(tmp_path_factory, cache_dir, 
         k: doc["held"][k] for k in doc["held"] if k.endswith("bf16")}
     assert doc["held"]["full"] < doc["held"]["8bit"] < doc["held"]["4bit"]
     assert all(doc["ssd_bytes_per_token"][k] > v for k, v in per_token.items())  # headers
+    # agreement: the same history quantized on both sides, turn 1 (nothing restored) not
+    # scored, every figure with its interval over conversations
     a = doc["agreement"]
-    assert a["turns"] == 2 and set(a["turns_equal"]) == {
-        "kvbank_8bit", "kvbank_4bit", "mlx_lm_8bit", "mlx_lm_4bit"}
-    assert all(0 <= v <= 1 for v in [*a["turns_equal"].values(),
-                                     *a["tokens_before_divergence"].values()])
+    assert (a["conversations"], a["turns"], a["scored_turns"]) == (2, 2, 2)
+    assert set(a["sides"]) == {"kvbank_8bit", "kvbank_4bit", "mlx_lm_8bit", "mlx_lm_4bit"}
+    for side in a["sides"].values():
+        for key in ("turns_equal", "token_agreement", "kl_per_token"):
+            lo, hi = side[key + "_ci95"]
+            assert lo <= hi and (0 <= side[key] <= 1 or key == "kl_per_token")
+        assert side["kl_per_token"] >= -1e-4  # a KL from full precision, never below 0
+    assert a["scored_tokens"] > 0 and set(a["scope"]) == {"kvbank", "mlx_lm"}
+    assert doc["provenance"]["argv"][:4] == ["kvbank", "bench", "kvbits", "--model"]
     assert set(doc["decode_ms"]) == {"full", "mlx_lm_8bit", "mlx_lm_4bit"}
 
 

@@ -172,32 +172,6 @@ def test_refusals_are_counted_by_reason_with_the_message():
     assert (s["refused"], s["errored"], s["turns_ok"], s["prompt_tokens"]) == (2, 0, 1, 10)
 
 
-def test_bench_compare_prefetch_summary_counts_returning_turns_only():
-    """`bench compare --prefetch`: SSD turns counted among returning turns (an agent's first
-    turn has no hint and no history), and hinted turns' TTFT p50 over the RAM hits' p50."""
-    from kvbank.apps.bench.compare import prefetch_summary
-
-    def run(rows):
-        return RunResult("openai://x", params("n-agents"), "r", rows, 9.0, "turns", "usage")
-
-    def row(turn, source, ttft, hint=None, status="ok"):
-        return Row("a", "s-a", turn, status, 0.0, ttft + 1, ttft_s=ttft, cache_source=source,
-                   hint=hint)
-
-    without = run([row(1, "none", 5.0), row(2, "ssd", 3.0), row(3, "ssd", 4.0),
-                   row(4, "ram", 2.0)])
-    hinted = run([row(1, "none", 5.0), row(2, "ram", 2.0, "in_ram"),
-                  row(3, "ram", 2.2, "in_ram"), row(4, "ssd", 3.0, "no_room"),
-                  row(5, "ram", 9.0, "in_ram", status="error")])
-    s = prefetch_summary(without, hinted)
-    assert (s["returning_turns"], s["ssd_turns_without_hints"], s["ssd_turns_with_hints"]) \
-        == (3, 2, 1)
-    assert s["hints"] == {"in_ram": 2, "no_room": 1}
-    assert (s["hinted_ttft_p50_s"], s["ram_hit_ttft_p50_s"]) == (2.2, 2.1)
-    assert s["hinted_vs_ram_hits"] == round(2.2 / 2.1, 3)
-    assert s["without_hints_ttft_p50_by_source_s"] == {"ram": 2.0, "ssd": 3.5}
-
-
 def test_max_wall_s_zero_starts_no_turn(stack, tmp_path):
     out = tmp_path / "out.json"
     rc = main(["loadgen", f"grpc://{stack.address}", *SMALL, "--max-wall-s", "0",
@@ -217,26 +191,3 @@ def test_unreachable_target_is_one_line_and_nonzero(target):
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("kvbank loadgen:")]
     assert len(lines) == 1 and "cannot reach" in lines[0] and target in lines[0], out.stderr
 
-
-def test_bench_compare_rounds_alternate_the_order_and_take_the_median_ratio():
-    """`bench compare --rounds`: no side always runs first, and one slow minute on one side
-    moves the reported ratio no more than the middle round does."""
-    from kvbank.apps.bench.compare import median_ratios, round_ratios, side_order
-
-    sides = ("kvbank", "mlx_lm_budget", "mlx_lm_unlimited")
-    assert side_order(sides, 0) == ["kvbank", "mlx_lm_budget", "mlx_lm_unlimited"]
-    assert side_order(sides, 1) == ["mlx_lm_unlimited", "mlx_lm_budget", "kvbank"]
-
-    def side(wall, recomputed=0, prompt=1000):
-        return {"wall_s": wall, "ttft_p50_s": wall / 10, "recomputed_tokens": recomputed,
-                "prompt_tokens": prompt}
-
-    rounds = [round_ratios({"kvbank": side(kv), "mlx_lm_budget": side(240.0, 300),
-                            "mlx_lm_unlimited": side(100.0)}) for kv in (104.0, 140.0, 98.0)]
-    assert [r["vs_ideal"] for r in rounds] == [1.04, 1.4, 0.98]
-    m = median_ratios(rounds)
-    assert m["vs_ideal"] == 1.04 and m["speedup_bound"] == 2.4
-    assert m["wall_speedup"] == round(240 / 104, 3) and m["recomputed_fraction"] == 0.0
-    assert m["mlx_lm_budget_recomputed_fraction"] == 0.3
-    # a side not run: its ratios are null, not an error
-    assert median_ratios([round_ratios({"kvbank": side(100.0)})])["vs_ideal"] is None

@@ -185,6 +185,21 @@ def test_bench_overhead_and_compare_start_and_report(tiny_model, tmp_path):
     out = tmp_path / "compare.json"
     _ok(_kvbank("bench", "compare", "--model", str(tiny_model), "--turns", "2",
                 "--turn-tokens", "20", "--system-tokens", "40", "--max-tokens", "4",
-                "--no-progress", "--json", str(out)))
+                "--rounds", "1", "--sides", "kvbank,mlx_lm", "--no-progress",
+                "--json", str(out)))
     doc = json.loads(out.read_text())
-    assert doc["vs_ideal"] > 0, doc
+    assert doc["wall_speedup"] > 0, doc
+    # both servers' whole process trees under one cgroup limit, with the same settings;
+    # each side's argv, peak and fate recorded, with the run's provenance
+    assert doc["fairness"]["ok"], doc["fairness"]
+    sides = doc["sides"]
+    assert sides["kvbank"]["limit_bytes"] == sides["mlx_lm"]["limit_bytes"] == [
+        doc["memory_limit_bytes"]]
+    assert sides["kvbank"]["settings"] == sides["mlx_lm"]["settings"]
+    for side in sides.values():
+        assert 0 < side["peak_bytes"] <= doc["memory_limit_bytes"] and not side["killed"]
+    assert "--memory-budget" in sides["kvbank"]["argv"]
+    argv = sides["mlx_lm"]["argv"]
+    assert argv[argv.index("--prefill-step-size") + 1] == str(
+        sides["mlx_lm"]["settings"]["prefill_chunk_tokens"])
+    assert doc["provenance"]["commit"]["sha"] and doc["versions"]["mlx_lm"]

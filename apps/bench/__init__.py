@@ -77,4 +77,7 @@ def run(args: argparse.Namespace) -> int:
               f"directly); it runs from a checkout of kvbank (make install), not from the "
               f"installed package", file=sys.stderr)
         return 2
+    from kvbank.apps.bench.provenance import begin
+
+    begin(getattr(args, "argv", None))  # the command, load and date as the run starts
     return module.run_cli(args)

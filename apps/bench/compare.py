@@ -1,37 +1,38 @@
-"""`kvbank bench compare`: one loadgen scenario through the OpenAI API of three servers.
+"""`kvbank bench compare`: one loadgen scenario through the OpenAI API of kvbank and of
+mlx-lm's server, at the same memory and the same settings.
 
-One after the other, on the same model folder, each freshly started:
+Sides (apps/bench/compare_servers.py), each freshly started in a memory cgroup of its own:
+- **kvbank** and **mlx-lm** under the same limit (`--memory-limit`, bytes: cgroup v1
+  `memory.limit_in_bytes` or v2 `memory.max`, which count the page cache), each side's whole
+  process tree in it: what kvbank keeps on SSD reads back from the disk, not from a page cache
+  no one counts. The memory flags each server gets are set from the limit by one rule
+  (`compare_servers.size`): kvbank's `--memory-budget`, mlx-lm's `--prompt-cache-bytes`;
+- **kvbank unbounded** (the ideal: the same engine, nothing evicted) and **mlx-lm unlimited**
+  beside it, in cgroups with no limit (their peaks are read all the same);
+- with `--prefetch`, kvbank under the limit again, its agents hinting at the start of each
+  think time that they will be back (`POST /v1/kvbank/prefetch`).
 
-1. **kvbank** (`kvbank up --bank-bytes BUDGET`, through its shim): conversations that leave the
-   RAM bank come back from SSD.
-2. **mlx-lm, same budget** (`mlx_lm.server --prompt-cache-bytes BUDGET`): what leaves its
-   prompt cache is computed again.
-3. **mlx-lm, unlimited** (`--prompt-cache-bytes` 1 TiB): nothing is evicted, the ideal.
+What both servers have a knob for is set the same (`Settings`: prefill chunk, requests at once,
+greedy sampling, max tokens). Every side gets one warm-up request before its run, so loading
+is not timed. New tokens are counted with the model's tokenizer for every side
+(`TokenCounter`), so `recomputed_tokens = prompt - cached - new` means the same on each;
+kvbank's own count (`server_recomputed_tokens`) is reported beside it.
 
-Both mlx-lm servers get `--prompt-cache-size 100000`, so only the byte budget evicts. Each server
-gets one warm-up request (no session, 1 token) before its run, so model loading is not timed.
-Wall time is the scenario's alone. New tokens are counted with the model's tokenizer for all
-three (`TokenCounter`), so `recomputed_tokens = prompt - cached - new` means the same on each
-side; kvbank's own count (`server_recomputed_tokens`) is reported beside it.
+Ratios, per round and then their median with the spread (min, max) over `--rounds` rounds, the
+order reversed each round so that no side always runs first:
+- `wall_speedup` = mlx-lm (limit) wall / kvbank (limit) wall (goal: >= 2 for two agents);
+- `vs_ideal` = kvbank (limit) wall / kvbank unbounded wall (goal: <= 1.15). Below 1 is a
+  finding to explain (the same engine with less memory cannot be faster but by noise);
+- `recomputed_fraction` = kvbank's recomputed / prompt tokens (goal: <= 0.01);
+- `mlx_lm_vs_unlimited`, `unbounded_kvbank_vs_mlx_lm`: the other two pairs, for reading.
 
-Ratios: `wall_speedup` = mlx-lm (same budget) wall / kvbank wall; `vs_ideal` = kvbank wall /
-mlx-lm (unlimited) wall; `recomputed_fraction` = kvbank recomputed / kvbank prompt tokens;
-`speedup_bound` = mlx-lm (same budget) wall / mlx-lm (unlimited) wall, the most any server can
-gain over mlx-lm at the budget (it cannot beat the server that never evicts).
-
-By default the clients send no session name (`anonymous`: true), as the official SDKs and
-most agents do; `--session-ids` sends `user` and `x-session-id` to every server.
-`--prefetch` adds a side: kvbank again, freshly started, its agents hinting at the start of
-each think time (`--think-s`, n-agents) that they will be back (`POST /v1/kvbank/prefetch`).
-`prefetch` in the result compares the two kvbank runs (`prefetch_summary`): returning turns
-from SSD without and with hints, and `hinted_vs_ram_hits`, the hinted turns' TTFT p50 over
-the RAM hits' in the run with hints (the goal: 1, a hinted turn pays nothing for SSD).
-`--memory-budget` bounds kvbank's worker as a whole (weights, running requests and bank),
-where `--budget-bytes` bounds its bank.
-
-`--rounds N` runs every side N times, the order reversed each round (kvbank first, then last,
-...), and each ratio is the median of the rounds' own ratios: on a shared machine the sides of
-one round run minutes apart and a wall moves by 10-25 % between minutes, so one pair is noise.
+The JSON records each side's argv, settings, limit, peak (the cgroup's `max_usage`, page cache
+included, and the sampled peak of its own memory), whether the limit was hit (the kernel
+reclaimed or throttled) and whether anything was OOM-killed, with the versions, the commit, the
+date, the machine and the load (`provenance`), and `fairness`: whether the pairs compared ran
+under the same limit and settings. By default the clients send no session name (`anonymous`:
+true), as the official SDKs and most agents do; `--session-ids` sends `user` and
+`x-session-id` to every server.
 """
 
 from __future__ import annotations
@@ -41,160 +42,32 @@ import dataclasses
 import json
 import logging
 import os
-import subprocess
+import statistics
 import sys
 import tempfile
-import threading
-import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+
+from kvbank.apps.bench.compare_servers import BY_NAME, SIDES, Settings, serve, size, versions
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUDGET_BYTES = 150_000_000
-UNLIMITED_BYTES = 1 << 40
-MLX_CACHE_ENTRIES = 100_000
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
-SIDES = (("kvbank", "kvbank (budget)"), ("kvbank_prefetch", "kvbank (budget), hints"),
-         ("mlx_lm_budget", "mlx-lm (budget)"), ("mlx_lm_unlimited", "mlx-lm (unlimited)"))
-DEFAULT_SIDES = ("kvbank", "mlx_lm_budget", "mlx_lm_unlimited")  # --prefetch adds the hints
-
-
-def _wait_health(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
-    raise RuntimeError(f"{url} did not become healthy in {timeout_s:.0f} s; log:\n{tail}")
-
-
-def _warm_up(url: str, model_name: str | None) -> None:
-    """One anonymous 1-token request, so loading the model is not in the timed run."""
-    import httpx
-
-    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
-            "temperature": 0.0, "model": model_name or "default_model"}
-    httpx.post(url + "/v1/chat/completions", json=body, timeout=300).raise_for_status()
-
-
-def _sessions(stack) -> dict:
-    """Where kvbank's conversations are after the run: RAM bytes against the budget."""
-    from kvbank.v1 import api_pb2
-
-    with stack.client() as c:
-        sessions = c.sessions.List(api_pb2.ListSessionsRequest(), timeout=30).sessions
-    return {"ram_bytes": sum(s.ram_bytes for s in sessions),
-            "sessions": {s.session_id: {"state": s.state, "ram_bytes": s.ram_bytes,
-                                        "token_count": s.token_count,
-                                        "durable_tokens": s.durable_tokens}
-                         for s in sessions}}
-
-
-class _Peaks:
-    """The worker's peaks through a run: its RAM bank (the worker's own
-    `kvbank_bank_peak_bytes`, read once at the end: polling /metrics would cost the worker
-    the CPU the run measures) and its resident memory (anonymous + shared pages, as the
-    worker's own ledger counts them), read from /proc every `every_s`."""
-
-    def __init__(self, stack, every_s: float = 0.2):
-        self.stack, self.every_s = stack, every_s
-        self.bank_bytes = self.worker_bytes = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="peaks", daemon=True)
-
-    def __enter__(self) -> "_Peaks":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        import httpx
-
-        self._stop.set()
-        self._thread.join(timeout=5)
-        try:
-            text = httpx.get(self.stack.metrics_url("worker"), timeout=10).text
-            self.bank_bytes = int(next(float(line.split()[-1]) for line in text.splitlines()
-                                       if line.startswith("kvbank_bank_peak_bytes ")))
-        except Exception:  # the worker is gone: the run's own error, if any, is the story
-            logger.warning("could not read the worker's peak bank bytes")
-
-    def _run(self) -> None:
-        from kvbank.worker.memory.pricing import resident_bytes
-
-        pid = self.stack.pid("worker")
-        while not self._stop.wait(self.every_s):
-            try:
-                self.worker_bytes = max(self.worker_bytes, resident_bytes(pid))
-            except Exception:  # the worker is gone: the run's own rows say so
-                return
-
-
-@contextmanager
-def _kvbank(model_dir: Path, data_dir: Path, budget_bytes: int, after: dict,
-            memory_budget: str | None = None) -> Iterator[str]:
-    """kvbank with its OpenAI shim; `after` gets the sessions' state once the run is over,
-    and the peaks of its bank and its worker's memory through the run."""
-    from kvbank.deploy.local import LocalStack
-
-    extra = ["--bank-bytes", str(budget_bytes)]
-    if memory_budget:
-        extra += ["--memory-budget", memory_budget]
-    stack = LocalStack.start(model_dir, data_dir, extra=extra)
-    try:
-        if not stack.shim_url:
-            raise RuntimeError("the kvbank stack was started without its OpenAI shim")
-        _wait_health(stack.shim_url, stack.proc, 120, stack.log)
-        with _Peaks(stack) as peaks:
-            yield stack.shim_url
-        after.update(_sessions(stack))
-        after.update(peak_bank_bytes=peaks.bank_bytes, peak_worker_bytes=peaks.worker_bytes)
-    finally:
-        stack.stop()
-
-
-@contextmanager
-def _mlx_lm(model_dir: Path, tmp: Path, cache_bytes: int, name: str) -> Iterator[str]:
-    from kvbank.deploy.local import free_port
-
-    port = free_port()
-    log = tmp / f"{name}.log"
-    argv = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir),
-            "--port", str(port), "--prompt-cache-bytes", str(cache_bytes),
-            "--prompt-cache-size", str(MLX_CACHE_ENTRIES), "--temp", "0"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    if os.path.exists(OPENBLAS):
-        env["LD_PRELOAD"] = OPENBLAS
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_health(url, proc, 300, log)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+DEFAULT_LIMIT = "1.2GB"
+DEFAULT_SIDES = ("kvbank", "mlx_lm", "kvbank_unbounded", "mlx_lm_unlimited")
+# The pairs each ratio compares: (numerator, denominator); a limited pair must share its limit.
+PAIRS = {"wall_speedup": ("mlx_lm", "kvbank"), "vs_ideal": ("kvbank", "kvbank_unbounded"),
+         "mlx_lm_vs_unlimited": ("mlx_lm", "mlx_lm_unlimited"),
+         "unbounded_kvbank_vs_mlx_lm": ("kvbank_unbounded", "mlx_lm_unlimited")}
+GOALS = {"wall_speedup": (">=", 2.0), "vs_ideal": ("<=", 1.15),
+         "recomputed_fraction": ("<=", 0.01)}
 
 
 def _run_side(name: str, label: str, url: str, scenario, counter, model_name: str | None,
               max_wall_s: float, progress: bool, names: bool, prefetch: bool = False):
+    from kvbank.apps.bench.compare_servers import warm_up
     from kvbank.apps.loadgen.cli import execute
     from kvbank.apps.loadgen.targets import parse_target
 
-    _warm_up(url, model_name)
+    warm_up(url, model_name)
     target = parse_target("openai://" + url, model_name=model_name, names=names)
     try:
         target.check(30)
@@ -212,7 +85,7 @@ def _ratio(a: float | None, b: float | None, nd: int = 3) -> float | None:
 def side_order(sides: tuple[str, ...], round_index: int) -> list[str]:
     """The sides of one round: SIDES' order in even rounds, reversed in odd ones, so no side is
     always the first (fresh page cache) or the last (a machine that has warmed up)."""
-    order = [name for name, _ in SIDES if name in sides]
+    order = [s.name for s in SIDES if s.name in sides]
     return order if round_index % 2 == 0 else order[::-1]
 
 
@@ -220,22 +93,18 @@ def round_ratios(sums: dict) -> dict:
     """One round's ratios from its sides' summaries; a side not run gives null ratios."""
     none = {"wall_s": None, "ttft_p50_s": None, "recomputed_tokens": None,
             "prompt_tokens": None}
-    kv, mb, mu = (sums.get(n, none) for n in ("kvbank", "mlx_lm_budget", "mlx_lm_unlimited"))
-    return {
-        "wall_speedup": _ratio(mb["wall_s"], kv["wall_s"]),
-        "speedup_bound": _ratio(mb["wall_s"], mu["wall_s"]),
-        "vs_ideal": _ratio(kv["wall_s"], mu["wall_s"]),
-        "recomputed_fraction": _ratio(kv["recomputed_tokens"], kv["prompt_tokens"], 4),
-        "mlx_lm_budget_recomputed_fraction": _ratio(mb["recomputed_tokens"],
-                                                    mb["prompt_tokens"], 4),
-        "ttft_p50_speedup": _ratio(mb["ttft_p50_s"], kv["ttft_p50_s"]),
-    }
+    get = lambda n: sums.get(n, none)  # noqa: E731
+    out = {key: _ratio(get(a)["wall_s"], get(b)["wall_s"]) for key, (a, b) in PAIRS.items()}
+    kv, mb = get("kvbank"), get("mlx_lm")
+    out.update(recomputed_fraction=_ratio(kv["recomputed_tokens"], kv["prompt_tokens"], 4),
+               mlx_lm_recomputed_fraction=_ratio(mb["recomputed_tokens"], mb["prompt_tokens"],
+                                                 4),
+               ttft_p50_speedup=_ratio(mb["ttft_p50_s"], kv["ttft_p50_s"]))
+    return out
 
 
 def median_ratios(rounds: list[dict]) -> dict:
     """Each ratio's median over the rounds that have it (null where none has)."""
-    import statistics
-
     out = {}
     for key in rounds[0]:
         vals = [r[key] for r in rounds if r.get(key) is not None]
@@ -243,10 +112,82 @@ def median_ratios(rounds: list[dict]) -> dict:
     return out
 
 
+def spread(rounds: list[dict]) -> dict:
+    """Each ratio's [min, max] over the rounds (null where none has it)."""
+    out = {}
+    for key in rounds[0]:
+        vals = [r[key] for r in rounds if r.get(key) is not None]
+        out[key] = [min(vals), max(vals)] if vals else None
+    return out
+
+
+def goals(ratios: dict) -> dict:
+    """Each goal's figure and whether it is met (None: not measured)."""
+    out = {}
+    for key, (op, bound) in GOALS.items():
+        v = ratios.get(key)
+        out[key] = {"goal": f"{op} {bound}", "value": v,
+                    "met": None if v is None else (v >= bound if op == ">=" else v <= bound)}
+    return out
+
+
+def fairness(sides: dict) -> dict:
+    """Whether each pair a ratio compares ran fairly: both limited sides under the same limit
+    in every round (both unbounded ones under none), every side with the same settings.
+    `sides`: {name: {"limit_bytes": [per round], "settings": {...}}}. `ok` is False, with
+    the reasons in `problems`, where any pair did not."""
+    problems = []
+    for key, (a, b) in PAIRS.items():
+        if a not in sides or b not in sides:
+            continue
+        la, lb = sides[a]["limit_bytes"], sides[b]["limit_bytes"]
+        if BY_NAME[a].limited == BY_NAME[b].limited and la != lb:
+            problems.append(f"{key}: {a} ran under limits {la}, {b} under {lb}")
+        if BY_NAME[a].limited != BY_NAME[b].limited and BY_NAME[a].limited and None in la:
+            problems.append(f"{key}: {a} ran without its limit")
+    names = sorted(sides)
+    for n in names[1:]:
+        if sides[n]["settings"] != sides[names[0]]["settings"]:
+            problems.append(f"settings: {n} ran with {sides[n]['settings']}, {names[0]} with "
+                            f"{sides[names[0]]['settings']}")
+    limited = {n for n in sides if BY_NAME[n].limited}
+    return {"ok": not problems, "problems": problems,
+            "same_limit": len({tuple(sides[n]["limit_bytes"]) for n in limited}) <= 1,
+            "same_settings": not any(p.startswith("settings") for p in problems)}
+
+
+def withhold(ratios: dict, fair: dict) -> tuple[dict, list[str]]:
+    """`ratios` (one round's, or the medians, or the spread) with every ratio of a pair that
+    did not run fairly set to None (all of them where the settings differed): an unfair
+    comparison is not reported, only why (`fair["problems"]`). Returns them and the keys
+    withheld."""
+    problems = fair["problems"]
+    unfair = set(PAIRS) if any(p.startswith("settings") for p in problems) else {
+        p.split(":", 1)[0] for p in problems}
+    if "wall_speedup" in unfair:  # mlx-lm's side of it
+        unfair |= {"mlx_lm_recomputed_fraction", "ttft_p50_speedup"}
+    keys = sorted(k for k in unfair if k in ratios)
+    return {k: (None if k in keys else v) for k, v in ratios.items()}, keys
+
+
+def findings(ratios: dict, spread_: dict) -> list[str]:
+    """What a reader must not take as a result: `vs_ideal` below 1 (the same engine with
+    less memory cannot be faster, but by noise: its rounds' spread says whether it is)."""
+    out = []
+    v, sp = ratios.get("vs_ideal"), spread_.get("vs_ideal")
+    if v is not None and v < 1:
+        out.append(f"vs_ideal {v} < 1: kvbank under the limit ran faster than the same engine "
+                   f"unbounded (rounds {sp[0]} to {sp[1]}); "
+                   + ("noise: the rounds straddle 1" if sp[1] >= 1 else
+                      "every round below 1: a measurement to look into, not a result"))
+    return out
+
+
 def prefetch_summary(without, hinted) -> dict:
-    """The two kvbank runs, without hints (`without`, may be None) and with: how many
-    returning turns (an agent's second and later) came from SSD, and the TTFT p50 of the
-    hinted turns against the RAM hits of the same run."""
+    """The kvbank run without hints (`without`, may be None) and the one with, both under the
+    limit: how many returning turns (an agent's second and later) came from SSD, and the TTFT
+    p50 of the hinted run's returning turns against the RAM hits of the run without hints (a
+    ratio that fails when hints land late: the hinted turns then wait for their reads)."""
     from kvbank.apps.loadgen.report import percentile
 
     def returning(result, source: str | None = None) -> list:
@@ -257,7 +198,7 @@ def prefetch_summary(without, hinted) -> dict:
         return round(percentile([r.ttft_s for r in rows], 50), 3) if rows else None
 
     hinted_turns = [r for r in returning(hinted) if r.hint]
-    ram_hits = returning(hinted, "ram")
+    ram_hits = returning(without, "ram")
     return {
         "returning_turns": len(returning(hinted)),
         "ssd_turns_without_hints": len(returning(without, "ssd")) if without else None,
@@ -272,79 +213,96 @@ def prefetch_summary(without, hinted) -> dict:
     }
 
 
-def run(*, model: str | None, scenario, budget_bytes: int, max_wall_s: float,
+def run(*, model: str | None, scenario, limit_bytes: int, max_wall_s: float,
         progress: bool = True, names: bool = False, prefetch: bool = False,
-        memory_budget: str | None = None, sides: tuple[str, ...] = DEFAULT_SIDES,
-        rounds: int = 1, arch: str | None = None) -> tuple[dict, list[dict]]:
+        sides: tuple[str, ...] = DEFAULT_SIDES, rounds: int = 3, arch: str | None = None,
+        settings: Settings | None = None) -> tuple[dict, list[dict]]:
     """Returns (the result document, one {side: RunResult} per round). `arch`: a random-weight
-    model of the default model's size with that architecture (kvbank/testing/tiny.py), its tokenizer
-    with think tokens and its template Qwen3.5's, which drops earlier answers' reasoning."""
-    from kvbank.models import prepare_model
-    from kvbank.testing.tiny import bench_model
+    model of the default model's size with that architecture (kvbank/testing/tiny.py), its
+    tokenizer with think tokens and its template Qwen3.5's, which drops earlier answers'
+    reasoning. Raises CgroupUnavailable where no memory cgroup can be made, ValueError for a
+    limit that leaves a side no room."""
     from kvbank.apps.loadgen.report import summarize
     from kvbank.apps.loadgen.run import TokenCounter
+    from kvbank.models import prepare_model
+    from kvbank.testing.tiny import bench_model
 
     if rounds < 1:
         raise ValueError(f"--rounds must be 1 or more, not {rounds}")
+    limit_bytes -= limit_bytes % os.sysconf("SC_PAGE_SIZE")  # the kernel's limit is in pages
+    if unknown := set(sides) - set(BY_NAME):
+        raise ValueError(f"--sides: unknown {', '.join(sorted(unknown))}")
+    settings = settings or Settings(max_tokens=scenario.params.max_tokens)
     model_dir = bench_model(arch) if arch else prepare_model(model)
     counter = TokenCounter(model_dir)
     if prefetch and "kvbank_prefetch" not in sides:
         sides = (*sides, "kvbank_prefetch")
-    labels = dict(SIDES)
     results: list[dict] = []
-    afters: list[dict] = []  # kvbank's sessions and peaks after each round
+    records: list[dict] = []  # per round: {side: its argv, memory, kvbank's sessions}
     with tempfile.TemporaryDirectory(prefix="kvbank-compare-") as tmpdir:
+        sizing = size(model_dir, Path(tmpdir), settings, limit_bytes)
         for i in range(rounds):
             tmp = Path(tmpdir) / f"round-{i + 1}"
             tmp.mkdir()
-            after: dict = {}
-            servers = {
-                "kvbank": lambda: _kvbank(model_dir, tmp / "kvbank-data", budget_bytes,
-                                          after, memory_budget),
-                "kvbank_prefetch": lambda: _kvbank(model_dir, tmp / "kvbank-prefetch-data",
-                                                   budget_bytes, {}, memory_budget),
-                "mlx_lm_budget": lambda: _mlx_lm(model_dir, tmp, budget_bytes,
-                                                 "mlx_lm_budget"),
-                "mlx_lm_unlimited": lambda: _mlx_lm(model_dir, tmp, UNLIMITED_BYTES,
-                                                    "mlx_lm_unlimited"),
-            }
-            this: dict = {}
+            this, recs = {}, {}
             for name in side_order(sides, i):
-                label = labels[name] + (f" #{i + 1}" if rounds > 1 else "")
+                side = BY_NAME[name]
+                label = side.label + (f" #{i + 1}" if rounds > 1 else "")
                 logger.info("compare: starting %s", label)
-                with servers[name]() as url:
+                recs[name] = {}
+                with serve(side, model_dir, tmp, settings, sizing, limit_bytes,
+                           recs[name]) as url:
                     this[name] = _run_side(
                         name, label, url, scenario, counter,
-                        None if name.startswith("kvbank") else "default_model", max_wall_s,
-                        progress, names, prefetch=name == "kvbank_prefetch")
+                        None if side.engine == "kvbank" else "default_model", max_wall_s,
+                        progress, names, prefetch=side.hints)
             results.append(this)
-            afters.append(after)
+            records.append(recs)
     sums = [{name: summarize(r) for name, r in this.items()} for this in results]
     per_round = [round_ratios(s) for s in sums]
-    first, kvbank_after = results[0], afters[0]
-    peak_bank = max((a.get("peak_bank_bytes") or 0 for a in afters), default=0) or None
-    peak_worker = max((a.get("peak_worker_bytes") or 0 for a in afters), default=0) or None
+    ratios = median_ratios(per_round)
+    side_docs = {}
+    for side in SIDES:
+        if side.name not in sums[0]:
+            continue
+        recs = [r[side.name] for r in records]
+        side_docs[side.name] = {
+            "label": side.label, "engine": side.engine,
+            "limit_bytes": [r["memory"]["limit_bytes"] for r in recs],
+            "settings": settings.as_dict(),
+            "argv": recs[0].get("argv"),
+            "summary": sums[0][side.name],
+            "wall_s_by_round": [this[side.name]["wall_s"] for this in sums],
+            "memory_by_round": [r["memory"] for r in recs],
+            "peak_bytes": max(r["memory"]["peak_bytes"] for r in recs),
+            "throttled": any(r["memory"]["throttled"] for r in recs),
+            "killed": any(r["memory"]["killed"] for r in recs),
+            **({"kvbank_by_round": [r.get("kvbank") for r in recs]}
+               if side.engine == "kvbank" else {}),
+        }
+    fair = fairness(side_docs)
+    ratios, withheld = withhold(ratios, fair)
+    per_round = [withhold(r, fair)[0] for r in per_round]
     doc = {
         "model": str(model_dir),
         "arch": arch or "",
         "scenario": dataclasses.asdict(scenario.params),
-        "budget_bytes": budget_bytes,
+        "memory_limit_bytes": limit_bytes,
         "anonymous": not names,
         "rounds": rounds,
-        "prefetch": (prefetch_summary(first.get("kvbank"), first["kvbank_prefetch"])
-                     if "kvbank_prefetch" in first else None),
-        "memory_budget": memory_budget,
-        **median_ratios(per_round),
+        "versions": versions(),
+        "sizing": sizing,
+        **ratios,
+        "spread": spread(per_round),
+        "goals": goals(ratios),
         "round_ratios": [{"order": side_order(sides, i), **r} for i, r in enumerate(per_round)],
         "complete": all(s["turns_ok"] == s["turns"] == scenario.params.agents
                         * scenario.params.turns for this in sums for s in this.values()),
-        "sides": {name: {"label": label, "summary": sums[0][name],
-                         "wall_s_by_round": [this[name]["wall_s"] for this in sums]}
-                  for name, label in SIDES if name in sums[0]},
-        "kvbank_after": kvbank_after,
-        "peak_bank_bytes": peak_bank,
-        "peak_worker_bytes": peak_worker,
-        "peak_bank_vs_budget": _ratio(peak_bank, budget_bytes),
+        "fairness": {**fair, "withheld": withheld},
+        "findings": findings(ratios, spread(per_round)),
+        "sides": side_docs,
+        "prefetch": (prefetch_summary(results[0].get("kvbank"), results[0]["kvbank_prefetch"])
+                     if "kvbank_prefetch" in results[0] else None),
     }
     return doc, results
 
@@ -356,34 +314,49 @@ def print_table(doc: dict, *, stderr: bool = False) -> None:
     def f(x, nd: int = 2) -> str:
         return "-" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
 
+    def mb(x) -> str:
+        return "-" if x is None else f"{x / 1e6:.0f}"
+
     p = doc["scenario"]
-    t = Table(title=f"bench compare: {p.get('scenario')} x{p.get('turns')} turns, budget "
-                    f"{doc['budget_bytes'] / 1e6:.0f} MB, "
+    t = Table(title=f"bench compare: {p.get('scenario')} x{p.get('turns')} turns, memory limit "
+                    f"{doc['memory_limit_bytes'] / 1e6:.0f} MB per side (cgroup), "
                     f"{'no session names' if doc['anonymous'] else 'named sessions'}")
-    for col in ("server", "wall s", "ttft p50", "p95", "max", "prompt", "cached", "recomp",
-                "kvbank recomp", "refused", "errors"):
+    for col in ("server", "limit MB", "peak MB", "own MB", "hit limit", "killed", "wall s",
+                "ttft p50", "p95", "prompt", "cached", "recomp", "refused", "errors"):
         t.add_column(col, justify="left" if col == "server" else "right")
     for side in doc["sides"].values():
-        s = side["summary"]
-        t.add_row(side["label"], f(s["wall_s"], 1), f(s["ttft_p50_s"]), f(s["ttft_p95_s"]),
-                  f(s["ttft_max_s"]), f(s["prompt_tokens"]), f(s["cached_tokens"]),
-                  f(s["recomputed_tokens"]), f(s["server_recomputed_tokens"]),
+        s, m = side["summary"], side["memory_by_round"][0]
+        t.add_row(side["label"], mb(m["limit_bytes"]), mb(side["peak_bytes"]),
+                  mb(max(x["peak_anon_bytes"] for x in side["memory_by_round"])),
+                  "yes" if side["throttled"] else "no", "YES" if side["killed"] else "no",
+                  f(s["wall_s"], 1), f(s["ttft_p50_s"]), f(s["ttft_p95_s"]),
+                  f(s["prompt_tokens"]), f(s["cached_tokens"]), f(s["recomputed_tokens"]),
                   f(s["refused"]), f(s["errored"]))
     console = Console(stderr=stderr)
     if not console.is_terminal:  # a log file or a pipe: do not squeeze to 80 columns
-        console = Console(stderr=stderr, width=132)
+        console = Console(stderr=stderr, width=150)
     console.print(t)
-    console.print(f"wall_speedup (mlx-lm same budget / kvbank) {f(doc['wall_speedup'])}x "
-                  f"of a bound of {f(doc['speedup_bound'])}x (mlx-lm same budget / unlimited), "
-                  f"vs_ideal (kvbank / mlx-lm unlimited) {f(doc['vs_ideal'])}, "
-                  f"recomputed_fraction {f(doc['recomputed_fraction'], 4)} (mlx-lm same "
-                  f"budget: {f(doc['mlx_lm_budget_recomputed_fraction'], 4)})")
-    if doc.get("rounds", 1) > 1:
-        console.print("the table is round 1; ratios above are medians over the rounds: "
-                      + "; ".join(f"round {i + 1} ({' > '.join(r['order'])}) vs_ideal "
-                                  f"{f(r['vs_ideal'])}, wall_speedup {f(r['wall_speedup'])} "
-                                  f"of {f(r['speedup_bound'])}"
-                                  for i, r in enumerate(doc["round_ratios"])))
+    sp = doc["spread"]
+    console.print("; ".join(
+        f"{key} {f(doc[key])} ({f((sp[key] or [None])[0])} to {f((sp[key] or [None, None])[1])})"
+        for key in ("wall_speedup", "vs_ideal", "recomputed_fraction", "mlx_lm_vs_unlimited",
+                    "unbounded_kvbank_vs_mlx_lm")) + f": medians over {doc['rounds']} rounds "
+                  "(the lowest to the highest)", markup=False)
+    console.print("goals: " + ", ".join(
+        f"{k} {g['goal']}: {f(g['value'])} {'met' if g['met'] else '-' if g['met'] is None else 'NOT met'}"
+        for k, g in doc["goals"].items()))
+    fair = doc["fairness"]
+    console.print("fair: same limit and settings" if fair["ok"] else
+                  "NOT FAIR, so not reported (" + ", ".join(fair.get("withheld", []))
+                  + "): " + "; ".join(fair["problems"]), markup=False)
+    for finding in doc.get("findings", []):
+        console.print("finding: " + finding, markup=False)
+    sz = doc["sizing"]
+    console.print(f"flags from the limit: kvbank --memory-budget "
+                  f"{mb(sz['kvbank']['memory_budget_bytes'])} MB, mlx-lm --prompt-cache-bytes "
+                  f"{mb(sz['mlx_lm']['prompt_cache_bytes'])} MB (idle: kvbank's processes "
+                  f"{mb(sz['idle']['kvbank']['tree_anon_bytes'])} MB, mlx-lm's "
+                  f"{mb(sz['idle']['mlx_lm']['tree_anon_bytes'])} MB)")
     kv = doc["sides"].get("kvbank", {}).get("summary", {})
     if kv.get("ttft_p50_by_source_s"):
         console.print("kvbank TTFT p50 by cache source: " + ", ".join(
@@ -394,23 +367,14 @@ def print_table(doc: dict, *, stderr: bool = False) -> None:
                       f"{f(pf['ssd_turns_without_hints'])} of {pf['returning_turns']} without "
                       f"hints, {pf['ssd_turns_with_hints']} "
                       f"with ({', '.join(f'{h} {n}' for h, n in pf['hints'].items())}); hinted "
-                      f"turns' TTFT p50 {f(pf['hinted_ttft_p50_s'])} s, RAM hits' "
+                      f"turns' TTFT p50 {f(pf['hinted_ttft_p50_s'])} s, RAM hits' (no hints) "
                       f"{f(pf['ram_hit_ttft_p50_s'])} s: hinted_vs_ram_hits "
                       f"{f(pf['hinted_vs_ram_hits'], 3)}")
-    ram = doc.get("kvbank_after", {}).get("ram_bytes")
-    if ram is not None:
-        console.print(f"kvbank RAM bank after the run: {ram / 1e6:.0f} MB of KV (budget "
-                      f"{doc['budget_bytes'] / 1e6:.0f} MB)")
-    if doc.get("peak_bank_bytes") is not None:
-        console.print(f"kvbank peaks through the run: bank {doc['peak_bank_bytes'] / 1e6:.0f} MB "
-                      f"({f(doc['peak_bank_vs_budget'])}x the budget), worker "
-                      f"{doc['peak_worker_bytes'] / 1e6:.0f} MB resident")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`kvbank bench compare`'s flags."""
     from kvbank.apps.loadgen.cli import add_scenario_arguments
-
     from kvbank.testing.tiny import ARCHS
 
     p.add_argument("--model", default=None,
@@ -423,21 +387,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agents", type=int, default=None, help="n-agents: how many at once")
     p.add_argument("--think-s", type=float, default=None,
                    help="n-agents: mean pause between an agent's turns (its tool calls)")
+    p.add_argument("--memory-limit", default=DEFAULT_LIMIT,
+                   help="the memory cgroup limit of each limited side's whole process tree, "
+                        "page cache included (e.g. 1.2GB); each server's memory flags are "
+                        "set from it (default: %(default)s)")
+    p.add_argument("--prefill-chunk", type=int, default=Settings.prefill_chunk_tokens,
+                   help="prompt tokens a prefill step reads, both servers (default: "
+                        "%(default)s)")
+    p.add_argument("--concurrency", type=int, default=Settings.concurrency,
+                   help="requests each server runs at once (default: %(default)s)")
     p.add_argument("--prefetch", action="store_true",
-                   help="run kvbank a second time, its agents hinting at the start of each "
-                        "think time that they will be back (POST /v1/kvbank/prefetch)")
-    p.add_argument("--memory-budget", default=None,
-                   help="kvbank's worker memory budget (e.g. 1.5GB; default: the worker's)")
+                   help="run kvbank under the limit once more, its agents hinting at the "
+                        "start of each think time that they will be back")
     p.add_argument("--sides", default=",".join(DEFAULT_SIDES),
                    help=f"which servers to run, comma-separated, of "
-                        f"{', '.join(n for n, _ in SIDES)} (default: %(default)s)")
-    p.add_argument("--budget-bytes", type=int, default=DEFAULT_BUDGET_BYTES,
-                   help="KV memory budget for kvbank's bank and mlx-lm's prompt cache "
-                        "(default: %(default)s)")
-    p.add_argument("--max-wall-s", type=float, default=600.0,
+                        f"{', '.join(s.name for s in SIDES)} (default: %(default)s)")
+    p.add_argument("--max-wall-s", type=float, default=900.0,
                    help="per server: start no turn after this many seconds "
                         "(default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--rounds", type=int, default=3,
                    help="run every side this many times, the order reversed each round; each "
                         "ratio is then the median of the rounds' (default: %(default)s)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
@@ -451,6 +419,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    from kvbank.apps.bench.cgroup import CgroupUnavailable, parse_bytes
+    from kvbank.apps.bench.provenance import stamp
     from kvbank.apps.loadgen import report
     from kvbank.apps.loadgen.scenarios import build, params
 
@@ -459,26 +429,32 @@ def run_cli(args: argparse.Namespace) -> int:
                    turn_tokens=args.turn_tokens, max_tokens=args.max_tokens,
                    system_tokens=args.system_tokens, agents=args.agents,
                    think_s=args.think_s)
+        limit = parse_bytes(args.memory_limit)
     except ValueError as e:
         sys.stderr.write(f"kvbank bench compare: {e}\n")
         return 2
     scenario = build(p)
+    settings = Settings(prefill_chunk_tokens=args.prefill_chunk, concurrency=args.concurrency,
+                        max_tokens=p.max_tokens)
     try:
-        doc, results = run(model=args.model, scenario=scenario,
-                           budget_bytes=args.budget_bytes, max_wall_s=args.max_wall_s,
-                           progress=not args.no_progress, names=args.session_ids,
-                           prefetch=args.prefetch, memory_budget=args.memory_budget,
+        doc, results = run(model=args.model, scenario=scenario, limit_bytes=limit,
+                           max_wall_s=args.max_wall_s, progress=not args.no_progress,
+                           names=args.session_ids, prefetch=args.prefetch,
                            sides=tuple(args.sides.split(",")), rounds=args.rounds,
-                           arch=args.arch)
+                           arch=args.arch, settings=settings)
+    except CgroupUnavailable as e:
+        sys.stderr.write(f"kvbank bench compare: cannot hold both servers to the same memory "
+                         f"here, so it does not compare them: {e}\n")
+        return 2
     except (RuntimeError, ValueError) as e:  # a bad --rounds, or a server that would not
         # start (its log tail is in the message)
         sys.stderr.write(f"kvbank bench compare: {e}\n")
         return 2
+    stamp(doc)
     if args.plot_dir:
-        labels = dict(SIDES)
         report.plot_ttft(Path(args.plot_dir) / f"compare-{p.scenario}.png",
-                         {labels[n]: r.rows for n, r in results[0].items()},
-                         f"TTFT per turn, {p.scenario}, budget {args.budget_bytes / 1e6:.0f} MB")
+                         {BY_NAME[n].label: r.rows for n, r in results[0].items()},
+                         f"TTFT per turn, {p.scenario}, limit {limit / 1e6:.0f} MB")
     print_table(doc, stderr=args.json == "-")  # stdout is the JSON's then
     if args.json == "-":
         sys.stdout.write(json.dumps(doc) + "\n")
@@ -486,4 +462,4 @@ def run_cli(args: argparse.Namespace) -> int:
         full = {**doc, "rows": {n + (f"#{i + 1}" if i else ""): report.document(r)["rows"]
                                 for i, this in enumerate(results) for n, r in this.items()}}
         report.write_json(Path(args.json), full)
-    return 0 if doc["complete"] else 1
+    return 0 if doc["complete"] and doc["fairness"]["ok"] else 1

@@ -6,6 +6,10 @@ import json
 
 
 def print_result(name: str, result: dict, as_json: bool) -> None:
+    """With its provenance (apps/bench/provenance.py), as every bench's result."""
+    from kvbank.apps.bench.provenance import stamp
+
+    stamp(result)
     if as_json:
         print(json.dumps(result))
         return
@@ -16,12 +20,23 @@ def print_result(name: str, result: dict, as_json: bool) -> None:
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in result.items():
+        if key == "provenance":
+            continue
         table.add_row(key, json.dumps(value) if isinstance(value, (dict, list)) else str(value))
     Console().print(table)
+    p = result["provenance"]
+    Console().print(f"commit {(p['commit']['sha'] or '-')[:10]}"
+                    f"{' (modified)' if p['commit']['dirty'] else ''}, {p['date']}, load "
+                    f"{p['load_at_start'][0]} -> {p['load_at_end'][0]}"
+                    f"{'' if p['quiet'] else ' (busy: not a figure for the record)'}")
 
 
 def write_json(result: dict, dest: str | None) -> None:
-    """`--json [FILE]`: "-" prints one line to stdout, a path gets the indented document."""
+    """`--json [FILE]`: "-" prints one line to stdout, a path gets the indented document;
+    with its provenance."""
+    from kvbank.apps.bench.provenance import stamp
+
+    stamp(result)
     if dest == "-":
         print(json.dumps(result))
     elif dest:

@@ -1,8 +1,9 @@
 """`kvbank bench turn`: what a returning conversation costs, by where its KV comes from.
 
-Builds an N-token conversation on a fresh stack, then times a returning turn's TTFT three ways
-in one run: restored from the RAM bank, restored from SSD (after the bank released it), and
-recomputed (cache off). The floor is mlx-lm itself, in this process, prefilling the same number
+Builds an N-token conversation on a fresh stack, then times a returning turn's TTFT four ways
+in one run: restored from the RAM bank, restored from SSD through a warm page cache (the bank
+released it; its blocks were just written), restored from SSD cold (the page cache dropped
+first: the blocks come from the disk), and recomputed (cache off). The floor is mlx-lm itself, in this process, prefilling the same number
 of new tokens on a cache of the same length: what no server can beat. Each returning turn is
 paired with a floor timed just after it, on a cache grown just before it, so that each side's
 timed forward follows the other's work: a returning turn meets a worker that idled while
@@ -13,6 +14,13 @@ not absolute seconds, are what carry across machines. Each turn's TTFT is split 
 `kvbank_worker_stage_seconds` (`stages_*_s`): waiting, restore, the first token
 (`ram_forward_vs_floor` compares it with the floor), and what lies outside the worker (router,
 gRPC, client).
+
+The cold turn's floor is the compute floor plus reading its KV from the disk: the same blocks
+of the same store file read cold by a no-copy `get` loop (apps/bench/disk.py `raw_get`), in
+alternating order with the turn, each after a page-cache drop (`cold_ssd_vs_floor`: the
+median of each turn over its floor and read; `cold_restore_vs_read`: the worker's restore
+stage over the raw read, the restore's cost beyond the disk's). `page_cache` says how the
+cache was dropped (root: drop_caches; else the file's pages, which the kernel may keep).
 
 A model with window or recurrent caches also reports its checkpoints (`checkpoints`): one's
 bytes, what the conversation holds in the bank and what its first returning turn added, read
@@ -34,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 SESSION = "bench-turn"
 TURN_TOKENS = 16
+TURNS_PER_REPEAT = 3  # from RAM, from SSD warm, from SSD cold
 SETTLE_S = 0.5  # between one side's forward and the other's: idle BLAS threads spin a while
 # Qwen3.6-27B in bf16: one checkpoint of its 48 Gated DeltaNet layers (llama.cpp logs 149.626
 # MiB for it), and the KV per token of its 16 full-attention layers (4 KV heads of 256).
@@ -167,30 +176,36 @@ def _checkpoints(kinds, held: list) -> dict:
 
 def longest_fit(model_dir: Path, repeats: int) -> int:
     """The longest `--tokens` the model's context holds: the conversation grows by a turn of
-    TURN_TOKENS and a one-token answer twice per repeat, after its own one-token answer."""
+    TURN_TOKENS and a one-token answer three times per repeat (RAM, SSD, cold SSD), after its
+    own one-token answer."""
     import json
 
     context = json.loads((Path(model_dir) / "config.json").read_text()).get(
         "max_position_embeddings", 8192)
-    return context - 1 - 2 * repeats * (TURN_TOKENS + 1)
+    return context - 1 - TURNS_PER_REPEAT * repeats * (TURN_TOKENS + 1)
 
 
 def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
-        repeats: int = 3, arch: str | None = None) -> dict:
+        repeats: int = 3, arch: str | None = None, cold_turns: bool = True) -> dict:
     """Raises ValueError, before any stack starts, when the conversation would outgrow the
     model's context. `arch`: a random-weight model of the default model's size with that
-    architecture (kvbank/testing/tiny.py) instead of `model`."""
+    architecture (kvbank/testing/tiny.py) instead of `model`. `cold_turns=False`: no cold-SSD turns
+    (their keys are then absent)."""
     from kvbank.models import prepare_model
     from kvbank.testing.tiny import bench_model
 
     model_dir = bench_model(arch) if arch else prepare_model(model)
     if tokens > (fit := longest_fit(model_dir, repeats)):
-        raise ValueError(f"--tokens {tokens}: with {repeats} returning turns from RAM and from "
-                         f"SSD each (--repeats) the conversation would outgrow the model's "
-                         f"context; use --tokens {fit} or less")
+        raise ValueError(f"--tokens {tokens}: with {repeats} returning turns from RAM, SSD and "
+                         f"cold SSD each (--repeats) the conversation would outgrow the "
+                         f"model's context; use --tokens {fit} or less")
     rng = np.random.default_rng(seed)
+    from kvbank.apps.bench.disk import delta, drop_caches, io_counters, raw_get, session_blocks
+
     ram, ssd, floor_ram, floor_ssd, floor_warm = [], [], [], [], []
     stages_ram, stages_ssd = [], []
+    cold, floor_cold, raw_cold, stages_cold, cold_io = [], [], [], [], []
+    page_cache = None
     with tempfile.TemporaryDirectory(prefix="kvbank-bench-") as tmp:
         # No tail delay: the run waits for each turn to reach SSD, and measures restores.
         stack = LocalStack.start(model_dir, Path(tmp) / "data",
@@ -234,15 +249,43 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
                     paired(len(prompt) - TURN_TOKENS, ssd, floor_ssd, stages_ssd,
                            lambda: c.generate(session_id=SESSION, token_ids=prompt,
                                               max_tokens=1).usage)
+                    if not cold_turns:
+                        continue
+                    # Cold: released, every block on SSD, the page cache dropped; the same
+                    # blocks read raw before the turn or after it, in turn.
+                    c.release(SESSION)
+                    stack.wait_durable(SESSION, timeout_s=600)
+                    store = stack.layout.store_dir
+                    ids = session_blocks(store, "", SESSION)
+                    prompt = list(c.get_session(SESSION).token_ids) + _tokens(rng, TURN_TOKENS)
+                    floor.grow(len(prompt) - TURN_TOKENS)
+                    raw = None
+                    if len(cold) % 2:
+                        drop_caches(store / "data.mdb")
+                        raw = raw_get(store, ids)
+                    page_cache = drop_caches(store / "data.mdb")
+                    time.sleep(SETTLE_S)
+                    io0 = io_counters(stack.pid("worker"))
+                    cold.append(_timed_turn(stack, stages_cold, lambda: c.generate(
+                        session_id=SESSION, token_ids=prompt, max_tokens=1).usage))
+                    cold_io.append(delta(io_counters(stack.pid("worker")), io0))
+                    stack.wait_durable(SESSION, timeout_s=600)
+                    if raw is None:
+                        drop_caches(store / "data.mdb")
+                        raw = raw_get(store, ids)
+                    raw_cold.append(raw)
+                    time.sleep(SETTLE_S)
+                    floor_cold.append(floor.sample())
                 checkpoints = _checkpoints(floor.kinds, held) if floor.kinds.checkpointed else {}
                 del floor
-                cold = c.generate(token_ids=prompt, max_tokens=1, no_cache=True).usage
+                recompute = c.generate(token_ids=prompt, max_tokens=1, no_cache=True).usage
         finally:
             stack.stop()
     ram_s = float(np.median([u["ttft_s"] for u in ram]))
     ssd_s = float(np.median([u["ttft_s"] for u in ssd]))
+    cold_floors = [f + r["s"] for f, r in zip(floor_cold, raw_cold)]
     floor_s = float(np.median(floor_ram + floor_ssd))
-    return {
+    out = {
         "model": str(model_dir),
         "arch": arch or "",
         "tokens": tokens,
@@ -253,12 +296,12 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
         "ttft_ssd_s": round(ssd_s, 4),
         "ttft_ram_all_s": [u["ttft_s"] for u in ram],
         "ttft_ssd_all_s": [u["ttft_s"] for u in ssd],
-        "ttft_recompute_s": cold["ttft_s"],
+        "ttft_recompute_s": recompute["ttft_s"],
         "cached_tokens_ram": min(u["cached_tokens"] for u in ram),
         "cached_tokens_ssd": min(u["cached_tokens"] for u in ssd),
         "cache_source_ssd": ",".join(sorted({u["cache_source"] for u in ssd})),
-        "ssd_speedup": round(cold["ttft_s"] / ssd_s, 2),
-        "ram_speedup": round(cold["ttft_s"] / ram_s, 2),
+        "ssd_speedup": round(recompute["ttft_s"] / ssd_s, 2),
+        "ram_speedup": round(recompute["ttft_s"] / ram_s, 2),
         "ttft_floor_s": round(floor_s, 4),
         "ttft_floor_all_s": [round(f, 4) for f in floor_ram + floor_ssd],
         "ttft_floor_warm_s": round(float(np.median(floor_warm)), 4),
@@ -278,6 +321,36 @@ def run(*, model: str | None, tokens: int, block_tokens: int, seed: int = 0,
             [s["first_token"] for s in stages_ram], floor_ram), 2),
         "checkpoints": checkpoints,
     }
+    if not cold_turns:
+        return out
+    out.update({
+        # from SSD cold: against the compute floor plus reading the same blocks from the disk
+        "page_cache": page_cache,
+        "ttft_cold_ssd_s": round(float(np.median([u["ttft_s"] for u in cold])), 4),
+        "ttft_cold_ssd_all_s": [u["ttft_s"] for u in cold],
+        "cached_tokens_cold_ssd": min(u["cached_tokens"] for u in cold),
+        "cache_source_cold_ssd": ",".join(sorted({u["cache_source"] for u in cold})),
+        "cold_read_s_all": [round(r["s"], 4) for r in raw_cold],
+        "cold_read_bytes": [r["bytes"] for r in raw_cold],
+        "cold_read_mb_s": round(float(np.median([r["bytes"] / r["s"] / 1e6
+                                                 for r in raw_cold])), 1),
+        "cold_read_io": [r["io"] for r in raw_cold],
+        "cold_turn_worker_io": cold_io,
+        "ttft_floor_cold_all_s": [round(f, 4) for f in cold_floors],
+        "ttft_floor_cold_compute_all_s": [round(f, 4) for f in floor_cold],
+        "cold_ssd_vs_floor": round(_paired_ratio([u["ttft_s"] for u in cold], cold_floors), 2),
+        "stages_cold_ssd_s": _median_stages(stages_cold),
+        "stages_cold_ssd_all_s": stages_cold,
+        "cold_restore_vs_read": round(float(np.median(
+            [s["restore"] / r["s"] for s, r in zip(stages_cold, raw_cold)])), 2),
+    })
+    # A cold turn is one whose blocks came from the disk: the cache dropped as root, and the
+    # worker's read counters moved; else its ratios are not reported (`cold_withheld`).
+    cold_ok = "drop_caches" in page_cache and all(io["read_bytes"] > 0 for io in cold_io)
+    out["cold_withheld"] = [] if cold_ok else ["cold_ssd_vs_floor", "cold_restore_vs_read"]
+    for key in out["cold_withheld"]:
+        out[key] = None
+    return out
 
 
 def add_arguments(p) -> None:
@@ -290,7 +363,8 @@ def add_arguments(p) -> None:
     p.add_argument("--tokens", type=int, default=2048, help="conversation length")
     p.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
     p.add_argument("--repeats", type=int, default=3,
-                   help="returning turns from RAM and from SSD, each; the medians count")
+                   help="returning turns from RAM, from SSD and from SSD cold, each; the "
+                        "medians count")
     p.add_argument("--arch", choices=ARCHS, default=None,
                    help="a random-weight model of the default model's size with this "
                         "architecture, instead of --model")

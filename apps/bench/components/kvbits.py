@@ -10,14 +10,11 @@
   `commit_ms`: a turn of 256 new tokens into the entry (quantized once).
 - `decode_ms`: one decode step at `--tokens` of context with mlx-lm's KVCache and with its
   QuantizedKVCache (quantized while running), the alternative kvbank did not take.
-- `agreement`: a conversation of `--turns` turns, each prompt made from the previous turns'
-  full-precision answers; per setting, the fraction of turns whose greedy answer equals full
-  precision's (`turns_equal`) and of answer tokens before the first that differs
-  (`tokens_before_divergence`). `kvbank_*`: quantized at rest as the worker keeps it (each
-  token quantized once, when its turn commits; restored dequantized; run in full precision).
-  `mlx_lm_*`: mlx-lm's own QuantizedKVCache from the first token (`--kv-bits N
-  --quantized-kv-start 0`). Every setting makes the same forwards (restore at the common
-  prefix, prompt in chunks of 512, one token at a time after).
+- `agreement` (kvbits_agreement.py): `--conversations` conversations of `--turns` turns, the
+  same history quantized on both sides (kvbank at rest; mlx-lm's QuantizedKVCache from
+  `quantized_kv_start` at the restored prefix), turn 1 excluded; per setting, the turns whose
+  greedy answer equals full precision's, the answer tokens whose argmax does, and the KL from
+  full precision per token, each with a 95 % interval over conversations.
 """
 
 from __future__ import annotations
@@ -27,16 +24,6 @@ from pathlib import Path
 
 import numpy as np
 
-QUESTIONS = (
-    "Read the parser in parse.py and list its three bugs.",
-    "Fix the first bug and show the patch.",
-    "Now the second one. Keep the patch minimal.",
-    "Write a unit test that would have caught the third bug.",
-    "Explain why the lexer needs a lookahead of two characters.",
-    "Rename tokenize to lex everywhere. Which files change?",
-    "Summarize the changes so far as a commit message.",
-    "What would you refactor next, and why?",
-)
 SETTINGS = (None, 8, 4)
 CHUNK = 512
 TURN_TOKENS = 256
@@ -47,8 +34,8 @@ def _name(bits: int | None) -> str:
 
 
 def run(*, model: str | None = None, tokens: int = 4096, bank_bytes: int = 4 << 30,
-        block_tokens: int = 256, turns: int = 8, max_tokens: int = 48,
-        decode_steps: int = 8, seed: int = 0) -> dict:
+        block_tokens: int = 256, turns: int = 5, max_tokens: int = 48,
+        conversations: int = 12, decode_steps: int = 8, seed: int = 0) -> dict:
     from kvbank.config import preload_openblas
 
     preload_openblas()  # before the first `import mlx`
@@ -83,7 +70,10 @@ def run(*, model: str | None = None, tokens: int = 4096, bank_bytes: int = 4 << 
     out["restore_ms"] = {k: v["restore_ms"] for k, v in timing.items()}
     out["commit_ms"] = {k: v["commit_ms"] for k, v in timing.items()}
     out["decode_ms"] = _decode_ms(lm, tokens, rng, decode_steps)
-    out["agreement"] = _agreement(lm, tokenizer, turns, max_tokens)
+    from kvbank.apps.bench.components.kvbits_agreement import agreement
+
+    out["agreement"] = agreement(lm, tokenizer, conversations=conversations, turns=turns,
+                                 max_tokens=max_tokens, seed=seed)
     return out
 
 
@@ -153,22 +143,11 @@ def _timing(kinds, layers, cache, n: int) -> dict:
                                                        else None))}
 
 
-def _group(lm) -> int:
-    """The quantization group kvbank uses for this model's head_dim; mlx-lm's cache gets the
-    same (its default, 64, where head_dim allows)."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from kvbank.worker.kv import quant
-
-    cache = make_prompt_cache(lm)
-    lm(mx.array([[0]]), cache=cache)
-    return quant.group_size(int(cache[0].keys.shape[-1]))
-
-
 def _decode_ms(lm, n: int, rng, steps: int) -> dict:
     """One decode step at n tokens of context: mlx-lm's KVCache, and its QuantizedKVCache."""
     import mlx.core as mx
+
+    from kvbank.apps.bench.components.kvbits_agreement import group_of
     from mlx_lm.models.cache import make_prompt_cache
 
     prompt = mx.array([rng.integers(1000, 5000, size=n).tolist()])
@@ -179,7 +158,7 @@ def _decode_ms(lm, n: int, rng, steps: int) -> dict:
             lm(prompt[:, s:s + CHUNK], cache=cache)
             mx.eval([c.state for c in cache])
         if bits:
-            cache = [c.to_quantized(group_size=_group(lm), bits=bits) for c in cache]
+            cache = [c.to_quantized(group_size=group_of(lm), bits=bits) for c in cache]
         token = mx.array([[1000]])
         times = []
         for _ in range(max(1, steps)):
@@ -191,91 +170,8 @@ def _decode_ms(lm, n: int, rng, steps: int) -> dict:
     return out
 
 
-class _Conversation:
-    """One setting's side of the conversation: its cache across turns, as the worker keeps it
-    (full: a KVCache trimmed to the common prefix; kvbank: the quantized entry, restored
-    dequantized; mlx_lm: a QuantizedKVCache trimmed to the common prefix)."""
-
-    def __init__(self, lm, kind: str, bits: int | None):
-        from kvbank.worker.kv.cache_kinds import CacheKinds
-
-        self.lm, self.kind, self.bits = lm, kind, bits
-        self.kinds = CacheKinds.of(lm, bits if kind == "kvbank" else None)
-        self.tokens: list[int] = []
-        self.cache = None
-        self.kept = None  # kvbank: the entry's layers
-
-    def answer(self, prompt: list[int], max_tokens: int, eos: set[int]) -> list[int]:
-        import mlx.core as mx
-
-        from kvbank.blocks import common_prefix_len
-
-        cp = min(common_prefix_len(np.asarray(self.tokens, np.uint32),
-                                   np.asarray(prompt, np.uint32)), len(prompt) - 1)
-        if self.kind == "kvbank":
-            cache = (self.kinds.restore(self.kept, None, cp) if cp
-                     else self.kinds.new_cache())
-        else:
-            cache = self.cache
-            if cache is None:
-                cache = self.kinds.new_cache()
-                if self.kind == "mlx_lm":
-                    cache = [c.to_quantized(group_size=_group(self.lm), bits=self.bits)
-                             for c in cache]
-            for c in cache:
-                c.trim(c.offset - cp)
-        logits = None
-        for s in range(cp, len(prompt), CHUNK):
-            logits = self.lm(mx.array([prompt[s:s + CHUNK]]), cache=cache)[0, -1]
-        out = []
-        while True:
-            token = int(mx.argmax(logits).item())
-            out.append(token)
-            logits = self.lm(mx.array([[token]]), cache=cache)[0, -1]  # in the committed cache
-            if token in eos or len(out) >= max_tokens:
-                break
-        mx.eval(logits)
-        self.tokens = prompt + out
-        if self.kind == "kvbank":
-            at_rest = self.kinds.at_rest(cache)
-            self.kept = self.kinds.full_layers(cache, len(self.tokens), at_rest)
-        else:
-            self.cache = cache
-        return out
-
-
-def _agreement(lm, tokenizer, turns: int, max_tokens: int) -> dict:
-    eos = set(tokenizer.eos_token_ids)
-    sides = {"full": _Conversation(lm, "full", None)}
-    for bits in (8, 4):
-        sides[f"kvbank_{bits}bit"] = _Conversation(lm, "kvbank", bits)
-        sides[f"mlx_lm_{bits}bit"] = _Conversation(lm, "mlx_lm", bits)
-    equal = {k: 0 for k in sides if k != "full"}
-    before = {k: [] for k in equal}
-    messages = [{"role": "system", "content": "You are a careful coding agent."}]
-    context = 0
-    for t in range(turns):
-        messages.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
-        prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        answers = {k: s.answer(prompt, max_tokens, eos) for k, s in sides.items()}
-        want = answers["full"]
-        for k in equal:
-            got = answers[k]
-            equal[k] += got == want
-            same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
-                        min(len(got), len(want)))
-            before[k].append(same / max(len(want), 1))
-        text = tokenizer.decode([x for x in want if x not in eos])
-        messages.append({"role": "assistant", "content": text})
-        context = len(prompt) + len(want)
-    return {"turns": turns, "max_tokens": max_tokens, "final_context_tokens": context,
-            "turns_equal": {k: round(v / turns, 3) for k, v in equal.items()},
-            "tokens_before_divergence": {k: round(float(np.mean(v)), 3)
-                                         for k, v in before.items()}}
-
-
 QUICK = dict(tokens=512, bank_bytes=64 << 20, block_tokens=64, turns=2, max_tokens=8,
-             decode_steps=1)
+             conversations=2, decode_steps=1)
 
 
 def add_arguments(p) -> None:
@@ -287,18 +183,21 @@ def add_arguments(p) -> None:
                    help="a conversation's length (default: 4096)")
     p.add_argument("--bank-bytes", type=int, default=None, help="bank budget (default: 4 GiB)")
     p.add_argument("--block-tokens", type=int, default=None, help="(default: 256)")
+    p.add_argument("--conversations", type=int, default=None,
+                   help="conversations of the agreement run (default: 12)")
     p.add_argument("--turns", type=int, default=None,
-                   help="turns of the agreement run (default: 8)")
+                   help="turns of each, the first not scored (default: 5)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="answer tokens a turn (default: 48)")
     p.add_argument("--quick", action="store_true",
-                   help="seconds, not minutes: 512 tokens, 2 turns of 8 tokens")
+                   help="seconds, not minutes: 512 tokens, 2 conversations of 2 turns of 8 "
+                        "tokens")
     p.add_argument("--json", action="store_true")
 
 
 def _result(args) -> dict:
     kw = dict(QUICK) if args.quick else {}
-    for key in ("tokens", "bank_bytes", "block_tokens", "turns", "max_tokens"):
+    for key in ("tokens", "bank_bytes", "block_tokens", "turns", "max_tokens", "conversations"):
         value = getattr(args, key)
         if value is not None:
             kw[key] = value

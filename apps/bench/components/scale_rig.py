@@ -1,11 +1,10 @@
 """`kvbank bench scale`'s rig: the worker's own KV manager (worker/tiers/manager.py: bank, records,
 writer, restorer, the coldstore link and its message handling, the commit) over a real
-coldstore process, and what the bench measures beside it: the process's memory, the page
-cache, and raw LMDB on the same disk."""
+coldstore process, and what the bench needs beside it: the process's memory and the page
+cache (the disk's yardsticks are scale_io.py's)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -48,6 +47,26 @@ class Rig:
             self.h.writer.pump(timeout_s=0.05)
         return time.perf_counter() - t0
 
+    def wait_all_durable(self) -> float:
+        """Until every conversation in the bank is all on SSD: nothing writes while the
+        next read is timed."""
+        t0 = time.perf_counter()
+        for e in list(self.bank.entries.values()):
+            self.wait_durable(e.session[1])
+        return time.perf_counter() - t0
+
+    def stored_chain(self, prompt) -> list[bytes]:
+        """The ids of the prompt's chain blocks the store holds from its start: what a restore
+        of it reads (before any tail block or anchor)."""
+        from kvbank.blocks import chain_block_ids
+
+        store = self.h.restorer.store()
+        ids = chain_block_ids(prompt, self.h.root_for(TENANT), self.block_tokens)
+        n = 0
+        while store is not None and n < len(ids) and store.has_block(ids[n]):
+            n += 1
+        return [bytes(b) for b in ids[:n]]
+
     def release_all_but(self, keep: str, bytes_per_token: int) -> dict:
         """The seeds' admission step for `keep`'s turn: every other conversation leaves RAM,
         written out first. What each release still had to write, and how long it took."""
@@ -55,7 +74,8 @@ class Rig:
         pending = sum((e.n_tokens - min(e.durable_tokens, e.n_tokens)) * bytes_per_token
                       for e in others)
         r = self.h.eviction.release_sessions(None, keep_sessions=[self.key(keep)],
-                                       reason="admission_release", write_out_before_release=True)
+                                             reason="admission_release",
+                                             write_out_before_release=True)
         return {"released_bytes": r.released_bytes, "unwritten_bytes_at_release": pending,
                 "written_out_entries": r.written_out_entries,
                 "write_out_s": round(r.write_out_s, 3), "unwritten_dropped": r.unwritten_dropped}
@@ -85,7 +105,8 @@ class Rig:
         self.h.commit(key, prompt, cache, handed=handed, checkpoints=checkpoints)
         return {"source": api_pb2.CacheSource.Name(source).removeprefix("CACHE_SOURCE_").lower(),
                 "cached_tokens": cached, "tokens": len(prompt),
-                "restore_s": round(restore_s, 3), "with_room_s": round(room_s - restore_s, 3),
+                "restore_s": round(restore_s, 3), "restore_s_exact": restore_s,
+                "with_room_s": round(room_s - restore_s, 3),
                 "first_forward_s": round(first_s, 3),
                 "to_first_forward_s": round(room_s + first_s, 3)}
 
@@ -142,81 +163,3 @@ class AnonPeak:
         self._stop.set()
         self._thread.join()
         return self.peak
-
-
-def drop_caches(path: Path) -> str:
-    """Make the next read of `path` come from the disk: the kernel's page cache dropped
-    whole where this process may (root), else this file's pages (posix_fadvise), which the
-    kernel may keep. Says which."""
-    from kvbank.apps.bench.components.coldstore import _drop_page_cache
-
-    _drop_page_cache(path)
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-        return "dropped (drop_caches)"
-    except OSError:
-        return "this file's pages dropped (posix_fadvise): the kernel may keep some"
-
-
-class Raw:
-    """Raw LMDB on the same disk, measured beside each write and each restore (this disk's
-    speed moves from one minute to the next): as many bytes as the write beside it, in blocks
-    of `block_bytes`, put with one synced commit each (as the coldstore commits), read back
-    (the latest sample) after the page cache is dropped. One payload serves every key: LMDB
-    stores each.
-
-    Each sample is a new environment beside the earlier ones, kept until the run ends: new
-    file space, as the coldstore's growing store writes. A sample written where the last one
-    was just deleted reuses the page-cache pages that freed, and on a VM whose free memory
-    goes back to the host that is 3-4x faster than new pages (680-710 MB/s against 190-260 in
-    the same minute, 1 GiB, Dec 2026): a rewrite's speed, not the disk's."""
-
-    def __init__(self, scratch: Path, block_bytes: int):
-        from concurrent.futures import ProcessPoolExecutor
-        from multiprocessing import get_context
-
-        self.scratch, self.block_bytes = scratch, block_bytes
-        self.ids: list[bytes] = []  # the latest sample's keys
-        self.write_cpu_s = 0.0  # the latest write sample's CPU seconds
-        self.samples = 0
-        # In a process of its own: its copies and map pages are not the worker's memory (the
-        # bench reads the worker's peak from this process's VmHWM).
-        self.child = ProcessPoolExecutor(1, mp_context=get_context("spawn"))
-
-    @property
-    def latest(self) -> Path:
-        return self.scratch / f"sample-{self.samples - 1}"
-
-    def write_mb_s(self, nbytes: int) -> float:
-        """A new sample of `nbytes` (the same bytes as the write it is paired with: a shorter
-        one would fit in what the VM's host absorbs at once, 0.8-1.4 GB/s for 1 GiB here,
-        where the disk commits 200-350 MB/s sustained)."""
-        self.samples += 1
-        self.ids = [i.to_bytes(16, "big") for i in range(max(1, nbytes // self.block_bytes))]
-        self.latest.mkdir(parents=True)
-        dt, self.write_cpu_s = self.child.submit(_raw_write_sample, self.latest, self.ids,
-                                                 self.block_bytes).result()
-        return len(self.ids) * self.block_bytes / dt / 1e6
-
-    def read_mb_s(self) -> float:
-        from kvbank.apps.bench.components.coldstore import _raw_read
-
-        drop_caches(self.latest / "data.mdb")
-        dt = self.child.submit(_raw_read, self.latest, self.ids).result()
-        return len(self.ids) * self.block_bytes / dt / 1e6
-
-    def close(self) -> None:
-        self.child.shutdown()
-
-
-def _raw_write_sample(path: Path, ids: list[bytes], block_bytes: int) -> tuple[float, float]:
-    """`_raw_write` of one random payload under every key (in the raw child process): its
-    seconds, and the CPU seconds it took."""
-    from kvbank.apps.bench.components.coldstore import _raw_write
-
-    payload = os.urandom(block_bytes)
-    cpu = cpu_s()
-    return _raw_write(path, ids, [payload] * len(ids)), cpu_s() - cpu
-
-
