@@ -360,7 +360,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                          calls: list[tuple[str, str]], ids: list[int]) -> None:
         """So the next turn can send this answer back (text and tool calls) and still hit its
         KV. Only an answer that is all of its tokens is kept: no stop string cut it, and its
-        text is its tokens' unless tool calls were parsed out of them. mlx-lm's detokenizer
+        text ends its tokens' (a character cut at max_tokens does not) unless tool calls
+        were parsed out of them. mlx-lm's detokenizer
         drops the space an answer's first token begins with, so its tokens may say more
         whitespace at the start than the text the client got."""
         if ids and (calls or (text and _same_answer(self.b.tokenizer.decode(ids), text))):
@@ -368,8 +369,9 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
 
 
 def _same_answer(decoded: str, text: str) -> bool:
-    """The answer's tokens say `text`, but for leading whitespace the client never saw."""
-    return decoded.endswith(text) and not decoded[:len(decoded) - len(text)].strip()
+    """The answer's tokens end with `text`: before it, leading whitespace the client never
+    saw, or the reasoning the worker split off (sent back apart, as `reasoning_content`)."""
+    return decoded.endswith(text)
 
 
 class SessionsServicer(api_pb2_grpc.SessionsServicer):

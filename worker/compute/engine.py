@@ -415,7 +415,9 @@ class Engine:
             session_id=r.session[1],
             max_tokens=r.job.request.max_tokens,
             prefix_lost_tokens=r.prefix_lost,
-            reasoning_tokens=reasoning.count(r.completion) if reasoning else 0,
+            reasoning_tokens=(reasoning.count(r.completion) if reasoning else
+                              r.decoding.harmony.count(r.completion, self.tokenizer.decode)
+                              if r.decoding.harmony else 0),
         )
         for stage, seconds in (("waiting", usage.queue_s - r.restore_s),
                                ("restore", r.restore_s), ("first_token", usage.ttft_s)):
@@ -423,7 +425,7 @@ class Engine:
         metrics.GENERATION_TOKENS.inc(len(r.completion))
         metrics.RECOMPUTED_TOKENS.inc(usage.recomputed_tokens)
         finish = r.finish
-        if finish == api_pb2.FINISH_REASON_STOP and r.decoding.tools and r.decoding.tools.made_calls:
+        if finish == api_pb2.FINISH_REASON_STOP and r.decoding.made_calls:
             finish = api_pb2.FINISH_REASON_TOOL_CALLS
         return worker_pb2.WorkerGenerateResponse(finish_reason=finish, usage=usage,
                                                  stop_sequence=r.stop_sequence)

@@ -439,6 +439,13 @@ class BatchScheduler:
     def _send(r: Running, msg, text: str, final: bool = False) -> None:
         """Text through the reasoning split (chat input, a model with think markers), the
         rest through the tool-call parser (when the request has tools), then out."""
+        harmony = r.decoding.harmony
+        if harmony is not None:
+            msg.reasoning, text, calls = harmony.feed(text)
+            if final:
+                more, rest, last = harmony.finish()
+                msg.reasoning, text, calls = msg.reasoning + more, text + rest, calls + last
+            msg.tool_calls.extend(calls)
         reasoning = r.decoding.reasoning
         if reasoning is not None:
             msg.reasoning, text = reasoning.feed(text)
