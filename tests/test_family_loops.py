@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvbank.testing.family_models import FAMILIES, TOOLS, conversation, scripted_model
+from kvbank.testing.family_models import CALL, FAMILIES, TOOLS, conversation, scripted_model
 from tests.conftest import start_stack
-from tests.families import check_loop, loop
+from tests.families import check_loop, forced, loop
 
 OWN_FORMATS = ("gpt_oss", "nemotron_nano_v2")  # read by worker/compute/call_formats.py
 
@@ -52,3 +52,40 @@ def test_a_tool_loop_reads_each_turn_from_cache(family):
         else:
             assert not losses, (api, losses)
 
+
+def test_a_forced_call_is_one_call_in_the_familys_syntax(family):
+    """`required` (Anthropic `any`) gets the model's own call; a named function it would
+    never call by itself (Anthropic `tool`) is written in the family's syntax all the same,
+    constrained by a grammar of that syntax, and read back by the family's parser."""
+    s = family[1]
+    for api in ("chat", "responses", "anthropic"):
+        calls, text, _ = forced(s, api, "required")
+        assert calls == [CALL] and not text.strip(), (api, calls, text)
+        calls, text, _ = forced(s, api, "mode")
+        assert len(calls) == 1 and not text.strip(), (api, calls, text)
+        name, args = calls[0]
+        assert name == "mode" and set(args) == {"level", "fast"}, (api, calls)
+        assert args["level"] in ("low", "high") and args["fast"] in (True, False), (api, args)
+
+
+def test_a_forced_custom_tool_keeps_its_grammar_in_the_familys_syntax(family):
+    """Codex's freeform tools: the input, in the tool's own Lark grammar, where the family's
+    call puts a string (raw, no escaping); Nemotron's calls are JSON strings, which cannot hold
+    it, and the refusal names the family and its syntax."""
+    import openai
+
+    name, s = family[:2]
+    c = openai.OpenAI(base_url=s.shim_url + "/v1", api_key="none", max_retries=0)
+    calc = {"type": "custom", "name": "calc", "description": "Arithmetic.",
+            "format": {"type": "grammar", "syntax": "lark",
+                       "definition": 'start: "1+1" | "2+2" | "3+3"'}}
+    ask = dict(model="kvbank", input="Add.", tools=[calc], store=False, temperature=0,
+               tool_choice={"type": "custom", "name": "calc"}, max_output_tokens=80)
+    if name == "nemotron_nano_v2":
+        with pytest.raises(openai.BadRequestError) as info:
+            c.responses.create(**ask)
+        assert "nemotron" in str(info.value) and "TOOLCALL" in str(info.value)
+        return
+    r = c.responses.create(**ask)
+    [call] = [o for o in r.output if o.type == "custom_tool_call"]
+    assert call.name == "calc" and call.input in ("1+1", "2+2", "3+3"), r.output
