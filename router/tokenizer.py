@@ -222,9 +222,13 @@ class PromptTokenizer:
         return out + self.encode(plain[pos:])
 
     def _generation_prompt(self, tools, template) -> str:
+        """The text the template ends a prompt with after a user message ("" where unknown)."""
         probe = [{"role": "user", "content": _MARK}]
-        with_gen = self.render(probe, tools, template)
-        without = self._render_open(probe, tools, template)
+        try:
+            with_gen = self.render(probe, tools, template)
+            without = self._render_open(probe, tools, template)
+        except Exception:  # a template that cannot render a lone user message
+            return ""
         return with_gen[len(without):] if with_gen.startswith(without) else ""
 
     def _answer_span(self, messages, k, m, plain, gen, pos, tools, template):

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvbank.testing.family_models import CALL, FAMILIES, TOOLS, conversation, scripted_model
+from kvbank.testing.family_models import (CALL, FAMILIES, FINAL, REASONING, TOOLS,
+                                           conversation, scripted_model)
 from tests.conftest import start_stack
 from tests.families import check_loop, forced, loop
 
@@ -89,3 +90,33 @@ def test_a_forced_custom_tool_keeps_its_grammar_in_the_familys_syntax(family):
     r = c.responses.create(**ask)
     [call] = [o for o in r.output if o.type == "custom_tool_call"]
     assert call.name == "calc" and call.input in ("1+1", "2+2", "3+3"), r.output
+
+
+def test_tool_choice_none_gets_the_answer_and_it_comes_back_from_cache(family):
+    """`tool_choice: none`: the call's opening (its special token, or harmony's commentary
+    message) is ruled out, and the model answers in text. Sent back with a new query, that
+    answer (reasoning and all) is read from cache where the template writes it back; where it
+    drops the reasoning (every family here that reasons, at a new query), the previous prompt
+    is, up to its generation prompt."""
+    import uuid
+
+    import openai
+
+    name, s, gen, _ = family
+    f = FAMILIES[name]
+    c = openai.OpenAI(base_url=s.shim_url + "/v1", api_key="none", max_retries=0)
+    messages = [{"role": "system", "content": "You are a coding agent."},
+                {"role": "user", "content": f"[{uuid.uuid4().hex[:8]}] List the files here."}]
+    ask = dict(model="kvbank", tools=TOOLS, max_tokens=120, temperature=0)
+    r = c.chat.completions.create(messages=messages, tool_choice="none", **ask)
+    m, first = r.choices[0].message, r.usage
+    assert not m.tool_calls and m.content.strip() == FINAL, m
+    assert ((m.model_extra or {}).get("reasoning_content") or "").strip() == \
+        (REASONING if f.reasoning else "")
+    messages += [m.model_dump(exclude_none=True), {"role": "user", "content": "And tests/?"}]
+    u = c.chat.completions.create(messages=messages, **ask).usage
+    cached = u.prompt_tokens_details.cached_tokens
+    if f.reasoning:
+        assert cached >= first.prompt_tokens - gen, (cached, first)
+    else:
+        assert cached >= first.prompt_tokens + first.completion_tokens, (cached, first)

@@ -163,13 +163,15 @@ class Grammars:
 
     def for_no_call(self, family: str, reasoning: str) -> Grammar | None:
         """tool_choice none as a grammar where the family's calls are not one special token
-        that can simply be ruled out (harmony: analysis, then a final message)."""
+        that can simply be ruled out (harmony: analysis, then a final message; the role
+        between them as the model spells it, a literal would force one spelling)."""
         if family != "harmony":
             return None
         m = self.mark
         lark = "\n".join([f'start: ({m("<|channel|>")} "analysis" {m("<|message|>")} TEXT '
-                          f'{m("<|end|>")} {m("<|start|>")} "assistant")? {m("<|channel|>")} '
-                          f'"final" {m("<|message|>")} TEXT', r"TEXT: /(?s:.*)/"])
+                          f'{m("<|end|>")} {m("<|start|>")} ROLE)? {m("<|channel|>")} '
+                          f'"final" {m("<|message|>")} TEXT', r"TEXT: /(?s:.*)/",
+                          r"ROLE: /[a-z]+/"])
         matcher = llg.LLMatcher(self.tokenizer, json.dumps({"grammars": [{"lark_grammar": lark}]}),
                                 log_level=0)
         return Grammar(matcher, self.tokenizer.vocab_size, self.eos_token_ids)
