@@ -55,6 +55,11 @@ def test_a_harmony_call_without_tools_or_that_does_not_parse_is_text():
     assert (call.name, json.loads(call.arguments)) == ("patch", {"input": "*** diff"})
 
 
+def test_text_without_any_harmony_header_is_text():
+    assert _split("Plain words, no channel.", 4) == ("", "Plain words, no channel.", [])
+    assert _split("<|channel|>analysis", 4) == ("", "", [])  # a header cut short: nothing
+
+
 def test_a_harmony_call_cut_at_max_tokens_is_a_call_only_if_it_parses():
     assert len(_split('<|channel|>commentary to=functions.run <|constrain|>json<|message|>'
                       '{"cmd": "ls"}', 6)[2]) == 1

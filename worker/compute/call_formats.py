@@ -157,14 +157,17 @@ class HarmonyText:
         return n
 
     def finish(self) -> tuple[str, str, list[api_pb2.ToolCall]]:
-        """The end of the answer: what is held back, and a call left unclosed (max_tokens)
-        if its arguments parse."""
+        """The end of the answer: what is held back, a call left unclosed (max_tokens) if its
+        arguments parse, and text with no harmony header at all (a model that does not write
+        harmony, as a random one) as text."""
         reasoning, out, calls = [], [], []
         if self.state == "body":
             self._body(self.buf, reasoning, out)
             call = self._end_message(out)
             if call is not None:
                 calls.append(call)
+        elif self.state == "header" and HARMONY_CHANNEL not in self.header + self.buf:
+            out.append(self.header + self.buf)  # no message at all: text the model wrote
         self.buf, self.state = "", "between"
         return "".join(reasoning), "".join(out), calls
 
