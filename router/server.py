@@ -146,7 +146,7 @@ class Backend:
 
     async def prompt_tokens(self, v: ValidRequest, tenant: str, info) -> list[int]:
         if not info.tool_parser:
-            _refuse_tools(v, Path(info.model_path).name)
+            _refuse_tools(v, Path(info.model_path).name, self.tokenizer)
         history = await self.history(tenant, v.session_id) if v.append else []
         tok = self.tokenizer
         tools = list(v.tools) or None
@@ -206,16 +206,28 @@ def _copy(request: api_pb2.GenerateRequest) -> api_pb2.GenerateRequest:
     return out
 
 
-def _refuse_tools(v: ValidRequest, model: str) -> None:
-    """Tools, tool calls and tool results on a model whose chat template has no tools: the
-    template would render them as plain turns (or not at all), and nothing would parse a call."""
+def _refuse_tools(v: ValidRequest, model: str, tok) -> None:
+    """Tools, tool calls and tool results on a model whose chat template has no tools, or
+    writes its calls in a syntax kvbank does not read: the template would render them as plain
+    turns (or not at all), and nothing would parse a call."""
     if v.tools:
-        raise InvalidRequest(f"the model {model} has no tool calling in its chat template: "
-                             f"send the request without tools", param="tools")
+        raise InvalidRequest(tool_refusal(model, *tok.tool_markers()), param="tools")
     if any(m.get("tool_calls") or m["role"] == "tool" for m in v.messages):
         raise InvalidRequest(f"the messages carry tool calls or tool results, and the model "
                              f"{model} has no tool calling in its chat template",
                              param="messages")
+
+
+def tool_refusal(model: str, renders_tools: bool, markers: list[str]) -> str:
+    """Why a request with tools is refused, and what to send instead."""
+    if not renders_tools:
+        return (f"the model {model} has no tool calling in its chat template: send the "
+                f"request without tools")
+    seen = ", ".join(markers) if markers else "no special tokens of a call syntax"
+    return (f"the model {model}'s chat template renders tools, but kvbank does not read its "
+            f"call syntax (markers in the template: {seen}; kvbank reads mlx-lm's tool "
+            f"parsers, gpt-oss's harmony and Nemotron's <TOOLCALL>): send the request without "
+            f"tools, or serve a model of a family kvbank reads")
 
 
 class GenerationServicer(api_pb2_grpc.GenerationServicer):

@@ -120,6 +120,16 @@ class PromptTokenizer:
         self.tok = AutoTokenizer.from_pretrained(str(model_dir))
         self.has_chat_template = bool(getattr(self.tok, "chat_template", None))
 
+    def tool_markers(self) -> tuple[bool, list[str]]:
+        """Whether the chat template renders `tools`, and the special tokens in it that look
+        like a tool syntax's markers (for a refusal that says what the template has)."""
+        template = self.tok.chat_template if isinstance(self.tok.chat_template, str) else ""
+        words = ("tool", "call", "function")
+        markers = sorted(t.content for t in self.tok.added_tokens_decoder.values()
+                         if t.special and t.content in template
+                         and any(w in t.content.lower() for w in words))
+        return "tools" in template, markers
+
     @property
     def vocab_size(self) -> int:
         return len(self.tok)

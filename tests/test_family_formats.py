@@ -74,3 +74,24 @@ def test_nemotron_toolcall_lists():
     for bad in ("[]", '[{"arguments": {}}]', "not json"):
         with pytest.raises(ValueError):
             parse_nemotron(bad)
+
+
+def test_a_template_with_a_call_syntax_kvbank_does_not_read_is_refused_naming_its_markers(
+        tmp_path, cache_dir):
+    """The router's refusal of `tools` where the worker reads no call format: the template's
+    call markers and what to send instead; a template without tools says just that."""
+    from kvbank.router.server import tool_refusal
+    from kvbank.router.tokenizer import PromptTokenizer
+    from kvbank.testing.tiny import make_arch_model
+
+    template = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                "{% if tools %}{% for t in tools %}<|invoke_tool|>{{ t.function.name }}"
+                "<|invoke_end|>{% endfor %}{% endif %}")
+    tok = PromptTokenizer(make_arch_model(tmp_path / "m", "llama", template=template,
+                                          special=("<|invoke_tool|>", "<|invoke_end|>"),
+                                          think_tokens=False, cache_dir=cache_dir))
+    message = tool_refusal("odd-model", *tok.tool_markers())
+    assert "odd-model" in message and "<|invoke_tool|>" in message
+    assert "harmony" in message and "send the request without tools" in message
+    assert tool_refusal("plain", False, []) == \
+        "the model plain has no tool calling in its chat template: send the request without tools"
