@@ -208,3 +208,23 @@ def forced(stack, api: str, choice: str) -> tuple[list, str, str]:
     return ([(b.name, b.input) for b in m.content if b.type == "tool_use"],
             "".join(b.text for b in m.content if b.type == "text"),
             "".join(b.thinking for b in m.content if b.type == "thinking"))
+
+
+def streamed(stack) -> tuple[list, str, str]:
+    """One chat request streamed: (calls as (name, arguments), text, reasoning) from its
+    deltas, as a streaming client assembles them."""
+    query = f"[{uuid.uuid4().hex[:8]}] List the files here."
+    chunks = _openai(stack).chat.completions.create(
+        model="kvbank", messages=[{"role": "user", "content": query}], tools=TOOLS,
+        max_tokens=MAX_TOKENS, stream=True, **GREEDY)
+    text, reasoning, calls = [], [], {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            d = choice.delta
+            text.append(d.content or "")
+            reasoning.append((d.model_extra or {}).get("reasoning_content") or "")
+            for t in d.tool_calls or ():
+                call = calls.setdefault(t.index, ["", ""])
+                call[0] += (t.function.name or "") if t.function else ""
+                call[1] += (t.function.arguments or "") if t.function else ""
+    return ([(n, json.loads(a)) for n, a in calls.values()], "".join(text), "".join(reasoning))

@@ -19,7 +19,7 @@ import pytest
 from kvbank.testing.family_models import (CALL, FAMILIES, FINAL, REASONING, TOOLS,
                                            conversation, scripted_model)
 from tests.conftest import start_stack
-from tests.families import check_loop, forced, loop
+from tests.families import check_loop, forced, loop, streamed
 
 OWN_FORMATS = ("gpt_oss", "nemotron_nano_v2")  # read by worker/compute/call_formats.py
 
@@ -52,6 +52,10 @@ def test_a_tool_loop_reads_each_turn_from_cache(family):
             assert list(losses) == [6]  # only where the new query drops earlier reasoning
         else:
             assert not losses, (api, losses)
+    if name in OWN_FORMATS:  # kvbank's own parsers, streamed: the call whole, reasoning apart
+        calls, text, reasoning = streamed(s)
+        assert calls == [CALL] and not text.strip(), (calls, text)
+        assert reasoning.strip() == REASONING
 
 
 def test_a_forced_call_is_one_call_in_the_familys_syntax(family):
