@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 _MARK = "\ue000kvbank-assistant-end\ue000"  # private-use characters: never in real text
 ANSWERS_KEPT = 16384
+RENDERS_KEPT = 4096  # PromptTokenizer._answer_renders
 
 
 def answer_key(content: str, calls: list[tuple[str, str]] = ()) -> str:
@@ -60,6 +61,10 @@ def lift_system(messages: list[dict]) -> list[dict] | None:
     head = messages[:1] if messages[0]["role"] == "system" else []
     text = "\n\n".join(m["content"] for m in head + later)
     return [{"role": "system", "content": text}, *(m for m in messages if m["role"] != "system")]
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
 def _arguments_text(args) -> str:
@@ -118,6 +123,7 @@ class PromptTokenizer:
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(str(model_dir))
+        self._renders: OrderedDict[bytes, tuple | None] = OrderedDict()
         self.has_chat_template = bool(getattr(self.tok, "chat_template", None))
 
     def tool_markers(self) -> tuple[bool, list[str]]:
@@ -209,14 +215,19 @@ class PromptTokenizer:
         gen = self._generation_prompt(tools, template)
         out: list[int] = []
         pos = 0  # text of `plain` before it is in `out`
+        chain = hashlib.blake2b(json.dumps([tools, template], sort_keys=True, default=str)
+                                .encode(), digest_size=16)
         for k, m in enumerate(messages):
+            chain.update(json.dumps(m, sort_keys=True, default=str).encode())
             if m["role"] != "assistant":
                 continue
             found: dict = {}
 
-            def prompt(k=k, m=m, out=out, pos=pos, found=found) -> list[int]:
+            def prompt(k=k, m=m, out=out, pos=pos, found=found, key=chain.digest()
+                       ) -> list[int]:
                 if "ids" not in found:
-                    span = self._answer_span(messages, k, m, plain, gen, pos, tools, template)
+                    span = self._answer_span(messages, k, m, plain, gen, pos, tools, template,
+                                             key)
                     found["span"] = span
                     found["ids"] = [] if span is None else \
                         out + self.encode(plain[pos:span[0]] + span[2])
@@ -241,12 +252,15 @@ class PromptTokenizer:
             return ""
         return with_gen[len(without):] if with_gen.startswith(without) else ""
 
-    def _answer_span(self, messages, k, m, plain, gen, pos, tools, template):
-        """(start, end, unsaid) of assistant message k in `plain`, or None where the template
-        does not render the conversation before it and up to its end as prefixes of the
-        whole. `unsaid`: the end of the generation prompt the answer followed that the
-        template does not write back (Gemma 4's empty thought channel): the model's input,
-        put back before the answer's tokens."""
+    def _answer_renders(self, messages, k, gen, tools, template, key) -> tuple | None:
+        """What `_answer_span` reads of the renders before answer k (with the generation
+        prompt) and up to its end: (where they part, the generation prompt's length there,
+        the text before only, the text up to the end only, the length and digest of the
+        second). Kept by the conversation up to the answer, so the next request of a tool loop
+        renders only its newest answer's (each render grows with the history)."""
+        if key in self._renders:
+            self._renders.move_to_end(key)
+            return self._renders[key]
         try:
             before = self.render(messages[:k], tools, template)
             upto = self.render(messages[:k + 1], tools, template)
@@ -254,15 +268,34 @@ class PromptTokenizer:
                 upto = upto[:len(upto) - len(gen)]
             opened = self._render_open(messages[:k], tools, template)
         except Exception:  # a template that cannot render a partial conversation
+            got = None
+        else:
+            common = len(os.path.commonprefix([before, upto]))
+            own_gen = len(before) - len(opened) if before.startswith(opened) else 0
+            got = (common, len(before) - own_gen, before[common:], upto[common:], len(upto),
+                   _digest(upto))
+        self._renders[key] = got
+        while len(self._renders) > RENDERS_KEPT:
+            self._renders.popitem(last=False)
+        return got
+
+    def _answer_span(self, messages, k, m, plain, gen, pos, tools, template, key):
+        """(start, end, unsaid) of assistant message k in `plain`, or None where the template
+        does not render the conversation before it and up to its end as prefixes of the
+        whole. `unsaid`: the end of the generation prompt the answer followed that the
+        template does not write back (Gemma 4's empty thought channel): the model's input,
+        put back before the answer's tokens."""
+        renders = self._answer_renders(messages, k, gen, tools, template, key)
+        if renders is None:
             return None
-        own_gen = len(before) - len(opened) if before.startswith(opened) else 0
-        common = len(os.path.commonprefix([before, upto]))
-        if not (common >= pos and common >= len(before) - own_gen and plain.startswith(upto)):
+        common, history_end, unsaid, answer, end, digest = renders
+        if not (common >= pos and common >= history_end and len(plain) >= end
+                and _digest(plain[:end]) == digest):
             return None
         reasoning = m.get("reasoning_content") or m.get("thinking") or ""
-        if reasoning.strip() and reasoning.strip() not in upto[common:]:
+        if reasoning.strip() and reasoning.strip() not in answer:
             return None  # the template drops this reasoning: the model's input changes
-        return common, len(upto), before[common:]
+        return common, end, unsaid
 
     def _answer_end(self, text: str, last: str) -> int:
         """Where the answer ends in the template's `text` of it: before the special token the
