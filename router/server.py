@@ -214,7 +214,7 @@ class Backend:
         large, `LargePrompts`, so the loop never waits seconds for one prompt). With
         `with_checkpoints`, (tokens, `checkpoints`) computed beside them."""
         if not info.tool_parser:
-            _refuse_tools(v, Path(info.model_path).name)
+            _refuse_tools(v, Path(info.model_path).name, self.tokenizer)
         history = await self.history(tenant, v.session_id) if v.append else []
         ctx = info.max_context_tokens
         least = len(history) + (len(v.token_ids) if v.kind == "tokens"
@@ -319,16 +319,28 @@ def _copy(request: api_pb2.GenerateRequest) -> api_pb2.GenerateRequest:
     return out
 
 
-def _refuse_tools(v: ValidRequest, model: str) -> None:
-    """Tools, tool calls and tool results on a model whose chat template has no tools: the
-    template would render them as plain turns (or not at all), and nothing would parse a call."""
+def _refuse_tools(v: ValidRequest, model: str, tok) -> None:
+    """Tools, tool calls and tool results on a model whose chat template has no tools, or
+    writes its calls in a syntax kvbank does not read: the template would render them as plain
+    turns (or not at all), and nothing would parse a call."""
     if v.tools:
-        raise InvalidRequest(f"the model {model} has no tool calling in its chat template: "
-                             f"send the request without tools", param="tools")
+        raise InvalidRequest(tool_refusal(model, *tok.tool_markers()), param="tools")
     if any(m.get("tool_calls") or m["role"] == "tool" for m in v.messages):
         raise InvalidRequest(f"the messages carry tool calls or tool results, and the model "
                              f"{model} has no tool calling in its chat template",
                              param="messages")
+
+
+def tool_refusal(model: str, renders_tools: bool, markers: list[str]) -> str:
+    """Why a request with tools is refused, and what to send instead."""
+    if not renders_tools:
+        return (f"the model {model} has no tool calling in its chat template: send the "
+                f"request without tools")
+    seen = ", ".join(markers) if markers else "no special tokens of a call syntax"
+    return (f"the model {model}'s chat template renders tools, but kvbank does not read its "
+            f"call syntax (markers in the template: {seen}; kvbank reads mlx-lm's tool "
+            f"parsers, gpt-oss's harmony and Nemotron's <TOOLCALL>): send the request without "
+            f"tools, or serve a model of a family kvbank reads")
 
 
 class GenerationServicer(api_pb2_grpc.GenerationServicer):
@@ -483,7 +495,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                          calls: list[tuple[str, str]], ids: list[int]) -> None:
         """So the next turn can send this answer back (text and tool calls) and still hit its
         KV. Only an answer that is all of its tokens is kept: no stop string cut it, and its
-        text is its tokens' unless tool calls were parsed out of them. mlx-lm's detokenizer
+        text ends its tokens' (a character cut at max_tokens does not) unless tool calls
+        were parsed out of them. mlx-lm's detokenizer
         drops the space an answer's first token begins with, so its tokens may say more
         whitespace at the start than the text the client got."""
         if ids and (calls or (text and _same_answer(self.b.tokenizer.decode(ids), text))):
@@ -491,8 +504,9 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
 
 
 def _same_answer(decoded: str, text: str) -> bool:
-    """The answer's tokens say `text`, but for leading whitespace the client never saw."""
-    return decoded.endswith(text) and not decoded[:len(decoded) - len(text)].strip()
+    """The answer's tokens end with `text`: before it, leading whitespace the client never
+    saw, or the reasoning the worker split off (sent back apart, as `reasoning_content`)."""
+    return decoded.endswith(text)
 
 
 class SessionsServicer(api_pb2_grpc.SessionsServicer):

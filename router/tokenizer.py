@@ -18,6 +18,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 _MARK = "\ue000kvbank-assistant-end\ue000"  # private-use characters: never in real text
 ANSWERS_KEPT = 16384
+RENDERS_KEPT = 4096  # PromptTokenizer._answer_renders
 
 
 def answer_key(content: str, calls: list[tuple[str, str]] = ()) -> str:
@@ -61,6 +63,10 @@ def lift_system(messages: list[dict]) -> list[dict] | None:
     head = messages[:1] if messages[0]["role"] == "system" else []
     text = "\n\n".join(m["content"] for m in head + later)
     return [{"role": "system", "content": text}, *(m for m in messages if m["role"] != "system")]
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
 def _arguments_text(args) -> str:
@@ -126,7 +132,18 @@ class PromptTokenizer:
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(str(model_dir))
+        self._renders: OrderedDict[bytes, tuple | None] = OrderedDict()
         self.has_chat_template = bool(getattr(self.tok, "chat_template", None))
+
+    def tool_markers(self) -> tuple[bool, list[str]]:
+        """Whether the chat template renders `tools`, and the special tokens in it that look
+        like a tool syntax's markers (for a refusal that says what the template has)."""
+        template = self.tok.chat_template if isinstance(self.tok.chat_template, str) else ""
+        words = ("tool", "call", "function")
+        markers = sorted(t.content for t in self.tok.added_tokens_decoder.values()
+                         if t.special and t.content in template
+                         and any(w in t.content.lower() for w in words))
+        return "tools" in template, markers
 
     @property
     def vocab_size(self) -> int:
@@ -196,53 +213,119 @@ class PromptTokenizer:
         """A whole conversation, ready for the assistant's next turn. An assistant message
         whose generated tokens `answer_tokens(message_key, prompt)` knows, as the answer to
         the tokens before it, goes in as those tokens, tool calls and all; the text around
-        the spliced answers is tokenized in pieces, as each turn's prompt was."""
+        the spliced answers is tokenized in pieces, as each turn's prompt was.
+
+        Where an answer stands in the render is read off the template itself, whatever its
+        generation prompt ends with (`<think>\n`, an empty thought channel, harmony's
+        `<|start|>assistant`): the conversation up to it with the generation prompt (the
+        prompt it answered) and up to its end, both prefixes of the whole render. The
+        template's text there is the model's answer written back its own way (`False` for
+        `false`, a newline dropped), then, where the template ends a message with a special
+        token the answer did not (its stop token, harmony's `<|end|>`), that token. An
+        answer is not spliced where the template changes the history (reasoning it drops):
+        the model's input is then what the template writes."""
         plain = self.render(messages, tools, template)
-        answers = [m for m in messages if m["role"] == "assistant"]
-        if answer_tokens is None or not answers:
+        if answer_tokens is None or not any(m["role"] == "assistant" for m in messages):
             return self.encode(plain)
-        marks = [f"\ue000kvbank-answer-{i}\ue000" for i in range(len(answers))]
-        it = iter(marks)
-        marked = self.render([{"role": "assistant", "content": next(it)}
-                              if m["role"] == "assistant" else m for m in messages], tools,
-                             template)
-        # The template's text between answers (`pieces`), and each answer as the plain render
-        # has it (`rendered`), by aligning the two renders.
-        pieces, rest = [], marked
-        for mark in marks:
-            before, found, rest = rest.partition(mark)
-            if not found:  # a template that rewrites assistant content
-                return self.encode(plain)
-            pieces.append(before)
-        pieces.append(rest)
-        rendered, at = [], len(pieces[0])
-        if not plain.startswith(pieces[0]) or not plain.endswith(pieces[-1]):
-            return self.encode(plain)
-        for piece in pieces[1:-1]:
-            end = plain.find(piece, at)
-            if end < 0:
-                return self.encode(plain)
-            rendered.append(plain[at:end])
-            at = end + len(piece)
-        rendered.append(plain[at:len(plain) - len(pieces[-1])])
-
+        gen = self._generation_prompt(tools, template)
         out: list[int] = []
-        pending = pieces[0]  # text not tokenized yet, since the last spliced answer
-        for i, m in enumerate(answers):
-            built: list[list[int]] = []  # the prompt before this answer, once built
+        pos = 0  # text of `plain` before it is in `out`
+        chain = hashlib.blake2b(json.dumps([tools, template], sort_keys=True, default=str)
+                                .encode(), digest_size=16)
+        for k, m in enumerate(messages):
+            chain.update(json.dumps(m, sort_keys=True, default=str).encode())
+            if m["role"] != "assistant":
+                continue
+            found: dict = {}
 
-            def prompt(out=out, pending=pending, built=built) -> list[int]:
-                if not built:
-                    built.append(out + self.encode(pending))
-                return built[0]
+            def prompt(k=k, m=m, out=out, pos=pos, found=found, key=chain.digest()
+                       ) -> list[int]:
+                if "ids" not in found:
+                    span = self._answer_span(messages, k, m, plain, gen, pos, tools, template,
+                                             key)
+                    found["span"] = span
+                    found["ids"] = [] if span is None else \
+                        out + self.encode(plain[pos:span[0]] + span[2])
+                return found["ids"]
 
             ids = answer_tokens(message_key(m), prompt)
-            if ids:
-                out = prompt() + ids
-                pending = pieces[i + 1]
-            else:
-                pending += rendered[i] + pieces[i + 1]
-        return out + self.encode(pending)
+            if ids and prompt() and found["span"] is not None:
+                start, end, _ = found["span"]
+                last = self.tok.decode(ids[-1:])
+                tail = plain[start:end]
+                end = start + self._answer_end(tail, last)
+                out, pos = prompt() + ids, end
+        return out + self.encode(plain[pos:])
+
+    def _generation_prompt(self, tools, template) -> str:
+        """The text the template ends a prompt with after a user message ("" where unknown)."""
+        probe = [{"role": "user", "content": _MARK}]
+        try:
+            with_gen = self.render(probe, tools, template)
+            without = self._render_open(probe, tools, template)
+        except Exception:  # a template that cannot render a lone user message
+            return ""
+        return with_gen[len(without):] if with_gen.startswith(without) else ""
+
+    def _answer_renders(self, messages, k, gen, tools, template, key) -> tuple | None:
+        """What `_answer_span` reads of the renders before answer k (with the generation
+        prompt) and up to its end: (where they part, the generation prompt's length there,
+        the text before only, the text up to the end only, the length and digest of the
+        second). Kept by the conversation up to the answer, so the next request of a tool loop
+        renders only its newest answer's (each render grows with the history)."""
+        if key in self._renders:
+            self._renders.move_to_end(key)
+            return self._renders[key]
+        try:
+            before = self.render(messages[:k], tools, template)
+            upto = self.render(messages[:k + 1], tools, template)
+            if gen and upto.endswith(gen):
+                upto = upto[:len(upto) - len(gen)]
+            opened = self._render_open(messages[:k], tools, template)
+        except Exception:  # a template that cannot render a partial conversation
+            got = None
+        else:
+            common = len(os.path.commonprefix([before, upto]))
+            own_gen = len(before) - len(opened) if before.startswith(opened) else 0
+            got = (common, len(before) - own_gen, before[common:], upto[common:], len(upto),
+                   _digest(upto))
+        self._renders[key] = got
+        while len(self._renders) > RENDERS_KEPT:
+            self._renders.popitem(last=False)
+        return got
+
+    def _answer_span(self, messages, k, m, plain, gen, pos, tools, template, key):
+        """(start, end, unsaid) of assistant message k in `plain`, or None where the template
+        does not render the conversation before it and up to its end as prefixes of the
+        whole. `unsaid`: the end of the generation prompt the answer followed that the
+        template does not write back (Gemma 4's empty thought channel): the model's input,
+        put back before the answer's tokens."""
+        renders = self._answer_renders(messages, k, gen, tools, template, key)
+        if renders is None:
+            return None
+        common, history_end, unsaid, answer, end, digest = renders
+        if not (common >= pos and common >= history_end and len(plain) >= end
+                and _digest(plain[:end]) == digest):
+            return None
+        reasoning = m.get("reasoning_content") or m.get("thinking") or ""
+        if reasoning.strip() and reasoning.strip() not in answer:
+            return None  # the template drops this reasoning: the model's input changes
+        return common, end, unsaid
+
+    def _answer_end(self, text: str, last: str) -> int:
+        """Where the answer ends in the template's `text` of it: before the special token the
+        template closes the message with, unless the answer itself ends with that token."""
+        body = text.rstrip()
+        for special in self._specials():
+            if body.endswith(special) and not last.endswith(special):
+                return len(body) - len(special)
+        return len(text)
+
+    def _specials(self) -> list[str]:
+        if not hasattr(self, "_special_texts"):
+            texts = {t.content for t in self.tok.added_tokens_decoder.values() if t.special}
+            self._special_texts = sorted(texts, key=len, reverse=True)
+        return self._special_texts
 
     def chat_append(self, history: list[int], messages: list[dict],
                     eos_token_ids: set[int], tools: list[dict] | None = None,

@@ -137,7 +137,8 @@ def _message(i: int, m: api_pb2.ChatMessage) -> dict:
     if m.reasoning:
         if m.role != "assistant":
             raise InvalidRequest(f"{where}.reasoning: only assistant messages carry reasoning")
-        out["reasoning_content"] = m.reasoning
+        # `reasoning_content` for most templates, `thinking` for gpt-oss's
+        out["reasoning_content"] = out["thinking"] = m.reasoning
     if m.role == "tool":
         if m.tool_call_id:
             out["tool_call_id"] = m.tool_call_id

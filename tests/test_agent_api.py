@@ -384,9 +384,15 @@ def test_responses_refuse_what_they_cannot_honour_in_openais_shape(agent_stack):
         c.responses.create(model="kvbank", input="hi", previous_response_id="resp_123")
     assert info.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.BadRequestError) as info:
-        c.responses.create(model="kvbank", input="hi",
-                           tools=[{"type": "web_search_preview"}])
+        c.responses.create(model="kvbank", input="hi", tools=[{"type": "file_search"}])
     assert "tools[0].type" in info.value.body["param"]
+    # Codex's default web search: left out of the prompt, and the client is told
+    raw = c.responses.with_raw_response.create(
+        model="kvbank", input="hi", max_output_tokens=4, store=False,
+        tools=[{"type": "web_search"}, {"type": "function", "name": "f",
+                                        "parameters": {"type": "object"}}])
+    assert "web_search" in raw.headers["x-kvbank-warning"]
+    assert raw.parse().status in ("completed", "incomplete")
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve("resp_unknown")
 

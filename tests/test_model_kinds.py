@@ -167,16 +167,22 @@ def _check(ref: Reference, got, prompt: list[int], marks: list[int], checkpointe
     assert got.token_ids == flat, f"{where}: unsplit mlx-lm answers otherwise"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + ("gpt_oss harmony",))
 def test_a_conversation_continues_exactly_from_ram_ssd_and_after_kill_9(
         arch, tmp_path_factory, cache_dir):
     """Four unnamed turns: from RAM, from SSD after a release, from SSD after a kill -9. Each
-    returning turn reads the whole previous prompt and answer from cache."""
-    template = (TEMPLATES / "qwen_tools.jinja").read_text()  # keeps answers as generated
-    model = _model(tmp_path_factory, cache_dir, arch, template)
+    returning turn reads the whole previous prompt and answer from cache. `gpt_oss harmony`:
+    gpt-oss's published template (harmony) and tokens, the answers spliced back in it."""
+    if arch == "gpt_oss harmony":
+        from kvbank.testing.family_models import family_model
+
+        model = family_model("gpt_oss", cache_dir=cache_dir)
+    else:
+        template = (TEMPLATES / "qwen_tools.jinja").read_text()  # keeps answers as generated
+        model = _model(tmp_path_factory, cache_dir, arch, template)
     ref = Reference(model)
-    s = start_stack(model, tmp_path_factory.mktemp(f"{arch}-data"), cache_dir=cache_dir,
-                    shim=False)
+    s = start_stack(model, tmp_path_factory.mktemp(f"{arch.replace(' ', '-')}-data"),
+                    cache_dir=cache_dir, shim=False)
     try:
         messages = [{"role": "system", "content": "You are a careful coding agent."},
                     {"role": "user", "content": "Read the parser and list its three bugs."}]

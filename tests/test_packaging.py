@@ -40,7 +40,8 @@ def test_pyproject_ships_every_package_folder_under_kvbank():
     shipped = set(tool["packages"])
     want = {_installed_name(f) for f in _package_folders()
             if str(f.relative_to(ROOT)) not in UNSHIPPED}
-    want |= {"kvbank.testing.templates"}  # data: the test chat templates
+    want |= {"kvbank.testing.templates",  # data: the test chat templates,
+             "kvbank.testing.templates.families"}  # the published ones among them
     assert shipped == want, f"pyproject's packages and the folders differ: {shipped ^ want}"
     assert all(name == "kvbank" or name.startswith("kvbank.") for name in shipped)
     assert tool["package-dir"] == {f"kvbank.{top}": top for top in FOLDERS if top != "kvbank"}
@@ -87,6 +88,7 @@ def test_a_wheel_holds_kvbank_alone_and_no_component_bench(tmp_path):
                  "kvbank/apps/cli.py", "kvbank/apps/bench/turn.py", "kvbank/router/server.py",
                  "kvbank/coldstore/server.py", "kvbank/deploy/supervisor.py",
                  "kvbank/testing/tiny.py", "kvbank/testing/templates/qwen_tools.jinja",
+                 "kvbank/testing/templates/families/gpt_oss.jinja",
                  "kvbank/v1/api_pb2.py"):
         assert path in names, path
     assert not [n for n in names if "/components/" in n]

@@ -24,6 +24,9 @@ CACHES = {  # make_prompt_cache(model) per arch, in order
     "mamba2": ["ArraysCache"] * 4,
     "falcon_h1": ["CacheList"] * 4,  # each (ArraysCache, KVCache)
     "baichuan_m1": ["CacheList"] * 4,  # each (ArraysCache, KVCache or RotatingKVCache)
+    "qwen3_moe": ["KVCache"] * 4,
+    "glm4_moe": ["KVCache"] * 4,
+    "gemma4_text": ["RotatingKVCache"] * 3 + ["KVCache"],
 }
 PROMPT = [{"role": "system", "content": "You are terse."},
           {"role": "user", "content": "Name three colours, please."}]

@@ -296,9 +296,10 @@ def main(model: Path, layout: Layout, **engine_kw) -> None:
 
 
 def _tool_calling(tokenizer) -> dict:
-    """The model's tool calling as mlx-lm reads it from the chat template (empty: none)."""
-    if not tokenizer.has_tool_calling:
+    """The model's tool calling as read from its chat template (empty: none)."""
+    from kvbank.worker.compute.call_formats import call_format
+
+    fmt = call_format(tokenizer)
+    if fmt is None:
         return {}
-    parser = tokenizer.tool_parser
-    return {"tool_parser": getattr(parser, "__module__", "").rsplit(".", 1)[-1] or "custom",
-            "tool_call_start": tokenizer.tool_call_start, "tool_call_end": tokenizer.tool_call_end}
+    return {"tool_parser": fmt.name, "tool_call_start": fmt.start, "tool_call_end": fmt.end}

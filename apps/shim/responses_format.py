@@ -42,7 +42,10 @@ FIELDS = ("model", "input", "instructions", "tools", "tool_choice", "max_output_
 NO_EFFECT = ("metadata", "parallel_tool_calls", "include", "truncation", "service_tier",
              "client_metadata", "background", "safety_identifier", "prompt_cache_retention",
              "stream_options", "top_logprobs")
-# Tools OpenAI's servers run for the model: a local server has none to run.
+# Tools OpenAI's servers run for the model: a local server has none to run. Those a client
+# sends by default (Codex's web search) are left out of the prompt, with a warning the client
+# sees (the `x-kvbank-warning` header) and a log line; any other is refused.
+LEFT_OUT = ("web_search", "web_search_preview")
 HOSTED = ("web_search", "web_search_preview", "file_search", "code_interpreter",
           "image_generation", "computer_use_preview", "mcp", "local_shell")
 
@@ -53,6 +56,7 @@ class ResponsesRequest:
     custom_tools: frozenset[str]  # names of the freeform tools
     echo: dict  # what the response object repeats of the request
     namespaces: dict = field(default_factory=dict)  # tool name -> its namespace tool's name
+    left_out: tuple[str, ...] = ()  # hosted tools left out of the prompt (LEFT_OUT)
 
 
 def parse(body: object, *, session_header: str | None, default_max_tokens: int,
@@ -66,7 +70,7 @@ def parse(body: object, *, session_header: str | None, default_max_tokens: int,
         raise invalid(unknown[0], f"unsupported field{'s' if len(unknown) > 1 else ''} "
                                   f"{', '.join(unknown)}; kvbank's Responses API takes "
                                   f"{', '.join(FIELDS + NO_EFFECT)}")
-    tools, custom, namespaces = _tools(body.get("tools"))
+    tools, custom, namespaces, left_out = _tools(body.get("tools"))
     given = body.get("input")
     if prior:
         given = list(prior) + ([{"role": "user", "content": given}] if isinstance(given, str)
@@ -93,7 +97,7 @@ def parse(body: object, *, session_header: str | None, default_max_tokens: int,
     thinking = _reasoning(body.get("reasoning"))
     if thinking is not None:
         parsed.generate.enable_thinking = thinking
-    return ResponsesRequest(parsed, frozenset(custom), echo, namespaces)
+    return ResponsesRequest(parsed, frozenset(custom), echo, namespaces, tuple(left_out))
 
 
 def _reasoning(value: object) -> bool | None:
@@ -177,18 +181,20 @@ def _messages(instructions, items, custom: set[str]) -> list[dict]:
     return out
 
 
-def _tools(tools) -> tuple[list[dict], set[str], dict[str, str]]:
-    """Chat tools, the names of the freeform (custom) ones, and the namespace of each tool a
-    `namespace` tool groups (Codex's sub-agent tools): the model sees those as plain
-    functions, and its calls of them name their namespace."""
+def _tools(tools) -> tuple[list[dict], set[str], dict[str, str], list[str]]:
+    """Chat tools, the names of the freeform (custom) ones, the namespace of each tool a
+    `namespace` tool groups (Codex's sub-agent tools: the model sees those as plain
+    functions, and its calls of them name their namespace), and the hosted tools left out."""
     if tools is None or tools == []:
-        return [], set(), {}
+        return [], set(), {}, []
     if not isinstance(tools, list):
         raise invalid("tools", "tools must be an array")
-    out, custom, namespaces = [], set(), {}
+    out, custom, namespaces, left_out = [], set(), {}, []
     for i, t in enumerate(tools):
         kind = t.get("type") if isinstance(t, dict) else None
-        if kind == "namespace" and isinstance(t.get("tools"), list):
+        if kind in LEFT_OUT:
+            left_out.append(kind)
+        elif kind == "namespace" and isinstance(t.get("tools"), list):
             for j, inner in enumerate(t["tools"]):
                 out.append(_tool(inner, f"tools[{i}].tools[{j}]", custom))
                 namespaces[out[-1]["function"]["name"]] = str(t.get("name", ""))
@@ -199,7 +205,7 @@ def _tools(tools) -> tuple[list[dict], set[str], dict[str, str]]:
         twice = sorted({n for n in names if names.count(n) > 1})
         raise invalid("tools", f"tools name {', '.join(map(repr, twice))} more than once "
                                f"(namespaces included): give each tool its own name")
-    return out, custom, namespaces
+    return out, custom, namespaces, left_out
 
 
 def _tool(t, where: str, custom: set[str]) -> dict:

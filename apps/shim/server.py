@@ -390,11 +390,17 @@ class Shim:
                 if answer.echo["store"]:
                     await responses_store.keep(self.stored, metadata, items, answer.body())
 
-            return await self._answer(request, req.chat.generate, metadata,
-                                      req.chat.fit_max_tokens, answer,
-                                      _responses_events if req.chat.stream else None, keep,
-                                      params={"max_tokens": "max_output_tokens",
-                                              "messages": "input"})
+            response = await self._answer(request, req.chat.generate, metadata,
+                                          req.chat.fit_max_tokens, answer,
+                                          _responses_events if req.chat.stream else None, keep,
+                                          params={"max_tokens": "max_output_tokens",
+                                                  "messages": "input"})
+            if req.left_out:
+                warning = (f"left out of the prompt: {', '.join(req.left_out)} (a tool OpenAI's "
+                           f"servers run; kvbank runs none)")
+                logger.warning("responses: %s", warning)
+                response.headers["x-kvbank-warning"] = warning
+            return response
         except ApiError as e:
             return error_response(e)
 

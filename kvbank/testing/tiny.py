@@ -25,9 +25,9 @@ import numpy as np
 from kvbank.models import TOKENIZER_FILES, atomic_dir, default_model_dir, llama_config, locked
 
 ARCHS = ("llama", "qwen3", "gpt_oss", "gemma3_text", "qwen3_5", "nemotron_h", "mamba2",
-         "falcon_h1", "baichuan_m1")
+         "falcon_h1", "baichuan_m1", "qwen3_moe", "glm4_moe", "gemma4_text")
 MTP_ARCHS = ("qwen3_5",)  # the architectures whose checkpoints ship an MTP head
-SIZES = ("tiny", "default")
+SIZES = ("tiny", "default", "scripted")
 THINK_TOKENS = ("<think>", "</think>")
 TEMPLATE_PATH = Path(__file__).parent / "templates" / "qwen35_reasoning.jinja"
 WEIGHT_STD = 0.02
@@ -37,12 +37,17 @@ _VOCAB_MATRICES = ("embed_tokens.weight", "embeddings.weight", "lm_head.weight")
 _DIMS = {
     "tiny": {"hidden": 64, "layers": 4, "heads": 4, "kv_heads": 2, "head_dim": 16, "inter": 128},
     "default": {"hidden": 576, "layers": 30, "heads": 9, "kv_heads": 3, "head_dim": 64, "inter": 1536},
+    # kvbank/testing/family_models.py's scripted models: room for five token codes in the residual
+    # stream, and heads wide enough to carry one of them each
+    "scripted": {"hidden": 384, "layers": 4, "heads": 4, "kv_heads": 4, "head_dim": 64, "inter": 256},
 }
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
     "nemotron_h": "NemotronHForCausalLM", "mamba2": "Mamba2ForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM", "baichuan_m1": "BaichuanM1ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
 }
 # mlx-lm's load changes these saved weights (its sanitize), the same way every time: the model
 # built here is the sanitized one, as load makes it.
@@ -79,7 +84,7 @@ def arch_config(arch: str, *, size: str = "tiny", vocab: int, context: int = 819
     """config.json for one architecture: the smallest layer pattern that still mixes the arch's
     cache kinds when tiny, the arch's usual pattern at SmolLM2-135M's width and depth when default."""
     _check(arch, size)
-    d, tiny = _DIMS[size], size == "tiny"
+    d, tiny = _DIMS[size], size != "default"
     if head_dim:  # attention heads' width (--kv-bits quantizes in groups of 32 or 64 of it)
         d = {**d, "head_dim": head_dim}
     if arch == "llama":
@@ -104,6 +109,29 @@ def arch_config(arch: str, *, size: str = "tiny", vocab: int, context: int = 819
         config.update(sliding_window=window, sliding_window_pattern=4 if tiny else 6,
                       rope_theta=1000000.0, rope_local_base_freq=10000.0,
                       query_pre_attn_scalar=d["head_dim"])
+        return config
+    if arch == "qwen3_moe":  # Qwen3-Coder-30B-A3B's architecture
+        config = _attention(d, arch, vocab, context, tied=True)
+        config.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=d["inter"] // 4,
+                      decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                      rope_theta=1000000.0)
+        return config
+    if arch == "glm4_moe":  # GLM-4.5 / 4.6: a dense first layer, then routed experts and a shared one
+        config = _attention(d, arch, vocab, context, tied=False)
+        config.update(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                      moe_intermediate_size=d["inter"] // 4, first_k_dense_replace=1,
+                      n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+                      partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=False,
+                      rope_theta=1000000.0, rope_scaling=None)
+        return config
+    if arch == "gemma4_text":  # Gemma 4's dense text model (the 31B's shape: no per-layer inputs)
+        config = _attention(d, arch, vocab, context, tied=True)
+        pattern = ["sliding_attention"] * (3 if tiny else 5) + ["full_attention"]
+        config.update(sliding_window=window, sliding_window_pattern=len(pattern),
+                      layer_types=(pattern * d["layers"])[:d["layers"]],
+                      global_head_dim=d["head_dim"], num_kv_shared_layers=0,
+                      hidden_size_per_layer_input=0, vocab_size_per_layer_input=vocab,
+                      use_double_wide_mlp=False, final_logit_softcapping=30.0)
         return config
     if arch == "qwen3_5":
         config = _attention(d, arch, vocab, context, tied=True)
@@ -178,12 +206,13 @@ def _init(name: str, p, rng: np.random.Generator):
     return rng.standard_normal(p.shape, dtype=np.float32) * np.float32(std)
 
 
-def build_model(config: dict, seed: int = 0):
+def build_model(config: dict, seed: int = 0, zero: tuple[str, ...] = ()):
     """The mlx-lm model for config with seeded weights (see ``_init``), exactly as
     ``mlx_lm.load`` will rebuild it from the saved weights. Returns (model, weights).
 
     Numpy draws the weights, in sorted name order; ``mx.random.seed(seed)`` fixes what
-    mlx-lm draws itself (qwen3_5's A_log).
+    mlx-lm draws itself (qwen3_5's A_log). Weights whose names end with one of ``zero`` are
+    zeros, drawn from nothing (a caller that sets them itself).
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -194,7 +223,9 @@ def build_model(config: dict, seed: int = 0):
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     rng = np.random.default_rng(seed)
-    weights = {name: mx.array(_init(name, p, rng)) for name, p in sorted(tree_flatten(model.parameters()))}
+    weights = {name: mx.zeros(p.shape, p.dtype) if name.endswith(zero) else
+               mx.array(_init(name, p, rng))
+               for name, p in sorted(tree_flatten(model.parameters()))}
     if config.get("tie_word_embeddings"):
         weights.pop("lm_head.weight", None)
     if hasattr(model, "sanitize"):
@@ -218,8 +249,10 @@ def _vocab_size(tokenizer: dict) -> int:
     return max(ids) + 1
 
 
-def _write_tokenizer(src: Path, dst: Path, *, think_tokens: bool, template: str, context: int) -> int:
-    """Copy the default model's tokenizer into dst, adding the think tokens and the template;
+def _write_tokenizer(src: Path, dst: Path, *, think_tokens: bool, template: str, context: int,
+                     special: tuple[str, ...] = (), bos: str | None = None) -> int:
+    """Copy the default model's tokenizer into dst, adding the think tokens (and `special`, a
+    model family's own tokens, where the vocabulary lacks them), the template and `bos`;
     returns the vocabulary size the model must cover."""
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
@@ -227,14 +260,18 @@ def _write_tokenizer(src: Path, dst: Path, *, think_tokens: bool, template: str,
     tok = json.loads((src / "tokenizer.json").read_text())
     cfg = json.loads((src / "tokenizer_config.json").read_text())
     decoder = cfg.setdefault("added_tokens_decoder", {})
-    if think_tokens:
-        for content in THINK_TOKENS:
-            entry = {"content": content, "single_word": False, "lstrip": False, "rstrip": False,
-                     "normalized": False, "special": True}
-            token_id = _vocab_size(tok)
-            tok["added_tokens"].append({"id": token_id, **entry})
-            decoder[str(token_id)] = entry
+    have = {t["content"] for t in tok["added_tokens"]} | set(tok["model"]["vocab"])
+    added = [t for t in (*(THINK_TOKENS if think_tokens else ()), *special) if t not in have]
+    for content in dict.fromkeys(added):
+        entry = {"content": content, "single_word": False, "lstrip": False, "rstrip": False,
+                 "normalized": False, "special": True}
+        token_id = _vocab_size(tok)
+        tok["added_tokens"].append({"id": token_id, **entry})
+        decoder[str(token_id)] = entry
+    if added:
         (dst / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+    if bos is not None:
+        cfg["bos_token"] = bos
     cfg["chat_template"] = template
     cfg["model_max_length"] = context
     (dst / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
@@ -301,15 +338,25 @@ def mtp_head_weights(model, seed: int) -> dict:
 def make_arch_model(out_dir: Path, arch: str, *, seed: int = 0, context: int = 8192,
                     window: int = 128, think_tokens: bool = True, template: str | None = None,
                     cache_dir: Path | None = None, size: str = "tiny",
-                    head_dim: int | None = None, mtp: bool = False) -> Path:
+                    head_dim: int | None = None, special: tuple[str, ...] = (),
+                    bos: str | None = None, eos: tuple[str, ...] = (),
+                    overrides: dict | None = None, tune=None, zero: tuple[str, ...] = (),
+                    mtp: bool = False
+                    ) -> Path:
     """Write a random-weight ``arch`` model folder at out_dir (float32) and return it.
 
     One seed gives bit-identical files. ``context`` is max_position_embeddings, ``window`` the
     sliding window of gpt_oss and gemma3_text, ``template`` a chat template replacing the
-    Qwen3.5-style one, ``cache_dir`` where the default model (the tokenizer's source) lives,
+    Qwen3.5-style one, ``cache_dir`` where the default model (the tokenizer's source) lives.
+    A model family's own tokens: ``special`` (added where the vocabulary lacks them), ``bos``,
+    ``eos`` (its stop tokens, by text). ``overrides``: config fields set over the arch's.
+    ``tune(folder, config, weights, model) -> weights``: last changes to the weights (numpy
+    arrays by name), with the tokenizer and config already in ``folder`` and the mlx-lm model
+    at hand; ``zero``: weights left at zero for it (``build_model``).
     ``mtp`` adds a random MTP head (`mtp.*`, which mlx-lm's load drops; kvbank reads it).
     """
     import mlx.core as mx
+    import numpy as np
 
     _check(arch, size)
     if mtp and arch not in MTP_ARCHS:
@@ -320,17 +367,31 @@ def make_arch_model(out_dir: Path, arch: str, *, seed: int = 0, context: int = 8
     template = TEMPLATE_PATH.read_text() if template is None else template
     with locked(out_dir), atomic_dir(out_dir) as tmp:
         vocab = _write_tokenizer(tok_dir, tmp, think_tokens=think_tokens, template=template,
-                                 context=context)
+                                 context=context, special=special, bos=bos)
         config = arch_config(arch, size=size, vocab=vocab, context=context, window=window,
                              head_dim=head_dim)
         config.update({k: src[k] for k in ("bos_token_id", "eos_token_id") if k in src})
-        model, weights = build_model(config, seed)
+        ids = _token_ids(tmp)
+        if bos is not None:
+            config["bos_token_id"] = ids[bos]
+        if eos:
+            config["eos_token_id"] = [ids[t] for t in eos]
+        config.update(overrides or {})
+        model, weights = build_model(config, seed, zero)
         if mtp:
             config["mtp_num_hidden_layers"] = 1
             weights.update(mtp_head_weights(model, seed))
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if tune is not None:
+            tuned = tune(tmp, config, {k: np.array(v) for k, v in weights.items()}, model)
+            weights = {k: mx.array(v) for k, v in tuned.items()}
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
     return out_dir
+
+
+def _token_ids(folder: Path) -> dict[str, int]:
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    return {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
 
 
 def bench_model(arch: str, cache_dir: Path | None = None) -> Path:

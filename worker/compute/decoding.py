@@ -20,6 +20,7 @@ import mlx.core as mx
 from kvbank.contracts.failures import InvalidRequest
 from kvbank.custom_tools import parse_raw
 from kvbank.v1 import api_pb2
+from kvbank.worker.compute.call_formats import CallFormat, HarmonyText
 
 PENALTY_WINDOW = 20    # mlx-lm's context size for the three penalties
 
@@ -85,7 +86,8 @@ class ReasoningText:
     markers, mlx-lm's `think_start` / `think_end`) and the text the client reads. An answer
     whose prompt ends inside an open think marker (a template that starts the reasoning for
     the model) begins as reasoning, as mlx-lm's server decides it. The blank lines a model
-    writes after its end marker are not text."""
+    writes after its end marker, or before its reasoning opens (GLM's `\n<think>`), are not
+    text."""
 
     def __init__(self, start: str, end: str, reasoning: bool, *,
                  start_ids: list[int] = (), end_ids: list[int] = ()):
@@ -93,6 +95,7 @@ class ReasoningText:
         self.buf = ""
         self.after_end = False  # strip the whitespace that follows an end marker
         self.opened = reasoning  # as the answer began (for `count`)
+        self.blank = not reasoning  # nothing but whitespace so far (held back)
         self.start_ids, self.end_ids = list(start_ids), list(end_ids)
 
     @classmethod
@@ -126,9 +129,14 @@ class ReasoningText:
             at = self.buf.find(marker)
             if at < 0:
                 keep = _partial_suffix(self.buf, marker)
+                if self.blank and not self.buf[:len(self.buf) - keep].strip():
+                    break  # whitespace before anything: held until it is known what follows
                 piece, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
             else:
                 piece, self.buf = self.buf[:at], self.buf[at + len(marker):]
+                if self.blank and not piece.strip():
+                    piece = ""  # the blank before the reasoning opens
+            self.blank = False
             if self.in_reasoning:
                 reasoning.append(piece)
             else:
@@ -235,22 +243,30 @@ class Decoding:
     tools: ToolCallText | None = None
     reasoning: ReasoningText | None = None
     grammar: Any = None  # the constraint's matcher, when the answer is constrained
+    harmony: HarmonyText | None = None  # gpt-oss: channels and calls in one split
+
+    @property
+    def made_calls(self) -> bool:
+        split = self.harmony or self.tools
+        return bool(split and split.made_calls)
 
     @classmethod
-    def for_request(cls, req, tokenizer, vocab_size: int, constraint=None) -> "Decoding":
+    def for_request(cls, req, tokenizer, vocab_size: int, constraint=None,
+                    fmt: CallFormat | None = None) -> "Decoding":
         """`req` is a WorkerGenerateRequest; `constraint` the grammar's logits processor
-        (worker/compute/grammar.py), if the answer has one."""
+        (worker/compute/grammar.py), if the answer has one; `fmt` the model's call syntax."""
         s = req.sampling
         seed = s.seed if s.HasField("seed") else None
         processors = logits_processors(s, vocab_size)
         if constraint is not None:
             processors.append(constraint)  # last: nothing may lift a masked token back
-        tools = None
-        if req.tools_json and req.tool_choice != "none":
-            tools = ToolCallText(tokenizer.tool_call_start, tokenizer.tool_call_end,
-                                 tokenizer.tool_parser, json.loads(req.tools_json))
-        reasoning = None
-        if req.split_reasoning and getattr(tokenizer, "has_thinking", False):
+        tools = reasoning = harmony = None
+        calls_on = bool(req.tools_json) and req.tool_choice != "none" and fmt is not None
+        if fmt is not None and fmt.name == "harmony" and (req.split_reasoning or calls_on):
+            harmony = HarmonyText(json.loads(req.tools_json) if calls_on else None)
+        elif calls_on:
+            tools = ToolCallText(fmt.start, fmt.end, fmt.parse, json.loads(req.tools_json))
+        if harmony is None and req.split_reasoning and getattr(tokenizer, "has_thinking", False):
             reasoning = ReasoningText.after_prompt(tokenizer, list(req.token_ids))
         if s.top_k >= vocab_size:
             raise InvalidRequest(f"top_k must be below the vocabulary size {vocab_size}; given "
@@ -259,7 +275,7 @@ class Decoding:
                                                 min_p=s.min_p),
                    processors=processors, logprobs=s.logprobs or s.top_logprobs > 0,
                    top_logprobs=s.top_logprobs, tools=tools, reasoning=reasoning,
-                   grammar=constraint)
+                   grammar=constraint, harmony=harmony)
 
 
 class Decodings:
@@ -272,61 +288,97 @@ class Decodings:
     engine only takes a copy of it (`for_request`)."""
 
     def __init__(self, tokenizer, vocab_size: int, model_name: str):
+        from kvbank.worker.compute.call_formats import call_format
+
         self.tokenizer, self.vocab_size, self.model_name = tokenizer, vocab_size, model_name
+        self.format = call_format(tokenizer)  # the model's call syntax (None: none known)
         self._grammars = None  # worker/compute/grammar.py Grammars
         self._grammars_made = threading.Lock()  # compiles run on threads
 
     def for_request(self, req, grammar=None) -> Decoding:
         """`grammar`: the request's, compiled already (`compile`); when it needs one and none
         is given, compiled here."""
-        if req.tools_json and not self.tokenizer.has_tool_calling:
+        if req.tools_json and self.format is None:
             raise InvalidRequest(f"the model {self.model_name} has no tool calling in its "
                                  f"chat template: send the request without tools",
                                  param="tools")
         if grammar is None and self.grammar_key(req) is not None:
             grammar = self.compile(req)
         return Decoding.for_request(req, self.tokenizer, self.vocab_size,
-                                    constraint=grammar.processor() if grammar else None)
+                                    constraint=grammar.processor() if grammar else None,
+                                    fmt=self.format)
+
+    def _kind(self, req) -> str | None:
+        """What constrains the answer: "call" (a forced call in the model's own syntax),
+        "format" (a JSON answer), "none" (tool_choice none: the answer must not call), or
+        None (free)."""
+        fmt, choice = req.response_format, req.tool_choice
+        if req.tools_json and self.format is None:
+            return None  # refused as any request with tools is (`for_request`)
+        if req.tools_json and (choice == "required" or choice.startswith("function:")):
+            return "call"
+        if fmt.type in ("json_object", "json_schema"):
+            return "format"
+        if req.tools_json and choice == "none":
+            return "none"
+        return None
 
     def grammar_key(self, req) -> str | None:
         """What the request's grammar is compiled from (its cache key); None when its answer
-        is free. Refuses a forced call the model cannot write."""
-        fmt, choice = req.response_format, req.tool_choice
-        forced = req.tools_json and (choice == "required" or choice.startswith("function:"))
-        if forced and not self.tokenizer.has_tool_calling:
-            return None  # refused as any request with tools is (`for_request`)
-        if fmt.type not in ("json_object", "json_schema") and not forced:
+        is free."""
+        kind = self._kind(req)
+        if kind is None:
             return None
-        if forced and self.tokenizer.tool_parser.__module__.rsplit(".", 1)[-1] != "json_tools":
-            raise InvalidRequest(
-                f"tool_choice {choice!r} constrains the answer to one JSON tool call, and the "
-                f"model {self.model_name} writes its calls in another format: send "
-                f"tool_choice auto", param="tool_choice")
-        if forced:
-            return f"call\0{choice}\0{req.tools_json}"
-        return f"format\0{fmt.type}\0{fmt.json_schema if fmt.type == 'json_schema' else ''}"
+        fmt = req.response_format
+        if kind == "format":
+            return f"format\0{fmt.type}\0{fmt.json_schema if fmt.type == 'json_schema' else ''}"
+        return f"{kind}\0{req.tool_choice}\0{self._reasoning(req)}\0{req.tools_json}"
 
     def compile(self, req):
-        """The grammar (worker/compute/grammar.py `Grammar`) for a JSON answer or a forced
-        tool call (any thread; it may take seconds). A schema or grammar llguidance refuses is
-        an InvalidRequest in our words (`in_our_words`)."""
-        fmt, choice = req.response_format, req.tool_choice
-        forced = bool(req.tools_json) and (choice == "required" or choice.startswith("function:"))
-        param = "response_format" if not forced else "tool_choice"
+        """The grammar (worker/compute/grammar.py `Grammar`) for a JSON answer, a forced tool
+        call in the model's own call syntax, or an answer that must not call (any thread; it
+        may take seconds). A schema or grammar llguidance refuses is an InvalidRequest in our
+        words (`in_our_words`)."""
+        kind, fmt, choice = self._kind(req), req.response_format, req.tool_choice
+        param = "tool_choice" if kind == "call" else "response_format"
         with self._grammars_made:
             if self._grammars is None:
                 from kvbank.worker.compute.grammar import Grammars
 
                 self._grammars = Grammars(self.tokenizer)
+        family = self.format.name if self.format is not None else ""
         try:
-            if forced:
+            if kind == "call" and family == "json_tools":
                 return self._grammars.for_tool_call(json.loads(req.tools_json),
                                                     choice.removeprefix("function:"))
+            if kind == "call":
+                return self._grammars.for_family_call(
+                    family, json.loads(req.tools_json), choice.removeprefix("function:"),
+                    self._reasoning(req))
+            if kind == "none":
+                grammar = self._grammars.for_no_call(family, self._reasoning(req))
+                return grammar if grammar is not None else self._no_call_token()
             return self._grammars.for_response_format(
                 {"type": fmt.type, "json_schema": {"schema": json.loads(fmt.json_schema)}}
                 if fmt.type == "json_schema" else {"type": fmt.type})
         except ValueError as e:  # a custom tool's format names its own field
             raise InvalidRequest(in_our_words(str(e)), param=getattr(e, "param", param)) from None
+
+    def _reasoning(self, req) -> str:
+        """Where the answer starts relative to the model's reasoning (worker/compute/grammar.py)."""
+        if not getattr(self.tokenizer, "has_thinking", False):
+            return "none"
+        prompt = list(req.token_ids)
+        opened = self.tokenizer.rfind_think_start(prompt) > self.tokenizer.rfind_think_end(prompt)
+        return "open" if opened else "optional"
+
+    def _no_call_token(self):
+        """tool_choice none where a call opens with one special token: that token ruled out
+        (None where the call's start is plain text: the answer is left free)."""
+        specials = {t.content: i for i, t in
+                    self.tokenizer._tokenizer.added_tokens_decoder.items()}
+        token = specials.get(self.format.start)
+        return None if token is None else BanToken(token)
 
 
 GRAMMAR_MESSAGE_MAX = 300
@@ -342,3 +394,18 @@ def in_our_words(message: str) -> str:
         return (f"{where if why else 'the grammar'}: the grammar compiler could not build a "
                 f"grammar from it (too large or too complex for it): simplify it")
     return message
+
+
+class BanToken:
+    """A logits processor that rules one token out (tool_choice none: a call's first token).
+    Stands where a grammar would (`processor()`), so the compile cache can hold it."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def processor(self) -> "BanToken":
+        return self
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        mask = mx.arange(logits.shape[-1]) == self.token
+        return mx.where(mask, mx.array(-float("inf"), dtype=logits.dtype), logits)

@@ -436,7 +436,9 @@ class Engine:
             session_id=r.session[1],
             max_tokens=r.job.request.max_tokens,
             prefix_lost_tokens=r.prefix_lost,
-            reasoning_tokens=reasoning.count(r.completion) if reasoning else 0,
+            reasoning_tokens=(reasoning.count(r.completion) if reasoning else
+                              r.decoding.harmony.count(r.completion, self.tokenizer.decode)
+                              if r.decoding.harmony else 0),
             drafted_tokens=r.drafted,
             accepted_tokens=r.accepted,
         )
@@ -449,7 +451,7 @@ class Engine:
             metrics.MTP_TOKENS.labels("accepted").inc(r.accepted)
         metrics.RECOMPUTED_TOKENS.inc(usage.recomputed_tokens)
         finish = r.finish
-        if finish == api_pb2.FINISH_REASON_STOP and r.decoding.tools and r.decoding.tools.made_calls:
+        if finish == api_pb2.FINISH_REASON_STOP and r.decoding.made_calls:
             finish = api_pb2.FINISH_REASON_TOOL_CALLS
         return worker_pb2.WorkerGenerateResponse(finish_reason=finish, usage=usage,
                                                  stop_sequence=r.stop_sequence)

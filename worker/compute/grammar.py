@@ -48,6 +48,11 @@ class Grammars:
         backend.no_truncation()
         self.eos_token_ids = sorted(tokenizer.eos_token_ids)
         self.tokenizer = llg.LLTokenizer(backend.to_str(), eos_token=self.eos_token_ids)
+        # single tokens a grammar names by id, <[id]>; plain text can never match them
+        self.specials = {t.content: i for i, t in hf.added_tokens_decoder.items()}
+        think = (getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None))
+        self.think = think if all(t in self.specials for t in think if t) and all(think) \
+            else None
 
     def for_response_format(self, response_format: dict | None) -> Grammar | None:
         """The grammar for an OpenAI `response_format`; None for plain text.
@@ -121,6 +126,86 @@ class Grammars:
             raise ValueError(f"tools: {matcher.get_error()}")
         return Grammar(matcher, self.tokenizer.vocab_size, self.eos_token_ids)
 
+    def for_family_call(self, family: str, tools: list[dict], choice: str | dict,
+                        reasoning: str = "none") -> Grammar:
+        """The grammar that forces one call in the model family's own syntax (`family`: the
+        call format, worker/compute/call_formats.py), then end of turn: the markers and the argument
+        encoding the family's parser reads back. `reasoning`: "open" where the prompt opened
+        the model's reasoning (the call comes after its end marker), "optional" where the
+        model may reason first, "none". Raises ValueError naming the family and its syntax
+        where the call cannot be constrained there."""
+        functions = self._chosen(tools, choice)
+        build = _FAMILY_CALLS.get(family)
+        if build is None:
+            raise ValueError(f"tool_choice forces a call, and kvbank cannot constrain calls in "
+                             f"the {family!r} format: send tool_choice auto")
+        rules, nested, calls = [], [], []
+        for i, f in functions:
+            fmt = custom_format(tools[i])
+            grammar = input_grammar(fmt, f"tools[{i}].function.{FORMAT_KEY}") if fmt else None
+            if fmt is not None and grammar is not None:
+                nested.append({**grammar, "name": f"input_{i}"})
+            body = build(self, i, f, fmt is not None, grammar is not None, rules)
+            calls.append(f"call_{i}")
+            rules.append(f"call_{i}: {body}")
+        lark = "\n".join([f"start: {self._reasoning(family, reasoning)}call",
+                          "call: " + " | ".join(calls), *rules,
+                          r"WS: /[ \t\r\n]*/", r"TEXT: /(?s:.*)/"])
+        matcher = llg.LLMatcher(self.tokenizer,
+                                json.dumps({"grammars": [{"lark_grammar": lark}, *nested]}),
+                                log_level=0)
+        if matcher.is_error():
+            for i, f in functions:
+                if custom_format(tools[i]) is None:
+                    self._json(f["parameters"], f"tools[{i}].function.parameters")
+            raise ValueError(f"tools: {matcher.get_error()}")
+        return Grammar(matcher, self.tokenizer.vocab_size, self.eos_token_ids)
+
+    def for_no_call(self, family: str, reasoning: str) -> Grammar | None:
+        """tool_choice none as a grammar where the family's calls are not one special token
+        that can simply be ruled out (harmony: analysis, then a final message; the role
+        between them as the model spells it, a literal would force one spelling)."""
+        if family != "harmony":
+            return None
+        m = self.mark
+        lark = "\n".join([f'start: ({m("<|channel|>")} "analysis" {m("<|message|>")} TEXT '
+                          f'{m("<|end|>")} {m("<|start|>")} ROLE)? {m("<|channel|>")} '
+                          f'"final" {m("<|message|>")} TEXT', r"TEXT: /(?s:.*)/",
+                          r"ROLE: /[a-z]+/"])
+        matcher = llg.LLMatcher(self.tokenizer, json.dumps({"grammars": [{"lark_grammar": lark}]}),
+                                log_level=0)
+        return Grammar(matcher, self.tokenizer.vocab_size, self.eos_token_ids)
+
+    def _chosen(self, tools: list[dict], choice: str | dict) -> list[tuple[int, dict]]:
+        functions = [_function(t, i) for i, t in enumerate(tools or [])]
+        if not functions:
+            raise ValueError("tools must list at least one function to call")
+        if isinstance(choice, dict):
+            choice = (choice.get("function") or {}).get("name")
+        if choice != "required":
+            functions = [(i, f) for i, f in functions if f["name"] == choice]
+            if not functions:
+                raise ValueError(f"tool_choice {choice!r}: neither 'required' nor the name of "
+                                 "a function in tools")
+        return functions
+
+    def _reasoning(self, family: str, reasoning: str) -> str:
+        """What may stand before the call: the rest of an opened reasoning and its end
+        marker, or an optional reasoning block of the family's."""
+        if family == "harmony":
+            m = self.mark
+            return (f'({m("<|channel|>")} "analysis" {m("<|message|>")} TEXT {m("<|end|>")} '
+                    f'{m("<|start|>")} "assistant")? ')
+        if reasoning == "open":
+            return f"TEXT {self.mark(self.think[1])} WS "
+        if reasoning == "optional" and self.think:
+            return f"(WS {self.mark(self.think[0])} TEXT {self.mark(self.think[1])})? WS "
+        return "WS "
+
+    def mark(self, text: str) -> str:
+        """A marker in a lark grammar: the special token it is in this vocabulary, else text."""
+        return f"<[{self.specials[text]}]>" if text in self.specials else json.dumps(text)
+
     def _json(self, schema: dict, where: str) -> Grammar:
         try:
             grammar = llg.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)
@@ -143,6 +228,122 @@ def _function(tool: Any, i: int) -> tuple[int, dict]:
     if not isinstance(params, dict):
         raise ValueError(f"tools[{i}].function.parameters must be a JSON Schema object")
     return i, {"name": f["name"], "parameters": params}
+
+
+# Arguments as JSON in a family's call: its parameters' schema, one space or none after ','
+# and ':' (models write both; never more, or a model could pad until max_tokens).
+CALL_JSON_STYLE = {"whitespace_flexible": True, "whitespace_pattern": "[ ]?"}
+
+
+def _json_args(f: dict) -> str:
+    """A function's arguments as JSON: its declared parameters only (unless its schema says
+    otherwise), or a forced call would never have to end."""
+    schema = {"additionalProperties": False, **f["parameters"], "x-guidance": CALL_JSON_STYLE}
+    return f"%json {json.dumps(schema)}"
+
+
+def _scalar(schema: dict, text_until: str) -> str:
+    """A parameter's value as an XML-ish format writes it (Qwen's <parameter=...>, GLM's
+    <arg_value>): a string is raw text, anything else its JSON."""
+    kind = schema.get("type")
+    if kind == "string" and "enum" not in schema:
+        return text_until
+    if kind == "string":
+        return "(" + " | ".join(json.dumps(str(v)) for v in schema["enum"]) + ")"
+    if kind == "boolean":
+        return '("true" | "false")'
+    return f"%json {json.dumps({**schema, 'x-guidance': CALL_JSON_STYLE})}"
+
+
+def _params(f: dict) -> list[tuple[str, dict, bool]]:
+    """(name, schema, required) of a function's parameters, in the schema's order."""
+    params = f["parameters"]
+    required = set(params.get("required") or ())
+    return [(k, v if isinstance(v, dict) else {}, k in required)
+            for k, v in (params.get("properties") or {}).items()]
+
+
+def _qwen_xml(g: Grammars, i: int, f: dict, custom: bool, nested: bool, rules: list) -> str:
+    """Qwen3.5 / Qwen3-Coder: <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>
+    \n...</function>\n</tool_call>, a string value raw, others as JSON."""
+    end = "\n</parameter>\n"
+    parts = []
+    for j, (key, schema, required) in enumerate(_params(f)):
+        value = f"value_{i}_{j}"
+        if custom and nested:
+            rules.append(f"{value}: @input_{i}")
+        else:
+            rules.append(f"{value}: {_scalar(schema, f'text_{i}_{j}')}")
+            if schema.get("type") == "string" and "enum" not in schema:
+                rules.append(f"text_{i}_{j}[suffix={json.dumps(end)}]: /(?s:.*)/")
+        piece = f'"<parameter={key}>\\n" {value}' + (
+            f" {json.dumps(end)}" if custom and nested or schema.get("type") != "string"
+            or "enum" in schema else "")
+        parts.append(piece if required else f"({piece})?")
+    return (f'{g.mark("<tool_call>")} "\\n<function={f["name"]}>\\n" {" ".join(parts)} '
+            f'"</function>\\n" {g.mark("</tool_call>")}')
+
+
+def _glm(g: Grammars, i: int, f: dict, custom: bool, nested: bool, rules: list) -> str:
+    """GLM-4.5 / 4.6: <tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n
+    ...</tool_call>, a string value raw, others as JSON."""
+    parts = []
+    for j, (key, schema, required) in enumerate(_params(f)):
+        value = f"@input_{i}" if custom and nested else _scalar(schema, "TEXT")
+        piece = (f'{g.mark("<arg_key>")} {json.dumps(key)} {g.mark("</arg_key>")} "\\n" '
+                 f'{g.mark("<arg_value>")} {value} {g.mark("</arg_value>")} "\\n"')
+        parts.append(piece if required else f"({piece})?")
+    return f'{g.mark("<tool_call>")} "{f["name"]}\\n" {" ".join(parts)} {g.mark("</tool_call>")}'
+
+
+def _gemma(g: Grammars, i: int, f: dict, custom: bool, nested: bool, rules: list) -> str:
+    """Gemma 4: <|tool_call>call:NAME{KEY:VALUE,...}<tool_call|>, a string between <|"|>
+    marks, a number or boolean bare, objects and lists in Gemma's own braces and brackets."""
+    quote = g.mark('<|"|>')
+    if not any(r.startswith("gvalue:") for r in rules):
+        rules += [f'gvalue: {quote} TEXT {quote} | GNUM | "true" | "false" | "null" | gobj | glist',
+                  r'gobj: "{" (GKEY ":" gvalue ("," GKEY ":" gvalue)*)? "}"',
+                  r'glist: "[" (gvalue ("," gvalue)*)? "]"',
+                  r"GNUM: /-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?/", r"GKEY: /[A-Za-z_][A-Za-z0-9_]*/"]
+    parts = []
+    for key, schema, required in _params(f):
+        kind = schema.get("type")
+        value = (f"{quote} @input_{i} {quote}" if custom and nested else
+                 f"{quote} {_scalar(schema, 'TEXT')} {quote}" if kind == "string" else
+                 '("true" | "false")' if kind == "boolean" else
+                 "GNUM" if kind in ("integer", "number") else "gvalue")
+        parts.append((f'"{key}:" {value}', required))
+    # the template writes keys in sorted order; the model as it likes: any order is read
+    body = " \",\" ".join(p for p, _ in parts)
+    if any(not r for _, r in parts):
+        body = " (\",\" | \"\") ".join(p if r else f"({p})?" for p, r in parts)
+    return f'{g.mark("<|tool_call>")} "call:{f["name"]}{{" {body} "}}" {g.mark("<tool_call|>")}'
+
+
+def _harmony(g: Grammars, i: int, f: dict, custom: bool, nested: bool, rules: list) -> str:
+    """gpt-oss: <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS; the
+    end of turn (<|call|>) follows. A custom tool's input is the message itself."""
+    m = g.mark
+    if custom:
+        body = f"@input_{i}" if nested else "TEXT"
+        return f'{m("<|channel|>")} "commentary to=functions.{f["name"]}" {m("<|message|>")} {body}'
+    return (f'{m("<|channel|>")} "commentary to=functions.{f["name"]} " {m("<|constrain|>")} '
+            f'"json" {m("<|message|>")} {_json_args(f)}')
+
+
+def _nemotron(g: Grammars, i: int, f: dict, custom: bool, nested: bool, rules: list) -> str:
+    """Nemotron: <TOOLCALL>[{"name": NAME, "arguments": ARGS}]</TOOLCALL>."""
+    if custom and nested:
+        raise ValueError("the nemotron family writes its calls as JSON in <TOOLCALL>[...]"
+                         "</TOOLCALL>, and a custom tool's grammar cannot be kept inside a "
+                         "JSON string: send tool_choice auto")
+    head = json.dumps(f'[{{"name": {json.dumps(f["name"])}, "arguments": ')
+    return (f'{g.mark("<TOOLCALL>")} {head} {_json_args(f)} "}}]" '
+            f'{g.mark("</TOOLCALL>")}')
+
+
+_FAMILY_CALLS = {"qwen3_coder": _qwen_xml, "glm47": _glm, "gemma4": _gemma,
+                 "harmony": _harmony, "nemotron": _nemotron}
 
 
 class Grammar:

@@ -29,8 +29,8 @@ A request enters with its own restored cache (RAM bank or SSD) and leaves with t
 everything it read and wrote, which the engine commits. Stop strings and cancellation are
 checked here, on the detokenized text, after each token; so are tool calls, which the
 request's `Decoding` (worker/compute/decoding.py) parses out of the text before it is sent. A request
-with logits processors (penalties, logit_bias, a grammar) takes the batch from the start:
-mlx-lm applies them there.
+with logits processors (penalties, logit_bias, a grammar) takes the batch for its last prompt
+forward (from the start where it has no checkpoints to take): mlx-lm applies them there.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ class BatchScheduler:
             # restored where the router marked (a shared system prompt's end): its commit
             # names that checkpoint too, so a stored anchor lives while a record holds it
             self._checkpoint(_Own(r, cache, prompt, max_tokens), r.cached, always=True)
-        if r.decoding.processors:
+        if r.decoding.processors and not (self.kinds.checkpointed and r.split_at):
             self._insert(r, prompt, cache, max_tokens)
             return
         self.kinds.with_room(cache, len(r.tokens))  # a buffer of a size MLX has kept
@@ -181,7 +181,8 @@ class BatchScheduler:
             [prompt], max_tokens=[max_tokens], caches=[self.kinds.model_caches(cache)],
             samplers=[d.sampler], logits_processors=[d.processors],
             # the penalties look back into the prompt, as mlx-lm's server has them do
-            all_tokens=[r.tokens[:r.cached].tolist() if d.processors else []])
+            all_tokens=[r.tokens[:len(r.tokens) - len(prompt)].tolist() if d.processors
+                        else []])
         self.running[r.uid] = r
 
     def _in_batch(self) -> bool:
@@ -399,6 +400,11 @@ class BatchScheduler:
                     mx.eval([c.state for c in o.cache])
                     self._checkpoint(o, len(r.tokens) - len(o.prompt))
                     return []
+                if r.decoding.processors:  # its checkpoints taken: the rest where mlx-lm
+                    self._readers.remove(o)  # applies the processors
+                    del self.running[r.uid]
+                    self._insert(r, o.prompt, o.cache, o.max_tokens)
+                    return []
                 x, o.prompt = (o.prompt or r.completion[-1:]), []
                 logits = self._forward(o, x, x[1:] if not r.completion else [])[:, -1, :]
                 if not r.completion:
@@ -540,6 +546,13 @@ class BatchScheduler:
     def _send(r: Running, msg, text: str, final: bool = False) -> None:
         """Text through the reasoning split (chat input, a model with think markers), the
         rest through the tool-call parser (when the request has tools), then out."""
+        harmony = r.decoding.harmony
+        if harmony is not None:
+            msg.reasoning, text, calls = harmony.feed(text)
+            if final:
+                more, rest, last = harmony.finish()
+                msg.reasoning, text, calls = msg.reasoning + more, text + rest, calls + last
+            msg.tool_calls.extend(calls)
         reasoning = r.decoding.reasoning
         if reasoning is not None:
             msg.reasoning, text = reasoning.feed(text)
