@@ -96,6 +96,16 @@ def test_bench_compare_reports_no_ratio_of_a_pair_that_ran_unfairly():
     got, _ = withhold(ratios, chunk)
     assert got["wall_speedup"] is got["vs_ideal"] is got["mlx_lm_vs_unlimited"] is None
     assert findings({"vs_ideal": 1.02}, {"vs_ideal": [0.99, 1.1]}) == []
+    # a side that refused turns did less work: it is faster, and no ratio of it is reported
+    from kvbank.apps.bench.compare import round_ratios, served_all
+
+    def summary(wall, ok):
+        return {"wall_s": wall, "ttft_p50_s": 1.0, "recomputed_tokens": 0,
+                "prompt_tokens": 1000, "turns_ok": ok}
+
+    got = round_ratios(served_all({"kvbank": summary(150.0, 13), "mlx_lm": summary(650.0, 24),
+                                   "kvbank_unbounded": summary(370.0, 24)}, 24))
+    assert got["wall_speedup"] is got["vs_ideal"] is got["recomputed_fraction"] is None
     assert "noise" in findings({"vs_ideal": 0.98}, {"vs_ideal": [0.97, 1.01]})[0]
     assert "look into" in findings({"vs_ideal": 0.93}, {"vs_ideal": [0.9, 0.95]})[0]
 

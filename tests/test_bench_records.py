@@ -26,13 +26,14 @@ def _records() -> list[Path]:
 
 def test_the_docs_quote_a_remeasured_bench_only_from_a_record_checked_here():
     """Every record of these benches that docs/benchmarks.md or the README links is either
-    one this file checks (docs/benchmarks/, present) or marked superseded (its folder), so a
-    figure from an unfair run cannot be quoted as current."""
+    one this file checks (docs/benchmarks/, present), or marked superseded (measured before
+    these rules) or withheld (a run whose ratios the bench now withholds, kept as evidence of
+    what failed) by its folder, so a figure from an unfair run cannot be quoted as current."""
     for doc in CITING:
         text = (ROOT / doc).read_text()
         for path in re.findall(r"benchmarks/((?:[\w.-]+/)*[\w.-]+\.json)", text):
             name = path.rsplit("/", 1)[-1]
-            if not name.startswith(REMEASURED) or path.startswith("superseded/"):
+            if not name.startswith(REMEASURED) or path.startswith(("superseded/", "withheld/")):
                 continue
             assert "/" not in path and (RECORDS / path).exists(), (
                 f"{doc} quotes {path}: neither a record checked here nor superseded")
@@ -54,6 +55,9 @@ def test_a_record_says_what_ran_where_and_how_busy_the_machine_was(path):
 def test_a_compare_record_held_both_servers_to_one_limit_and_one_set_of_settings(path):
     doc = json.loads(path.read_text())
     assert doc["fairness"]["ok"], doc["fairness"]["problems"]
+    # every side served every turn: a side that refused some did less work (its ratios would
+    # compare unlike runs)
+    assert doc["complete"] and not doc["fairness"].get("incomplete"), doc["fairness"]
     sides = doc["sides"]
     limited = [s for s in sides.values() if s["limit_bytes"][0] is not None]
     assert {tuple(s["limit_bytes"]) for s in limited} == {

@@ -26,6 +26,10 @@ order reversed each round so that no side always runs first:
 - `recomputed_fraction` = kvbank's recomputed / prompt tokens (goal: <= 0.01);
 - `mlx_lm_vs_unlimited`, `unbounded_kvbank_vs_mlx_lm`: the other two pairs, for reading.
 
+A side that did not serve every turn (refused or failed some) did other work than the rest:
+every ratio of it is left out of that round (null where no round has it), and
+`fairness.incomplete` names it.
+
 The JSON records each side's argv, settings, limit, peak (the cgroup's `max_usage`, page cache
 included, and the sampled peak of its own memory), whether the limit was hit (the kernel
 reclaimed or throttled) and whether anything was OOM-killed, with the versions, the commit, the
@@ -156,6 +160,12 @@ def fairness(sides: dict) -> dict:
             "same_settings": not any(p.startswith("settings") for p in problems)}
 
 
+def served_all(sums: dict, expected: int) -> dict:
+    """The sides of one round (`{name: summary}`) that served all `expected` turns: one that
+    refused or failed some did less work, so no ratio of it compares like with like."""
+    return {n: x for n, x in sums.items() if x["turns_ok"] == expected}
+
+
 def withhold(ratios: dict, fair: dict) -> tuple[dict, list[str]]:
     """`ratios` (one round's, or the medians, or the spread) with every ratio of a pair that
     did not run fairly set to None (all of them where the settings differed): an unfair
@@ -259,7 +269,12 @@ def run(*, model: str | None, scenario, limit_bytes: int, max_wall_s: float,
             results.append(this)
             records.append(recs)
     sums = [{name: summarize(r) for name, r in this.items()} for this in results]
-    per_round = [round_ratios(s) for s in sums]
+    expected = scenario.params.agents * scenario.params.turns
+    # a side that did not serve every turn did other work: no ratio of it is a comparison
+    per_round = [round_ratios(served_all(s, expected)) for s in sums]
+    incomplete = [f"{BY_NAME[n].label} round {i + 1}: {x['turns_ok']} of {expected} turns "
+                  f"({x['refused']} refused, {x['errored']} errors)"
+                  for i, s in enumerate(sums) for n, x in s.items() if x["turns_ok"] != expected]
     ratios = median_ratios(per_round)
     side_docs = {}
     for side in SIDES:
@@ -298,7 +313,7 @@ def run(*, model: str | None, scenario, limit_bytes: int, max_wall_s: float,
         "round_ratios": [{"order": side_order(sides, i), **r} for i, r in enumerate(per_round)],
         "complete": all(s["turns_ok"] == s["turns"] == scenario.params.agents
                         * scenario.params.turns for this in sums for s in this.values()),
-        "fairness": {**fair, "withheld": withheld},
+        "fairness": {**fair, "withheld": withheld, "incomplete": incomplete},
         "findings": findings(ratios, spread(per_round)),
         "sides": side_docs,
         "prefetch": (prefetch_summary(results[0].get("kvbank"), results[0]["kvbank_prefetch"])
@@ -349,6 +364,8 @@ def print_table(doc: dict, *, stderr: bool = False) -> None:
     console.print("fair: same limit and settings" if fair["ok"] else
                   "NOT FAIR, so not reported (" + ", ".join(fair.get("withheld", []))
                   + "): " + "; ".join(fair["problems"]), markup=False)
+    for line in fair.get("incomplete", []):
+        console.print("INCOMPLETE, its ratios not reported: " + line, markup=False)
     for finding in doc.get("findings", []):
         console.print("finding: " + finding, markup=False)
     sz = doc["sizing"]
