@@ -59,6 +59,13 @@ def tool_model(tiny_model, tmp_path_factory) -> Path:
     return with_tools_template(tiny_model, tmp_path_factory.mktemp("tool-model") / "model")
 
 
+def matrix(values, keep) -> list:
+    """`values` as parameters, those not in `keep` marked `matrix`: the same behaviour on more
+    architectures or model families, run by `make test-all`; `make test` (CI) runs `keep`, one
+    of each kind (cache kind, call format), so that it stays within its ten minutes."""
+    return [v if v in keep else pytest.param(v, marks=pytest.mark.matrix) for v in values]
+
+
 def start_stack(model: Path, data_dir: Path, *, extra: list[str] = (),
                 cache_dir: Path | None = None, shim: bool = True,
                 slow_disk_s: float | None = None, env: dict | None = None,

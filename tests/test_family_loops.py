@@ -18,13 +18,15 @@ import pytest
 
 from kvbank.testing.family_models import (CALL, FAMILIES, FINAL, REASONING, TOOLS,
                                            conversation, scripted_model)
-from tests.conftest import start_stack
+from tests.conftest import matrix, start_stack
 from tests.families import check_loop, forced, loop, streamed
 
 OWN_FORMATS = ("gpt_oss", "nemotron_nano_v2")  # read by worker/compute/call_formats.py
+# `make test`: harmony, <TOOLCALL>, and an mlx-lm parser with reasoning (the rest: make test-all)
+KEPT = ("gpt_oss", "nemotron_nano_v2", "qwen3_5")
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=matrix(FAMILIES, keep=KEPT))
 def family(request, tmp_path_factory, cache_dir):
     """(name, stack, tokens of the family's generation prompt, of its system part)."""
     from kvbank.router.tokenizer import PromptTokenizer

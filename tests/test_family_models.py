@@ -12,6 +12,8 @@ import re
 import pytest
 
 from kvbank.testing.family_models import CALL, FAMILIES, TEMPLATES, TOOLS, conversation, scripted_model
+from tests.conftest import matrix
+from tests.test_family_loops import KEPT
 
 
 def test_the_templates_are_the_published_ones():
@@ -22,7 +24,7 @@ def test_the_templates_are_the_published_ones():
         assert hashlib.sha256((TEMPLATES / name).read_bytes()).hexdigest() == digest, name
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", matrix(FAMILIES, keep=KEPT))
 def test_a_scripted_model_writes_its_familys_call_after_the_generation_prompt(name, cache_dir):
     """Greedy decoding through mlx-lm: the family's reasoning, the call of `run` with a string
     and a boolean argument in its own syntax, its stop token; and, where mlx-lm has the

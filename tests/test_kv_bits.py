@@ -272,8 +272,10 @@ def _arrays(state):
             yield from _arrays(x)
 
 
-@pytest.mark.parametrize("arch,bits", [("qwen3", 8), ("qwen3", 4), ("gemma3_text", 4),
-                                       ("qwen3_5", 4)])
+@pytest.mark.parametrize("arch,bits", [  # make test: 4 bits beside recurrent state
+    pytest.param("qwen3", 8, marks=pytest.mark.matrix),
+    pytest.param("qwen3", 4, marks=pytest.mark.matrix),
+    pytest.param("gemma3_text", 4, marks=pytest.mark.matrix), ("qwen3_5", 4)])
 def test_a_quantized_conversation_continues_exactly_from_ram_ssd_and_after_kill_9(
         arch, bits, tmp_path_factory, cache_dir, capsys):
     """Five unnamed turns with --kv-bits: from RAM, from SSD after a release, from SSD after

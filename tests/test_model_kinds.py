@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import start_stack
+from tests.conftest import matrix, start_stack
 
 ARCHS = ("qwen3", "gpt_oss", "gemma3_text", "qwen3_5", "nemotron_h", "mamba2", "falcon_h1",
          "baichuan_m1")  # the last two: a CacheList per layer
@@ -167,7 +167,8 @@ def _check(ref: Reference, got, prompt: list[int], marks: list[int], checkpointe
     assert got.token_ids == flat, f"{where}: unsplit mlx-lm answers otherwise"
 
 
-@pytest.mark.parametrize("arch", ARCHS + ("gpt_oss harmony",))
+@pytest.mark.parametrize("arch", matrix(ARCHS + ("gpt_oss harmony",),  # make test: state + full,
+                                         keep=("qwen3_5", "falcon_h1", "gpt_oss harmony")))  # a CacheList, window + sinks
 def test_a_conversation_continues_exactly_from_ram_ssd_and_after_kill_9(
         arch, tmp_path_factory, cache_dir):
     """Four unnamed turns: from RAM, from SSD after a release, from SSD after a kill -9. Each
