@@ -96,7 +96,10 @@ class Lanes:
     last_stale_write_at: float = 0.0
 
     def on_worker_state(self, busy: bool, now: float) -> None:
-        if busy != self.worker_busy:
+        """The first report starts the quiet grace too: the worker's first "busy" may never
+        arrive (a PUB socket drops what it sends before its subscriber connects), and a
+        "quiet" then must not count as quiet since the epoch."""
+        if busy != self.worker_busy or not self.state_heard_at:
             self.state_changed_at = now
         self.worker_busy = busy
         self.state_heard_at = now

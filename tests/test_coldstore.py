@@ -315,3 +315,20 @@ def test_write_out_after_an_edit_waits_for_its_own_commit(start):
         proc.proc.send_signal(signal.SIGCONT)
     assert outcome != "written" or durable_then >= 40, (
         f"write_out said {outcome!r} while {durable_then} of 40 tokens were durable")
+
+
+def test_a_workers_first_quiet_report_starts_the_quiet_grace():
+    """The worker's first `busy` can be lost (a PUB socket drops what it sends before its
+    subscriber joins); its first `quiet` then starts the grace, it is not quiet since 1970."""
+    from collections import deque
+
+    from kvbank.coldstore.lanes import Lanes, PendingBlock, WriteJob
+
+    now = time.time()
+    lanes = Lanes(quiet_grace_s=60, max_dirty_s=3600, tail_delay_s=0)
+    lanes.submit(WriteJob(1, b"peer", TENANT, "s", b"root",
+                          deque([PendingBlock(b"b", 0, 8, payload=memoryview(b"x" * 8))]),
+                          dirty_since=now))
+    lanes.on_worker_state(False, now)
+    assert lanes.next_job(now + 1) is None  # quiet for 1 s of a 60 s grace
+    assert lanes.next_job(now + 61) is not None
