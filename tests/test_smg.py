@@ -32,6 +32,8 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import matrix
+
 from kvbank.deploy import cluster
 from kvbank.deploy.local import LocalStack
 from tests.served import served_by
@@ -312,7 +314,7 @@ def test_anonymous_agents_behind_cache_aware(stacks, gateway, flags):
     assert all(s.proc.poll() is None for s in stacks)
 
 
-@pytest.mark.parametrize("policy", ["consistent_hashing", "manual"])
+@pytest.mark.parametrize("policy", matrix(["consistent_hashing", "manual"], keep=("consistent_hashing",)))
 def test_routing_key_is_sticky_and_names_the_session(stacks, gateway, policy):
     """`X-SMG-Routing-Key`: every turn with one key reaches one stack, which keeps the
     conversation under that name (its session list has it) and finds its history cached;
