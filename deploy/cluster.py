@@ -21,7 +21,6 @@ KV events carry no tenant: the event endpoints here bind on loopback only.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import shlex
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvbank.config import DEFAULT_SHIM_PORT, default_data_dir
+from kvbank.deploy.supervisor import die_with_parent
 
 if TYPE_CHECKING:  # imported when used: `kvbank --help` reads this module's defaults
     from kvbank.deploy.local import LocalStack
@@ -212,29 +212,10 @@ def router_argv(router_bin: str, plan: ClusterPlan) -> list[str]:
 # -- running it ---------------------------------------------------------------------------
 
 
-def _libc():
-    try:
-        return ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-
-
-_LIBC = _libc() if sys.platform == "linux" else None
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def popen_kwargs() -> dict:
     """Own process group (a terminal's Ctrl-C reaches only the cluster, which stops the
     children in order); on Linux, SIGTERM when the cluster process dies."""
-    kw: dict = {"process_group": 0}
-    if _LIBC is not None:
-        kw["preexec_fn"] = _die_with_parent
-    return kw
+    return {"process_group": 0, **die_with_parent()}
 
 
 def blas_threads(stacks: int, cores: int | None = None) -> dict[str, str]:

@@ -212,3 +212,28 @@ def test_a_conversation_released_to_ssd_restores_its_partial_last_block_too(modu
             cold = c.generate(token_ids=prompt, max_tokens=4, logprobs=True, no_cache=True)
             assert again.token_ids == cold.token_ids == first.token_ids
             assert max(abs(a - b) for a, b in zip(again.logprobs, cold.logprobs)) < 1e-4
+
+
+def test_a_supervisor_killed_by_sigkill_leaves_no_process_behind(stack):
+    """`kvbank up` killed without a chance to stop its children (an OOM kill, a caller's
+    kill): each child gets SIGTERM from the kernel and stops on its own."""
+    import os
+    import signal
+
+    from tests.waiting import wait_until
+
+    pids = [stack.pid(n) for n in ("shim", "router", "worker", "coldstore")]
+    os.kill(stack.proc.pid, signal.SIGKILL)
+    stack.proc.wait()
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # a child that exited but is not reaped yet (init reaps it)
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+
+    wait_until(lambda: all(gone(p) for p in pids), "every child of the killed supervisor to end")
