@@ -86,16 +86,7 @@ class Grammars:
         `choice` is "required" (any of `tools`), a function name, or OpenAI's
         {"type": "function", "function": {"name": ...}}.
         """
-        functions = [_function(t, i) for i, t in enumerate(tools or [])]
-        if not functions:
-            raise ValueError("tools must list at least one function to call")
-        if isinstance(choice, dict):
-            choice = (choice.get("function") or {}).get("name")
-        if choice != "required":
-            functions = [(i, f) for i, f in functions if f["name"] == choice]
-            if not functions:
-                raise ValueError(f"tool_choice {choice!r}: neither 'required' nor the name of "
-                                 "a function in tools")
+        functions = self._chosen(tools, choice)
         # Every alternative starts with literal text, so the parser tells them apart by name
         # before it enters a nested grammar (a %json that began at `{` would be chosen first).
         rules, nested = [], []
