@@ -7,6 +7,7 @@ Which stack served a turn is read from the stacks' own event logs: each committe
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -121,6 +122,27 @@ def stack_of(c: cluster.ClusterStack, sid: str, n_tokens: int) -> int:
     return stack
 
 
+def router_log_lines(c: cluster.ClusterStack) -> int:
+    return len(c.router_log.read_text(errors="replace").splitlines())
+
+
+def router_sees_healthy(c: cluster.ClusterStack, url: str) -> bool:
+    workers = httpx.get(f"{c.url}/workers", timeout=10).json()["workers"]
+    return any(w["url"] == url and w["is_healthy"] for w in workers)
+
+
+def router_took_restart(c: cluster.ClusterStack, url: str, after_line: int) -> bool:
+    """vllm-router's debug log, past `after_line`: it saw the source's sequence start again (a
+    new incarnation) and applied a batch of it. Each batch kvbank sends a new subscriber holds
+    the whole state, so one applied is enough."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line)
+             for line in c.router_log.read_text(errors="replace").splitlines()[after_line:]]
+    restart = next((i for i, line in enumerate(lines)
+                    if "restart seq" in line and url in line), None)
+    return restart is not None and any("sequence advanced" in line and url in line
+                                       for line in lines[restart + 1:])
+
+
 def test_a_killed_worker_fails_no_request_and_its_conversations_go_on(three_stacks):
     """kill -9 of one stack's worker while agents run: the router retries what that stack
     could not answer on another, and every agent finishes."""
@@ -167,8 +189,16 @@ def test_a_restarted_stack_gets_its_conversation_back_from_ssd(three_stacks):
     with holder.client() as g:
         wait_until(lambda: g.get_session(sid).durable_tokens == n, "the conversation on SSD",
                    timeout_s=60)
+    url = c.plan.stacks[served[-1]].shim_url
+    seen = router_log_lines(c)
     old = holder.kill9("worker")
     holder.wait_restarted("worker", old, timeout_s=120)
+    # The router must know the stack is back before it can send the turn there: healthy by
+    # its own checks, and the new worker's announcement (its SSD blocks) taken in.
+    wait_until(lambda: router_sees_healthy(c, url), "vllm-router to mark the stack healthy",
+               timeout_s=120)
+    wait_until(lambda: router_took_restart(c, url, seen), "vllm-router to take the restarted "
+               "worker's KV events", timeout_s=60)
     r = client.chat.completions.create(model="kvbank", messages=messages, max_tokens=8,
                                        temperature=0)
     after = r.model_dump()["usage"]
