@@ -311,10 +311,10 @@ def test_each_block_is_announced_on_its_best_medium_while_a_holder_holds_it():
     branches = [np.concatenate([trunks[i % 3][:rng.integers(0, 30) * BLOCK + rng.integers(16)],
                                 rng.integers(0, 50_000, 300).astype(np.uint32)])
                 for i in range(12)]
-    events = KVEvents(Batches(), salt_for=lambda t: bytes(_root(t)), block_size=BLOCK)
     ram: dict = {}  # entry key -> (session, tokens)
     ssd: dict = {}  # session -> (session, tokens): what LMDB holds
-    events.ssd_tokens = lambda session: ssd[session][1]  # test seam: Conversations.history
+    events = KVEvents(Batches(), salt_for=lambda t: bytes(_root(t)), block_size=BLOCK,
+                      ssd_tokens=lambda session: ssd[session][1])  # test seam: Conversations
     entries: dict = {}
     state: dict = {}
     for step in range(400):
@@ -405,8 +405,7 @@ def _book_of_a_store(reader: StoreReader, check=None) -> tuple[KVEvents, int]:
     try:
         before = _traced()
         events = KVEvents(publisher.start(), salt_for=lambda t: bytes(_root(t)),
-                          block_size=BLOCK)
-        events.ssd_tokens = conversations.history  # as worker/tiers/manager.py sets it
+                          block_size=BLOCK, ssd_tokens=conversations.history)  # as KVManager
         assert joined.wait(10), "the subscriber joined"
         for key, info in conversations.records.items():  # KVManager._ssd_changed
             events.ssd_holds(key, conversations.history(key)[:info.durable_tokens])

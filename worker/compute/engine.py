@@ -41,7 +41,7 @@ from kvbank.worker.compute.scheduler import PREFILL_STEP_TOKENS, BatchScheduler,
 from kvbank.worker.compute.scheduler_config import SchedulerConfig
 from kvbank.worker.compute.mtp.serving import DEFAULT_DEPTH
 from kvbank.worker.compute.served_model import load_served_model
-from kvbank.worker.link.kv_events import EventsConfig, KVEvents, Publisher
+from kvbank.worker.link.kv_events import EventsConfig, Publisher
 from kvbank.worker.memory import calibration
 from kvbank.worker.memory.allocator import (give_back_freed_memory, mlx_cache_limit,
                                             serve_buffers_from_the_heap)
@@ -92,7 +92,7 @@ class Engine:
             layout, kinds=self.kinds, fingerprint=self.fingerprint, block_tokens=block_tokens,
             bank_bytes=bank_bytes, staging_max_bytes=staging_max_bytes, restore_via=restore_via,
             active_pin_s=active_pin_s, max_checkpoints=max_checkpoints,
-            write_out_deadline_s=write_out_deadline_s, kv_events=self._kv_events(kv_events),
+            write_out_deadline_s=write_out_deadline_s, events=self._events_publisher(kv_events),
             wake=self._wake, pricing=self.pricing, budget=lambda: self.memory_budget,
             chain_shed=admission_chain_shed, kv_bytes_per_token=self.kv_bytes_per_token,
             waiting=lambda: bool(self._pending))  # waiting requests come first
@@ -150,13 +150,12 @@ class Engine:
     def root_for(self, tenant: str) -> BlockId:
         return chain_root(self.fingerprint, tenant)
 
-    def _kv_events(self, config: EventsConfig | None) -> KVEvents | None:
-        """Several machines behind a router: the events that say what this worker holds."""
+    def _events_publisher(self, config: EventsConfig | None) -> Publisher | None:
+        """Several machines behind a router: where the KV manager says what this worker
+        holds (a joining subscriber is told it all again, on the engine's thread)."""
         if config is None:
             return None
-        publisher = Publisher(config, on_subscribe=lambda: self.post(cmd.Announce()))
-        return KVEvents(publisher.start(), block_size=config.block_size,
-                        salt_for=lambda tenant: bytes(self.root_for(tenant)))
+        return Publisher(config, on_subscribe=lambda: self.post(cmd.Announce())).start()
 
     # -- the queue --------------------------------------------------------------------------
 

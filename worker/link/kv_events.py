@@ -281,13 +281,14 @@ class KVEvents:
     best medium, so a change's events follow from the book before and after it."""
 
     def __init__(self, publisher: Publisher, *, salt_for: Callable[[str], bytes],
-                 block_size: int):
+                 block_size: int,
+                 ssd_tokens: Callable[[tuple[str, str]], np.ndarray | None] = lambda s: None):
+        """`ssd_tokens(session)`: what LMDB holds of a conversation (the KV manager's
+        Conversations.history, engine thread), read when its SSD blocks are announced again."""
         self.publisher = publisher
         self.salt_for = salt_for
         self.block_size = block_size
-        # What LMDB holds of a conversation (Conversations.history: engine thread), the tokens
-        # of the SSD blocks announced again; its owner sets it.
-        self.ssd_tokens: Callable[[tuple[str, str]], np.ndarray | None] = lambda session: None
+        self.ssd_tokens = ssd_tokens
         self._books = {RAM: _Book(), SSD: _Book()}
         self._pending: list[dict] = []
 

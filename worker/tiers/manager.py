@@ -51,7 +51,7 @@ from kvbank.v1 import api_pb2
 from kvbank.worker.commands import PrefetchReport, SessionInfo
 from kvbank.worker.kv.cache_kinds import CacheKinds
 from kvbank.worker.link.client import ColdstoreClient
-from kvbank.worker.link.kv_events import KVEvents
+from kvbank.worker.link.kv_events import KVEvents, Publisher
 from kvbank.worker.link.writer import KVWriter
 from kvbank.worker.memory.pricing import held_bytes
 from kvbank.worker.tiers import sharing
@@ -116,7 +116,7 @@ class KVManager:
                  restore_via: str = "direct", active_pin_s: float = 600.0,
                  max_checkpoints: int = MAX_CHECKPOINTS,
                  write_out_deadline_s: float | None = None,
-                 kv_events: KVEvents | None = None, wake: Callable[[], None] = lambda: None,
+                 events: Publisher | None = None, wake: Callable[[], None] = lambda: None,
                  pricing: Pricing | None = None, budget: Callable[[], int] | None = None,
                  chain_shed: bool = False, kv_bytes_per_token: int = 0,
                  waiting: Callable[[], bool] = lambda: False):
@@ -125,8 +125,15 @@ class KVManager:
         `budget()`: the engine's memory (worker/memory/pricing.py), for admission and a
         hint's room (None: this manager admits nothing). `kv_bytes_per_token`: what a
         running request's cache holds of a token (a read from SSD worth a thread).
-        `waiting()`: requests wait for memory (a hint takes none then)."""
+        `waiting()`: requests wait for memory (a hint takes none then). `events`: where the
+        KV events go (several machines behind a router), told what the RAM bank and LMDB
+        hold."""
         self.layout = layout.ensure()
+        kv_events = None
+        if events is not None:  # several machines behind a router: say what we hold
+            kv_events = KVEvents(events, block_size=events.config.block_size,
+                                 salt_for=lambda tenant: bytes(self.root_for(tenant)),
+                                 ssd_tokens=lambda session: self.conversations.history(session))
         self.kinds, self.fingerprint, self.block_tokens = kinds, fingerprint, block_tokens
         self.pricing, self.budget, self.chain_shed = pricing, budget, chain_shed
         self.coldstore = ColdstoreClient(layout, on_event=self._deliver)
@@ -159,8 +166,7 @@ class KVManager:
             block_tokens=block_tokens, kv_bytes_per_token=rest,
             room=lambda: None if waiting() else self._room(), reads=Restores(wake, rest))
         self.kv_events = kv_events
-        if kv_events is not None:  # several machines behind a router: say what we hold
-            kv_events.ssd_tokens = self.conversations.history  # announced again from LMDB
+        if kv_events is not None:  # what LMDB holds, announced from the start
             for key in self.conversations.records:
                 self._ssd_changed(key)
             kv_events.announce_all()
