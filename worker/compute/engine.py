@@ -92,7 +92,7 @@ class Engine:
             layout, kinds=self.kinds, fingerprint=self.fingerprint, block_tokens=block_tokens,
             bank_bytes=bank_bytes, staging_max_bytes=staging_max_bytes, restore_via=restore_via,
             active_pin_s=active_pin_s, max_checkpoints=max_checkpoints,
-            write_out_deadline_s=write_out_deadline_s, events=self._events_publisher(kv_events),
+            write_out_deadline_s=write_out_deadline_s, publisher=self._events_publisher(kv_events),
             wake=self._wake, pricing=self.pricing, budget=lambda: self.memory_budget,
             chain_shed=admission_chain_shed, kv_bytes_per_token=self.kv_bytes_per_token,
             waiting=lambda: bool(self._pending))  # waiting requests come first

@@ -116,7 +116,7 @@ class KVManager:
                  restore_via: str = "direct", active_pin_s: float = 600.0,
                  max_checkpoints: int = MAX_CHECKPOINTS,
                  write_out_deadline_s: float | None = None,
-                 events: Publisher | None = None, wake: Callable[[], None] = lambda: None,
+                 publisher: Publisher | None = None, wake: Callable[[], None] = lambda: None,
                  pricing: Pricing | None = None, budget: Callable[[], int] | None = None,
                  chain_shed: bool = False, kv_bytes_per_token: int = 0,
                  waiting: Callable[[], bool] = lambda: False):
@@ -125,13 +125,13 @@ class KVManager:
         `budget()`: the engine's memory (worker/memory/pricing.py), for admission and a
         hint's room (None: this manager admits nothing). `kv_bytes_per_token`: what a
         running request's cache holds of a token (a read from SSD worth a thread).
-        `waiting()`: requests wait for memory (a hint takes none then). `events`: where the
+        `waiting()`: requests wait for memory (a hint takes none then). `publisher`: where the
         KV events go (several machines behind a router), told what the RAM bank and LMDB
         hold."""
         self.layout = layout.ensure()
         kv_events = None
-        if events is not None:  # several machines behind a router: say what we hold
-            kv_events = KVEvents(events, block_size=events.config.block_size,
+        if publisher is not None:  # several machines behind a router: say what we hold
+            kv_events = KVEvents(publisher, block_size=publisher.config.block_size,
                                  salt_for=lambda tenant: bytes(self.root_for(tenant)),
                                  ssd_tokens=lambda session: self.conversations.history(session))
         self.kinds, self.fingerprint, self.block_tokens = kinds, fingerprint, block_tokens
