@@ -47,7 +47,6 @@ from kvbank.contracts.pricing import Pricing
 from kvbank.contracts.receipts import FlushReceipt, PressureReceipt, ReleaseReceipt, ShrinkReceipt
 from kvbank.contracts.vocabulary import (Decision, Outcome, PressureLevel, PressureSource,
                                          TrimReason)
-from kvbank.v1 import api_pb2
 from kvbank.worker.commands import PrefetchReport, SessionInfo
 from kvbank.worker.kv.cache_kinds import CacheKinds
 from kvbank.worker.link.client import ColdstoreClient
@@ -59,17 +58,13 @@ from kvbank.worker.tiers.bank import MAX_CHECKPOINTS, BankEntry, SessionBank, Se
 from kvbank.worker.tiers.conversations import Conversations
 from kvbank.worker.tiers.eviction import EvictionPolicy
 from kvbank.worker.tiers.lineage import is_anonymous
+from kvbank.worker.tiers.receipts import visible as visible_receipts
 from kvbank.worker.tiers.prefetch import Hints, Prefetcher
 from kvbank.worker.tiers.restore import Restorer
 from kvbank.worker.tiers.restore_threads import Restores, Restoring
 
 logger = logging.getLogger(__name__)
 
-# An admission receipt's figures of the whole bank: what the request found free, and what was
-# taken from other conversations to make room. A tenant sees its decision and need only.
-SERVER_WIDE = ("free_before", "free_after", "lru_evicted", "shed_non_terminal",
-               "shed_terminal", "released_sessions", "shed_target_bytes", "written_out",
-               "write_out_s", "holders")
 RECORD_TIMEOUT_S = 3.0
 RETRY_WRITES_EVERY_S = 5.0
 
@@ -422,28 +417,10 @@ class KVManager:
                 "reading_requests": sum(r.job.request.tenant == tenant for r in self.reads)}
 
     def receipts(self, tenant: str | None, n: int = 20) -> tuple[list[dict], list[dict]]:
-        """The last receipts of every policy and the eviction log, as `tenant` may see them:
-        all of them for the operator (None); for a tenant, its own admissions (without the
-        bank's figures), the rows of releases of its own conversations and their evictions."""
-        if tenant is None:
-            out = [dataclasses.asdict(r) for r in list(self.admissions)[-n:]]
-            out += [dataclasses.asdict(r) for r in list(self.bank.receipts)[-2 * n:]]
-            evictions = [dataclasses.asdict(e) for e in self.bank.eviction_log][-5 * n:]
-            return sorted(out, key=lambda d: d["at"])[-3 * n:], evictions
-        out = [{k: v for k, v in dataclasses.asdict(r).items() if k not in SERVER_WIDE}
-               for r in list(self.admissions)[-4 * n:] if r.tenant == tenant][-n:]
-        for r in list(self.bank.receipts)[-4 * n:]:
-            d = dataclasses.asdict(r)
-            if "rows" not in d:
-                continue  # the trims' and the guard's receipts count the whole bank
-            d["rows"] = [row for row in d["rows"] if row["tenant"] == tenant]
-            if not d["rows"]:
-                continue
-            out.append({k: d[k] for k in ("kind", "reason", "at", "rows")})
-        out = sorted(out, key=lambda d: d["at"])[-3 * n:]
-        evictions = [dataclasses.asdict(e) for e in self.bank.eviction_log
-                     if e.tenant == tenant][-5 * n:]
-        return out, evictions
+        """The last receipts of every policy and the eviction log, as `tenant` (None: the
+        operator) may see them (worker/tiers/receipts.py)."""
+        return visible_receipts(self.admissions, self.bank.receipts, self.bank.eviction_log,
+                                tenant, n)
 
     def _log_admission(self, req, session: SessionKey, receipt) -> None:
         """Every decision but a wait is a receipt (the Status RPC, the event log)."""
