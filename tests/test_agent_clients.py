@@ -64,12 +64,16 @@ def test_claude_code_runs_on_kvbank_and_its_next_turn_reads_the_last_from_cache(
 
 
 def test_codex_runs_on_kvbank_and_its_next_turn_reads_the_last_from_cache(agents, tmp_path):
-    """`codex exec` with a custom provider pointing at the shim, then `codex exec resume
-    --last`: every field Codex sends is taken, and the second turn reads the first turn's
-    prompt and answer from cache."""
-    cmd, env = codex(agents.shim_url, tmp_path, CONTEXT)
+    """`codex exec` configured with only its provider (the shim), as a new user writes it,
+    then `codex exec resume --last`: every field Codex sends is taken (its hosted web_search
+    tool is left out of the prompt, with a warning), and the second turn reads the first
+    turn's prompt and answer from cache."""
+    cmd, env = codex(agents.shim_url, tmp_path, CONTEXT, only_provider=True)
     run_client([*cmd, "List the files here."], tmp_path, env)
     first = _records(agents, "/v1/responses")
+    assert any(t.get("type", "").startswith("web_search")
+               for r in first for t in r["body"].get("tools", [])), \
+        "Codex's defaults send its web_search tool"
     run_client([*cmd, "resume", "--last", "Now read README.md."], tmp_path, env)
     second = _records(agents, "/v1/responses")[len(first):]
     assert first and second

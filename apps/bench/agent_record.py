@@ -72,22 +72,31 @@ def claude_code(shim_url: str) -> tuple[list[str], dict[str, str]]:
     return [str(BIN / "claude"), "-p", "--output-format", "json"], env
 
 
-def codex(shim_url: str, home: Path, context: int) -> tuple[list[str], dict[str, str]]:
+def codex(shim_url: str, home: Path, context: int,
+          only_provider: bool = False) -> tuple[list[str], dict[str, str]]:
     """Codex's exec command and environment: a custom provider on the shim's Responses API,
-    analytics, feedback, telemetry, update checks and plugins off."""
+    analytics, feedback, telemetry, update checks, web search and plugins off; or, with
+    `only_provider`, the provider and nothing else, as a new user writes it (Codex then sends
+    its hosted web_search tool)."""
     (home / ".codex").mkdir(parents=True, exist_ok=True)
-    (home / ".codex" / "config.toml").write_text(f"""\
+    provider = f"""\
 model = "kvbank"
 model_provider = "kvbank"
-model_context_window = {context}
-check_for_update_on_startup = false
-web_search = "disabled"
 
 [model_providers.kvbank]
 name = "kvbank"
 base_url = "{shim_url}/v1"
 wire_api = "responses"
-
+"""
+    if only_provider:
+        (home / ".codex" / "config.toml").write_text(provider)
+        return ([str(BIN / "codex"), "exec", "--skip-git-repo-check", "--json"],
+                {"CODEX_HOME": str(home / ".codex")})
+    (home / ".codex" / "config.toml").write_text(f"""\
+model_context_window = {context}
+check_for_update_on_startup = false
+web_search = "disabled"
+{provider}
 [analytics]
 enabled = false
 
