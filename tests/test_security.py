@@ -16,6 +16,7 @@ tests below pin the visible half of that: another tenant's identical prompt rest
 from __future__ import annotations
 
 import ipaddress
+import json
 import uuid
 
 import grpc
@@ -325,8 +326,54 @@ def test_one_tenants_flood_leaves_a_slot_and_the_other_tenant_is_served_first(ke
     finally:
         for call in holders:
             call.cancel()
-    assert next(fourth).token_ids or True  # a slot freed: her 4th runs now
+    next(fourth)  # a slot freed: her 4th runs now
     fourth.cancel()
+
+
+def test_a_request_waiting_for_memory_holds_no_other_tenants_request(tiny_model, tmp_path,
+                                                                      cache_dir):
+    """The worker's memory holds alice's first request (600 tokens) and bob's (priced at her
+    length: a batched cache is padded to the longest), not her second (1,900 tokens, and the
+    padding it adds to hers; each request also holds a prefill's working memory, most of the
+    tiny model's price): the budget is set halfway between, 1.3 MB from each side, and
+    her second waits at the worker for her first to end. Bob's starts before it: one key's
+    request waiting for memory never holds another key's (in one line, a flood's waiting
+    request kept another key's probe 9.4 s in the worker's queue in `kvbank bench tenants`).
+    Ordered by the admission receipts."""
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("".join(f"{t} {k}\n" for t, k in KEYS.items()))
+    s = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir, shim=False,
+                    extra=["--api-keys-file", str(keys_file), "--admin-key", OPERATOR_KEY,
+                           "--memory-budget", "+9500000"])
+    alice, bob = Tenant(s.address, KEYS["alice"]), Tenant(s.address, KEYS["bob"])
+    operator = Tenant(s.address, None, operator=OPERATOR_KEY)
+    calls = []
+
+    def hers(max_tokens: int) -> grpc.Future:
+        req = api_pb2.GenerateRequest(max_tokens=max_tokens)
+        req.tokens.ids.extend(_unique_prompt()[:20])
+        call = alice.generation.Generate(req, metadata=alice.metadata, timeout=120)
+        calls.append(call)
+        return call
+
+    def load() -> tuple[int, int]:
+        r = alice.generation.Load(api_pb2.LoadRequest(), timeout=10)
+        return r.running, r.waiting
+
+    try:
+        next(hers(580))  # her first streams
+        hers(1880)
+        wait_until(lambda: load() == (1, 1), "her second to wait for memory at the worker")
+        assert bob.generate(_unique_prompt()[:20], max_tokens=2).completion_tokens == 2
+        admitted = [r["tenant"] for r in map(json.loads, operator.status().recent_receipts_json)
+                    if r.get("kind") == "admission" and r["decision"] == "admitted"]
+        assert admitted[:2] == ["alice", "bob"], admitted
+    finally:
+        for call in calls:
+            call.cancel()
+        for t in (alice, bob, operator):
+            t.close()
+        s.stop()
 
 
 def test_a_prompt_too_long_by_its_bytes_is_refused_without_tokenizing(keyed, alice,

@@ -252,14 +252,23 @@ class Engine:
 
     def _admit_pending(self) -> None:
         """Start waiting requests in order while the scheduler has room and memory allows. A
-        request waiting for memory stops the line (it is first in it); one waiting for the
-        prefix a running request is computing lets the requests behind it start."""
+        request waiting for memory stops the line for its own tenant and for every tenant
+        with as many requests running: the memory it waits for is held by requests in
+        flight, and those behind it would take what they free. A tenant with fewer running
+        goes past it (one API key's flood never holds another's short request until the
+        flood's turns end), which a waiting request's tenant can allow only up to its own
+        count, so the request first in line is not starved. One waiting for the prefix a
+        running request is computing lets the requests behind it start."""
         i = 0
+        blocked: int | None = None  # the running count of the first tenant waiting for memory
         while i < len(self._pending) and self.running() < self.scheduler.max_active:
             job = self._pending[i]
             if job.cancelled.is_set():
                 del self._pending[i]
                 job.emit(None)
+                continue
+            if blocked is not None and self._running_of(job.request.tenant) >= blocked:
+                i += 1
                 continue
             try:
                 started = self._start(job)
@@ -272,12 +281,20 @@ class Engine:
                 del self._pending[i]
                 job.emit(e)
                 continue
-            if started is Start.WAIT_MEMORY:
-                return  # waits for memory held by requests in flight
+            if started is Start.WAIT_MEMORY:  # waits for memory held by requests in flight
+                mine = self._running_of(job.request.tenant)
+                blocked = mine if blocked is None else min(blocked, mine)
+                i += 1
+                continue
             if started is Start.WAIT_PREFIX:
                 i += 1
                 continue
             del self._pending[i]
+
+    def _running_of(self, tenant: str) -> int:
+        """`tenant`'s admitted requests: in the batch, or restoring on a thread."""
+        return (sum(r.job.request.tenant == tenant for r in self.batch.running.values())
+                + self.kv.reading_of(tenant))
 
     def _start(self, job: cmd.Generate):
         """Admission, restore, and hand-over to the scheduler: STARTED, or WAIT_MEMORY, or

@@ -321,6 +321,10 @@ class KVManager:
         """Requests admitted whose KV is being read on a thread."""
         return len(self.reads)
 
+    def reading_of(self, tenant: str) -> int:
+        """`tenant`'s part of `reading`."""
+        return sum(r.job.request.tenant == tenant for r in self.reads)
+
     # -- commit ------------------------------------------------------------------------------
 
     def commit(self, session: SessionKey, full: np.ndarray, cache: list,
@@ -414,7 +418,7 @@ class KVManager:
         of another's prompts and answers."""
         mine = [e for e in self.bank.entries.values() if e.session[0] == tenant]
         return {"bank_bytes": sum(e.nbytes for e in mine), "bank_entries": len(mine),
-                "reading_requests": sum(r.job.request.tenant == tenant for r in self.reads)}
+                "reading_requests": self.reading_of(tenant)}
 
     def receipts(self, tenant: str | None, n: int = 20) -> tuple[list[dict], list[dict]]:
         """The last receipts of every policy and the eviction log, as `tenant` (None: the
