@@ -16,6 +16,7 @@ sent with max_tokens 1, its time is that of its first token (shim, router and wo
 included: both stacks pay them alike).
 
     ratio_to_ram_hit = median new-query TTFT / median RAM-hit TTFT      (goal: <= 1.15 with on)
+    ratio_to_ram_hit_paired = median over rounds of new-query TTFT / that round's RAM hit
 
 and what the pre-render costs: the seconds of compute it took in idle time, the tokens it
 computed, the bytes its entry holds in RAM (the first to leave), and how long after the answer
@@ -148,9 +149,14 @@ def run(family: str = "qwen3_5", *, rounds: int = 3, steps: int = 3,
         out[f"{mode}_ram_hit_ttft_s"] = hit
         out[f"{mode}_cached_tokens"] = rows[mode][-1]["cached_tokens"]
         out[f"{mode}_ratio_to_ram_hit"] = round(ttft / hit, 3)
+        # each round's new query against its own RAM hit, sent right after it: the load the
+        # two met is alike, where medians over rounds may pair a busy moment with a quiet one
+        out[f"{mode}_ratio_to_ram_hit_paired"] = round(statistics.median(
+            row["new_query_ttft_s"] / row["ram_hit_ttft_s"] for row in rows[mode]), 3)
     out["speedup"] = round(out["off_new_query_ttft_s"] / out["on_new_query_ttft_s"], 2)
     out["goal_ratio_to_ram_hit"] = GOAL
-    out["goal_met"] = out["on_ratio_to_ram_hit"] <= GOAL
+    out["goal_met"] = out["on_ratio_to_ram_hit"] <= GOAL and \
+        out["on_ratio_to_ram_hit_paired"] <= GOAL
     for key in ("prerender_compute_s", "prerender_computed_tokens", "prerender_bytes",
                 "ready_after_answer_s"):
         out[key] = med("on", key)
