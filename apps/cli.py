@@ -276,6 +276,7 @@ def _run_router(args: argparse.Namespace) -> int:
                 max_queue=args.max_queue, max_queue_wait_s=args.max_queue_wait_s,
                 max_active_per_tenant=args.max_active_per_tenant,
                 max_queue_per_tenant=args.max_queue_per_tenant,
+                prerender=args.prerender == "on",
                 metrics_port=args.metrics_port, admin_key=args.admin_key,
                 run_dir=layout.run_dir)
     return 0

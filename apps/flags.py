@@ -237,6 +237,12 @@ def router_flags(p: argparse.ArgumentParser) -> None:
             help="with API keys: requests one key may have at the worker at once; slots that "
                  "free go to the keys by turns (default: one fewer than the worker runs, so "
                  "one key's flood never takes them all)")),
+           (["--prerender"], dict(choices=("on", "off"), default="on",
+            help="after an answer with no tool call, compute in idle time the history the "
+                 "next query will carry where the chat template changes it then (Qwen3.5/3.6, "
+                 "GLM and gpt-oss drop earlier reasoning at a new user query), so that query "
+                 "restores it instead of recomputing the tool loop; below any request, and "
+                 "the first KV to leave RAM (default: %(default)s)")),
            (["--max-queue-per-tenant"], dict(type=int, default=None, metavar="N",
             help="with API keys: requests one key may have waiting; more are refused with "
                  "retry-after (default: half of --max-queue)")),

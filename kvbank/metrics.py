@@ -46,6 +46,11 @@ PREFIX_SHARED_TOKENS = Counter(
 PREFETCHES = Counter("kvbank_prefetches_total", "Prefetch hints, by what they did", ["status"])
 PREFETCHED_TOKENS = Counter("kvbank_prefetched_tokens_total",
                             "Tokens of KV brought from SSD into RAM ahead of their return")
+PRERENDERS = Counter("kvbank_prerenders_total",
+                     "Pre-renders of a next query's history asked of the worker, by what they "
+                     "did (prerendering, in_ram, no_room, off, unknown)", ["status"])
+PRERENDERED_TOKENS = Counter("kvbank_prerendered_tokens_total",
+                             "Tokens computed in idle time for a next query's history")
 WORKER_STAGE = Histogram("kvbank_worker_stage_seconds",
                          "A request's time to first token in the worker, by stage: waiting "
                          "(queue and admission), restore (KV from RAM or SSD), first_token "

@@ -101,10 +101,12 @@ class Backend:
                  ceilings: Ceilings = Ceilings(), max_queue: int = 64,
                  max_queue_wait_s: float = 300.0, admin_key: str | None = None,
                  max_active_per_tenant: int | None = None,
-                 max_queue_per_tenant: int | None = None):
+                 max_queue_per_tenant: int | None = None, prerender: bool = True):
         """Per tenant (with API keys): `max_active_per_tenant` (None: one fewer than the
         worker runs, so a flood never takes every slot) and `max_queue_per_tenant` (None:
-        half of `max_queue`). Without keys there is one tenant, and no share."""
+        half of `max_queue`). Without keys there is one tenant, and no share. `prerender`:
+        after an answer with no tool call, the history the next query will carry is computed
+        while the user reads (`GenerationServicer._prerender`)."""
         self.keys = keys or {}
         self.admin_key = admin_key  # the operator's (router/auth.py)
         self.ceilings = ceilings
@@ -115,6 +117,8 @@ class Backend:
         self.tokenizer.max_token_bytes  # at start: a prompt's first check needs it
         self.large = LargePrompts(model_dir)
         self.answers = AnswerTokens()  # what the model generated, for clients that send it back
+        self.prerender = prerender
+        self._prerenders: set[asyncio.Task] = set()  # in flight (a task needs a reference)
         self.channel = grpc.aio.insecure_channel(
             worker_address, options=[("grpc.max_receive_message_length", 64 << 20),
                                      *RECONNECT_OPTIONS])
@@ -463,14 +467,19 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         await self.b.ready()  # the worker may have restarted while this one queued
         first_at = last_at = None
         texts: list[str] = []
+        reasoning: list[str] = []
         ids: list[int] = []
         calls: list[tuple[str, str]] = []
         async for ev in self.b.stub.Generate(wreq, metadata=((TENANT_KEY, tenant),)):
             texts.append(ev.text)
+            reasoning.append(ev.reasoning)
             ids.extend(ev.token_ids)
             calls.extend((c.name, c.arguments) for c in ev.tool_calls)
             if ev.HasField("usage") and not ev.stop_sequence:
                 self._remember_answer(tenant, tokens, "".join(texts), calls, ids)
+            if ev.HasField("usage") and ev.finish_reason == api_pb2.FINISH_REASON_STOP:
+                self._prerender(v, tenant, "".join(texts), "".join(reasoning),
+                                ev.usage.session_id)
             if ev.token_ids:
                 now = time.monotonic()
                 if first_at is None:
@@ -490,6 +499,49 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 out.usage.queue_s += queue_s
             yield out
 
+
+    def _prerender(self, v: ValidRequest, tenant: str, text: str, reasoning: str,
+                   session_id: str) -> None:
+        """The turn ended with no tool call: the user reads now, and their next query will
+        carry this conversation's history as the template renders it then. A template that
+        drops earlier reasoning at a new query (Qwen3.5, GLM, gpt-oss) changes that history,
+        so without this the next query recomputes the whole tool loop while the user waits.
+        It is rendered here and the worker computes what RAM lacks of it in idle time
+        (worker/compute/prerender.py). Only where an answer carries reasoning (else the
+        template has none to drop), and for whole-conversation clients (append mode renders
+        only what is new). Runs beside the answer; a failure costs only the pre-render."""
+        b = self.b
+        if not (b.prerender and v.kind == "chat" and not v.append and session_id):
+            return
+        if not (reasoning.strip() or any(m.get("reasoning_content") for m in v.messages)):
+            return
+        answer = {"role": "assistant", "content": text}
+        if reasoning:
+            answer["reasoning_content"] = answer["thinking"] = reasoning
+        tools = list(v.tools) or None
+
+        def work(tok: PromptTokenizer) -> list[int]:
+            return tok.next_query(list(v.messages), answer, tools=tools, template=v.template,
+                                  answer_tokens=lambda key, prompt:
+                                  b.answers.get(tenant, key, prompt))
+
+        async def run() -> None:
+            try:
+                ids = (await b.large.run(work) if v.text_bytes >= LARGE_PROMPT_BYTES
+                       else work(b.tokenizer))
+                if not ids:
+                    return
+                r = await b.stub.Prefetch(worker_pb2.PrefetchRequest(
+                    tenant=tenant, session_id=session_id, token_ids=ids, prefill=True),
+                    timeout=30)
+                logger.debug("pre-render of %s: %s (%d tokens, %d in RAM)", session_id,
+                             r.status, len(ids), r.ram_tokens)
+            except Exception as e:  # the answer is out; only the guess is lost
+                logger.warning("pre-render of %s failed: %s", session_id, e)
+
+        task = asyncio.get_running_loop().create_task(run())
+        b._prerenders.add(task)
+        task.add_done_callback(b._prerenders.discard)
 
     def _remember_answer(self, tenant: str, prompt: list[int], text: str,
                          calls: list[tuple[str, str]], ids: list[int]) -> None:

@@ -209,7 +209,8 @@ class PromptTokenizer:
     def chat(self, messages: list[dict],
              answer_tokens: Callable[[str, Callable[[], list[int]]], list[int] | None]
              | None = None,
-             tools: list[dict] | None = None, template: dict | None = None) -> list[int]:
+             tools: list[dict] | None = None, template: dict | None = None,
+             cut: str | None = None) -> list[int]:
         """A whole conversation, ready for the assistant's next turn. An assistant message
         whose generated tokens `answer_tokens(message_key, prompt)` knows, as the answer to
         the tokens before it, goes in as those tokens, tool calls and all; the text around
@@ -223,10 +224,16 @@ class PromptTokenizer:
         `false`, a newline dropped), then, where the template ends a message with a special
         token the answer did not (its stop token, harmony's `<|end|>`), that token. An
         answer is not spliced where the template changes the history (reasoning it drops):
-        the model's input is then what the template writes."""
+        the model's input is then what the template writes.
+
+        `cut`: a text in the last message; the tokens of the render before it (none where the
+        render lacks it)."""
         plain = self.render(messages, tools, template)
+        stop = len(plain) if cut is None else plain.find(cut)
+        if stop < 0:
+            return []
         if answer_tokens is None or not any(m["role"] == "assistant" for m in messages):
-            return self.encode(plain)
+            return self.encode(plain[:stop])
         gen = self._generation_prompt(tools, template)
         out: list[int] = []
         pos = 0  # text of `plain` before it is in `out`
@@ -255,7 +262,30 @@ class PromptTokenizer:
                 tail = plain[start:end]
                 end = start + self._answer_end(tail, last)
                 out, pos = prompt() + ids, end
-        return out + self.encode(plain[pos:])
+        return out + self.encode(plain[pos:stop])
+
+    def next_query(self, messages: list[dict], answer: dict,
+                   answer_tokens: Callable[[str, Callable[[], list[int]]], list[int] | None]
+                   | None = None,
+                   tools: list[dict] | None = None, template: dict | None = None) -> list[int]:
+        """The history the conversation's next query will carry, as its template renders it
+        then: `messages`, the `answer` as the client sends it back, and a user turn, up to and
+        including the last special token before the user's text (what follows it depends on
+        that text: a tokenizer splits at special tokens only). [] where it cannot be told."""
+        probe = [*messages, answer, {"role": "user", "content": _MARK}]
+        try:
+            ids = self.chat(probe, answer_tokens, tools=tools, template=template, cut=_MARK)
+        except Exception:  # a template that refuses the probe: nothing to pre-render
+            return []
+        specials = self._special_ids()
+        last = max((i for i, t in enumerate(ids) if t in specials), default=-1)
+        return ids[:last + 1]
+
+    def _special_ids(self) -> frozenset[int]:
+        if not hasattr(self, "_special_id_set"):
+            self._special_id_set = frozenset(
+                i for i, t in self.tok.added_tokens_decoder.items() if t.special)
+        return self._special_id_set
 
     def _generation_prompt(self, tools, template) -> str:
         """The text the template ends a prompt with after a user message ("" where unknown)."""

@@ -379,6 +379,25 @@ def test_next_turn_supersedes_the_previous_prefix_entry():
     check_invariants(bank)
 
 
+def test_a_prerendered_entry_leaves_first_and_its_querys_commit_supersedes_it():
+    """The history a next query will carry, computed ahead of it (worker/compute/prerender.py):
+    a guess, so it leaves RAM before any conversation's turn, even one idle longer; and once
+    that query's turn (another session key) commits over all of it, it goes."""
+    bank = make_bank(active_pin_s=PIN_S)
+    put(bank, "old", own_tokens(1))
+    guess = bank.insert((TENANT, "next:s"), own_tokens(2, 8), layers_of(800), prerendered=True)
+    put(bank, "s", own_tokens(3))
+    assert not bank.is_active((TENANT, "next:s"))  # never pinned as active
+    policy(bank).shrink_to_bytes(bank.total_nbytes - 1, reason="critical")
+    assert log_ids(bank) == ["next:s"] and guess.key not in bank.entries
+
+    guess = bank.insert((TENANT, "next:t"), own_tokens(4, 8), layers_of(800), prerendered=True)
+    query = put(bank, "~query", toks(own_tokens(4, 8), [1, 2, 3]))
+    assert guess.key not in bank.entries and query.key in bank.entries
+    assert bank.prerendered_entries(TENANT) == []
+    check_invariants(bank)
+
+
 def test_random_operations_keep_the_ledger_and_index_consistent():
     """Seeded random inserts, branches, lookups, trims, admissions and releases: after every
     step the byte ledger equals the live entries and every entry is findable by its tokens."""

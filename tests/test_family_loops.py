@@ -126,3 +126,105 @@ def test_tool_choice_none_gets_the_answer_and_it_comes_back_from_cache(family):
         assert cached >= first.prompt_tokens - gen, (cached, first)
     else:
         assert cached >= first.prompt_tokens + first.completion_tokens, (cached, first)
+
+
+PRERENDERED = ("qwen3_5", "glm4_5", "glm4_6")  # templates that drop reasoning at a new query
+LISTING = 100  # lines of each tool result: the history a pre-render computes is ~5 chunks
+
+
+def _events(s) -> list[dict]:
+    import json
+
+    with open(s.layout.events_path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def test_the_next_query_is_prerendered_while_the_user_reads(family, cache_dir):
+    """A tool loop, then an answer with no call (`tool_choice: none`): while the user reads,
+    the worker computes the history their next query will carry (the template drops the
+    loop's reasoning then), below any request: a request that comes meanwhile waits for one
+    prefill chunk at most (the event log's order: its arrival, at most one chunk, its
+    admission), and the pre-render goes on after it. The new query then restores all of that
+    history (before: only up to the checkpoint before the first dropped reasoning) and its
+    answer equals mlx-lm's from scratch: tokens equal, logprobs within 1e-4."""
+    import json
+    import uuid
+
+    import mlx.core as mx
+    import openai
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvbank.router.tokenizer import PromptTokenizer
+    from tests.waiting import wait_until
+
+    name, s = family[:2]
+    if name not in PRERENDERED:
+        pytest.skip(f"{name}'s template keeps the history a new query carries")
+    c = openai.OpenAI(base_url=s.shim_url + "/v1", api_key="none", max_retries=0)
+    listing = "\n".join(f"src/module_{i}.py" for i in range(LISTING))
+    messages = [{"role": "system", "content": "You are a coding agent."},
+                {"role": "user", "content": f"[{uuid.uuid4().hex[:8]}] List the files here."}]
+    ask = dict(model="kvbank", tools=TOOLS, max_tokens=120, temperature=0)
+    for _ in range(2):
+        m = c.chat.completions.create(messages=messages, **ask).choices[0].message
+        assert m.tool_calls, m
+        messages += [m.model_dump(exclude_none=True)] + [
+            {"role": "tool", "tool_call_id": t.id, "content": listing} for t in m.tool_calls]
+    seen = len(_events(s))
+    r = c.chat.completions.create(messages=messages, tool_choice="none", **ask)
+    m = r.choices[0].message
+    assert m.content.strip() == FINAL and not m.tool_calls, m
+    messages.append(m.model_dump(exclude_none=True))
+
+    def mine(kind: str, events: list[dict]) -> list[tuple[int, dict]]:
+        return [(i, e) for i, e in enumerate(events) if i >= seen and e["kind"] == kind
+                and e.get("session_id") == conversation]
+
+    queued = wait_until(lambda: [e for e in _events(s)[seen:]
+                                 if e["kind"] == "prerender_queued"], "the pre-render's start")
+    conversation = queued[0]["session_id"]
+    wait_until(lambda: mine("prerender_chunk", _events(s)), "its first chunk", every_s=0.005)
+    probe = f"probe-{uuid.uuid4().hex[:8]}"  # another conversation's request comes meanwhile
+    with s.client() as k:
+        k.generate(session_id=probe, prompt="Hello there.", max_tokens=2)
+    done = wait_until(lambda: mine("prerender_done", _events(s)), "the pre-render's end")[0]
+    events = _events(s)
+    [arrived] = [i for i, e in enumerate(events)
+                 if e["kind"] == "request_during_prerender" and e["session_id"] == probe]
+    admitted = next(i for i, e in enumerate(events)
+                    if e["kind"] == "admission" and e.get("session_id") == probe)
+    chunks = [i for i, _ in mine("prerender_chunk", events)]
+    assert len([i for i in chunks if arrived < i < admitted]) <= 1, (arrived, admitted, chunks)
+    assert any(i < arrived for i in chunks) and any(i > admitted for i in chunks), chunks
+    assert done[0] > admitted  # it went on after the request, and ended
+    prerendered = done[1]["tokens"]
+
+    messages.append({"role": "user", "content": "Now the tests folder."})
+    r = c.chat.completions.create(messages=messages, logprobs=True, **ask)
+    u = r.usage
+    # The whole re-rendered history is restored: only the user's text and the generation
+    # prompt are computed.
+    assert u.prompt_tokens_details.cached_tokens >= prerendered >= u.prompt_tokens - 24, \
+        (u, prerendered)
+    path = scripted_model(name, cache_dir=cache_dir)
+    model, tokenizer = load(str(path))
+    as_rendered = [{**m, "tool_calls": [  # the router gives the template objects
+        {**t, "function": {**t["function"], "arguments": json.loads(t["function"]["arguments"])}}
+        for t in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
+    ids = PromptTokenizer(path).chat(as_rendered, tools=TOOLS)
+    assert len(ids) == u.prompt_tokens
+    cache = make_prompt_cache(model)
+    logits = model(mx.array(ids)[None], cache=cache)[0, -1]
+    want, want_lps = [], []
+    while len(want) < 120:
+        lps = logits - mx.logsumexp(logits)
+        token = int(lps.argmax().item())
+        if token in tokenizer.eos_token_ids:
+            break
+        want.append(token)
+        want_lps.append(float(lps[token].item()))
+        logits = model(mx.array([[token]]), cache=cache)[0, -1]
+    got = r.choices[0].logprobs.content
+    assert [t.token for t in got] == [tokenizer.decode([t]) for t in want]
+    assert max(abs(a.logprob - b) for a, b in zip(got, want_lps)) < 1e-4

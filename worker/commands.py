@@ -109,11 +109,15 @@ class Prefetch(Command):
     tenant: str
     session_id: str
     tokens: Any  # np.ndarray, uint32
+    # A pre-render: compute what RAM lacks of `tokens` in idle time (worker/compute/prerender.py)
+    prefill: bool = False
 
 
 @dataclass(frozen=True)
 class PrefetchReport:
-    status: str  # restored | restoring | in_ram | not_held | no_room | unknown
+    # restored | restoring | in_ram | not_held | no_room | unknown; a pre-render's:
+    # prerendering | in_ram | no_room | off | unknown
+    status: str
     ram_tokens: int = 0   # held in RAM before the hint
     ssd_tokens: int = 0   # whole blocks committed in LMDB
     restored_tokens: int = 0

@@ -82,7 +82,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Prefetch(self, request, context):
         tokens = np.asarray(request.token_ids, dtype=np.uint32)
-        r = await self._ask(cmd.Prefetch(request.tenant, request.session_id, tokens))
+        r = await self._ask(cmd.Prefetch(request.tenant, request.session_id, tokens,
+                                         prefill=request.prefill))
         return api_pb2.PrefetchResponse(status=r.status, ram_tokens=r.ram_tokens,
                                         ssd_tokens=r.ssd_tokens,
                                         restored_tokens=r.restored_tokens)

@@ -42,6 +42,8 @@ BENCHES: dict[str, tuple[str, str]] = {
                            "restores from SSD"),
     "tenants": ("tenants", "one API key floods; another's short request: its time to first "
                            "token and stream gaps, against idle"),
+    "prerender": ("prerender", "a new query's time to first token after a tool loop, with "
+                               "the idle pre-render of its history and without"),
     "decode": ("components.decode", "decode tok/s with and without the model's MTP head "
                                     "(--mtp), depth 1..3"),
 }

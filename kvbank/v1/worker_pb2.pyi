@@ -124,14 +124,16 @@ class ProbeResponse(_message.Message):
     def __init__(self, ram_tokens: _Optional[int] = ..., ssd_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("tenant", "session_id", "token_ids")
+    __slots__ = ("tenant", "session_id", "token_ids", "prefill")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tenant: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prefill: bool
+    def __init__(self, tenant: _Optional[str] = ..., session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prefill: _Optional[bool] = ...) -> None: ...
 
 class WorkerLoadRequest(_message.Message):
     __slots__ = ()

@@ -27,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvbank import metrics
+from kvbank import events, metrics
 from kvbank.blocks import BlockId, chain_block_ids, chain_root, common_prefix_len
 from kvbank.config import Layout
 from kvbank.contracts.failures import InvalidRequest, Refused
@@ -40,6 +40,7 @@ from kvbank.worker.compute.decoding import Decodings
 from kvbank.worker.compute.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running, warm_up
 from kvbank.worker.compute.scheduler_config import SchedulerConfig
 from kvbank.worker.compute.mtp.serving import DEFAULT_DEPTH
+from kvbank.worker.compute.prerender import Prerenders, off_reason
 from kvbank.worker.compute.served_model import load_served_model
 from kvbank.worker.link.kv_events import EventsConfig, Publisher
 from kvbank.worker.memory import calibration
@@ -118,6 +119,9 @@ class Engine:
         cache_limit = mlx_cache_limit(self.memory_budget, self.pricing.fixed_bytes)
         mx.set_cache_limit(cache_limit)
         self.pricing.fixed_bytes += cache_limit  # MLX may keep that much: held, always
+        self.prerenders = Prerenders(model=self.model, kinds=self.kinds, kv=self.kv,
+                                     pricing=self.pricing, chunk_tokens=prefill_chunk_tokens,
+                                     stream=self.batch.gen.stream, off_reason=off_reason(self.mtp))
         self._held_seen = 0  # the ledger at the last _give_back_freed
         kv = self.kv
         self._handlers = {
@@ -129,8 +133,8 @@ class Engine:
             cmd.Tick: self._tick,
             cmd.PressureTrim: lambda c: kv.pressure(c.level, c.source, c.deferred_s),
             cmd.Probe: lambda c: kv.probe(c.tokens, c.tenant),
-            cmd.Prefetch: lambda c: kv.hint(c.tenant, c.session_id,
-                                            np.asarray(c.tokens, np.uint32)),
+            cmd.Prefetch: lambda c: (self.prerenders.ask if c.prefill else kv.hint)(
+                c.tenant, c.session_id, np.asarray(c.tokens, np.uint32)),
             cmd.History: lambda c: kv.history(c.session),
             cmd.Announce: lambda c: kv.announce(),
         }
@@ -160,7 +164,12 @@ class Engine:
     # -- the queue --------------------------------------------------------------------------
 
     def post(self, command) -> Any:
-        """Any thread: hand a command to the engine; returns it (its `reply` resolves)."""
+        """Any thread: hand a command to the engine; returns it (its `reply` resolves). A
+        request that comes while a pre-render runs is logged as it comes (the pre-render
+        yields to it after the chunk in flight: tests/test_family_loops.py reads the order)."""
+        if isinstance(command, cmd.Generate) and self.prerenders.busy:
+            events.emit("request_during_prerender", request_id=command.request.request_id,
+                        session_id=command.request.session_id)
         self._queue.put(command)
         return command
 
@@ -175,7 +184,7 @@ class Engine:
     def _run(self) -> None:
         while True:
             idle = not self.batch and not self._pending
-            items = [self._queue.get()] if idle else []
+            items = [self._queue.get()] if idle and not self._prerender_now() else []
             while True:
                 try:
                     items.append(self._queue.get_nowait())
@@ -202,9 +211,16 @@ class Engine:
             self._give_back_freed()  # what commands, acknowledged writes and evictions freed
             if self.batch:
                 self._step()
+            elif not self._pending and self._prerender_now():
+                self.prerenders.step()  # idle: one chunk, then the queue is looked at again
             self._publish()
             if self._pending and not self.batch:  # first in line waits for memory
                 time.sleep(0.01)
+
+    def _prerender_now(self) -> bool:
+        """A pre-render may take a chunk: no request runs, restores or waits (the caller
+        checks the batch and the line)."""
+        return self.prerenders.waiting and not self.kv.reading
 
     def _handle(self, command: cmd.Command) -> None:
         """Run a command; its effect is in the snapshot before its caller hears back."""
@@ -312,6 +328,10 @@ class Engine:
         decoding = job.decoding
         ids = chain_block_ids(tokens, self.root_for(req.tenant), self.block_tokens)  # once
         need = self._price(len(tokens), req.max_tokens)
+        if self.prerenders.waiting:  # requests first: a pre-render gives way
+            self.prerenders.hand_over(tokens, req.tenant)
+            if need > self.memory_budget - held_bytes(self.pricing, self.kv):
+                self.prerenders.make_room()
         admitted = self.kv.admit(job, tokens, ids, need=need, batch=self.batch,
                                  solo_need=self.pricing.request_bytes(len(tokens),
                                                                       req.max_tokens),

@@ -60,6 +60,9 @@ class BankEntry:
     write_job: int | None = None  # id of its queued coldstore write, if any
     write_pending: bool = False  # its write must be sent again (refused, lost, no record)
     prefetched: bool = False  # brought from SSD on a hint, not used since: the first to go
+    # Computed in idle time for a query not asked yet (worker/compute/prerender.py): the first
+    # to go, and superseded by any commit that covers it (its next turn's).
+    prerendered: bool = False
     in_bank: bool = False  # in the bank's ledger now (not taken over by a request, not gone)
 
     @property
@@ -134,6 +137,7 @@ class SessionBank:
         self.receipts: deque = deque(maxlen=256)  # every policy receipt that did something
         self._index: dict[BlockId, set[int]] = {}
         self._by_session: dict[SessionKey, set[int]] = {}
+        self._prerendered: set[int] = set()  # keys of entries with `prerendered`
         self._in_flight: dict[SessionKey, int] = {}
         self._active_nbytes: dict[SessionKey, int] = {}  # caches of running requests
         self._last_use: dict[SessionKey, float] = {}
@@ -202,6 +206,8 @@ class SessionBank:
         _set(e, in_bank=True)
         self.total_nbytes += e.nbytes
         self._by_session.setdefault(e.session, set()).add(e.key)
+        if e.prerendered:
+            self._prerendered.add(e.key)
         for bid in self._index_keys(e):
             self._index.setdefault(bid, set()).add(e.key)
         if self.listener is not None:
@@ -211,6 +217,7 @@ class SessionBank:
         del self.entries[e.key]
         _set(e, in_bank=False)
         self.total_nbytes -= e.nbytes
+        self._prerendered.discard(e.key)
         keys = self._by_session[e.session]
         keys.discard(e.key)
         if not keys:
@@ -237,13 +244,16 @@ class SessionBank:
     def insert(self, session: SessionKey, tokens: np.ndarray, layers: Layers,
                *, checkpoints: dict[int, Checkpoint] | None = None,
                durable_tokens: int = 0, supersede_slack: int = 0,
-               prefetched: bool = False, handed: BankEntry | None = None) -> BankEntry:
+               prefetched: bool = False, prerendered: bool = False,
+               handed: BankEntry | None = None) -> BankEntry:
         """Add a finished turn's KV. Entries of the same session that are a prefix of it are
         superseded (the new entry serves every prefix of its own) and leave; entries of a
         branch stay, as non-terminal. With `supersede_slack`, an entry the new one covers up
         to its last `supersede_slack` tokens is superseded too (a client that re-rendered the
         end of the previous answer differently continues, not branches). A `prefetched`
-        entry (read back from SSD on a hint) does not make its session active. `handed`: the
+        entry (read back from SSD on a hint) does not make its session active, nor does a
+        `prerendered` one (computed ahead of a query); a pre-rendered entry of the tenant that
+        the new one covers whole is superseded too, whatever its session. `handed`: the
         entry this turn took out of the bank when it started (`hand_over`): what LMDB held of
         it counts as for a superseded one.
 
@@ -265,6 +275,9 @@ class SessionBank:
                 durable_tokens = max(durable_tokens, min(old.durable_tokens, shared))
                 superseded.append(old)
                 _inherit(checkpoints, old, shared)
+        for old in self.prerendered_entries(session[0]):
+            if old.session != session and common_prefix_len(old.tokens, tokens) == old.n_tokens:
+                superseded.append(old)  # its query came: this turn holds all of it
         checkpoints = _newest(checkpoints, len(tokens), self.max_checkpoints)
         e = BankEntry(
             key=next(self._ids),
@@ -277,15 +290,21 @@ class SessionBank:
             last_used=now,
             durable_tokens=min(durable_tokens, len(tokens)),
             prefetched=prefetched,
+            prerendered=prerendered,
         )
         self._add(e)  # before the superseded leave: the blocks they share are never unheld
         for old in superseded:
             self._remove(old)
         if handed is not None:
             self._unannounce(handed)
-        if not prefetched:
+        if not (prefetched or prerendered):
             self._last_use[session] = now
         return e
+
+    def prerendered_entries(self, tenant: str) -> list[BankEntry]:
+        """The tenant's pre-rendered entries (few: one per conversation whose user reads)."""
+        return [self.entries[k] for k in self._prerendered
+                if self.entries[k].session[0] == tenant]
 
     # -- a running request's own KV ------------------------------------------------------------
 
@@ -389,7 +408,8 @@ class SessionBank:
 
     def touch(self, e: BankEntry) -> None:
         _set(e, last_used=self.clock(), prefetched=False)  # used: an entry like any other now
-        self._last_use[e.session] = e.last_used
+        if not e.prerendered:  # a pre-render stays first to go: its next turn's commit holds it
+            self._last_use[e.session] = e.last_used
 
     # -- what the writer and the coldstore report (the bank records it) -------------------
 

@@ -1,7 +1,9 @@
 """Who leaves RAM: every rule that takes conversations' KV out of the bank, with one ranking.
 
 The ranking (`EvictionPolicy.rank`), who leaves first:
-  1. prefetched entries whose hint has lapsed, not used since;
+  1. pre-rendered entries (the history a conversation's next query will carry, computed while
+     its user reads: worker/compute/prerender.py) and prefetched entries whose hint has
+     lapsed, not used since: both are guesses, and a guess is worth less than any turn;
   2. conversations without a hint: entries of idle sessions before entries of active ones (a
      session is active while a request runs on it, and for `active_pin_s` after its last
      use), least recently used first;
@@ -78,7 +80,8 @@ class EvictionPolicy:
         """An entry's place in the ranking (the module docstring's order)."""
         hinted = self.hinted_at(e.session)
         active = hinted is None and self.bank.is_active(e.session, now)
-        return ((not e.prefetched) or hinted is not None, hinted is not None, active,
+        guess = e.prerendered or (e.prefetched and hinted is None)
+        return (not guess, hinted is not None, active,
                 *self._recency(hinted, e.last_used)[1:])
 
     def session_rank(self, s: SessionKey) -> tuple:

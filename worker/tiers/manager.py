@@ -131,6 +131,7 @@ class KVManager:
                                  ssd_tokens=lambda session: self.conversations.history(session))
         self.kinds, self.fingerprint, self.block_tokens = kinds, fingerprint, block_tokens
         self.pricing, self.budget, self.chain_shed = pricing, budget, chain_shed
+        self._waiting = waiting
         self.coldstore = ColdstoreClient(layout, on_event=self._deliver)
         self.bank = SessionBank(block_tokens=block_tokens, root_for=self.root_for,
                                 max_bytes=bank_bytes, active_pin_s=active_pin_s,
@@ -159,7 +160,7 @@ class KVManager:
             bank=self.bank, restorer=self.restorer, conversations=self.conversations,
             hints=self.hints, eviction=self.eviction, root_for=self.root_for,
             block_tokens=block_tokens, kv_bytes_per_token=rest,
-            room=lambda: None if waiting() else self._room(), reads=Restores(wake, rest))
+            room=self.room_for_hints, reads=Restores(wake, rest))
         self.kv_events = kv_events
         if kv_events is not None:  # what LMDB holds, announced from the start
             for key in self.conversations.records:
@@ -185,6 +186,11 @@ class KVManager:
         if self.pricing is None or self.budget is None:
             return room
         return min(room, self.budget() - held_bytes(self.pricing, self))
+
+    def room_for_hints(self) -> int | None:
+        """What a prefetch hint or a pre-render may take (`_room`); None while requests wait
+        for memory: they come first."""
+        return None if self._waiting() else self._room()
 
     # -- a request: admit, start, take, leave ------------------------------------------------
 

@@ -116,9 +116,11 @@ class Restorer:
             checkpoint = e.checkpoints.get(ram_n)
             # Not when kept quantized: the request dequantizes into a buffer of its own, and
             # the entry stays in the bank, counted, until the commit supersedes it.
-            if e.session == session and ram_n == e.n_tokens and not self.kinds.kv_bits:
-                # The conversation's next turn: its KV goes with the request, which writes its
-                # new tokens in place when the buffer has room (no copy of the history).
+            if ((e.session == session or e.prerendered) and ram_n == e.n_tokens
+                    and not self.kinds.kv_bits):
+                # The conversation's next turn (or the query a pre-render was computed for): its
+                # KV goes with the request, which writes its new tokens in place when the
+                # buffer has room (no copy of the history).
                 self.bank.hand_over(e)
                 return self.kinds.restore(e.layers, checkpoint, ram_n, owned=True), ram_n, RAM, e
             return self.kinds.restore(e.layers, checkpoint, ram_n), ram_n, RAM, None
