@@ -499,7 +499,6 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 out.usage.queue_s += queue_s
             yield out
 
-
     def _prerender(self, v: ValidRequest, tenant: str, text: str, reasoning: str,
                    session_id: str) -> None:
         """The turn ended with no tool call: the user reads now, and their next query will

@@ -580,7 +580,7 @@ def test_the_engine_asks_the_kv_manager_alone_about_kv():
     requests = {"admit", "start", "ready", "take", "abandon", "leave", "share", "commit",
                 "turns_ended"}
     loop = {"pump", "set_busy", "land", "refresh", "ledger", "published", "flush_events",
-            "reading", "stop", "close"}
+            "reading", "reading_of", "stop", "close"}
     commands = {"delete", "release", "trim", "flush", "receipts", "pressure", "probe", "hint",
                 "history", "announce", "tick"}
     assert asked and asked <= requests | loop | commands, asked - (requests | loop | commands)
