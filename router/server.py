@@ -33,8 +33,9 @@ from kvbank.contracts.failures import (RELAYED_METADATA, ContextTooLong, KvbankE
                                       MaxTokensTooLarge, WorkerUnavailable, grpc_status)
 from kvbank.router.admission import AdmissionQueue, Ceilings, check_ceilings, worker_pricing
 from kvbank.router.auth import OPERATOR, operator_or_tenant, tenant_for
+from kvbank.router import next_turn
 from kvbank.router.relays import AdminServicer, ResponsesServicer, SessionsServicer
-from kvbank.router.tokenizer import AnswerTokens, PromptTokenizer, answer_key, lift_system
+from kvbank.router.tokenizer import AnswerTokens, PromptTokenizer, lift_system
 from kvbank.router.validation import InvalidRequest, ValidRequest, validate
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class Backend:
         worker runs, so a flood never takes every slot) and `max_queue_per_tenant` (None:
         half of `max_queue`). Without keys there is one tenant, and no share. `prerender`:
         after an answer with no tool call, the history the next query will carry is computed
-        while the user reads (`GenerationServicer._prerender`)."""
+        while the user reads (router/next_turn.py `prerender`)."""
         self.keys = keys or {}
         self.admin_key = admin_key  # the operator's (router/auth.py)
         self.ceilings = ceilings
@@ -118,7 +119,7 @@ class Backend:
         self.large = LargePrompts(model_dir)
         self.answers = AnswerTokens()  # what the model generated, for clients that send it back
         self.prerender = prerender
-        self._prerenders: set[asyncio.Task] = set()  # in flight (a task needs a reference)
+        self._background: set[asyncio.Task] = set()  # in flight (a task needs a reference)
         self.channel = grpc.aio.insecure_channel(
             worker_address, options=[("grpc.max_receive_message_length", 64 << 20),
                                      *RECONNECT_OPTIONS])
@@ -230,7 +231,18 @@ class Backend:
             full = self._tokens(tok, v, tenant, history, info)
             return (full, self.checkpoints(v, full, info, tok)) if with_checkpoints else full
 
-        if v.text_bytes >= LARGE_PROMPT_BYTES:
+        return await self.tokenize(work, v.text_bytes)
+
+    def in_background(self, work) -> None:
+        """Run the coroutine `work` beside the requests (a pre-render), kept until it ends."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def tokenize(self, work: Callable[[PromptTokenizer], T], text_bytes: int) -> T:
+        """`work` with a tokenizer: the loop's own, or for a prompt of `LARGE_PROMPT_BYTES`
+        or more the tokenizing thread's (`LargePrompts`)."""
+        if text_bytes >= LARGE_PROMPT_BYTES:
             return await self.large.run(work)
         return work(self.tokenizer)
 
@@ -476,10 +488,10 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             ids.extend(ev.token_ids)
             calls.extend((c.name, c.arguments) for c in ev.tool_calls)
             if ev.HasField("usage") and not ev.stop_sequence:
-                self._remember_answer(tenant, tokens, "".join(texts), calls, ids)
+                next_turn.remember_answer(self.b, tenant, tokens, "".join(texts), calls, ids)
             if ev.HasField("usage") and ev.finish_reason == api_pb2.FINISH_REASON_STOP:
-                self._prerender(v, tenant, "".join(texts), "".join(reasoning),
-                                ev.usage.session_id)
+                next_turn.prerender(self.b, v, tenant, "".join(texts), "".join(reasoning),
+                                    ev.usage.session_id)
             if ev.token_ids:
                 now = time.monotonic()
                 if first_at is None:
@@ -498,66 +510,6 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 out.usage.ttft_s = first_at - t0
                 out.usage.queue_s += queue_s
             yield out
-
-    def _prerender(self, v: ValidRequest, tenant: str, text: str, reasoning: str,
-                   session_id: str) -> None:
-        """The turn ended with no tool call: the user reads now, and their next query will
-        carry this conversation's history as the template renders it then. A template that
-        drops earlier reasoning at a new query (Qwen3.5, GLM, gpt-oss) changes that history,
-        so without this the next query recomputes the whole tool loop while the user waits.
-        It is rendered here and the worker computes what RAM lacks of it in idle time
-        (worker/compute/prerender.py). Only where an answer carries reasoning (else the
-        template has none to drop), and for whole-conversation clients (append mode renders
-        only what is new). Runs beside the answer; a failure costs only the pre-render."""
-        b = self.b
-        if not (b.prerender and v.kind == "chat" and not v.append and session_id):
-            return
-        if not (reasoning.strip() or any(m.get("reasoning_content") for m in v.messages)):
-            return
-        answer = {"role": "assistant", "content": text}
-        if reasoning:
-            answer["reasoning_content"] = answer["thinking"] = reasoning
-        tools = list(v.tools) or None
-
-        def work(tok: PromptTokenizer) -> list[int]:
-            return tok.next_query(list(v.messages), answer, tools=tools, template=v.template,
-                                  answer_tokens=lambda key, prompt:
-                                  b.answers.get(tenant, key, prompt))
-
-        async def run() -> None:
-            try:
-                ids = (await b.large.run(work) if v.text_bytes >= LARGE_PROMPT_BYTES
-                       else work(b.tokenizer))
-                if not ids:
-                    return
-                r = await b.stub.Prefetch(worker_pb2.PrefetchRequest(
-                    tenant=tenant, session_id=session_id, token_ids=ids, prefill=True),
-                    timeout=30)
-                logger.debug("pre-render of %s: %s (%d tokens, %d in RAM)", session_id,
-                             r.status, len(ids), r.ram_tokens)
-            except Exception as e:  # the answer is out; only the guess is lost
-                logger.warning("pre-render of %s failed: %s", session_id, e)
-
-        task = asyncio.get_running_loop().create_task(run())
-        b._prerenders.add(task)
-        task.add_done_callback(b._prerenders.discard)
-
-    def _remember_answer(self, tenant: str, prompt: list[int], text: str,
-                         calls: list[tuple[str, str]], ids: list[int]) -> None:
-        """So the next turn can send this answer back (text and tool calls) and still hit its
-        KV. Only an answer that is all of its tokens is kept: no stop string cut it, and its
-        text ends its tokens' (a character cut at max_tokens does not) unless tool calls
-        were parsed out of them. mlx-lm's detokenizer
-        drops the space an answer's first token begins with, so its tokens may say more
-        whitespace at the start than the text the client got."""
-        if ids and (calls or (text and _same_answer(self.b.tokenizer.decode(ids), text))):
-            self.b.answers.put(tenant, prompt, answer_key(text, calls), ids)
-
-
-def _same_answer(decoded: str, text: str) -> bool:
-    """The answer's tokens end with `text`: before it, leading whitespace the client never
-    saw, or the reasoning the worker split off (sent back apart, as `reasoning_content`)."""
-    return decoded.endswith(text)
 
 
 def _add_service(server, service, servicer) -> None:
