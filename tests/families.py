@@ -19,6 +19,7 @@ import openai
 
 from kvbank.testing.family_models import CALL, REASONING, TOOLS, Family
 
+SYSTEM = "You are a coding agent."
 REQUESTS = 9          # the query, then eight more
 NEW_QUERY_AT = 6      # the seventh request carries a new user query
 MAX_TOKENS = 120      # the longest script is about 60 tokens
@@ -34,6 +35,10 @@ class Step:
     reasoning: str
     calls: list          # (name, arguments as an object)
     new_query: bool = False
+    body: dict | None = None     # the request's body as sent
+    kvbank: dict | None = None   # kvbank's facts in the usage (session_id, cache_source, ...)
+    logprobs: list | None = None  # each token's, where asked (chat: `logprobs: true`)
+    tops: list | None = None      # each token's `top_logprobs` values, most likely first
 
 
 def anthropic_tools() -> list[dict]:
@@ -45,79 +50,108 @@ def responses_tools() -> list[dict]:
     return [{"type": "function", **t["function"]} for t in TOOLS]
 
 
-def loop(stack, f: Family, api: str, requests: int = REQUESTS, **extra) -> list[Step]:
+def loop(stack, f: Family, api: str, requests: int = REQUESTS, *, system: str = SYSTEM,
+         after=None, **extra) -> list[Step]:
     """The tool loop on `api` ("chat", "responses", "anthropic"); `extra` goes into every
-    request body (tool_choice, ...)."""
+    request body (tool_choice, ...); `after(i, step)` runs once request i is answered, before
+    the next is sent."""
     query = f"[{uuid.uuid4().hex[:8]}] List the files here."
-    return {"chat": _chat_loop, "responses": _responses_loop,
-            "anthropic": _anthropic_loop}[api](stack, query, requests, extra)
+    steps: list[Step] = []
+
+    def done(step: Step) -> None:
+        steps.append(step)
+        if after is not None:
+            after(len(steps) - 1, step)
+
+    {"chat": _chat_loop, "responses": _responses_loop,
+     "anthropic": _anthropic_loop}[api](stack, system, query, requests, extra, done)
+    return steps
+
+
+def generate_request(api: str, body: dict):
+    """The GenerateRequest the shim sends the router for this body on `api` (how a test
+    sees the messages the router renders)."""
+    from kvbank.apps.shim import anthropic_format, openai_format, responses_format
+
+    if api == "chat":
+        return openai_format.parse("chat", body, session_header=None).generate
+    if api == "responses":
+        return responses_format.parse(body, session_header=None,
+                                      default_max_tokens=MAX_TOKENS).chat.generate
+    return anthropic_format.parse(body, session_header=None).generate
+
+
+def _extra(usage) -> dict:
+    return (usage.model_extra or {}).get("kvbank") or {}
 
 
 def _openai(stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.shim_url + "/v1", api_key="none", max_retries=0)
 
 
-def _chat_loop(stack, query: str, requests: int, extra: dict) -> list[Step]:
+def _chat_loop(stack, system: str, query: str, requests: int, extra: dict, done) -> None:
     c = _openai(stack)
-    messages = [{"role": "system", "content": "You are a coding agent."},
-                {"role": "user", "content": query}]
-    steps = []
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": query}]
     for i in range(requests):
-        r = c.chat.completions.create(model="kvbank", messages=messages, tools=TOOLS,
-                                      max_tokens=MAX_TOKENS, **GREEDY, **extra)
+        body = dict(model="kvbank", messages=list(messages), tools=TOOLS,
+                    max_tokens=MAX_TOKENS, **GREEDY, **extra)
+        r = c.chat.completions.create(**body)
         m, u = r.choices[0].message, r.usage
-        steps.append(Step(u.prompt_tokens, u.prompt_tokens_details.cached_tokens,
-                          u.completion_tokens, m.content or "",
-                          (m.model_extra or {}).get("reasoning_content") or "",
-                          [(t.function.name, json.loads(t.function.arguments))
-                           for t in m.tool_calls or ()], new_query=i == NEW_QUERY_AT))
+        lps = r.choices[0].logprobs
+        done(Step(u.prompt_tokens, u.prompt_tokens_details.cached_tokens,
+                  u.completion_tokens, m.content or "",
+                  (m.model_extra or {}).get("reasoning_content") or "",
+                  [(t.function.name, json.loads(t.function.arguments))
+                   for t in m.tool_calls or ()], new_query=i == NEW_QUERY_AT, body=body,
+                  kvbank=_extra(u),
+                  logprobs=None if lps is None else [t.logprob for t in lps.content or ()],
+                  tops=None if lps is None else [[a.logprob for a in t.top_logprobs or ()]
+                                                 for t in lps.content or ()]))
         messages.append(m.model_dump(exclude_none=True))
         for t in m.tool_calls or ():
             messages.append({"role": "tool", "tool_call_id": t.id, "content": f"a.py\nb{i}.py"})
         if i + 1 == NEW_QUERY_AT:
             messages.append({"role": "user", "content": "Now the tests folder."})
-    return steps
 
 
-def _responses_loop(stack, query: str, requests: int, extra: dict) -> list[Step]:
+def _responses_loop(stack, system: str, query: str, requests: int, extra: dict, done) -> None:
     c = _openai(stack)
     items: list = [{"role": "user", "content": query}]
-    steps = []
     for i in range(requests):
-        r = c.responses.create(model="kvbank", instructions="You are a coding agent.",
-                               input=items, tools=responses_tools(), store=False,
-                               max_output_tokens=MAX_TOKENS, **GREEDY, **extra)
+        body = dict(model="kvbank", instructions=system, input=list(items),
+                    tools=responses_tools(), store=False, max_output_tokens=MAX_TOKENS,
+                    **GREEDY, **extra)
+        r = c.responses.create(**body)
         u = r.usage
         calls = [o for o in r.output if o.type == "function_call"]
         reasoning = "".join(p.text for o in r.output if o.type == "reasoning"
                             for p in o.content or ())
-        steps.append(Step(u.input_tokens, u.input_tokens_details.cached_tokens,
-                          u.output_tokens, r.output_text, reasoning,
-                          [(o.name, json.loads(o.arguments)) for o in calls],
-                          new_query=i == NEW_QUERY_AT))
+        done(Step(u.input_tokens, u.input_tokens_details.cached_tokens,
+                  u.output_tokens, r.output_text, reasoning,
+                  [(o.name, json.loads(o.arguments)) for o in calls],
+                  new_query=i == NEW_QUERY_AT, body=body, kvbank=_extra(u)))
         items += [o.model_dump(exclude_none=True) for o in r.output]
         items += [{"type": "function_call_output", "call_id": o.call_id,
                    "output": f"a.py\nb{i}.py"} for o in calls]
         if i + 1 == NEW_QUERY_AT:
             items.append({"role": "user", "content": "Now the tests folder."})
-    return steps
 
 
-def _anthropic_loop(stack, query: str, requests: int, extra: dict) -> list[Step]:
+def _anthropic_loop(stack, system: str, query: str, requests: int, extra: dict, done) -> None:
     c = anthropic.Anthropic(base_url=stack.shim_url, api_key="none", max_retries=0)
     messages: list = [{"role": "user", "content": query}]
-    steps = []
     for i in range(requests):
-        m = c.messages.create(model="kvbank", system="You are a coding agent.",
-                              messages=messages, tools=anthropic_tools(),
-                              max_tokens=MAX_TOKENS, extra_body=GREEDY, **extra)
+        body = dict(model="kvbank", system=system, messages=list(messages),
+                    tools=anthropic_tools(), max_tokens=MAX_TOKENS, **extra)
+        m = c.messages.create(**body, extra_body=GREEDY)
         u = m.usage
         uses = [b for b in m.content if b.type == "tool_use"]
-        steps.append(Step(u.input_tokens + u.cache_read_input_tokens, u.cache_read_input_tokens,
-                          u.output_tokens,
-                          "".join(b.text for b in m.content if b.type == "text"),
-                          "".join(b.thinking for b in m.content if b.type == "thinking"),
-                          [(b.name, b.input) for b in uses], new_query=i == NEW_QUERY_AT))
+        done(Step(u.input_tokens + u.cache_read_input_tokens, u.cache_read_input_tokens,
+                  u.output_tokens,
+                  "".join(b.text for b in m.content if b.type == "text"),
+                  "".join(b.thinking for b in m.content if b.type == "thinking"),
+                  [(b.name, b.input) for b in uses], new_query=i == NEW_QUERY_AT,
+                  body={**body, **GREEDY}, kvbank=_extra(u)))
         messages.append({"role": "assistant",
                          "content": [b.model_dump(exclude_none=True) for b in m.content]})
         results = [{"type": "tool_result", "tool_use_id": b.id, "content": f"a.py\nb{i}.py"}
@@ -125,7 +159,6 @@ def _anthropic_loop(stack, query: str, requests: int, extra: dict) -> list[Step]
         if i + 1 == NEW_QUERY_AT:
             results.append({"type": "text", "text": "Now the tests folder."})
         messages.append({"role": "user", "content": results})
-    return steps
 
 
 def expected_loss(f: Family, step: Step) -> str | None:

@@ -32,7 +32,7 @@ TEMPLATES = Path(__file__).parent.parent / "kvbank" / "testing" / "templates"
 class Reference:
     """mlx-lm's greedy answers from scratch, with the conversation's forwards replayed."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, max_tokens: int = MAX_TOKENS, top_n: int = 0):
         from mlx_lm import load
 
         from kvbank.router.tokenizer import PromptTokenizer
@@ -40,6 +40,9 @@ class Reference:
         self.model, self.tokenizer = load(str(model_dir))
         self.prompts = PromptTokenizer(model_dir)
         self.eos = set(self.tokenizer.eos_token_ids)
+        self.max_tokens = max_tokens
+        self.top_n = top_n  # and the last answer's `top_n` most likely logprobs (`tops`)
+        self.tops: list[list[float]] = []
         self.lineage: list[tuple[int, int]] = []  # the forwards behind the last turn's cache
         self.tokens: list[int] = []  # what they read
 
@@ -52,11 +55,15 @@ class Reference:
         return logprobs
 
     def _greedy(self, cache, logprobs, max_tokens):
-        out, lps = [], []
+        import mlx.core as mx
+
+        out, lps, self.tops = [], [], []
         while True:
             token = int(logprobs.argmax().item())
             out.append(token)
             lps.append(float(logprobs[token].item()))
+            if self.top_n:
+                self.tops.append(mx.sort(logprobs)[::-1][:self.top_n].tolist())
             if token in self.eos or len(out) >= max_tokens:
                 return out, lps
             logprobs = self._forward(cache, [token])
@@ -82,18 +89,23 @@ class Reference:
             kept.append((pos, pos + n))
             pos += n
             self.stood(cache, pos)
-        answer, lps = self._greedy(cache, logprobs, MAX_TOKENS)
+        answer, lps = self._greedy(cache, logprobs, self.max_tokens)
         self._forward(cache, answer[-1:])
         kept += [(len(prompt) + i, len(prompt) + i + 1) for i in range(len(answer))]
         self.lineage, self.tokens = kept, prompt + answer
+        self.last = cache
         self.committed(cache, cached, len(self.tokens))
         return answer, lps
 
     def restored(self, prompt: list[int], cached: int):
         """The cache the worker restored at `cached`, and the forwards behind it: here the
-        lineage's forwards replayed (a hook: tests/test_kv_bits.py keeps it quantized)."""
+        lineage's forwards replayed, or, where all of the last turn was restored, the cache
+        those forwards left (a hook: tests/test_kv_bits.py keeps it quantized)."""
         from mlx_lm.models.cache import make_prompt_cache
 
+        if cached == len(self.tokens) and getattr(self, "last", None) is not None:
+            cache, self.last = self.last, None
+            return cache, list(self.lineage)
         cache = make_prompt_cache(self.model)
         kept = []
         for s, e in self.lineage:
@@ -112,8 +124,10 @@ class Reference:
     def unsplit(self, prompt: list[int]) -> list[int]:
         from mlx_lm.models.cache import make_prompt_cache
 
-        cache = make_prompt_cache(self.model)
-        return self._greedy(cache, self._forward(cache, prompt), MAX_TOKENS)[0]
+        cache, tops = make_prompt_cache(self.model), self.tops
+        out = self._greedy(cache, self._forward(cache, prompt), self.max_tokens)[0]
+        self.tops = tops  # the turn's
+        return out
 
 
 def _model(tmp_path_factory, cache_dir, arch: str, template: str | None) -> Path:
@@ -168,7 +182,8 @@ def _check(ref: Reference, got, prompt: list[int], marks: list[int], checkpointe
 
 
 @pytest.mark.parametrize("arch", matrix(ARCHS + ("gpt_oss harmony",),  # make test: state + full,
-                                         keep=("qwen3_5", "falcon_h1", "gpt_oss harmony")))  # a CacheList, window + sinks
+                                         keep=("qwen3_5", "falcon_h1")))  # a CacheList (gpt-oss:
+# its harmony template with tools below)
 def test_a_conversation_continues_exactly_from_ram_ssd_and_after_kill_9(
         arch, tmp_path_factory, cache_dir):
     """Four unnamed turns: from RAM, from SSD after a release, from SSD after a kill -9. Each
@@ -363,3 +378,112 @@ def test_a_stripped_history_comes_back_from_ssd_at_the_previous_prompts_end(arch
             c.release(session)
             messages += [{"role": "assistant", "content": got.text or "."},
                          {"role": "user", "content": "And the tests?"}]
+
+
+TIERS = ("ram", "ssd after a release", "ssd after kill -9")
+TOOL_TURNS = 10
+TOP = 5  # a scripted model's chosen token has logprob 0.0 in float32, whatever its context:
+         # its alternatives' logprobs are what a wrong KV moves
+
+
+def _tops_agree(got: list[list[float]], want: list[list[float]], where: str) -> None:
+    """The `top_logprobs` of each answer token (values, most likely first) against mlx-lm's."""
+    assert got and len(got) <= len(want), (where, len(got), len(want))
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert len(g) == TOP, (where, i, g)
+        diff = np.abs(np.asarray(g) - np.asarray(w)).max()
+        assert diff < 1e-4, f"{where}: token {i}'s top logprobs off by {diff:.2g}"
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_tools(cache_dir, tmp_path_factory):
+    """(model, stack): gpt-oss's scripted model (it calls `run` every turn, in harmony) behind
+    a stack with the shim, shared by the three APIs' conversations (each its own system
+    prompt, so none finds another's in cache)."""
+    from kvbank.testing.family_models import scripted_model
+
+    model = scripted_model("gpt_oss", cache_dir=cache_dir)
+    s = start_stack(model, tmp_path_factory.mktemp("gpt-oss-tools"), cache_dir=cache_dir)
+    yield model, s
+    s.stop()
+
+
+@pytest.mark.parametrize("api", matrix(("chat", "responses", "anthropic"), keep=("chat",)))
+def test_a_gpt_oss_tool_loop_answers_as_mlx_lm_from_scratch(api, gpt_oss_tools):
+    """gpt-oss's published template, ten requests of an agent's tool loop (reasoning in the
+    analysis channel, a call in the commentary channel, its result, a new query at the
+    seventh), each sending the history back as the API returned it; before each returning
+    turn the conversation stays in RAM, is released to SSD, or the worker is killed with -9,
+    in turn. Each answer's tokens (and, on the chat API, each token's logprob) equal mlx-lm's
+    from scratch on the prompt ids the worker read, and each turn reads the whole previous
+    one from cache. The Responses and Anthropic APIs carry no logprobs of a call: their last
+    request is sent again as the shim sends it to the router, logprobs asked, so the KV all
+    ten turns left is checked to 1e-4 as well."""
+    import uuid
+
+    from kvbank.client import Turn
+    from kvbank.router.validation import validate
+    from kvbank.testing.family_models import CALL, FAMILIES, REASONING
+    from tests.families import MAX_TOKENS as LOOP_TOKENS, generate_request, loop
+
+    model, s = gpt_oss_tools
+    ref = Reference(model, max_tokens=LOOP_TOKENS, top_n=TOP)
+    tiers = ("first",) + tuple(TIERS[i % 3] for i in range(TOOL_TURNS - 1))
+    state = {"session": None, "previous": 0}
+
+    def marks(body: dict, prompt: list[int]) -> list[int]:
+        """Where the worker checkpointed this prompt (the router's own computation)."""
+        v = validate(generate_request(api, body), vocab_size=ref.prompts.vocab_size)
+        return ref.prompts.checkpoints(list(v.messages), prompt, tools=list(v.tools) or None,
+                                       template=v.template)
+
+    def after(i: int, step) -> None:
+        where = f"{api} turn {i} ({tiers[i]})"
+        k = step.kvbank
+        assert k["cache_source"] == ("none" if i == 0 else tiers[i].split()[0]), (where, k)
+        assert step.cached >= state["previous"], (where, step)  # the whole previous turn
+        # (a first turn may find another conversation's harmony preamble, and not use it)
+        assert k["recomputed_tokens"] == 0 and (i == 0 or k["prefix_lost_tokens"] == 0), k
+        assert step.calls == [CALL] and not step.text.strip(), (where, step)
+        assert step.reasoning.strip() == REASONING, (where, step)
+        session = state["session"] = k["session_id"]
+        with s.client() as c:
+            ids = list(c.get_session(session).token_ids)
+        prompt, answer = ids[:step.prompt], ids[step.prompt:]
+        assert prompt and answer and answer[-1] in ref.eos, (where, len(ids), step)
+        got = Turn("", [t for t in answer if t not in ref.eos], "",
+                   {"cached_tokens": step.cached}, step.logprobs or [])
+        if api == "chat":
+            assert len(got.logprobs) >= len(got.token_ids), (where, len(got.logprobs))
+        _check(ref, got, prompt, marks(step.body, prompt), True, where,
+               unsplit=i + 1 == TOOL_TURNS)  # one whole forward of the longest prompt
+        if api == "chat":
+            _tops_agree(step.tops, ref.tops, where)
+        state["previous"] = len(ids)
+        if i + 1 < TOOL_TURNS:
+            with s.client() as c:
+                send_back(s, c, session, tiers[i + 1])
+
+    system = f"You are a coding agent. [{uuid.uuid4().hex[:8]}]"
+    steps = loop(s, FAMILIES["gpt_oss"], api, requests=TOOL_TURNS, system=system, after=after,
+                 **({"logprobs": True, "top_logprobs": TOP} if api == "chat" else {}))
+    assert len(steps) == TOOL_TURNS
+    if api == "chat":
+        return
+    last = steps[-1]
+    req = generate_request(api, last.body)
+    req.sampling.logprobs, req.sampling.top_logprobs = True, TOP
+    with s.client() as c:
+        ids, lps, tops, usage = [], [], [], None
+        for ev in c.generation.Generate(req, timeout=120):
+            ids.extend(ev.token_ids)
+            lps.extend(lp.logprob for lp in ev.logprobs)
+            tops.extend([t.logprob for t in lp.top] for lp in ev.logprobs)
+            if ev.HasField("usage"):
+                usage = ev.usage
+    prompt = list(ref.tokens[:last.prompt])
+    assert usage.prompt_tokens == len(prompt) and usage.cached_tokens > 0, usage
+    got = Turn("", ids, "", {"cached_tokens": usage.cached_tokens}, lps)
+    assert len(lps) >= len(ids) > 0
+    _check(ref, got, prompt, marks(last.body, prompt), True, f"{api}: the last request again")
+    _tops_agree(tops, ref.tops, f"{api}: the last request again")
