@@ -54,7 +54,7 @@ class _Job:
     tokens: np.ndarray
     need: int  # bytes reserved while it runs (as admission prices a prompt of its size)
     asked_at: float = field(default_factory=time.monotonic)
-    cache: Any = None  # restored at its first step
+    prompt_cache: Any = None  # its mlx-lm caches, restored at its first step
     at_rest: Any = None
     position: int = 0  # tokens its cache stands on
     restored: int = 0
@@ -79,7 +79,7 @@ class Prerenders:
     @property
     def busy(self) -> bool:
         """One is under way (its cache holds memory). Read by other threads: a hint only."""
-        return bool(self.jobs) and self.jobs[0].cache is not None
+        return bool(self.jobs) and self.jobs[0].prompt_cache is not None
 
     # -- asked -------------------------------------------------------------------------------
 
@@ -118,7 +118,7 @@ class Prerenders:
         runs or waits); at its last chunk, the entry goes into the bank."""
         job = self.jobs[0]
         try:
-            if job.cache is None and not self._begin(job):
+            if job.prompt_cache is None and not self._begin(job):
                 self.jobs.popleft()
                 return
             t0 = time.monotonic()
@@ -126,8 +126,8 @@ class Prerenders:
             drop_stale_buffers()
             with mx.stream(self.stream):
                 self.model(mx.array(job.tokens[job.position:job.position + n])[None],
-                           cache=self.kinds.model_caches(job.cache))
-                mx.eval([c.state for c in job.cache])
+                           cache=self.kinds.model_caches(job.prompt_cache))
+                mx.eval([c.state for c in job.prompt_cache])
             job.position += n
             job.seconds += time.monotonic() - t0
             events.emit("prerender_chunk", tenant=job.key[0], session_id=_conversation(job.key),
@@ -152,18 +152,18 @@ class Prerenders:
             return False
         if look.ram_n:
             e = look.hit.entry
-            job.cache = self.kinds.restore(e.layers, e.checkpoints.get(look.ram_n), look.ram_n)
+            job.prompt_cache = self.kinds.restore(e.layers, e.checkpoints.get(look.ram_n), look.ram_n)
         else:
-            job.cache = self.kinds.new_cache()
+            job.prompt_cache = self.kinds.new_cache()
         job.position = job.restored = look.ram_n
-        job.at_rest = self.kinds.at_rest(job.cache)
+        job.at_rest = self.kinds.at_rest(job.prompt_cache)
         self.kv.bank.reserve_active(job.key, job.need)
         return True
 
     def _keep(self, job: _Job, n: int) -> None:
         """The job's cache, standing at `n`, into the bank as a pre-rendered entry."""
         self.kv.bank.unreserve_active(job.key, job.need)
-        cache, job.cache = job.cache, None
+        cache, job.prompt_cache = job.prompt_cache, None
         checkpoint = self.kinds.snapshot(cache)
         layers = self.kinds.full_layers(cache, n, job.at_rest)
         e = self.kv.bank.insert(job.key, job.tokens[:n], layers,
@@ -184,7 +184,7 @@ class Prerenders:
         prompt ends here, what it computed kept for the request to restore (its query came
         sooner than the pre-render finished)."""
         for job in list(self.jobs):
-            if (job.cache is not None and job.key[0] == tenant and job.position > job.restored
+            if (job.prompt_cache is not None and job.key[0] == tenant and job.position > job.restored
                     and common_prefix_len(job.tokens[:job.position], tokens) == job.position):
                 self.jobs.remove(job)
                 self._keep(job, job.position)
@@ -192,7 +192,7 @@ class Prerenders:
     def make_room(self) -> int:
         """A request waits for memory: every pre-render under way is dropped (it holds the
         memory it reserved). Returns how many."""
-        under_way = [j for j in self.jobs if j.cache is not None]
+        under_way = [j for j in self.jobs if j.prompt_cache is not None]
         for job in under_way:
             self._drop(job)
         return len(under_way)
@@ -200,8 +200,8 @@ class Prerenders:
     def _drop(self, job: _Job) -> None:
         if job in self.jobs:
             self.jobs.remove(job)
-        if job.cache is not None:
-            job.cache = None
+        if job.prompt_cache is not None:
+            job.prompt_cache = None
             self.kv.bank.unreserve_active(job.key, job.need)
         events.emit("prerender_dropped", tenant=job.key[0], session_id=_conversation(job.key),
                     position=job.position, tokens=len(job.tokens))
