@@ -15,17 +15,19 @@ answer, its reasoning and call, the tool's result), a new user query at the seve
 For request t >= 2 (1-based), with H_t = the tokens of request t's prompt and answer (the
 session's, read back from the worker) and C_t what it read from cache:
 
-    added_t  = |H_{t-1}| - |H_{t-2}|   (what the previous turn added: the tool result or query
-                                        before its answer, and the answer; for t = 2 from the
-                                        end of the system prompt and tools, which every
-                                        conversation shares and is never counted)
-    reuse_t  = clip(min(C_t, |H_{t-1}|) - |H_{t-2}|, 0, added_t) / added_t
+    K_t      = the tokens request t's prompt shares with H_{t-1} (all of it where the template
+               writes back exactly the model's tokens; K_1 = the system prompt and tools, which
+               every conversation shares and which are never counted)
+    added_t  = |H_{t-1}| - K_{t-1}     (what the previous request added: the tool result or
+                                        query before its answer, the history the template
+                                        wrote anew, and the answer)
+    reuse_t  = clip(min(C_t, |H_{t-1}|) - K_{t-1}, 0, added_t) / added_t
 
 Where the template writes back exactly the model's tokens, the goal is reuse_t >= GOAL. Where
-it does not, the step names the loss: `template_loss_tokens` (the previous history's tokens
-after the first one the new prompt writes otherwise), what the template wrote there against
-what the model did, and its cause; `restore_loss_tokens` is what the server read from cache
-short of where the template parted (a model with recurrent or window layers restores at a
+it does not, the step names the loss: `template_loss_tokens` (|H_{t-1}| - K_t: the previous
+history's tokens from the first one the new prompt writes otherwise), what the template
+wrote there against what the model did, and its cause; `restore_loss_tokens` is what the
+server read from cache short of K_t (a model with recurrent or window layers restores at a
 checkpoint).
 """
 
@@ -43,9 +45,10 @@ NEW_QUERY_AT = 7      # 1-based: the seventh request carries a new user query
 MAX_TOKENS = 120      # the longest script is about 60 tokens
 SYSTEM = "You are a coding agent."
 STACK_FLAGS = ["--block-tokens", "16", "--quiet-grace-s", "0.1", "--tail-delay-s", "0"]
-DEFINITION = ("reuse_t = clip(min(cached_t, |H_{t-1}|) - |H_{t-2}|, 0, added_t) / added_t, "
-              "added_t = |H_{t-1}| - |H_{t-2}|, H_t = request t's prompt and answer tokens "
-              "(H_0: the system prompt and tools, shared by every conversation)")
+DEFINITION = ("reuse_t = clip(min(cached_t, |H_{t-1}|) - K_{t-1}, 0, added_t) / added_t, "
+              "added_t = |H_{t-1}| - K_{t-1}, H_t = request t's prompt and answer tokens, "
+              "K_t = the tokens request t's prompt shares with H_{t-1} (K_1: the system "
+              "prompt and tools, shared by every conversation)")
 
 
 def _tools(api: str) -> list[dict]:
@@ -168,7 +171,7 @@ def run_loop(stack, tok, api: str, requests: int) -> dict:
     from kvbank.testing.family_models import CALL
 
     loop = Loop(api, f"[{uuid.uuid4().hex[:8]}] List the files here.")
-    steps, histories, calls_ok = [], [], 0
+    steps, calls_ok, kept_before = [], 0, 0
     with httpx.Client(timeout=600) as http, stack.client() as c:
         for i in range(requests):
             r = http.post(stack.shim_url + loop.path, json=loop.body())
@@ -177,29 +180,33 @@ def run_loop(stack, tok, api: str, requests: int) -> dict:
             prompt_n, cached, answer_n = tokens(loop.path, reply["usage"])
             session = reply["usage"]["kvbank"]["session_id"]
             ids = list(c.get_session(session).token_ids)
-            if i == 0:  # H_0: the system part every conversation shares
-                histories.append(system_part(tok, ids[:prompt_n]))
+            if i == 0:  # the system part every conversation shares: never counted
+                kept_before = system_part(tok, ids[:prompt_n])
             calls_ok += loop.answered(reply, i) == [CALL]
             step = {"request": i + 1, "prompt_tokens": prompt_n, "cached_tokens": cached,
                     "answer_tokens": answer_n,
                     "recomputed_tokens": reply["usage"]["kvbank"]["recomputed_tokens"],
                     "new_query": i + 1 == NEW_QUERY_AT}
             if i:
-                before, base = steps[-1]["_ids"], histories[-2]
+                before, base = steps[-1]["_ids"], kept_before
                 prompt = ids[:prompt_n]
                 kept = _common(prompt, before)
                 added = len(before) - base
                 step |= {"history_tokens": len(before), "added_tokens": added,
                          "reuse": round(max(0, min(min(cached, len(before)) - base, added))
-                                        / added, 4),
+                                        / added, 4) + 0.0,
                          "template_loss_tokens": len(before) - kept,
                          "restore_loss_tokens": max(0, kept - cached)}
-                if kept < len(before):
-                    step["cause"] = cause(tok, before, prompt, kept, step["new_query"])
-                elif step["restore_loss_tokens"]:
-                    step["cause"] = "restored short of the whole previous history"
+                why = [cause(tok, before, prompt, kept, step["new_query"])] \
+                    if kept < len(before) else []
+                if step["restore_loss_tokens"]:
+                    why.append(f"restored {step['restore_loss_tokens']} tokens before that, at "
+                               f"a checkpoint (a model with recurrent or window layers "
+                               f"restores where it kept its state)")
+                if why or step["reuse"] < GOAL:
+                    step["cause"] = "; ".join(why) or "read less than the previous history"
+                kept_before = kept
             step["_ids"] = ids
-            histories.append(len(ids))
             steps.append(step)
     for s in steps:
         del s["_ids"]
@@ -251,7 +258,7 @@ def summary(result: dict) -> dict:
     """The table's rows: per family and API, the reuse and each loss's cause."""
     return {f"{name} {api}": {"history_reuse": a["history_reuse"],
                               "min_reuse_rendered_back": a["min_reuse_rendered_back"],
-                              "losses": {s["request"]: s["cause"] for s in a["losses"]}}
+                              "losses": {s["request"]: s.get("cause") for s in a["losses"]}}
             for name, f in result["families"].items() for api, a in f["apis"].items()}
 
 
