@@ -78,3 +78,26 @@ def test_the_clis_model_calls_its_tool_then_answers_done_at_any_temperature(tool
                                          tokenize=False)
         assert generate(model, tok, prompt, max_tokens=40,
                         sampler=make_sampler(temp=1.0)) == want
+
+
+def test_bench_agents_template_names_each_loss_and_its_cause(tmp_path, cache_dir):
+    """`--template`: Nemotron's scripted model in the tool loop; its template renders neither
+    the reasoning nor the generation prompt's <think> back, so every later request loses
+    the previous answer, and the JSON says so and why, with the run's provenance."""
+    out = tmp_path / "templates.json"
+    subprocess.run([sys.executable, "-m", "kvbank.apps.cli", "bench", "agents", "--template",
+                    "nemotron_nano_v2", "--turns", "3", "--json", str(out)], check=True,
+                   timeout=300, env={**os.environ, "KVBANK_CACHE_DIR": str(cache_dir)})
+    result = json.loads(out.read_text())
+    assert {"definition", "goal", "families", "meets_goal", "provenance"} <= set(result)
+    assert "--template" in result["provenance"]["argv"] and result["provenance"]["commit"]
+    a = result["families"]["nemotron_nano_v2"]["apis"]["chat"]
+    assert a["requests"] == a["calls_structured"] == 3
+    assert all(s["recomputed_tokens"] == 0 for s in a["per_request"])
+    later = a["per_request"][1:]
+    assert [s["request"] for s in a["losses"]] == [2, 3], a["losses"]
+    for s in later:
+        assert 0 <= s["reuse"] < result["goal"] and s["template_loss_tokens"] > 0, s
+        assert s["added_tokens"] < s["history_tokens"]  # the system part is not counted
+        assert "drops the reasoning" in s["cause"], s
+    assert a["min_reuse_rendered_back"] is None  # no request where the template kept it all

@@ -47,6 +47,20 @@ PROMPTS = ["List the files here.", "Now read README.md.", "What does it say?",
            "Write a test.", "Run it.", "Summarize what we did."]
 
 
+def tokens(path: str, usage: dict) -> tuple[int, int, int]:
+    """(prompt, cached, answer) tokens from a usage in its API's shape."""
+    if path.startswith("/v1/messages"):
+        cached = usage.get("cache_read_input_tokens") or 0
+        prompt = (usage.get("input_tokens") or 0) + cached + (
+            usage.get("cache_creation_input_tokens") or 0)
+        return prompt, cached, usage.get("output_tokens") or 0
+    if path.startswith("/v1/responses"):
+        return (usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"],
+                usage["output_tokens"])
+    return (usage["prompt_tokens"], (usage.get("prompt_tokens_details") or {}).get(
+        "cached_tokens") or 0, usage["completion_tokens"])
+
+
 def run_client(cmd: list[str], home: Path, env: dict[str, str],
                timeout_s: float = 300) -> subprocess.CompletedProcess:
     """A CLI in a scratch home and work folder, no terminal, nothing to read on stdin (Codex

@@ -3,6 +3,10 @@ agents send.
 
     kvbank bench agents [--json FILE] [--quick] [--clients claude-code,codex,agents-sdk]
                         [--recordings DIR] [--turns N]
+    kvbank bench agents --template FAMILY[,FAMILY...]|all [--api chat|responses|anthropic|all]
+
+With --template, no recording: each model family's published chat template and scripted
+model in a tool loop (apps/bench/agent_families.py, where its measure is defined).
 
 Each client's recorded requests (tests/agents/recordings: Claude Code, Codex and the OpenAI
 Agents SDK, ten turns each, recorded against a stack with `--record-requests` by
@@ -36,7 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvbank.apps.bench.agent_record import CALLS, CLIENTS, RECORDINGS, REPO, STACK_FLAGS
+from kvbank.apps.bench.agent_record import (CALLS, CLIENTS, RECORDINGS, REPO, STACK_FLAGS,
+                                           tokens)
 
 GOAL = 0.98
 QUICK = {"clients": ["agents-sdk"], "turns": 3}
@@ -60,6 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vary-attribution", action="store_true",
                    help="give Claude Code's attribution line a new value each request, as it "
                         "sends it to Anthropic's API (it never changes on other base URLs)")
+    p.add_argument("--template", default=None, metavar="FAMILY",
+                   help="instead of the recordings: the tool loop on these model families' "
+                        "published templates (comma-separated, or all)")
+    p.add_argument("--api", default="chat",
+                   help="with --template: chat, responses, anthropic, or all "
+                        "(default: %(default)s)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="print the result as JSON (to FILE if given)")
 
@@ -72,20 +83,6 @@ def load(path: Path) -> list[dict]:
 def is_main(record: dict) -> bool:
     """A request of the main conversation: agents send their tools with every one of it."""
     return bool((record.get("body") or {}).get("tools"))
-
-
-def tokens(path: str, usage: dict) -> tuple[int, int, int]:
-    """(prompt, cached, answer) tokens from a usage in its API's shape."""
-    if path.startswith("/v1/messages"):
-        cached = usage.get("cache_read_input_tokens") or 0
-        prompt = (usage.get("input_tokens") or 0) + cached + (
-            usage.get("cache_creation_input_tokens") or 0)
-        return prompt, cached, usage.get("output_tokens") or 0
-    if path.startswith("/v1/responses"):
-        return (usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"],
-                usage["output_tokens"])
-    return (usage["prompt_tokens"], (usage.get("prompt_tokens_details") or {}).get(
-        "cached_tokens") or 0, usage["completion_tokens"])
 
 
 def _args(text: object) -> object:
@@ -308,6 +305,8 @@ def summary(result: dict) -> dict:
 def run_cli(args: argparse.Namespace) -> int:
     from kvbank.apps.bench.report import print_result, write_json
 
+    if args.template:
+        return _run_templates(args)
     clients = QUICK["clients"] if args.quick else [c for c in args.clients.split(",") if c]
     turns = QUICK["turns"] if args.quick and args.turns is None else args.turns
     if unknown := set(clients) - set(CLIENTS):
@@ -317,4 +316,22 @@ def run_cli(args: argparse.Namespace) -> int:
         write_json(result, args.json)
     if args.json != "-":
         print_result("agents", {**summary(result), "meets_goal": result["meets_goal"]}, False)
+    return 0
+
+
+def _run_templates(args: argparse.Namespace) -> int:
+    from kvbank.apps.bench import agent_families as fam
+    from kvbank.apps.bench.report import print_result, write_json
+
+    apis = list(fam.APIS) if args.api == "all" else [a for a in args.api.split(",") if a]
+    if unknown := set(apis) - set(fam.APIS):
+        raise SystemExit(f"kvbank bench agents: unknown --api {', '.join(sorted(unknown))}; "
+                         f"one of {', '.join(fam.APIS)}, or all")
+    requests = args.turns or (QUICK["turns"] if args.quick else fam.REQUESTS)
+    result = fam.run(fam.families_of(args.template), apis, requests)
+    if args.json:
+        write_json(result, args.json)
+    if args.json != "-":
+        print_result("agents --template", {**fam.summary(result),
+                                           "meets_goal": result["meets_goal"]}, False)
     return 0
