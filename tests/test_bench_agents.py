@@ -101,3 +101,21 @@ def test_bench_agents_template_names_each_loss_and_its_cause(tmp_path, cache_dir
         assert s["added_tokens"] < s["history_tokens"]  # the system part is not counted
         assert "drops the reasoning" in s["cause"], s
     assert a["min_reuse_rendered_back"] is None  # no request where the template kept it all
+
+
+def test_bench_prerender_restores_the_new_query_with_the_prerender_and_not_without(
+        tmp_path, cache_dir):
+    """`kvbank bench prerender` on a short tool loop, one round: with `--prerender on` the new
+    query (its history re-rendered without the loop's reasoning) restores all but the user's
+    text; with it off, only what stood before the first dropped reasoning."""
+    out = tmp_path / "prerender.json"
+    subprocess.run([sys.executable, "-m", "kvbank.apps.cli", "bench", "prerender", "--rounds",
+                    "1", "--steps", "2", "--listing", "20", "--json", str(out)], check=True,
+                   timeout=300, env={**os.environ, "KVBANK_CACHE_DIR": str(cache_dir)})
+    doc = json.loads(out.read_text())
+    [on], [off] = doc["rows"]["on"], doc["rows"]["off"]
+    assert doc["prerendered_rounds"] == 1, on
+    assert on["cached_tokens"] == on["prerender_tokens"] >= on["prompt_tokens"] - 32, on
+    assert off["cached_tokens"] < on["cached_tokens"] - 100, (on, off)
+    assert doc["goal_met"] in (True, False) and doc["provenance"]["commit"]["sha"]
+    assert doc["on_new_query_ttft_s"] > 0 and doc["off_new_query_ttft_s"] > 0

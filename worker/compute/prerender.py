@@ -88,18 +88,18 @@ class Prerenders:
         `prerendering`, or why not (`in_ram`: RAM holds it already, `no_room`, `off`,
         `unknown`: no conversation named)."""
         if self.off_reason is not None:
-            return self._counted(PrefetchReport("off"))
+            return self._skipped(tenant, session_id, tokens, PrefetchReport("off"))
         if not session_id or len(tokens) < 2:
-            return self._counted(PrefetchReport("unknown"))
+            return self._skipped(tenant, session_id, tokens, PrefetchReport("unknown"))
         key = key_for(tenant, session_id)
         self._forget(key)  # the conversation went on: an older guess is worth nothing now
         ram = self._held(tokens, tenant)
         if len(tokens) - ram < self.kv.block_tokens:
-            return self._counted(PrefetchReport("in_ram", ram))
+            return self._skipped(tenant, session_id, tokens, PrefetchReport("in_ram", ram))
         need = self.pricing.request_bytes(len(tokens), 1)
         room = self.kv.room_for_hints()
         if room is None or need > room:
-            return self._counted(PrefetchReport("no_room", ram))
+            return self._skipped(tenant, session_id, tokens, PrefetchReport("no_room", ram))
         self.jobs.append(_Job(key, np.asarray(tokens, dtype=np.uint32), need))
         events.emit("prerender_queued", tenant=tenant, session_id=session_id,
                     tokens=len(tokens), ram_tokens=ram)
@@ -212,6 +212,13 @@ class Prerenders:
             self._drop(job)
         for e in self.kv.bank.session_entries(key):
             self.kv.bank.withdraw(e)
+
+    def _skipped(self, tenant: str, session_id: str, tokens: np.ndarray,
+                 report: PrefetchReport) -> PrefetchReport:
+        """Not queued, and why: logged, so whoever waits for this pre-render stops waiting."""
+        events.emit("prerender_skipped", tenant=tenant, session_id=session_id,
+                    status=report.status, tokens=len(tokens), ram_tokens=report.ram_tokens)
+        return self._counted(report)
 
     @staticmethod
     def _counted(report: PrefetchReport) -> PrefetchReport:
