@@ -258,7 +258,8 @@ def by_agent(stacks: list[LocalStack], turns: list[Turn]) -> dict[int, list[tupl
 SPILL = ["--balance-abs-threshold", "1", "--balance-rel-threshold", "1.0"]
 
 
-@pytest.mark.parametrize("flags", [[], SPILL], ids=["defaults", "spill"])
+@pytest.mark.parametrize("flags", [pytest.param([], marks=pytest.mark.matrix), SPILL],
+                         ids=["defaults", "spill"])  # make test: the one that spreads agents
 def test_anonymous_agents_behind_cache_aware(stacks, gateway, flags):
     """Six agents with no session name (the openai SDK's defaults), three at a time, behind
     SMG's cache_aware policy: how many returning turns reach the stack that served the agent's
