@@ -337,9 +337,8 @@ def test_a_request_waiting_for_memory_holds_no_other_tenants_request(tiny_model,
     padding it adds to hers; each request also holds a prefill's working memory, most of the
     tiny model's price): the budget is set halfway between, 1.3 MB from each side, and
     her second waits at the worker for her first to end. Bob's starts before it: one key's
-    request waiting for memory never holds another key's (in one line, a flood's waiting
-    request kept another key's probe 9.4 s in the worker's queue in `kvbank bench tenants`).
-    Ordered by the admission receipts."""
+    request waiting for memory never holds another key's (in one line, bob waited behind her
+    second until her first ended). Ordered by the admission receipts."""
     keys_file = tmp_path / "keys"
     keys_file.write_text("".join(f"{t} {k}\n" for t, k in KEYS.items()))
     s = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir, shim=False,
