@@ -66,6 +66,7 @@ LAST_FORWARD_TOKENS = 64  # a prompt's last forward, the one with logits, reads 
 OWN_LEAD_OF_WEIGHTS = {"gpu": 1.0, "cpu": 0.25}
 HANDOFF_S = 0.005  # after a first token, before the next forward (`_hand_off`)
 SHARED_STEP_DIVISOR = 4  # a prompt's chunk while another tenant runs a request (`_chunk`)
+SHARED_WINDOW_S = 60.0  # or sent one this recently: its next may come during the forward
 
 
 @dataclass
@@ -154,11 +155,13 @@ class BatchScheduler:
         self._prefix_ready: list[Running] = []
         self._failed: list[tuple[Running, Exception]] = []  # see take_failed
         self._first_token_out = False  # since the last forward (`_hand_off`)
+        self._tenant_seen: dict[str, float] = {}  # tenant -> when its last request came in
 
     def __len__(self) -> int:
         return len(self.running)
 
     def add(self, r: Running, cache: list, max_tokens: int) -> None:
+        self._tenant_seen[r.job.request.tenant] = time.monotonic()
         prompt = r.tokens[r.cached:].tolist()
         if r.cached and r.cached in r.job.request.checkpoint_at:
             # restored where the router marked (a shared system prompt's end): its commit
@@ -308,11 +311,16 @@ class BatchScheduler:
 
     def _step_tokens(self, o: _Own) -> int:
         """A chunk of `o`'s prompt: `prefill_step_tokens`, or a quarter of it while another
-        tenant has a request running: a request that comes waits for the forward in flight
-        (it cannot be cut short), and one tenant's long prompts made another's 8-token
-        request wait a whole 512-token chunk at every step."""
+        tenant has a request running or sent one in the last SHARED_WINDOW_S: a request that
+        comes waits for the forward in flight (it cannot be cut short). One tenant's long
+        prompts made another's 8-token request wait a whole 512-token chunk at every step,
+        and its first one a whole chunk too (about 2 s on 2 CPU cores; a quarter chunk reads
+        as many tokens a second there: docs/benchmarks.md, bench prefill)."""
         tenant = o.r.job.request.tenant
-        if any(x.job.request.tenant != tenant for x in self.running.values()):
+        now = time.monotonic()
+        if (any(x.job.request.tenant != tenant for x in self.running.values())
+                or any(t != tenant and now - at < SHARED_WINDOW_S
+                       for t, at in self._tenant_seen.items())):
             return max(self.last_forward_tokens,
                        self.prefill_step_tokens // SHARED_STEP_DIVISOR)
         return self.prefill_step_tokens
