@@ -103,6 +103,7 @@ def test_bench_agents_template_names_each_loss_and_its_cause(tmp_path, cache_dir
     assert a["min_reuse_rendered_back"] is None  # no request where the template kept it all
 
 
+@pytest.mark.matrix  # make test-all: two stacks for one more view of what test_family_loops checks
 def test_bench_prerender_restores_the_new_query_with_the_prerender_and_not_without(
         tmp_path, cache_dir):
     """`kvbank bench prerender` on a short tool loop, one round: with `--prerender on` the new

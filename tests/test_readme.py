@@ -37,7 +37,7 @@ RUN_ELSEWHERE = {
     ("bench", "kvbits"): "tests/test_kv_bits.py",
     ("bench", "restore"): "tests/test_background_restore.py",
     ("bench", "tenants"): "tests/test_bench_tenants.py",
-    ("bench", "prerender"): "tests/test_bench_agents.py",
+    ("bench", "prerender"): "tests/test_bench_agents.py",  # a matrix test: make test-all
     ("bench", "overhead"): "tests/test_shim.py",
 }
 RUN_HERE = {("ask",), ("chat",), ("status",), ("bench", "compare")}
