@@ -106,12 +106,13 @@ def test_bench_agents_template_names_each_loss_and_its_cause(tmp_path, cache_dir
 @pytest.mark.matrix  # make test-all: two stacks for one more view of what test_family_loops checks
 def test_bench_prerender_restores_the_new_query_with_the_prerender_and_not_without(
         tmp_path, cache_dir):
-    """`kvbank bench prerender` on a short tool loop, one round: with `--prerender on` the new
-    query (its history re-rendered without the loop's reasoning) restores all but the user's
-    text; with it off, only what stood before the first dropped reasoning."""
+    """`kvbank bench prerender` on a one-call tool loop, one round: with `--prerender on` the
+    new query (its history re-rendered without the loop's reasoning) restores all but the
+    user's text; with it off, only what stood before the first dropped reasoning. What the
+    template drops here is less than a block of tokens, and is still worth pre-rendering."""
     out = tmp_path / "prerender.json"
     subprocess.run([sys.executable, "-m", "kvbank.apps.cli", "bench", "prerender", "--rounds",
-                    "1", "--steps", "2", "--listing", "20", "--json", str(out)], check=True,
+                    "1", "--steps", "1", "--listing", "20", "--json", str(out)], check=True,
                    timeout=300, env={**os.environ, "KVBANK_CACHE_DIR": str(cache_dir)})
     doc = json.loads(out.read_text())
     [on], [off] = doc["rows"]["on"], doc["rows"]["off"]

@@ -42,6 +42,12 @@ from kvbank.worker.tiers.bank import SessionKey
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "next:"  # a pre-render's bank key: (tenant, KEY_PREFIX + the conversation's id)
+# Fewer tokens than this missing from RAM: not worth a pre-render. The next query's own forward
+# (its user text and generation prompt, tens of tokens) takes them in at little cost, while a
+# pre-render copies the whole held history into an entry of its own. A one-call tool loop's
+# dropped reasoning and short result are ~230 tokens: recomputed by its query, they cost 3.3x
+# a RAM hit's time to first token (`kvbank bench prerender --steps 1 --listing 20`).
+MIN_MISSING_TOKENS = 32
 
 
 def key_for(tenant: str, session_id: str) -> SessionKey:
@@ -94,7 +100,7 @@ class Prerenders:
         key = key_for(tenant, session_id)
         self._forget(key)  # the conversation went on: an older guess is worth nothing now
         ram = self._held(tokens, tenant)
-        if len(tokens) - ram < self.kv.block_tokens:
+        if len(tokens) - ram < MIN_MISSING_TOKENS:
             return self._skipped(tenant, session_id, tokens, PrefetchReport("in_ram", ram))
         need = self.pricing.request_bytes(len(tokens), 1)
         room = self.kv.room_for_hints()
@@ -145,7 +151,7 @@ class Prerenders:
         tenant = job.key[0]
         ids = chain_block_ids(job.tokens, self.kv.root_for(tenant), self.kv.block_tokens)
         look = self.kv.restorer.look(job.tokens, ids, tenant, False)
-        if len(job.tokens) - look.ram_n < self.kv.block_tokens:
+        if len(job.tokens) - look.ram_n < MIN_MISSING_TOKENS:
             return False  # its query came and its turn holds it, or another guess does
         room = self.kv.room_for_hints()
         if room is None or job.need > room:
