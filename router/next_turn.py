@@ -26,10 +26,11 @@ logger = logging.getLogger(__name__)
 def remember_answer(b: Backend, tenant: str, prompt: list[int], text: str,
                     calls: list[tuple[str, str]], ids: list[int]) -> None:
     """Keep the answer's tokens under the prompt it followed. Only an answer that is all of
-    its tokens is kept: no stop string cut it, and its text ends its tokens' (a character cut
-    at max_tokens does not) unless tool calls were parsed out of them. mlx-lm's detokenizer
-    drops the space an answer's first token begins with, so its tokens may say more
-    whitespace at the start than the text the client got."""
+    its tokens is kept: no stop string cut it, and its text ends its tokens' unless tool calls
+    were parsed out of them. A character cut at max_tokens ends both in U+FFFD (mlx-lm's
+    detokenizer and the tokenizer's decode both replace it), so that answer is kept too.
+    mlx-lm's detokenizer drops the space an answer's first token begins with, so its tokens
+    may say more whitespace at the start than the text the client got."""
     if ids and (calls or (text and same_answer(b.tokenizer.decode(ids), text))):
         b.answers.put(tenant, prompt, answer_key(text, calls), ids)
 

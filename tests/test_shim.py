@@ -150,6 +150,38 @@ def test_second_turn_reuses_the_first_turns_kv(shim, identity):
     assert s.token_count == t2.usage.prompt_tokens + t2.usage.completion_tokens
 
 
+def test_an_answer_cut_at_max_tokens_comes_back_from_cache_whole(shim, tiny_model):
+    """An answer cut at the token limit (sampled text, or in the middle of a character: its
+    text then ends in U+FFFD where its last token holds half a character), sent back as the
+    client got it, is read from cache as the tokens the model generated: the next turn
+    recomputes none of it. On the chat API and on the Responses API, as Codex sends it."""
+    from kvbank.router.tokenizer import PromptTokenizer
+
+    c = _client(shim)
+    half = PromptTokenizer(tiny_model).tok.convert_tokens_to_ids("ä")  # the byte 0xE4 alone
+    messages = _user(f"[{uuid.uuid4().hex[:8]}] Spell something.")
+    t1 = c.chat.completions.create(model="kvbank", messages=messages, max_tokens=12,
+                                   temperature=0, logit_bias={str(half): 100})
+    text = t1.choices[0].message.content
+    assert t1.choices[0].finish_reason == "length" and text.endswith("\ufffd"), text
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "More."}]
+    t2 = c.chat.completions.create(model="kvbank", messages=messages, max_tokens=1)
+    assert t2.usage.prompt_tokens_details.cached_tokens >= \
+        t1.usage.prompt_tokens + t1.usage.completion_tokens, (t1.usage, t2.usage)
+
+    for n in (9, 23, 40):
+        given = [{"role": "developer", "content": "You are a coding agent."},
+                 {"role": "user", "content": f"[{uuid.uuid4().hex[:8]}] Fix the bug."}]
+        r1 = c.responses.create(model="kvbank", input=given, max_output_tokens=n,
+                                temperature=1.0, store=False)
+        assert r1.status == "incomplete"
+        given += [o.model_dump(exclude_none=True) for o in r1.output]
+        given.append({"role": "user", "content": "Go on."})
+        r2 = c.responses.create(model="kvbank", input=given, max_output_tokens=1, store=False)
+        assert r2.usage.input_tokens_details.cached_tokens >= \
+            r1.usage.input_tokens + r1.usage.output_tokens, (n, r1.usage, r2.usage)
+
+
 BAD_CHAT = [  # (what replaces a good body's fields, the field the 400 must name)
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
