@@ -200,6 +200,38 @@ def test_a_prompt_that_needs_room_releases_an_idle_conversation_after_writing_it
         s.stop()
 
 
+def test_a_conversations_next_turn_is_not_charged_twice_for_the_history_it_takes_over(
+        tiny_model, tmp_path, cache_dir):
+    """A returning turn takes its conversation's entry out of the bank as its own cache, and
+    its price already counts that history. Its admission counts the entry as room for it: a
+    turn that fits the budget once its history moves over is served from RAM, not refused
+    for memory that its own history holds (the entry is not on SSD yet, so nothing could
+    make room for it)."""
+    s = _stack(tiny_model, tmp_path, cache_dir, "--prefill-chunk-tokens", "32",
+               "--memory-budget", "+2000000")
+    try:
+        with s.client() as c:
+            _turn(c, "mine", 500, seed=21)
+            st = c.status()
+            assert _sessions(c)["mine"].state == "resident-dirty"  # in RAM alone
+            history = _sessions(c)["mine"].token_count
+            pricing = Pricing(st.kv_bytes_per_token, st.fixed_bytes, st.prefill_chunk_tokens,
+                              st.transient_base_bytes, st.transient_per_context_token)
+            free, own = st.memory_budget_bytes - st.held_bytes, st.bank_bytes
+            new, max_tokens = next(((n, m) for n in range(8, 200, 8) for m in range(1, 400, 4)
+                                    if free < pricing.request_bytes(history + n, m)
+                                    <= free + own * 9 // 10), (None, None))
+            assert new is not None, (st, free, own)
+
+            t = _turn(c, "mine", new, seed=22, max_tokens=max_tokens)
+            assert t.usage["cache_source"] == "ram" and t.usage["cached_tokens"] == history
+            r = _receipts(c, "admission")[-1]
+            assert r["decision"] == "admitted" and r["taken_over_bytes"] == own
+            assert r["need_bytes"] > r["free_before"] - own  # it would not fit without
+    finally:
+        s.stop()
+
+
 def test_a_request_that_can_never_fit_is_refused_up_front(tiny_model, tmp_path, cache_dir):
     s = _stack(tiny_model, tmp_path, cache_dir, "--prefill-chunk-tokens", "32",
                "--memory-budget", "+500000")

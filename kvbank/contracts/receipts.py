@@ -115,8 +115,9 @@ class AdmissionReceipt(Receipt):
 
     kind: Policy = Policy.ADMISSION
     need_bytes: int
-    free_before: int
+    free_before: int  # taken_over_bytes counted as free (the request's own cache to be)
     free_after: int = 0
+    taken_over_bytes: int = 0
     lru_evicted: int = 0
     shed_non_terminal: int = 0
     shed_terminal: int = 0

@@ -257,7 +257,7 @@ class EvictionPolicy:
 
     def make_room(self, *, pricing: Pricing, budget: int, need: int, solo_need: int, tokens,
                   tenant: str, session_id: str, running: int,
-                  chain_shed: bool = False) -> AdmissionReceipt:
+                  chain_shed: bool = False, taken_over: int = 0) -> AdmissionReceipt:
         """Room for one request, each step re-measuring and stopping as soon as it fits:
         3. `shrink_to_bytes` of idle entries (protect_active, and the prompt's restore source);
         4. `shrink_for_admission` of prefill-shed candidates (the chain-derived target with
@@ -266,12 +266,15 @@ class EvictionPolicy:
         6. refuse before any prefill work, naming the holders of memory and a retry verdict.
 
         `need` prices the request in the batch as it is (mlx-lm pads batched caches);
-        `solo_need` alone. Returns the receipt with decision "admitted", or "wait" when
+        `solo_need` alone. `taken_over`: the bytes of the bank entry the request will take as
+        its own cache (`Restorer.hands_over`). `need` prices that history already, and from
+        the hand-over on the ledger counts it there alone, so it is free for this request.
+        Returns the receipt with decision "admitted", or "wait" when
         requests in flight hold the missing memory (the request stays first in line); raises
         Refused otherwise."""
         bank = self.bank
-        free = lambda: budget - held_bytes(pricing, bank)  # noqa: E731
-        r = AdmissionReceipt(need_bytes=need, free_before=free())
+        free = lambda: budget - held_bytes(pricing, bank) + taken_over  # noqa: E731
+        r = AdmissionReceipt(need_bytes=need, free_before=free(), taken_over_bytes=taken_over)
         if free() >= need:
             r.free_after = free()
             return r

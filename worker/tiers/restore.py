@@ -114,17 +114,21 @@ class Restorer:
             e = look.hit.entry
             self.bank.touch(e)
             checkpoint = e.checkpoints.get(ram_n)
-            # Not when kept quantized: the request dequantizes into a buffer of its own, and
-            # the entry stays in the bank, counted, until the commit supersedes it.
-            if ((e.session == session or e.prerendered) and ram_n == e.n_tokens
-                    and not self.kinds.kv_bits):
-                # The conversation's next turn (or the query a pre-render was computed for): its
-                # KV goes with the request, which writes its new tokens in place when the
-                # buffer has room (no copy of the history).
+            if self.hands_over(e, ram_n, session):
                 self.bank.hand_over(e)
                 return self.kinds.restore(e.layers, checkpoint, ram_n, owned=True), ram_n, RAM, e
             return self.kinds.restore(e.layers, checkpoint, ram_n), ram_n, RAM, None
         return self.kinds.new_cache(), 0, api_pb2.CACHE_SOURCE_NONE, None
+
+    def hands_over(self, e: BankEntry, n_tokens: int, session: SessionKey) -> bool:
+        """Whether a RAM hit of `n_tokens` on `e` gives the request `e` itself: the
+        conversation's next turn (or the query a pre-render was computed for) continuing all
+        of it. Its KV then goes with the request, which writes its new tokens in place when the
+        buffer has room (no copy of the history). Not when kept quantized: the request
+        dequantizes into a buffer of its own, and the entry stays in the bank, counted, until
+        the commit supersedes it."""
+        return ((e.session == session or e.prerendered) and n_tokens == e.n_tokens
+                and not self.kinds.kv_bits)
 
     def lost(self, tokens: np.ndarray, ids: list[BlockId], tenant: str, cached: int) -> int:
         """Prompt tokens RAM or LMDB hold past `cached` that no checkpoint let a restore reach
