@@ -232,6 +232,47 @@ def test_a_conversations_next_turn_is_not_charged_twice_for_the_history_it_takes
         s.stop()
 
 
+def test_a_conversation_sharing_only_a_prefix_with_the_prompt_is_released_for_it(
+        tiny_model, tmp_path, cache_dir):
+    """Two conversations share a system prompt. One comes back with its history on SSD, while
+    RAM holds the other, not yet written: the prompt's longest RAM hit is the other's entry
+    (the shared prefix). When nothing else makes room, that entry is written out and
+    released rather than the returning turn refused: it reads its whole history from SSD."""
+    s = _stack(tiny_model, tmp_path, cache_dir, "--prefill-chunk-tokens", "32",
+               "--memory-budget", "+2000000")
+    rng = np.random.default_rng(31)
+    shared = rng.integers(1000, 20000, 300).tolist()
+    try:
+        with s.client() as c:
+            c.generate(session_id="a", token_ids=shared + rng.integers(1000, 20000, 200).tolist(),
+                       append=True, max_tokens=4)
+            c.release("a")  # written out first
+            c.generate(session_id="b", token_ids=shared + rng.integers(1000, 20000, 200).tolist(),
+                       append=True, max_tokens=4)
+            sessions = _sessions(c)
+            assert sessions["a"].state == "cold" and sessions["b"].state == "resident-dirty"
+            history = sessions["a"].token_count
+            st = c.status()
+            pricing = Pricing(st.kv_bytes_per_token, st.fixed_bytes, st.prefill_chunk_tokens,
+                              st.transient_base_bytes, st.transient_per_context_token)
+            free, other = st.memory_budget_bytes - st.held_bytes, st.bank_bytes
+            new, max_tokens = next(((n, m) for n in range(8, 200, 8) for m in range(1, 400, 4)
+                                    if free < pricing.request_bytes(history + n, m)
+                                    <= free + other * 8 // 10), (None, None))
+            assert new is not None, (st, free, other)
+
+            t = c.generate(session_id="a", token_ids=rng.integers(1000, 20000, new).tolist(),
+                           append=True, max_tokens=max_tokens)
+            assert t.usage["cache_source"] == "ssd" and t.usage["cached_tokens"] == history
+            r = _receipts(c, "admission")[-1]
+            assert r["decision"] == "admitted" and r["released_sessions"] == 1
+            assert r["written_out"] == 1  # b's turn went to SSD before it left RAM
+            b = _sessions(c)["b"]
+            assert b.state == "cold" and b.durable_tokens == b.token_count
+    finally:
+        s.stop()
+
+
 def test_a_request_that_can_never_fit_is_refused_up_front(tiny_model, tmp_path, cache_dir):
     s = _stack(tiny_model, tmp_path, cache_dir, "--prefill-chunk-tokens", "32",
                "--memory-budget", "+500000")

@@ -262,7 +262,8 @@ class EvictionPolicy:
         3. `shrink_to_bytes` of idle entries (protect_active, and the prompt's restore source);
         4. `shrink_for_admission` of prefill-shed candidates (the chain-derived target with
            `--admission-chain-shed`);
-        5. `release_sessions(write_out_before_release=True)` of idle conversations;
+        5. `release_sessions(write_out_before_release=True)` of idle conversations, the
+           prompt's restore source last;
         6. refuse before any prefill work, naming the holders of memory and a retry verdict.
 
         `need` prices the request in the batch as it is (mlx-lm pads batched caches);
@@ -297,13 +298,19 @@ class EvictionPolicy:
                 tenant=tenant, protect_sessions=[(tenant, session_id)], protect_unwritten=True)
             r.shed_non_terminal, r.shed_terminal = shed.non_terminal_evicted, shed.terminal_evicted
         # 5. release idle conversations, writing their KV to SSD first; never the request's
-        #    own conversation, nor the entry its prompt restores from (whoever's it is)
-        if free() < need:
+        #    own conversation. The entry its prompt restores from (another conversation's,
+        #    sharing a prefix) goes only if the others were not enough: the prefix is then
+        #    read back from SSD, where the release wrote it, or computed; either beats a
+        #    refusal.
+        for protect in ((source, ()) if source else ((),)):
+            if free() >= need:
+                break
             rel = self.release_sessions(target(), reason=TrimReason.ADMISSION_RELEASE,
-                                        keep_sessions=[(tenant, session_id)], protect_keys=source,
+                                        keep_sessions=[(tenant, session_id)], protect_keys=protect,
                                         write_out_before_release=True)
-            r.released_sessions, r.written_out = len(rel.rows), rel.written_out_entries
-            r.write_out_s = rel.write_out_s
+            r.released_sessions += len(rel.rows)
+            r.written_out += rel.written_out_entries
+            r.write_out_s = round(r.write_out_s + rel.write_out_s, 4)
         r.free_after = free()
         if r.free_after >= need:
             return r
