@@ -10,8 +10,11 @@ The memory flags, from the limit L, as a user sizing a server to a container wou
 see what it holds idle, give the rest to KV (`size`, once a run, each engine in a cgroup with
 no limit, after one warm-up request):
 - kvbank: `--memory-budget` = L - what its other processes hold idle (router, shim,
-  coldstore, supervisor). The budget is the worker's own: its model, its bank, the running
-  requests and their prefill transients, which it prices itself.
+  coldstore, supervisor) - one write stream window (`STREAM_WINDOW_BYTES`: the blocks the
+  coldstore holds beyond its idle memory while it writes). The budget is the worker's own: its
+  model, its bank, the running requests and their prefill transients, which it prices itself;
+  with nothing left for the coldstore's writes, the worker at its budget put the tree at the
+  limit and the kernel killed it.
 - mlx-lm: `--prompt-cache-bytes` = L - what its process holds idle - one prefill chunk's
   transient bytes (kvbank's calibration of the same model at the same chunk: mlx-lm counts
   running requests' KV in its prompt cache bytes, not their transients).
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Iterator
 
 from kvbank.apps.bench.cgroup import MemoryCgroup
+from kvbank.worker.link.writer import STREAM_WINDOW_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -293,7 +297,7 @@ def size(model_dir: Path, tmp: Path, settings: Settings, limit_bytes: int) -> di
     k = idle["kvbank"]
     transient = int(k["transient_base_bytes"] + k["transient_per_context_token"]
                     * TRANSIENT_CONTEXT_CHUNKS * settings.prefill_chunk_tokens)
-    budget = limit_bytes - k["others_bytes"]
+    budget = limit_bytes - k["others_bytes"] - STREAM_WINDOW_BYTES
     cache = limit_bytes - idle["mlx_lm"]["tree_anon_bytes"] - transient
     if budget <= k["worker_bytes"] + k["transient_base_bytes"] or cache <= 0:
         raise ValueError(
@@ -305,8 +309,10 @@ def size(model_dir: Path, tmp: Path, settings: Settings, limit_bytes: int) -> di
             f"transient ({transient / 1e6:.0f} MB) leaves mlx-lm's cache {cache / 1e6:.0f} MB")
     return {"limit_bytes": limit_bytes, "idle": idle, "transient_bytes": transient,
             "kvbank": {"memory_budget_bytes": budget,
-                       "rule": "limit - its other processes' idle memory (the worker's "
-                               "budget covers its model, bank, requests and transients)"},
+                       "rule": "limit - its other processes' idle memory - one write "
+                               f"stream window ({STREAM_WINDOW_BYTES} bytes: the coldstore's "
+                               "blocks in flight; the worker's budget covers its model, "
+                               "bank, requests and transients)"},
             "mlx_lm": {"prompt_cache_bytes": cache,
                        "rule": "limit - its idle memory - one prefill chunk's transient at "
                                f"{TRANSIENT_CONTEXT_CHUNKS} chunks of context"}}
