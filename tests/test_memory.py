@@ -78,3 +78,52 @@ def test_the_memory_calibration_is_kept_per_model_and_chunk_size(tmp_path, tiny_
     a.path.write_text("{not json")
     start(a, 16)
     assert runs == [16, 8, 16, 16] and a.read() is not None
+
+
+def test_the_default_budget_is_a_share_of_the_containers_limit_not_the_hosts_ram():
+    """In a memory cgroup (a container), psutil still reports the host's RAM: the default
+    --memory-budget takes its 60 % of the cgroup's limit where that is lower, so a worker in a
+    1 GB container budgets 600 MB instead of most of the host's memory (and is OOM-killed)."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from kvbank.apps.bench.cgroup import CgroupUnavailable, MemoryCgroup
+    from kvbank.worker.memory.pricing import default_memory_budget
+
+    code = ("from kvbank.worker.memory.pricing import default_memory_budget as d; "
+            "print(d())")
+    try:
+        group = MemoryCgroup.create("kvbank-test-budget", 1_000_000_000)
+    except CgroupUnavailable as e:
+        pytest.skip(f"no memory cgroup here: {e}")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], preexec_fn=group.preexec,
+                             capture_output=True, text=True, check=True).stdout
+    finally:
+        group.remove()
+    limit = group.limit_bytes
+    assert int(out) == int(limit * 0.6) < psutil.virtual_memory().total * 0.6
+    assert default_memory_budget() > int(out)  # this process: no such limit
+
+
+def test_a_cgroup_v2_limit_bounds_every_cgroup_below_it(tmp_path):
+    """cgroup v2 (the layout read where v1's memory controller is not mounted): the lowest
+    `memory.max` of the process's cgroup and its ancestors; `max` is no limit."""
+    from kvbank.worker.memory.pricing import cgroup_memory_limit
+
+    root = tmp_path / "cgroup"
+    leaf = root / "user.slice" / "app"
+    leaf.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpu memory\n")
+    (root / "user.slice" / "memory.max").write_text("2000000000\n")
+    (leaf / "memory.max").write_text("max\n")
+    proc = tmp_path / "cgroup.txt"
+    proc.write_text("0::/user.slice/app\n")
+    assert cgroup_memory_limit(proc, root) == 2_000_000_000
+    (leaf / "memory.max").write_text("500000000\n")
+    assert cgroup_memory_limit(proc, root) == 500_000_000
+    proc.write_text("0::/\n")
+    assert cgroup_memory_limit(proc, root) is None
+    assert cgroup_memory_limit(tmp_path / "missing", root) is None

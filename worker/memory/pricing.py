@@ -6,6 +6,7 @@ memory budget, and every byte the worker answers for (`held_bytes`).
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from kvbank.contracts.pricing import Pricing
 
@@ -60,10 +61,53 @@ def resident_bytes(pid: int | str = "self") -> int:
 
 
 def default_memory_budget() -> int:
-    """60 % of RAM: the rest is for the OS, the coldstore's page cache and other programs."""
+    """60 % of the memory this process may use: RAM, or its cgroup's limit where that is lower
+    (a container: psutil reports the host's RAM there). The rest is for the OS, kvbank's other
+    processes, the coldstore's page cache and other programs."""
     import psutil
 
-    return int(psutil.virtual_memory().total * 0.6)
+    ram = psutil.virtual_memory().total
+    return int(min(ram, cgroup_memory_limit() or ram) * 0.6)
+
+
+UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a page-rounded 2^63 - 1
+
+
+def cgroup_memory_limit(proc_cgroup: Path = Path("/proc/self/cgroup"),
+                        root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The lowest memory limit of this process's cgroup and its ancestors (cgroup v1's
+    `memory.limit_in_bytes`, v2's `memory.max`; a cgroup's limit bounds every cgroup below
+    it), or None where none is set or none can be read (macOS, no cgroup mounted)."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    v1 = root / "memory"
+    for line in lines:
+        _, names, path = line.split(":", 2)
+        if "memory" in names.split(",") and v1.is_dir():
+            return _lowest(v1, path, "memory.limit_in_bytes")
+    for line in lines:
+        _, names, path = line.split(":", 2)
+        if names == "" and (root / "cgroup.controllers").exists():
+            return _lowest(root, path, "memory.max")
+    return None
+
+
+def _lowest(mount: Path, path: str, name: str) -> int | None:
+    limits = []
+    here = mount / path.lstrip("/")
+    while True:
+        try:
+            text = (here / name).read_text().strip()
+        except OSError:
+            text = "max"
+        if text.isdigit() and int(text) < UNLIMITED:
+            limits.append(int(text))
+        if here == mount or mount not in here.parents:
+            break
+        here = here.parent
+    return min(limits, default=None)
 
 
 def memory_budget_bytes(spec: str | int | None, pricing: Pricing) -> int:
