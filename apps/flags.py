@@ -159,8 +159,8 @@ def worker_flags(p: argparse.ArgumentParser) -> None:
            (["--memory-budget"], dict(type=budget_spec, default=None,
             help="bytes the worker may hold in all: weights, bank, running requests, prefill "
                  "transients, staged writes; admission never goes past it. `+N`: N bytes for "
-                 "KV beyond the model and one prefill chunk (default: 60%% of RAM, or of the memory "
-                 "cgroup's limit where lower)")),
+                 "KV beyond the model and one prefill chunk (default: 60%% of RAM, or of the "
+                 "memory cgroup's limit where lower)")),
            (["--prefill-chunk-tokens"], dict(type=int, default=512,
             help="prompt tokens per prefill step; smaller lets other requests' tokens through "
                  "sooner during a long prefill (default: %(default)s)")),
