@@ -4,7 +4,9 @@ Start order is the coldstore, then (once it is healthy) the worker, the router a
 once: the router asks the worker for its Info only when a request comes; stop order is the
 reverse: shim and router first (no new requests), then the worker
 (finishes and hands its last writes over), then the coldstore (bounded flush).
-A process that dies is restarted with a short backoff, and the restart is logged.
+A process that dies is restarted and the restart is logged: at once (RESTART_S) if it had
+served (a kill -9, an OOM kill: its clients are waiting), else after a backoff that doubles
+while it keeps dying before it serves (a crash loop), up to MAX_BACKOFF_S.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvbank.config import OPENBLAS_PATHS, Layout
@@ -30,7 +32,8 @@ STOP_GRACE_S = {"shim": 5.0, "router": 5.0, "worker": 15.0, "coldstore": 20.0}
 # coldstore, each given its grace before a kill. A caller waits longer than this before it kills
 # the supervisor itself (which would leave its children's pid files behind).
 STOP_BOUND_S = STOP_GRACE_S["router"] + STOP_GRACE_S["worker"] + STOP_GRACE_S["coldstore"]
-MAX_BACKOFF_S = 10.0
+RESTART_S = 0.1  # a process that had served and died is restarted after this
+MIN_BACKOFF_S, MAX_BACKOFF_S = 0.5, 10.0  # one that died before serving (a crash loop)
 
 
 @dataclass
@@ -41,7 +44,9 @@ class Child:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     started_at: float = 0.0
-    backoff_s: float = field(default=0.5)
+    served: bool = False  # healthy since its last spawn
+    backoff_s: float = MIN_BACKOFF_S
+    respawn_at: float | None = None  # it died: spawned again at this time (monotonic)
 
 
 def _libc():
@@ -112,7 +117,7 @@ class Supervisor:
 
     def _spawn(self, c: Child) -> None:
         c.proc = subprocess.Popen(c.argv, env=c.env, **die_with_parent())
-        c.started_at = time.monotonic()
+        c.started_at, c.served, c.respawn_at = time.monotonic(), False, None
         (self.layout.run_dir / f"{c.name}.pid").write_text(str(c.proc.pid))
         logger.info("%s started (pid %d)", c.name, c.proc.pid)
 
@@ -140,7 +145,7 @@ class Supervisor:
             (self.layout.run_dir / "ready").write_text(str(os.getpid()))
             while not self.stopping:
                 self._check_children()
-                self._stop_asked.wait(0.2)
+                self._stop_asked.wait(self._next_check_s())
             return 0
         finally:
             (self.layout.run_dir / "ready").unlink(missing_ok=True)
@@ -151,18 +156,34 @@ class Supervisor:
         self._stop_asked.set()
 
     def _check_children(self) -> None:
+        """Each child: spawned again when its restart is due; marked served once healthy (a
+        health check every loop until then); on exit, its restart scheduled. Never sleeps:
+        one child's backoff does not hold another's restart."""
+        now = time.monotonic()
         for c in self.children:
-            if c.proc is None or c.proc.poll() is None:
+            if c.respawn_at is not None:
+                if now >= c.respawn_at and not self.stopping:
+                    self._spawn(c)
                 continue
-            code = c.proc.returncode
-            if time.monotonic() - c.started_at > 60:
-                c.backoff_s = 0.5  # it ran a while: a fresh failure, not a crash loop
-            logger.error("%s exited with %s; restarting in %.1fs", c.name, code, c.backoff_s)
-            time.sleep(c.backoff_s)
-            c.backoff_s = min(c.backoff_s * 2, MAX_BACKOFF_S)
+            if c.proc is None:
+                continue
+            if c.proc.poll() is None:
+                if not c.served and self._healthy(c.name):
+                    c.served, c.backoff_s = True, MIN_BACKOFF_S
+                    logger.info("%s is healthy", c.name)
+                continue
+            delay = RESTART_S if c.served else c.backoff_s
+            if not c.served:
+                c.backoff_s = min(c.backoff_s * 2, MAX_BACKOFF_S)
+            logger.error("%s exited with %s; restarting in %.1fs", c.name, c.proc.returncode,
+                         delay)
+            c.respawn_at = now + delay
             c.restarts += 1
-            if not self.stopping:
-                self._spawn(c)
+
+    def _next_check_s(self) -> float:
+        """Until the loop looks again: 0.2 s, or sooner where a restart is due."""
+        due = [c.respawn_at for c in self.children if c.respawn_at is not None]
+        return max(0.0, min([0.2, *(t - time.monotonic() for t in due)]))
 
     def _wait_healthy(self, c: Child, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -171,6 +192,7 @@ class Supervisor:
                 return False
             if self._healthy(c.name):
                 logger.info("%s is healthy", c.name)
+                c.served = True
                 return True
             time.sleep(0.05)
         return False

@@ -113,3 +113,53 @@ def test_a_client_sending_all_along_is_answered_as_soon_as_the_stack_serves(
     finally:
         sender.stop.set()
         s.stop()
+
+
+def test_a_process_that_served_comes_back_at_once_and_a_crash_loop_backs_off(tmp_path, caplog):
+    """The supervisor's restart rule, on its own loop (a test seam: the children are plain
+    Python processes and `_healthy` says which one serves). A process killed -9 after it
+    served is spawned again after RESTART_S, every time: its clients wait. One that dies
+    before it ever serves backs off, doubling. The old rule escalated both alike, for any
+    process that had run under a minute, and slept in the loop that restarts the others."""
+    import logging
+    import os
+    import signal
+    import sys
+    from types import SimpleNamespace
+
+    from kvbank.deploy.supervisor import MIN_BACKOFF_S, RESTART_S, Child, Supervisor
+
+    sup = Supervisor.__new__(Supervisor)
+    sup.stopping, sup.layout = False, SimpleNamespace(run_dir=tmp_path)
+    serves = Child("router", [sys.executable, "-c", "import time; time.sleep(120)"],
+                   dict(os.environ))
+    fails = Child("worker", [sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ))
+    sup.children = [serves, fails]
+    sup._healthy = lambda name: name == "router"
+    for c in sup.children:
+        sup._spawn(c)
+
+    def restarts(name: str) -> list[str]:
+        return [r.getMessage().rsplit(" ", 1)[-1] for r in caplog.records
+                if r.getMessage().startswith(f"{name} exited")]
+
+    def loop_until(cond, what: str):
+        def once():
+            sup._check_children()
+            return cond()
+        return wait_until(once, what, every_s=0.02)
+
+    caplog.set_level(logging.INFO, logger="kvbank.deploy.supervisor")
+    try:
+        for kill in range(2):
+            loop_until(lambda: serves.served and serves.proc.poll() is None, "the router serves")
+            serves.proc.send_signal(signal.SIGKILL)
+            loop_until(lambda: len(restarts("router")) > kill, "the router's restart")
+        loop_until(lambda: len(restarts("worker")) >= 3, "three restarts of the failing worker")
+    finally:
+        for c in sup.children:
+            if c.proc is not None and c.proc.poll() is None:
+                c.proc.kill()
+                c.proc.wait()
+    assert restarts("router") == [f"{RESTART_S:.1f}s"] * 2
+    assert restarts("worker")[:3] == [f"{MIN_BACKOFF_S * 2 ** i:.1f}s" for i in range(3)]
