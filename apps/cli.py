@@ -428,6 +428,9 @@ def _run_ask(args: argparse.Namespace) -> int:
 
 def _run_bench(args: argparse.Namespace) -> int:
     _setup_logging("bench")
+    from kvbank.config import preload_openblas
+
+    preload_openblas()  # before the first `import mlx`: benches time MLX in this process too
     from kvbank.apps.bench import run
 
     return run(args)

@@ -146,3 +146,18 @@ def test_the_life_of_a_returning_turn_walks_at_most_eight_files_that_exist():
         assert (ROOT / path).is_file(), path
         named = {n for n in re.findall(r"`(\w+)`", text)}
         assert named and named <= defined, (path, named - defined)
+
+
+def test_the_cli_imports_no_mlx_before_a_command_runs():
+    """Every command loads Debian's OpenBLAS before its first `import mlx` (MLX's own
+    reference BLAS is ~40x slower, and loading OpenBLAS after MLX changes nothing). Building
+    the parser imports every bench module, so none of them may import MLX at its top: one
+    that did made `bench turn`'s in-process floor 10x slower (2.4 s against 0.25 s)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvbank.apps.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in sys.modules if m == 'mlx' or m.startswith('mlx.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]", out

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Iterator
 
 from kvbank.apps.bench.cgroup import MemoryCgroup
-from kvbank.worker.link.writer import STREAM_WINDOW_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -275,6 +274,8 @@ def size(model_dir: Path, tmp: Path, settings: Settings, limit_bytes: int) -> di
     """Each engine started once with no limit and warmed up; what it holds idle, and the
     memory flags the limit gives each side (module docstring). Raises ValueError where the
     limit leaves a side no room."""
+    from kvbank.worker.link.writer import STREAM_WINDOW_BYTES  # imports MLX: only when run
+
     idle: dict = {}
     side = Side("sizing_kvbank", "", "kvbank", False)
     rec: dict = {}
