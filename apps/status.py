@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
-import threading
+from types import SimpleNamespace
 import time
 
 import grpc
@@ -152,13 +152,19 @@ def run_status(address: str, *, watch: bool, every_s: float, as_json: bool,
 def _watch(c: Client, draw, every_s: float) -> int:
     """Redraw until Ctrl-C. Ctrl-C only sets a flag: raised as KeyboardInterrupt in the middle
     of a gRPC call, it can leave the channel's close waiting on that call for good (the
-    process never exits; grpc/grpc#19973), so the loop stops between calls instead."""
-    stop = threading.Event()
-    before = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    process never exits; grpc/grpc#19973), so the loop stops between calls instead. The flag
+    is a plain attribute: an Event set from the handler deadlocks when Ctrl-C lands while this
+    thread holds the Event's own lock (the watch then never exits)."""
+    pressed = SimpleNamespace(yes=False)
+    before = signal.signal(signal.SIGINT, lambda *_: setattr(pressed, "yes", True))
     try:
         with Live(draw(c), refresh_per_second=4) as live:
-            while not stop.wait(every_s):
-                live.update(draw(c))
+            while not pressed.yes:
+                next_at = time.monotonic() + every_s
+                while not pressed.yes and time.monotonic() < next_at:
+                    time.sleep(min(0.05, every_s))
+                if not pressed.yes:
+                    live.update(draw(c))
     finally:
         signal.signal(signal.SIGINT, before)
     return 0

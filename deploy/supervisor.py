@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,7 +112,6 @@ class Supervisor:
         self.host, self.port = host, port
         self.shim_address = _shim_address(args["shim"]) if shim_port else None
         self.stopping = False
-        self._stop_asked = threading.Event()  # set by SIGTERM/SIGINT: wakes the watch loop
 
     def _spawn(self, c: Child) -> None:
         c.proc = subprocess.Popen(c.argv, env=c.env, **die_with_parent())
@@ -145,7 +143,10 @@ class Supervisor:
             (self.layout.run_dir / "ready").write_text(str(os.getpid()))
             while not self.stopping:
                 self._check_children()
-                self._stop_asked.wait(self._next_check_s())
+                # A plain sleep: the signal handler only sets a flag. An Event set from the
+                # handler deadlocks when the signal lands while this thread holds the Event's
+                # own lock (a stack once ignored SIGTERM and SIGINT until it was killed).
+                time.sleep(self._next_check_s())
             return 0
         finally:
             (self.layout.run_dir / "ready").unlink(missing_ok=True)
@@ -153,7 +154,6 @@ class Supervisor:
 
     def _request_stop(self) -> None:
         self.stopping = True
-        self._stop_asked.set()
 
     def _check_children(self) -> None:
         """Each child: spawned again when its restart is due; marked served once healthy (a

@@ -43,12 +43,24 @@ def test_admission_chain_shed_uses_the_larger_target_and_says_so(chain_shed, she
     assert len(bank.entries) == 6 - shed
 
 
-def test_the_release_step_never_takes_the_prompts_restore_source_from_another_session():
+def test_the_release_step_takes_the_prompts_restore_source_last_and_only_to_make_room():
+    """Another conversation's entry that the prompt shares a prefix with (a system prompt)
+    stays while other conversations' releases make room; when only it can, it goes (written
+    out first, in the engine); when even it cannot, it stays and the request is refused."""
     bank = make_bank()
     source = bank.insert((TENANT, "other"), own_tokens(1, 40), layers_of(4000))
-    with pytest.raises(Refused):  # nothing else to free: the request does not fit
+    with pytest.raises(Refused):  # releasing it would not make the room: it stays
         _room(bank, free=0, need=10_000, tokens=toks(own_tokens(1, 40), [7, 7]))
     assert source.key in bank.entries
+
+    idle = bank.insert((TENANT, "idle"), own_tokens(2, 40), layers_of(4000))
+    r = _room(bank, free=0, need=3_000, tokens=toks(own_tokens(1, 40), [7, 7]))
+    assert r.decision == "admitted"
+    assert source.key in bank.entries and idle.key not in bank.entries
+
+    r = _room(bank, free=0, need=3_000, tokens=toks(own_tokens(1, 40), [7, 7]))
+    assert r.decision == "admitted" and r.released_sessions == 1
+    assert source.key not in bank.entries
 
 
 def test_the_keep_list_is_the_requests_own_conversation_in_its_own_tenant():

@@ -299,11 +299,12 @@ class EvictionPolicy:
             r.shed_non_terminal, r.shed_terminal = shed.non_terminal_evicted, shed.terminal_evicted
         # 5. release idle conversations, writing their KV to SSD first; never the request's
         #    own conversation. The entry its prompt restores from (another conversation's,
-        #    sharing a prefix) goes only if the others were not enough: the prefix is then
-        #    read back from SSD, where the release wrote it, or computed; either beats a
-        #    refusal.
+        #    sharing a prefix) goes only if the others were not enough and its conversation
+        #    makes the room: the prefix is then read back from SSD, where the release wrote
+        #    it, or computed; either beats a refusal.
         for protect in ((source, ()) if source else ((),)):
-            if free() >= need:
+            if free() >= need or (protect == () and source and self._session_bytes(
+                    hit.entry.session) < need - free()):
                 break
             rel = self.release_sessions(target(), reason=TrimReason.ADMISSION_RELEASE,
                                         keep_sessions=[(tenant, session_id)], protect_keys=protect,
@@ -337,6 +338,9 @@ class EvictionPolicy:
                          f"after trimming the bank; held: "
                          + ", ".join(f"{k.removesuffix('_bytes')} {_size(v)}"
                                      for k, v in r.holders.items()))
+
+    def _session_bytes(self, session: SessionKey) -> int:
+        return sum(e.nbytes for e in self.bank.session_entries(session))
 
     # -- after a commit ----------------------------------------------------------------------
 
