@@ -8,6 +8,7 @@ Which stack served a turn is read from the stacks' own event logs: each committe
 from __future__ import annotations
 
 import re
+import signal
 import threading
 import time
 
@@ -155,16 +156,25 @@ def test_a_killed_worker_fails_no_request_and_its_conversations_go_on(three_stac
         t.start()
     wait_until(lambda: len(turns) >= 5, "a few turns before the kill")
     victim = c.stacks[stack_of(c, turns[-1][2], turns[-1][3])]
-    old = victim.kill9("worker")
+
+    def retries() -> float:
+        text = httpx.get(f"http://127.0.0.1:{c.plan.prometheus_port}/metrics", timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm_router_retries_total"))
+
+    # The path is taken: a request to the dead worker is retried on another stack. A test
+    # seam: the victim's supervisor is paused, so its worker stays dead until one has (it
+    # restarts a worker that had served within 0.1 s), then goes on and restarts it.
+    victim.proc.send_signal(signal.SIGSTOP)
+    try:
+        old = victim.kill9("worker")
+        wait_until(lambda: retries() > 0, "a request to meet the dead worker")
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
     for t in threads:
         t.join(600)
     assert errors == [], errors
     assert len(turns) == 18
-    # The path was taken: requests to the dead worker were retried on another stack.
-    text = httpx.get(f"http://127.0.0.1:{c.plan.prometheus_port}/metrics", timeout=10).text
-    retries = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                  if line.startswith("vllm_router_retries_total"))
-    assert retries > 0, "no request met the dead worker"
     victim.wait_restarted("worker", old, timeout_s=120)
 
 

@@ -370,7 +370,16 @@ def test_a_killed_worker_fails_no_request(stacks, gateway):
         t.start()
     wait_until(lambda: len(turns) >= 5, "a few turns before the kill")
     victim = stacks[[s.shim_url for s in stacks].index(turns[-1].routed_to)]
-    old = victim.kill9("worker")
+    # A test seam: the victim's supervisor is paused, so its worker stays dead until a request
+    # has met it (the supervisor restarts a worker that had served within 0.1 s, which a
+    # request may or may not fall into), then goes on and restarts it.
+    victim.proc.send_signal(signal.SIGSTOP)
+    try:
+        old = victim.kill9("worker")
+        wait_until(lambda: gw.metric("smg_worker_retries_total") > 0,
+                   "a request to meet the dead worker")
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
     for t in threads:
         t.join(600)
     assert errors == [], errors
@@ -378,5 +387,4 @@ def test_a_killed_worker_fails_no_request(stacks, gateway):
     retries = gw.metric("smg_worker_retries_total")
     upstream = {k: v for k, v in gw.series("smg_router_upstream_responses_total").items() if v}
     print(f"SMG retried {retries:.0f} times; the stacks answered {upstream}")
-    assert retries > 0, "no request met the dead worker"
     victim.wait_restarted("worker", old, timeout_s=120)
