@@ -132,3 +132,21 @@ def test_four_agents_at_once_answer_as_each_alone(served):
     for a, t in zip(alone, together):
         assert t.token_ids == a.token_ids
     assert sum(a.usage["drafted_tokens"] for a in alone) > 0
+
+
+@pytest.mark.matrix  # make test-all: two more stacks; the fallback itself is checked above
+def test_bench_decode_agents_drafts_alone_and_falls_back_to_plain_together(tmp_path, cache_dir):
+    """`kvbank bench decode --mtp --agents 1,2` on the tiny trained head: one request alone
+    drafts, two at once decode plainly (the fallback), and every answer equals the same
+    request's without the head."""
+    from kvbank.apps.bench.components.decode import run_agents
+    from kvbank.testing.tiny_mtp import mtp_model
+
+    r = run_agents(model_dir=mtp_model("tiny", cache_dir), agents=[1, 2], depth=2, tokens=12,
+                   prompt_tokens=16, repeats=1, argv=["kvbank", "bench", "decode"])
+    assert r["same_tokens"] is True
+    assert r["agents"]["1"]["drafted_tokens"] > 0 and r["agents"]["1"]["accepted_tokens"] > 0
+    assert r["agents"]["2"]["drafted_tokens"] == 0
+    assert all(x > 0 for n in ("1", "2") for x in r["agents"][n]["mtp_tok_s"]
+               + r["agents"][n]["plain_tok_s"])
+    assert r["not_slower"] in (True, False) and r["loadavg_end"]

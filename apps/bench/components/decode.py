@@ -19,12 +19,19 @@ and the round costs k draft steps and one verify. What a round takes beyond that
 This machine is shared: each rate is also given per CPU second of this process
 (`cpu_tok_s`, `cpu_speedup`), which others' load does not inflate, and the profile and the
 forward costs are CPU seconds; the load average is recorded at the start and the end.
+
+`--agents 1,2,4` measures what the worker does instead (`run_agents`): two stacks on the
+model, `--mtp auto` at one depth and `--mtp off`, each sent N requests at once (greedy, seeded
+prompts, no cache), by turns. A request's decode is the time from its first token (its
+start plus its time to first token) to its end; the rate is the N requests' tokens after
+their first over the span from the first first token to the last end. Several requests
+decoding at once fall back to plain batched decode (the worker drafts only for one decoding
+alone): the goal there is never to be slower than plain.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -58,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per prompt (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3,
                    help="repeats, order alternating (default: %(default)s)")
+    p.add_argument("--agents", default=None, metavar="N,N",
+                   help="through the worker instead: N requests at once with the MTP head "
+                        "(at the first of --depths) and without, e.g. 1,2,4")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="print the result as JSON (to FILE if given)")
 
@@ -174,17 +184,21 @@ def _forward_costs(runs: _Runs, depths: list[int], repeats: int = 7) -> dict:
             "draft_step_s": round(median_s(draft), 5)}
 
 
-def run(*, model: str | None, arch: str | None, depths: list[int], tokens: int,
-        prompt_tokens: int, repeats: int, argv: list[str], draft_bits: int | None = 4) -> dict:
-    from kvbank.config import preload_openblas
-    from kvbank.models import prepare_model
-
+def _model_dir(model: str | None, arch: str | None) -> Path:
     if arch:
         from kvbank.testing.tiny_mtp import mtp_model
 
-        model_dir = mtp_model("default")
-    else:
-        model_dir = prepare_model(model)
+        return mtp_model("default")
+    from kvbank.models import prepare_model
+
+    return prepare_model(model)
+
+
+def run(*, model: str | None, arch: str | None, depths: list[int], tokens: int,
+        prompt_tokens: int, repeats: int, argv: list[str], draft_bits: int | None = 4) -> dict:
+    from kvbank.config import preload_openblas
+
+    model_dir = _model_dir(model, arch)
     preload_openblas()  # before the first `import mlx` in this process
     from mlx_lm import load
 
@@ -256,6 +270,96 @@ def run(*, model: str | None, arch: str | None, depths: list[int], tokens: int,
             "within_goal": per_depth[str(best)]["speedup"] >= GOAL}
 
 
+def run_agents(*, model_dir: Path, agents: list[int], depth: int, tokens: int,
+               prompt_tokens: int, repeats: int, argv: list[str]) -> dict:
+    """Decode tok/s with N requests at once through a stack with the MTP head and one
+    without (module docstring); each side's answers are compared token for token."""
+    import tempfile
+
+    from kvbank.deploy.local import LocalStack
+
+    meta = _provenance(argv)
+    sides = {"mtp": ["--mtp", "auto", "--mtp-depth", str(depth)], "plain": ["--mtp", "off"]}
+    rows = {}
+    same = True
+    with tempfile.TemporaryDirectory(prefix="kvbank-bench-decode-") as tmp:
+        stacks = {}
+        try:
+            for side, flags in sides.items():
+                stacks[side] = LocalStack.start(model_dir, Path(tmp) / side, extra=flags)
+            for n in agents:
+                got: dict = {side: [] for side in sides}
+                for r in range(repeats):
+                    for side in (("mtp", "plain") if r % 2 == 0 else ("plain", "mtp")):
+                        got[side].append(_at_once(stacks[side], n, tokens, prompt_tokens,
+                                                  seed=1000 * n + r))
+                same &= all(m["ids"] == p["ids"] for m, p in zip(got["mtp"], got["plain"]))
+                rows[str(n)] = {
+                    "mtp_tok_s": [round(x["tok_s"], 3) for x in got["mtp"]],
+                    "plain_tok_s": [round(x["tok_s"], 3) for x in got["plain"]],
+                    "speedup": _med(m["tok_s"] / p["tok_s"]
+                                    for m, p in zip(got["mtp"], got["plain"])),
+                    "drafted_tokens": sum(x["drafted"] for x in got["mtp"]),
+                    "accepted_tokens": sum(x["accepted"] for x in got["mtp"])}
+        finally:
+            for stack in stacks.values():
+                stack.stop()
+    meta["loadavg_end"] = list(os.getloadavg())
+    several = [rows[str(n)]["speedup"] for n in agents if n > 1]
+    return {"model": str(model_dir), **meta,
+            "args": {"agents": agents, "depth": depth, "tokens": tokens,
+                     "prompt_tokens": prompt_tokens, "repeats": repeats},
+            "agents": rows, "same_tokens": same,
+            "goal": "at several agents, never slower than plain (speedup >= 1)",
+            "not_slower": min(several) >= 1.0 if several else None}
+
+
+def _at_once(stack, n: int, tokens: int, prompt_tokens: int, seed: int) -> dict:
+    """N greedy requests sent together; their decode rate (module docstring)."""
+    import threading
+
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(256, 20000, prompt_tokens).tolist() for _ in range(n)]
+    done: list = [None] * n
+
+    def one(i: int) -> None:
+        with stack.client() as c:
+            t0 = time.monotonic()
+            turn = c.generate(token_ids=prompts[i], max_tokens=tokens, no_cache=True)
+            done[i] = (t0 + turn.usage["ttft_s"], time.monotonic(), turn)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    span = max(end for _, end, _ in done) - min(first for first, _, _ in done)
+    after_first = sum(max(0, len(turn.token_ids) - 1) for _, _, turn in done)
+    return {"tok_s": after_first / span, "ids": [turn.token_ids for _, _, turn in done],
+            "drafted": sum(turn.usage.get("drafted_tokens", 0) for _, _, turn in done),
+            "accepted": sum(turn.usage.get("accepted_tokens", 0) for _, _, turn in done)}
+
+
+def print_agents_summary(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    a = result["args"]
+    t = Table(title=f"kvbank bench decode --mtp --agents: {a['tokens']} tokens each after a "
+                    f"{a['prompt_tokens']}-token prompt, depth {a['depth']}, "
+                    f"{Path(result['model']).name}, {a['repeats']} repeats",
+              title_justify="left")
+    for col in ("agents", "MTP tok/s", "plain tok/s", "x plain", "drafted", "accepted"):
+        t.add_column(col, justify="right")
+    for n, r in result["agents"].items():
+        t.add_row(n, " ".join(f"{x:.2f}" for x in r["mtp_tok_s"]),
+                  " ".join(f"{x:.2f}" for x in r["plain_tok_s"]), f"{r['speedup']:.3f}",
+                  str(r["drafted_tokens"]), str(r["accepted_tokens"]))
+    t.caption = (f"Same tokens: {result['same_tokens']}; {result['goal']}: "
+                 f"{result['not_slower']}")
+    Console(stderr=True).print(t)
+
+
 def print_summary(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -300,6 +404,21 @@ def run_cli(args: argparse.Namespace) -> int:
         sys.stderr.write("kvbank bench decode: --depths takes 1..3 (e.g. 1,2,3), --tokens "
                          ">= 2, --prompt-tokens >= 8, --repeats >= 1\n")
         return 2
+    if args.agents:
+        try:
+            agents = [int(x) for x in args.agents.split(",") if x.strip()]
+        except ValueError:
+            agents = []
+        if not agents or min(agents) < 1:
+            sys.stderr.write("kvbank bench decode: --agents takes counts >= 1 (e.g. 1,2,4)\n")
+            return 2
+        result = run_agents(model_dir=_model_dir(args.model, args.arch), agents=agents,
+                            depth=depths[0], tokens=args.tokens,
+                            prompt_tokens=args.prompt_tokens, repeats=args.repeats,
+                            argv=sys.argv)
+        print_agents_summary(result)
+        write_json(result, args.json)
+        return 0
     result = run(model=args.model, arch=args.arch, depths=depths, tokens=args.tokens,
                  prompt_tokens=args.prompt_tokens, repeats=args.repeats, argv=sys.argv,
                  draft_bits=args.draft_bits or None)
