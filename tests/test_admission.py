@@ -200,6 +200,17 @@ def test_a_prompt_that_needs_room_releases_an_idle_conversation_after_writing_it
         s.stop()
 
 
+def _fits_only_with(st, history: int, free: int, extra: int) -> tuple[int, int]:
+    """New tokens and max_tokens for a turn on `history` whose price (the worker's own list,
+    from its Status) is more than `free` bytes and at most `free + extra`."""
+    pricing = Pricing(st.kv_bytes_per_token, st.fixed_bytes, st.prefill_chunk_tokens,
+                      st.transient_base_bytes, st.transient_per_context_token)
+    found = next(((n, m) for n in range(8, 200, 8) for m in range(1, 400, 4)
+                  if free < pricing.request_bytes(history + n, m) <= free + extra), None)
+    assert found is not None, (st, free, extra)
+    return found
+
+
 def test_a_conversations_next_turn_is_not_charged_twice_for_the_history_it_takes_over(
         tiny_model, tmp_path, cache_dir):
     """A returning turn takes its conversation's entry out of the bank as its own cache, and
@@ -215,13 +226,8 @@ def test_a_conversations_next_turn_is_not_charged_twice_for_the_history_it_takes
             st = c.status()
             assert _sessions(c)["mine"].state == "resident-dirty"  # in RAM alone
             history = _sessions(c)["mine"].token_count
-            pricing = Pricing(st.kv_bytes_per_token, st.fixed_bytes, st.prefill_chunk_tokens,
-                              st.transient_base_bytes, st.transient_per_context_token)
             free, own = st.memory_budget_bytes - st.held_bytes, st.bank_bytes
-            new, max_tokens = next(((n, m) for n in range(8, 200, 8) for m in range(1, 400, 4)
-                                    if free < pricing.request_bytes(history + n, m)
-                                    <= free + own * 9 // 10), (None, None))
-            assert new is not None, (st, free, own)
+            new, max_tokens = _fits_only_with(st, history, free, own * 9 // 10)
 
             t = _turn(c, "mine", new, seed=22, max_tokens=max_tokens)
             assert t.usage["cache_source"] == "ram" and t.usage["cached_tokens"] == history
@@ -253,13 +259,8 @@ def test_a_conversation_sharing_only_a_prefix_with_the_prompt_is_released_for_it
             assert sessions["a"].state == "cold" and sessions["b"].state == "resident-dirty"
             history = sessions["a"].token_count
             st = c.status()
-            pricing = Pricing(st.kv_bytes_per_token, st.fixed_bytes, st.prefill_chunk_tokens,
-                              st.transient_base_bytes, st.transient_per_context_token)
             free, other = st.memory_budget_bytes - st.held_bytes, st.bank_bytes
-            new, max_tokens = next(((n, m) for n in range(8, 200, 8) for m in range(1, 400, 4)
-                                    if free < pricing.request_bytes(history + n, m)
-                                    <= free + other * 8 // 10), (None, None))
-            assert new is not None, (st, free, other)
+            new, max_tokens = _fits_only_with(st, history, free, other * 8 // 10)
 
             t = c.generate(session_id="a", token_ids=rng.integers(1000, 20000, new).tolist(),
                            append=True, max_tokens=max_tokens)

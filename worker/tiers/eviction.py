@@ -41,7 +41,7 @@ from kvbank.contracts.vocabulary import (Decision, Outcome, Policy, PressureLeve
                                          PressureSource, RefusalReason, TrimReason, Verdict)
 from kvbank.worker.link.writer import RELEASE_WRITE_OUT_MAX_S, KVWriter
 from kvbank.worker.memory.pricing import held_bytes
-from kvbank.worker.tiers.bank import BankEntry, SessionBank, SessionKey
+from kvbank.worker.tiers.bank import BankEntry, Hit, SessionBank, SessionKey
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +257,8 @@ class EvictionPolicy:
 
     def make_room(self, *, pricing: Pricing, budget: int, need: int, solo_need: int, tokens,
                   tenant: str, session_id: str, running: int,
-                  chain_shed: bool = False, taken_over: int = 0) -> AdmissionReceipt:
+                  chain_shed: bool = False, taken_over: int = 0,
+                  hit: Hit | None | bool = False) -> AdmissionReceipt:
         """Room for one request, each step re-measuring and stopping as soon as it fits:
         3. `shrink_to_bytes` of idle entries (protect_active, and the prompt's restore source);
         4. `shrink_for_admission` of prefill-shed candidates (the chain-derived target with
@@ -270,6 +271,8 @@ class EvictionPolicy:
         `solo_need` alone. `taken_over`: the bytes of the bank entry the request will take as
         its own cache (`Restorer.hands_over`). `need` prices that history already, and from
         the hand-over on the ledger counts it there alone, so it is free for this request.
+        `hit`: the prompt's RAM hit short of its last token, where the caller looked it up
+        already (False: looked up here).
         Returns the receipt with decision "admitted", or "wait" when
         requests in flight hold the missing memory (the request stays first in line); raises
         Refused otherwise."""
@@ -280,7 +283,8 @@ class EvictionPolicy:
             r.free_after = free()
             return r
         target = lambda: max(0, bank.total_nbytes - (need - free()))  # noqa: E731
-        hit = bank.lookup(tokens, tenant, limit=len(tokens) - 1)
+        if hit is False:
+            hit = bank.lookup(tokens, tenant, limit=len(tokens) - 1)
         source = (hit.entry.key,) if hit else ()
         # 3. idle LRU entries; active sessions and the prompt's own restore source stay
         r.lru_evicted = self.shrink_to_bytes(target(), reason=TrimReason.ADMISSION_LRU,

@@ -215,15 +215,14 @@ class KVManager:
             in_ram=lambda k: bool(self.bank.session_entries(k)))
         if self.prefetcher.reading_for(session):  # its hint's read lands first: a RAM hit
             return Start.WAIT_PREFIX
-        hit = None if req.no_cache else self.bank.lookup(tokens, tenant, ids,
-                                                         limit=len(tokens) - 1)
-        taken_over = (hit.entry.nbytes if hit and self.restorer.hands_over(
+        hit = self.bank.lookup(tokens, tenant, ids, limit=len(tokens) - 1)
+        taken_over = (hit.entry.nbytes if hit and not req.no_cache and self.restorer.hands_over(
             hit.entry, hit.n_tokens, session) else 0)
         try:
             receipt = self.eviction.make_room(
                 pricing=self.pricing, budget=self.budget(), need=need, solo_need=solo_need,
                 tokens=tokens, tenant=tenant, session_id=session[1], running=running,
-                chain_shed=self.chain_shed, taken_over=taken_over)
+                chain_shed=self.chain_shed, taken_over=taken_over, hit=hit)
         except Refused as e:
             self._log_admission(req, session, e.receipt)
             raise
