@@ -70,6 +70,9 @@ CORRUPT_BLOCKS = Counter("kvbank_corrupt_blocks_total",
 PREFIX_LOST = Counter("kvbank_prefix_lost_tokens_total",
                       "Prompt tokens held as KV but recomputed: no checkpoint stood there",
                       ["reason"])
+BATCH_JOINS = Counter("kvbank_batch_joins_total",
+                      "Answers on their own caches that joined mlx-lm's batch, or stayed beside "
+                      "it for want of memory for the join's copy", ["outcome"])
 RECOMPUTED_TOKENS = Counter("kvbank_recomputed_tokens_total",
                             "Prompt tokens of a session's own history computed again")
 BANK_BYTES = Gauge("kvbank_bank_bytes", "KV bytes held in the worker's RAM bank")

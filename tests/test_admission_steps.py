@@ -13,7 +13,7 @@ from kvbank.worker.tiers.eviction import EvictionPolicy
 
 pytestmark = pytest.mark.unit  # make test-fast
 
-KV_PER_TOKEN = 8  # bytes: a request of n tokens is priced 2 * 8 * n (worker/tiers/eviction.py)
+KV_PER_TOKEN = 8  # bytes: a cache of n tokens is priced 8 * (n + 256) (Pricing.cache_bytes)
 
 
 def _fill(bank, sessions, nbytes=800):
@@ -30,16 +30,17 @@ def _room(bank, *, free: int, need: int, tokens, tenant=TENANT, session_id="inco
         chain_shed=chain_shed)
 
 
-@pytest.mark.parametrize("chain_shed, shed", [(False, 1), (True, 3)])
+@pytest.mark.parametrize("chain_shed, shed", [(False, 1), (True, 4)])
 def test_admission_chain_shed_uses_the_larger_target_and_says_so(chain_shed, shed):
-    """--admission-chain-shed: step 4 also sheds room for the prompt's whole cache (100 tokens:
-    1,600 bytes here), so two more 800-byte entries leave than the bytes missing need."""
+    """--admission-chain-shed: step 4 also sheds room for the prompt's whole cache (44 tokens
+    and a growth step: 2,400 bytes here), so three more 800-byte entries leave than the bytes
+    missing need."""
     bank = make_bank(active_pin_s=600)  # recently used: the LRU step leaves them to the shed
     _fill(bank, [(TENANT, f"s{i}") for i in range(6)])
-    r = _room(bank, free=1000, need=1800, tokens=range(100), chain_shed=chain_shed)
+    r = _room(bank, free=1000, need=1800, tokens=range(44), chain_shed=chain_shed)
     assert r.decision == "admitted" and r.lru_evicted == 0
     assert r.shed_non_terminal + r.shed_terminal == shed
-    assert r.shed_target_bytes == 4800 - 800 - (1600 if chain_shed else 0)
+    assert r.shed_target_bytes == 4800 - 800 - (2400 if chain_shed else 0)
     assert len(bank.entries) == 6 - shed
 
 

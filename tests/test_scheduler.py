@@ -12,7 +12,7 @@ import pytest
 from kvbank.v1 import api_pb2, worker_pb2
 from kvbank.worker import commands as cmd
 from kvbank.worker.compute.decoding import Decoding, make_request_sampler
-from kvbank.worker.compute.scheduler import BatchScheduler, Running
+from kvbank.worker.compute.scheduler import LAST_FORWARD_TOKENS, BatchScheduler, Running
 
 pytestmark = pytest.mark.unit  # make test-fast
 
@@ -311,3 +311,61 @@ def test_answers_whose_contexts_are_far_apart_decode_on_their_own_caches(model_a
     assert sorted(map(id, _drain(s))) == sorted(map(id, [short, long_, third]))
     for r, tokens in ((short, s_tokens), (long_, l_tokens), (third, t_tokens)):
         assert r.completion == _alone(model, tokenizer, tokens)
+
+
+def test_answers_with_no_memory_for_the_joins_copy_decode_beside_each_other(
+        model_and_tokenizer):
+    """Joining the batch copies every joining cache (mlx-lm's merge), so the engine is asked
+    first (`may_join`, its memory for the copy). Refused, two close answers each decode on
+    their own cache, and still answer exactly as alone; allowed, they join."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = model_and_tokenizer
+    rng = np.random.default_rng(14)
+    a_tokens, b_tokens = _tokens(tokenizer, rng, 40), _tokens(tokenizer, rng, 50)
+    for allowed in (False, True):
+        asked = []
+        s = _scheduler(model, tokenizer, chunk=64,
+                       may_join=lambda joining: asked.append(len(joining)) or allowed)
+        a, b = _request(tokenizer, a_tokens), _request(tokenizer, b_tokens)
+        s.add(a, make_prompt_cache(model), ANSWER)
+        s.add(b, make_prompt_cache(model), ANSWER)
+        while b.first_token_at is None or a.first_token_at is None:
+            s.step()
+        assert asked == [2]  # the second answer would start a batch with the first
+        assert (a.uid >= 0 and b.uid >= 0) if allowed else (a.uid < 0 and b.uid < 0)
+        _drain(s)
+        assert a.completion == _alone(model, tokenizer, a_tokens)
+        assert b.completion == _alone(model, tokenizer, b_tokens)
+
+
+def test_a_request_on_its_own_cache_allocates_no_more_than_its_price(model_and_tokenizer):
+    """A request is priced at its cache once, with its prefill transients (Pricing): read in
+    chunks and answered on its own cache, what MLX allocates for it peaks within that price
+    (its last prompt forward's logits over the vocabulary included: unpriced, they took it
+    past by 12 MB here)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvbank.contracts.pricing import Pricing
+    from kvbank.worker.kv.cache_kinds import CacheKinds
+    from kvbank.worker.memory.pricing import calibrate
+
+    model, tokenizer = model_and_tokenizer
+    chunk, prompt, answer = 64, 1500, 40
+    per_token, _, _ = CacheKinds.of(model).measure()
+    pricing = calibrate(model, Pricing(per_token, 0, chunk),
+                        last_forward_tokens=LAST_FORWARD_TOKENS)
+    tokens = _tokens(tokenizer, np.random.default_rng(15), prompt)
+    s = _scheduler(model, tokenizer, chunk=chunk)
+    r = _request(tokenizer, tokens)
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    s.add(r, make_prompt_cache(model), answer)
+    while s:
+        s.step()
+    used = mx.get_peak_memory() - before
+    price = pricing.request_bytes(prompt, answer)
+    assert len(r.completion) == answer
+    assert used <= price, (used, price)

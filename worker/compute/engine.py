@@ -104,7 +104,8 @@ class Engine:
                                     eos_token_ids=self.eos_token_ids,
                                     decode=self.tokenizer.decode,
                                     prefill_step_tokens=prefill_chunk_tokens,
-                                    decode_wait_s=scheduler.decode_wait_s, mtp=self.mtp)
+                                    decode_wait_s=scheduler.decode_wait_s, mtp=self.mtp,
+                                    may_join=self._may_join)
         # The prefill transients and what a first request leaves behind (the fixed part of
         # the budget): measured at a first start, read from kvbank's cache at every other
         # (into the one Pricing the KV manager holds too).
@@ -112,7 +113,9 @@ class Engine:
             self.pricing,
             calibration.CalibrationFile(default_cache_dir(), self.fingerprint,
                                         prefill_chunk_tokens),
-            calibrate=lambda pricing, on_chunk: calibrate(self.model, pricing, on_chunk),
+            calibrate=lambda pricing, on_chunk: calibrate(
+                self.model, pricing, on_chunk,
+                last_forward_tokens=self.batch.last_forward_tokens),
             warm_up=lambda: warm_up(self.batch, self.kinds, self.tokenizer,
                                     prefill_chunk_tokens))
         self.memory_budget = memory_budget_bytes(memory_budget, self.pricing)
@@ -327,14 +330,15 @@ class Engine:
             job.decoding = self.decodings.for_request(req, job.grammar)  # or refused
         decoding = job.decoding
         ids = chain_block_ids(tokens, self.root_for(req.tenant), self.block_tokens)  # once
-        need = self._price(len(tokens), req.max_tokens)
+        joins = bool(decoding.processors)  # mlx-lm applies them in its batch: joins at once
+        need = self._price(len(tokens), req.max_tokens, joins)
         if self.prerenders.waiting:  # requests first: a pre-render gives way
             self.prerenders.hand_over(tokens, req.tenant)
             if need > self.memory_budget - held_bytes(self.pricing, self.kv):
                 self.prerenders.make_room()
         admitted = self.kv.admit(job, tokens, ids, need=need, batch=self.batch,
-                                 solo_need=self.pricing.request_bytes(len(tokens),
-                                                                      req.max_tokens),
+                                 solo_need=self.pricing.request_bytes(
+                                     len(tokens), req.max_tokens, joins=joins),
                                  running=len(self.batch))
         if isinstance(admitted, Start):
             return admitted
@@ -397,11 +401,34 @@ class Engine:
             logger.error("restore of session %s failed: %s", r.session[1], error)
         r.job.emit(error if isinstance(error, Exception) else None)
 
-    def _price(self, prompt_tokens: int, max_tokens: int) -> int:
-        """This request's bytes, with the padding a batched cache adds to the batch."""
-        lens = [len(r.tokens) + r.job.request.max_tokens for r in self.batch.running.values()]
-        return self.pricing.request_bytes(prompt_tokens, max_tokens,
+    def _price(self, prompt_tokens: int, max_tokens: int, joins: bool) -> int:
+        """This request's bytes: on its own cache, or (`joins`) in mlx-lm's batch as it is."""
+        lens = self._batch_lens()
+        return self.pricing.request_bytes(prompt_tokens, max_tokens, joins=joins,
                                           batch_len=max(lens, default=0), batch_size=len(lens))
+
+    def _batch_lens(self) -> list[int]:
+        return [_length(r) for r in self.batch.running.values() if r.uid >= 0]
+
+    def _may_join(self, joining: list[Running]) -> bool:
+        """Whether answers on their own caches may join mlx-lm's batch: the join copies each
+        cache into the batch's and pads it to the longest there, and a member's leaving copies
+        the rest again (`Pricing.join_bytes`). Each is charged that copy now, when the budget
+        has room for all of it; else they decode on their own caches beside the batch (a
+        forward each, no copy)."""
+        lens = self._batch_lens()
+        extra = []
+        for r in joining:
+            extra.append(self.pricing.join_bytes(_length(r), batch_len=max(lens, default=0),
+                                                 batch_size=len(lens)))
+            lens.append(_length(r))
+        if sum(extra) > self.memory_budget - held_bytes(self.pricing, self.kv):
+            metrics.BATCH_JOINS.labels("no_memory").inc(len(joining))
+            return False
+        for r, nbytes in zip(joining, extra):
+            self.kv.reserve(r.bank_key, nbytes)
+        metrics.BATCH_JOINS.labels("joined").inc(len(joining))
+        return True
 
     def _step(self) -> None:
         # A cancelled turn is not committed: the client never saw it, so the session's
@@ -504,3 +531,8 @@ class Engine:
 
 
 _WAKE = object()  # a turn of the loop, nothing else (the writer's inbox has mail)
+
+
+def _length(r: Running) -> int:
+    """The tokens a request's cache may reach: its prompt and max_tokens."""
+    return len(r.tokens) + r.job.request.max_tokens

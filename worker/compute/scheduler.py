@@ -122,18 +122,22 @@ class BatchScheduler:
                  kinds: CacheKinds | None = None,
                  prefill_step_tokens: int = PREFILL_STEP_TOKENS,
                  decode_wait_s: float = DEFAULT_DECODE_WAIT_S,
-                 own_lead_tokens: int | None = None, mtp=None):
+                 own_lead_tokens: int | None = None, mtp=None,
+                 may_join=lambda joining: True):
         """`decode`: the tokenizer's ids -> text, for the tokens of log-probabilities.
         `decode_wait_s`: how long answers may pause for prompts being read (`_answers_wait`).
         `own_lead_tokens`: contexts this far apart decode on their own caches, not batched
         together (`_close`; default: `OWN_LEAD_OF_WEIGHTS` of the weights in KV bytes).
-        `mtp`: the model's MTP head (worker/compute/mtp/serving.py), or None."""
+        `mtp`: the model's MTP head (worker/compute/mtp/serving.py), or None.
+        `may_join(requests)`: whether answers on their own caches may join the batch now (the
+        engine's memory for the join's copy); if not, they decode beside it."""
         from mlx_lm.generate import BatchGenerator
 
         self.max_active = max_active
         self.decode = decode
         self.model = model
         self.mtp = mtp
+        self.may_join = may_join
         self.kinds = kinds or CacheKinds.of(model)  # what the caches hold
         self.decode_wait_s = decode_wait_s
         self._decoded_at = 0.0  # when answers last took a step (or had none to take)
@@ -202,7 +206,7 @@ class BatchScheduler:
         else:
             mates = [d for d in self._decoders if self._close(o.r, d.r)]
             mates = mates + [o] if mates else []
-        if not mates:
+        if not mates or not self.may_join([d.r for d in mates]):
             self._decoders.append(o)
             return
         for d in mates:

@@ -29,10 +29,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from kvbank.contracts.pricing import ROOM_STEP_TOKENS as ROOM_STEP
 from kvbank.worker.kv.quant import QArray
 
 Layers = list[tuple[mx.array, mx.array]] | list[tuple[QArray, QArray]]
-ROOM_STEP = 256  # tokens; mlx-lm's KVCache grows by as many
 KEEP_ROOM = 8  # an entry keeps its turn's buffer when the room is at most 1/KEEP_ROOM of it
 
 

@@ -202,21 +202,24 @@ class CacheKinds:
         mx.eval([a for a in out.flat() if a is not None])
         return out
 
-    def freeze(self, cache: list, n_tokens: int, prefix=None
+    def freeze(self, cache: list, n_tokens: int, prefix=None, tight: bool = True
                ) -> tuple[arrays.Layers, Checkpoint | None]:
         """A finished turn's cache, standing at `n_tokens`, as the bank keeps it: the FULL
         leaves' first n_tokens, and the checkpoint at n_tokens. `prefix`: what the request's
-        cache was restored from (`at_rest`), kept as it is."""
+        cache was restored from (`at_rest`), kept as it is. `tight`: whether buffers with much
+        room may be copied tight (FullKind.freeze)."""
         position = self.position(cache)
         if position is not None and position != n_tokens and self.checkpointed:
             raise RuntimeError(f"bug: cache stands at {position}, checkpoint wants {n_tokens}")
-        return self.full_layers(cache, n_tokens, prefix), self.snapshot(cache)
+        return self.full_layers(cache, n_tokens, prefix, tight), self.snapshot(cache)
 
-    def full_layers(self, cache: list, n_tokens: int, prefix=None) -> arrays.Layers:
+    def full_layers(self, cache: list, n_tokens: int, prefix=None,
+                    tight: bool = True) -> arrays.Layers:
         """The FULL leaves' first n_tokens (a cache that may stand past them), as kept at rest:
         quantized past `prefix` when kv_bits is set (see `at_rest`)."""
         held = prefix[0] if prefix is not None and self.kv_bits else None
-        layers = [leaf.freeze(c, n_tokens, (held[i], prefix[1]) if held is not None else None)
+        layers = [leaf.freeze(c, n_tokens, (held[i], prefix[1]) if held is not None else None,
+                              tight)
                   for i, (leaf, c) in enumerate((leaf, c) for leaf, c in self._leaves(cache)
                                                 if leaf.every_token)]
         mx.eval(layers)
@@ -315,6 +318,11 @@ class CacheKinds:
     def with_room(self, cache: list, n_tokens: int) -> None:
         for c in self.full_caches(cache):
             self.full_kind.with_room(c, n_tokens)
+
+    def has_room(self, layers: arrays.Layers, n_tokens: int) -> bool:
+        """Whether an entry's buffers take a request of n_tokens in place (`with_room` copies
+        none of them)."""
+        return all(self.full_kind.has_room(k, n_tokens) for k, _ in layers)
 
     # -- which prefixes an entry serves ------------------------------------------------------
 

@@ -170,9 +170,10 @@ class FullKind(CacheKind):
         if fed > keep:
             cache.trim(fed - keep)
 
-    def freeze(self, cache, n_tokens: int, prefix=None):
+    def freeze(self, cache, n_tokens: int, prefix=None, tight: bool = True):
         """The cache's first n_tokens as the bank keeps them (not yet evaluated): its own
-        buffers when their room is small, else a tight copy; quantized past `prefix` (the
+        buffers when their room is small or a copy is not `tight`'s to make (the budget has
+        no room for it), else a tight copy; quantized past `prefix` (the
         quantized K/V of the first m tokens it was restored from, kept as they are: a token is
         quantized once, when its turn commits) when `bits` is set."""
         keys, values, offset = cache.state
@@ -191,7 +192,7 @@ class FullKind(CacheKind):
                     pair.append(tuple(mx.concatenate([o, x], axis=2) for o, x in zip(old, new)))
             return tuple(pair)
         k, v = keys, values
-        if k.shape[2] - n_tokens > n_tokens // arrays.KEEP_ROOM:
+        if tight and k.shape[2] - n_tokens > n_tokens // arrays.KEEP_ROOM:
             k, v = k[..., :n_tokens, :], v[..., :n_tokens, :]
         return mx.contiguous(k), mx.contiguous(v)  # no copy when already so
 
@@ -221,10 +222,16 @@ class FullKind(CacheKind):
         answer token gets its own buffer of `arrays.capacity(n_tokens)` now: the copy its first
         write would make, at a size that MLX's cache can serve again."""
         keys, values, offset = cache.state
-        if keys is not None and keys.shape[2] <= n_tokens:
+        if keys is not None and not self.has_room(keys, n_tokens):
             pad = [(0, 0), (0, 0), (0, arrays.capacity(n_tokens) - offset), (0, 0)]
             cache.state = (mx.pad(keys[..., :offset, :], pad),
                            mx.pad(values[..., :offset, :], pad), offset)
+
+    @staticmethod
+    def has_room(keys, n_tokens: int) -> bool:
+        """Whether a layer's buffer holds n_tokens and one more: a request writes there in
+        place, no copy."""
+        return keys.shape[2] > n_tokens
 
     def freeze_layers(self, caches: list, n_tokens: int, prefix: tuple[Layers, int] | None = None
                       ) -> Layers:
@@ -284,8 +291,8 @@ class HeadKind(FullKind):
                      mx.concatenate(held[1] + [pad], axis=2), n_tokens)
         return out
 
-    def freeze(self, cache, n_tokens: int, prefix=None):
-        return super().freeze(self._rows(cache, n_tokens), n_tokens, prefix)
+    def freeze(self, cache, n_tokens: int, prefix=None, tight: bool = True):
+        return super().freeze(self._rows(cache, n_tokens), n_tokens, prefix, tight)
 
     def trimmable(self, cache, n: int) -> bool:
         return True

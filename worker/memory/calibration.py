@@ -18,7 +18,7 @@ import os
 import time
 from pathlib import Path
 
-from kvbank.worker.memory.pricing import CALIBRATION_CHUNKS, resident_bytes
+from kvbank.worker.memory.pricing import CALIBRATION_CHUNKS, CALIBRATION_METHOD, resident_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,8 @@ class CalibrationFile:
         self.path = (cache_dir / "calibration"
                      / f"{fingerprint.hex()[:24]}-chunk{chunk_tokens}.json")
         self.key = {"fingerprint": fingerprint.hex(), "chunk_tokens": chunk_tokens,
-                    "mlx": mx.__version__, "device": str(mx.default_device())}
+                    "mlx": mx.__version__, "device": str(mx.default_device()),
+                    "method": CALIBRATION_METHOD}
 
     def read(self) -> dict | None:
         """{"transient_base", "transient_per_context_token", "warm_up_bytes"} or None."""

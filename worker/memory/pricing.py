@@ -18,31 +18,45 @@ RSS_SLACK = 0.05  # of the budget: resident memory beyond the ledger that is not
 CALIBRATION_CHUNKS = 5
 
 
-def calibrate(model, pricing: Pricing, on_chunk=lambda i: None) -> Pricing:
+CALIBRATION_METHOD = "chunks at contexts 0 and 4C; a last forward with its logits"
+
+
+def calibrate(model, pricing: Pricing, on_chunk=lambda i: None, *,
+              last_forward_tokens: int) -> Pricing:
     """Measure a prefill chunk's transient bytes at contexts 0 and 4 chunks (MLX tracks CPU
-    allocations too), so pricing reflects this model and this chunk size. `on_chunk(i)`
-    after each chunk (the start's progress; worker/memory/calibration.py keeps the result)."""
+    allocations too), so pricing reflects this model and this chunk size; and a prompt's last
+    forward (`last_forward_tokens`), which computes logits over the whole vocabulary for each
+    of its tokens (the chunks before it compute none): 12 MB on a 49K vocabulary in float32
+    at 64 tokens. A forward's transient is the larger of the two. `on_chunk(i)` after each
+    chunk (the start's progress; worker/memory/calibration.py keeps the result)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    C = pricing.chunk_tokens
-    cache = make_prompt_cache(model)
-    peaks = {}
-    for i in range(CALIBRATION_CHUNKS):  # at context 0 and 4C: the slope over a wide span
-        tokens = mx.array([[(1000 + 7 * j + i) % 5000 for j in range(C)]], dtype=mx.uint32)
+    def forward(cache, n: int, salt: int, logits: bool) -> int:
+        """One forward of n tokens: its peak beyond the KV it adds."""
+        tokens = mx.array([[(1000 + 7 * j + salt) % 5000 for j in range(n)]], dtype=mx.uint32)
         mx.eval(tokens)
         mx.reset_peak_memory()
         before = mx.get_active_memory()
-        model(tokens, cache=cache)
-        mx.eval([c.state for c in cache])
-        kv_growth = mx.get_active_memory() - before
+        out = model(tokens, cache=cache)
+        mx.eval([c.state for c in cache], *([out] if logits else []))
+        kv_growth = mx.get_active_memory() - before - (out.nbytes if logits else 0)
+        del out
+        return max(0, mx.get_peak_memory() - before - kv_growth)
+
+    C = pricing.chunk_tokens
+    last = forward(make_prompt_cache(model), min(last_forward_tokens, C), 0, logits=True)
+    cache = make_prompt_cache(model)
+    peaks = {}
+    for i in range(CALIBRATION_CHUNKS):  # at context 0 and 4C: the slope over a wide span
+        peak = forward(cache, C, i, logits=False)
         if i in (0, 4):
-            peaks[i] = max(0, mx.get_peak_memory() - before - kv_growth)
+            peaks[i] = peak
         on_chunk(i + 1)
     del cache
     mx.clear_cache()
     peaks = [peaks[0], peaks[4]]
-    pricing.transient_base = peaks[0]
+    pricing.transient_base = max(peaks[0], last)
     pricing.transient_per_context_token = max(0.0, (peaks[1] - peaks[0]) / (4 * C))
     return pricing
 

@@ -187,6 +187,15 @@ class KVManager:
             return room
         return min(room, self.budget() - held_bytes(self.pricing, self))
 
+    def _fits_a_copy(self, n_tokens: int) -> bool:
+        """Whether the budget has room for a copy of a turn's n_tokens of KV beside its cache
+        (a request is priced at its cache once: the tight copy a commit may make is not in
+        its price)."""
+        if self.pricing is None or self.budget is None:
+            return True
+        free = self.budget() - held_bytes(self.pricing, self)
+        return free >= self.pricing.kv_bytes_per_token * n_tokens
+
     def room_for_hints(self) -> int | None:
         """What a prefetch hint or a pre-render may take (`_room`); None while requests wait
         for memory: they come first."""
@@ -217,7 +226,7 @@ class KVManager:
             return Start.WAIT_PREFIX
         hit = self.bank.lookup(tokens, tenant, ids, limit=len(tokens) - 1)
         taken_over = (hit.entry.nbytes if hit and not req.no_cache and self.restorer.hands_over(
-            hit.entry, hit.n_tokens, session) else 0)
+            hit.entry, hit.n_tokens, session, len(tokens)) else 0)
         try:
             receipt = self.eviction.make_room(
                 pricing=self.pricing, budget=self.budget(), need=need, solo_need=solo_need,
@@ -320,6 +329,10 @@ class KVManager:
         r.handed = None
         self.bank.end_request(r.bank_key)
 
+    def reserve(self, session: SessionKey, nbytes: int) -> None:
+        """More bytes for a running request, held until it ends (its batch join's copy)."""
+        self.bank.reserve_active(session, nbytes)
+
     def share(self, r, batch) -> None:
         """`r` has read its prompt and others wait for it: its prompt's KV into the bank."""
         sharing.share_prefix(r, batch, self.bank)
@@ -349,7 +362,8 @@ class KVManager:
             if handed is not None:
                 self.bank.let_go(handed)
             return False
-        layers, end = self.kinds.freeze(cache, len(full), at_rest)
+        layers, end = self.kinds.freeze(cache, len(full), at_rest,
+                                        tight=self._fits_a_copy(len(full)))
         checkpoints = dict(checkpoints or {})
         if end is not None:
             checkpoints[len(full)] = end
