@@ -308,7 +308,7 @@ def test_the_router_fits_max_tokens_to_the_room_the_prompt_leaves():
     assert fit(Ceilings(), context, 1900, 4096, fit=False) == 4096  # the client's own number
     assert fit(Ceilings(), context, 2048, 4096) == 4096  # no room: refused as before
     assert fit(Ceilings(max_request_tokens=1000), context, 900, 4096) == 100
-    budget = worker_pb2.InfoResponse(max_context_tokens=100_000, memory_budget_bytes=200_000_000,
+    budget = worker_pb2.InfoResponse(max_context_tokens=100_000, memory_budget_bytes=150_000_000,
                                      fixed_bytes=100_000_000, kv_bytes_per_token=10_000,
                                      prefill_chunk_tokens=512, transient_base_bytes=1_000_000,
                                      transient_per_context_token=100.0)

@@ -577,3 +577,18 @@ def test_only_the_eviction_rules_take_kv_out_of_the_bank():
                if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
                and n.func.attr == "evict"}
     assert callers == {"tiers/eviction.py"}, callers
+
+
+def test_running_requests_hold_their_caches_and_the_largest_forward_once():
+    """The engine runs one forward at a time: the ledger holds each running request's cache
+    and, of their forwards' working memory, the largest; it goes with the last request."""
+    bank = make_bank()
+    a, b = (TENANT, "a"), (TENANT, "b")
+    for s, own, forward in ((a, 1000, 300), (b, 2000, 500)):
+        bank.begin_request(s)
+        bank.reserve_active(s, own, forward)
+    assert bank.ledger()["held_bytes"] == 1000 + 2000 + 500
+    bank.end_request(b)
+    assert bank.ledger()["held_bytes"] == 1000 + 300
+    bank.end_request(a)
+    assert bank.ledger()["held_bytes"] == 0

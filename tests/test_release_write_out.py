@@ -265,7 +265,7 @@ def test_ledger_counts_entries_running_requests_and_staged_bytes(rig):
     wait_until(lambda: rig.writer.pump() >= 0 and not rig.bank.ledger()["staged_bytes"],
                "the staged bytes to be released after the commit", 10)
     assert rig.bank.ledger() == {"entries_bytes": e.nbytes, "active_bytes": 0,
-                                 "staged_bytes": 0, "held_bytes": e.nbytes}
+                                 "forward_bytes": 0, "staged_bytes": 0, "held_bytes": e.nbytes}
 
 
 def test_staging_at_its_cap_puts_the_hand_over_off_and_keeps_the_entry_protected(rig):

@@ -332,18 +332,19 @@ def test_one_tenants_flood_leaves_a_slot_and_the_other_tenant_is_served_first(ke
 
 def test_a_request_waiting_for_memory_holds_no_other_tenants_request(tiny_model, tmp_path,
                                                                       cache_dir):
-    """The worker's memory holds alice's first request (600 tokens) and bob's (priced at her
-    length: a batched cache is padded to the longest), not her second (1,900 tokens, and the
-    padding it adds to hers; each request also holds a prefill's working memory, most of the
-    tiny model's price): the budget is set halfway between, 1.3 MB from each side, and
-    her second waits at the worker for her first to end. Bob's starts before it: one key's
-    request waiting for memory never holds another key's (in one line, bob waited behind her
-    second until her first ended). Ordered by the admission receipts."""
+    """The worker's memory holds alice's first request (600 tokens) and bob's (22), not her
+    second (1,900) beside her first, though it fits alone: beyond the model and one forward's
+    working memory (the engine runs one forward at a time) the budget leaves about 1.5 MB
+    (`+N`, less the 4 % MLX's buffer cache may keep), 0.2 MB from either edge (a token's KV is
+    512 bytes here, each cache has room for a growth step of 256 tokens, and a 20-token
+    prompt's forward adds 0.18 MB), and her second waits at the worker for her first to end. Bob's starts before it: one
+    key's request waiting for memory never holds another key's (in one line, bob waited
+    behind her second until her first ended). Ordered by the admission receipts."""
     keys_file = tmp_path / "keys"
     keys_file.write_text("".join(f"{t} {k}\n" for t, k in KEYS.items()))
     s = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir, shim=False,
                     extra=["--api-keys-file", str(keys_file), "--admin-key", OPERATOR_KEY,
-                           "--memory-budget", "+9500000"])
+                           "--memory-budget", "+2100000"])
     alice, bob = Tenant(s.address, KEYS["alice"]), Tenant(s.address, KEYS["bob"])
     operator = Tenant(s.address, None, operator=OPERATOR_KEY)
     calls = []

@@ -14,7 +14,10 @@ class Pricing:
     """What a request will cost in bytes, before it allocates anything.
 
     MLX on CPU does not enforce a memory limit and a failed allocation kills the process, so
-    every byte is priced up front. A request on its own cache holds its KV once, in a buffer
+    every byte is priced up front. The worker runs one forward at a time, so of the running
+    requests' prefill transients only the largest is held (worker/tiers/bank.py
+    `reserve_active`); a request read in mlx-lm's batch with others holds its own. A request
+    on its own cache holds its KV once, in a buffer
     up to one growth step (ROOM_STEP_TOKENS) longer: mlx-lm's cache grows a layer at a time
     and the old layer's buffer goes as the grown one is written (measured on the default
     model: a returning turn of 1,100 restored, 150 new and 32 answered tokens peaked 14 MB
@@ -64,8 +67,15 @@ class Pricing:
 
     def request_bytes(self, prompt_tokens: int, max_tokens: int, *, joins: bool = False,
                       batch_len: int = 0, batch_size: int = 0) -> int:
-        """The request's cache and its prefill transient; with `joins` (a request that runs
-        in mlx-lm's batch from its start), its join too (`join_bytes`, for the batch as it is)."""
+        """The request alone: its cache (`own_bytes`) and its prefill transient."""
+        return (self.own_bytes(prompt_tokens, max_tokens, joins=joins, batch_len=batch_len,
+                               batch_size=batch_size)
+                + self.prefill_transient(prompt_tokens))
+
+    def own_bytes(self, prompt_tokens: int, max_tokens: int, *, joins: bool = False,
+                  batch_len: int = 0, batch_size: int = 0) -> int:
+        """The request's cache; with `joins` (a request that runs in mlx-lm's batch from its
+        start), its join too (`join_bytes`, for the batch as it is)."""
         total = prompt_tokens + max_tokens
         join = self.join_bytes(total, batch_len=batch_len, batch_size=batch_size) if joins else 0
-        return self.cache_bytes(total) + join + self.prefill_transient(prompt_tokens)
+        return self.cache_bytes(total) + join

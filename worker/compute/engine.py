@@ -331,7 +331,8 @@ class Engine:
         decoding = job.decoding
         ids = chain_block_ids(tokens, self.root_for(req.tenant), self.block_tokens)  # once
         joins = bool(decoding.processors)  # mlx-lm applies them in its batch: joins at once
-        need = self._price(len(tokens), req.max_tokens, joins)
+        own, forward = self._price(len(tokens), req.max_tokens, joins)
+        need = own + max(0, forward - self.kv.forward_bytes())  # the largest forward is held
         if self.prerenders.waiting:  # requests first: a pre-render gives way
             self.prerenders.hand_over(tokens, req.tenant)
             if need > self.memory_budget - held_bytes(self.pricing, self.kv):
@@ -343,7 +344,7 @@ class Engine:
         if isinstance(admitted, Start):
             return admitted
         job.emit(worker_pb2.WorkerGenerateResponse())  # admitted: a client's stream may open
-        restoring, on_thread = self.kv.start(admitted, need, decoding)
+        restoring, on_thread = self.kv.start(admitted, own, forward, decoding)
         if not on_thread:  # the batch steps on while a long read runs on a thread
             self._join(restoring, where="inline")
         return Start.STARTED
@@ -401,11 +402,16 @@ class Engine:
             logger.error("restore of session %s failed: %s", r.session[1], error)
         r.job.emit(error if isinstance(error, Exception) else None)
 
-    def _price(self, prompt_tokens: int, max_tokens: int, joins: bool) -> int:
-        """This request's bytes: on its own cache, or (`joins`) in mlx-lm's batch as it is."""
+    def _price(self, prompt_tokens: int, max_tokens: int, joins: bool) -> tuple[int, int]:
+        """This request's own bytes (its cache on its own, or, `joins`, in mlx-lm's batch as
+        it is) and its forwards' working memory. The engine runs one forward at a time, so the
+        ledger holds only the largest of the running requests' (`reserve_active`); mlx-lm's
+        batch reads the prompts in it together, so a request that joins at once holds its own."""
         lens = self._batch_lens()
-        return self.pricing.request_bytes(prompt_tokens, max_tokens, joins=joins,
-                                          batch_len=max(lens, default=0), batch_size=len(lens))
+        own = self.pricing.own_bytes(prompt_tokens, max_tokens, joins=joins,
+                                     batch_len=max(lens, default=0), batch_size=len(lens))
+        forward = self.pricing.prefill_transient(prompt_tokens)
+        return (own + forward, 0) if joins else (own, forward)
 
     def _batch_lens(self) -> list[int]:
         return [_length(r) for r in self.batch.running.values() if r.uid >= 0]

@@ -140,6 +140,7 @@ class SessionBank:
         self._prerendered: set[int] = set()  # keys of entries with `prerendered`
         self._in_flight: dict[SessionKey, int] = {}
         self._active_nbytes: dict[SessionKey, int] = {}  # caches of running requests
+        self._forward_nbytes: dict[SessionKey, int] = {}  # their forwards' working memory
         self._last_use: dict[SessionKey, float] = {}
         self._ids = itertools.count(1)
 
@@ -368,12 +369,22 @@ class SessionBank:
         else:
             self._in_flight.pop(session, None)
             self._active_nbytes.pop(session, None)
+            self._forward_nbytes.pop(session, None)
         self._last_use[session] = self.clock()
 
-    def reserve_active(self, session: SessionKey, nbytes: int) -> None:
+    def reserve_active(self, session: SessionKey, nbytes: int, forward_bytes: int = 0) -> None:
         """Bytes a running request's own cache will reach (prompt + max_tokens), or a
-        prefetch hint's read (until `unreserve_active`: it runs no request)."""
+        prefetch hint's read (until `unreserve_active`: it runs no request); and the working
+        memory of the request's forwards (`forward_bytes`): the engine runs one forward at a
+        time, so the ledger holds the largest of the running requests', not their sum."""
         self._active_nbytes[session] = self._active_nbytes.get(session, 0) + nbytes
+        if forward_bytes:
+            self._forward_nbytes[session] = max(self._forward_nbytes.get(session, 0),
+                                                forward_bytes)
+
+    def forward_bytes(self) -> int:
+        """The forward working memory the ledger holds (`reserve_active`)."""
+        return max(self._forward_nbytes.values(), default=0)
 
     def unreserve_active(self, session: SessionKey, nbytes: int) -> None:
         if (left := self._active_nbytes.get(session, 0) - nbytes) > 0:
@@ -385,9 +396,11 @@ class SessionBank:
         """Every byte the bank answers for: entries, running requests' caches, and KV handed
         to the coldstore but not committed yet."""
         active = sum(self._active_nbytes.values())
+        forward = self.forward_bytes()
         staged = self.staged_bytes()
         return {"entries_bytes": self.total_nbytes, "active_bytes": active,
-                "staged_bytes": staged, "held_bytes": self.total_nbytes + active + staged}
+                "forward_bytes": forward, "staged_bytes": staged,
+                "held_bytes": self.total_nbytes + active + forward + staged}
 
     def is_busy(self, session: SessionKey) -> bool:
         return session in self._in_flight

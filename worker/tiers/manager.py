@@ -243,14 +243,15 @@ class KVManager:
         return Admission(job, tokens, ids, session, self.conversations.history(session),
                          receipt)
 
-    def start(self, a: Admission, need: int, decoding) -> tuple[Restoring, bool]:
+    def start(self, a: Admission, own: int, forward: int, decoding
+              ) -> tuple[Restoring, bool]:
         """The admitted request's restore begins: its memory reserved, RAM looked at, and a
         read from SSD worth a thread started on one (the batch steps on while it reads; the
         engine takes it when `ready` says). Returns it, and whether it reads on a thread."""
         req = a.job.request
         self.prefetcher.started(a.session)
         self.bank.begin_request(a.session)
-        self.bank.reserve_active(a.session, need)
+        self.bank.reserve_active(a.session, own, forward)
         t0 = time.monotonic()
         try:
             look = self.restorer.look(a.tokens, a.ids, req.tenant, req.no_cache)
@@ -328,6 +329,10 @@ class KVManager:
                 self.bank.take_back(r.handed)
         r.handed = None
         self.bank.end_request(r.bank_key)
+
+    def forward_bytes(self) -> int:
+        """The forward working memory held for running requests (the largest of theirs)."""
+        return self.bank.forward_bytes()
 
     def reserve(self, session: SessionKey, nbytes: int) -> None:
         """More bytes for a running request, held until it ends (its batch join's copy)."""
@@ -430,7 +435,8 @@ class KVManager:
     def stats(self) -> dict:
         """The bank's figures for the Status command."""
         ledger = self.bank.ledger()
-        return {"bank_bytes": ledger["entries_bytes"], "running_bytes": ledger["active_bytes"],
+        return {"bank_bytes": ledger["entries_bytes"],
+                "running_bytes": ledger["active_bytes"] + ledger["forward_bytes"],
                 "staged_bytes": ledger["staged_bytes"], "bank_max_bytes": self.bank.max_bytes,
                 "bank_ceiling_bytes": self.bank.ceiling_bytes or 0,
                 "bank_entries": len(self.bank.entries)}
