@@ -125,7 +125,8 @@ def test_critical_takes_every_idle_entry_and_counts_the_unwritten(idle_stack):
         c.set_pressure("critical")
         r = _wait_receipt(c, "pressure_trim")
         assert r["level"] == "critical"
-        assert r["bank_entries_evicted"] == 3 and r["bank_unwritten_dropped"] == 2
+        assert r["bank_entries_evicted"] == 3 and r["bank_unwritten_dropped"] == 2, (
+            _receipts(c, "pressure_trim"), _sessions(c))
         assert r["bytes_after"] == 0
         s = _sessions(c)
         assert s["a"].state == "cold"

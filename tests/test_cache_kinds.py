@@ -509,3 +509,44 @@ def test_no_module_of_the_worker_writes_an_mlx_cache_outside_its_public_state():
             if isinstance(node, ast.Attribute) and node.attr in ("_idx", "_temporal_order"):
                 bad.append(f"{path.relative_to(root)}:{node.lineno} reads .{node.attr}")
     assert not bad, bad
+
+
+def test_a_turn_that_copies_its_history_holds_it_once_where_ssd_has_it(kinds, tmp_path):
+    """A returning turn handed its conversation's entry, whose buffers have no room for its
+    prompt, copies the history into buffers of its own (`with_room`). An entry still to be
+    written stays whole, for its write and to come back, and the turn's reservation counts
+    it; one all on SSD lets go of its arrays (the turn's copy is the only one in RAM), and a
+    turn not committed then leaves the conversation on SSD alone, whence it restores."""
+    from kvbank.v1 import api_pb2
+    from tests.coldstore_rig import ColdstoreProc
+    from kvbank.worker.tiers.manager import KVManager
+
+    proc = ColdstoreProc(tmp_path / "data")
+    h = KVManager(proc.layout, kinds=kinds, fingerprint=b"fake-kind", block_tokens=B,
+                  bank_bytes=1 << 30, active_pin_s=0)
+    try:
+        session, tokens = (TENANT, "s"), np.arange(1, 11, dtype=np.uint32)
+        h.commit(session, tokens, _run(kinds, tokens))
+        prompt = np.concatenate([tokens, [7, 8, 9]]).astype(np.uint32)
+
+        t = h.restore(prompt, TENANT, session)  # not on SSD yet
+        assert t.source == api_pb2.CACHE_SOURCE_RAM and not t.handed.durable
+        assert not kinds.has_room(t.handed.layers, len(prompt))
+        h.copies_history(session, t.handed, len(prompt))
+        assert h.ledger()["active_bytes"] == t.handed.nbytes and t.handed.layers
+        h.abandon(session, t.handed)
+        assert len(h.bank.entries) == 1 and h.ledger()["active_bytes"] == 0
+
+        assert h.flush().written_entries == 1
+        t = h.restore(prompt, TENANT, session)
+        assert t.source == api_pb2.CACHE_SOURCE_RAM and t.handed.durable
+        h.copies_history(session, t.handed, len(prompt))
+        assert h.ledger()["active_bytes"] == 0 and not t.handed.layers
+        assert _continues(kinds, t.cache, prompt.tolist(), [7, 8, 9])  # the turn's copy
+        h.abandon(session, t.handed)
+        assert len(h.bank.entries) == 0
+        t = h.restore(prompt, TENANT, session)
+        assert (t.cached, t.source) == (10, api_pb2.CACHE_SOURCE_SSD)
+    finally:
+        h.close()
+        proc.stop()

@@ -371,6 +371,7 @@ class Engine:
             if not req.no_cache:
                 r.prefix_lost = taken.lost
                 metrics.PREFIX_LOST.labels("no_checkpoint").inc(r.prefix_lost)
+            self.kv.copies_history(session, taken.handed, len(tokens))
             self.batch.add(r, taken.cache, req.max_tokens)
         except Exception:
             self.kv.abandon(session, taken.handed)

@@ -64,6 +64,8 @@ class BankEntry:
     # to go, and superseded by any commit that covers it (its next turn's).
     prerendered: bool = False
     in_bank: bool = False  # in the bank's ledger now (not taken over by a request, not gone)
+    # Handed over, and its arrays let go: the request copied them (KVManager.copies_history)
+    layers_dropped: bool = False
 
     @property
     def n_tokens(self) -> int:
@@ -320,12 +322,18 @@ class SessionBank:
 
     def take_back(self, e: BankEntry) -> None:
         """A handed-over entry returns (its request ended without a commit): its tokens' KV
-        is as it was. Left out when an entry of its session covers it already."""
-        if any(common_prefix_len(o.tokens, e.tokens) == e.n_tokens
-               for o in self.session_entries(e.session)):
+        is as it was. Left out when an entry of its session covers it already, or when it let
+        go of its arrays (`drop_layers`: SSD holds them)."""
+        if e.layers_dropped or any(common_prefix_len(o.tokens, e.tokens) == e.n_tokens
+                                   for o in self.session_entries(e.session)):
             self.let_go(e)
             return
         self._add(e)  # a write that ended meanwhile is sent again (KVManager.retry_writes)
+
+    def drop_layers(self, e: BankEntry) -> None:
+        """A handed-over entry, all on SSD, lets go of its arrays: its request holds the only
+        copy in RAM (KVManager.copies_history)."""
+        _set(e, layers=[], layers_dropped=True)
 
     def let_go(self, e: BankEntry) -> None:
         """A handed-over entry nobody will commit over or give back (its conversation was

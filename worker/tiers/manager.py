@@ -225,7 +225,7 @@ class KVManager:
         if self.prefetcher.reading_for(session):  # its hint's read lands first: a RAM hit
             return Start.WAIT_PREFIX
         hit = self.bank.lookup(tokens, tenant, ids, limit=len(tokens) - 1)
-        taken_over = (hit.entry.nbytes if hit and not req.no_cache and self.restorer.hands_over(
+        taken_over = (hit.entry.nbytes if hit and not req.no_cache and self.restorer.takes_over(
             hit.entry, hit.n_tokens, session, len(tokens)) else 0)
         try:
             receipt = self.eviction.make_room(
@@ -329,6 +329,20 @@ class KVManager:
                 self.bank.take_back(r.handed)
         r.handed = None
         self.bank.end_request(r.bank_key)
+
+    def copies_history(self, session: SessionKey, handed, n_tokens: int) -> None:
+        """A request handed its conversation's entry, whose buffers have no room for its
+        prompt of `n_tokens`, is about to copy the history into buffers of its own
+        (`CacheKinds.with_room`). An entry all on SSD lets go of its arrays, so that copy is
+        the only one in RAM (a turn that ends without a commit leaves its conversation on SSD
+        alone). One still to be written stays whole, for its write and to come back if the
+        turn is not committed, and is counted in the request's reservation."""
+        if handed is None or self.kinds.has_room(handed.layers, n_tokens):
+            return
+        if handed.durable:
+            self.bank.drop_layers(handed)
+        else:
+            self.bank.reserve_active(session, handed.nbytes)
 
     def forward_bytes(self) -> int:
         """The forward working memory held for running requests (the largest of theirs)."""

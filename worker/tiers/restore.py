@@ -114,23 +114,29 @@ class Restorer:
             e = look.hit.entry
             self.bank.touch(e)
             checkpoint = e.checkpoints.get(ram_n)
-            if self.hands_over(e, ram_n, session, look.limit + 1):
+            if self.hands_over(e, ram_n, session):
                 self.bank.hand_over(e)
                 return self.kinds.restore(e.layers, checkpoint, ram_n, owned=True), ram_n, RAM, e
             return self.kinds.restore(e.layers, checkpoint, ram_n), ram_n, RAM, None
         return self.kinds.new_cache(), 0, api_pb2.CACHE_SOURCE_NONE, None
 
-    def hands_over(self, e: BankEntry, n_tokens: int, session: SessionKey,
-                   prompt_tokens: int) -> bool:
+    def hands_over(self, e: BankEntry, n_tokens: int, session: SessionKey) -> bool:
         """Whether a RAM hit of `n_tokens` on `e` gives the request `e` itself: the
         conversation's next turn (or the query a pre-render was computed for) continuing all
-        of it, in buffers with room for its prompt of `prompt_tokens`. Its KV then goes with
-        the request, which writes its new tokens in place (no copy of the history). Not when
-        the buffers lack that room, nor when kept quantized: the request copies (or
-        dequantizes) the history into a buffer of its own, and the entry stays in the bank,
-        counted, until the commit supersedes it."""
+        of it. Its KV then goes with the request, which writes its new tokens in place when the
+        buffer has room (no copy of the history; else `KVManager.copies_history`). Not when
+        kept quantized: the request dequantizes into a buffer of its own, and the entry stays
+        in the bank, counted, until the commit supersedes it."""
         return ((e.session == session or e.prerendered) and n_tokens == e.n_tokens
-                and not self.kinds.kv_bits and self.kinds.has_room(e.layers, prompt_tokens))
+                and not self.kinds.kv_bits)
+
+    def takes_over(self, e: BankEntry, n_tokens: int, session: SessionKey,
+                   prompt_tokens: int) -> bool:
+        """Whether a request handed `e` (`hands_over`) holds its history once: written in
+        place (the buffers have room for its prompt of `prompt_tokens`), or copied with the
+        entry letting go of its arrays (all on SSD: `KVManager.copies_history`)."""
+        return self.hands_over(e, n_tokens, session) and (
+            self.kinds.has_room(e.layers, prompt_tokens) or e.durable)
 
     def lost(self, tokens: np.ndarray, ids: list[BlockId], tenant: str, cached: int) -> int:
         """Prompt tokens RAM or LMDB hold past `cached` that no checkpoint let a restore reach
