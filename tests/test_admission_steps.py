@@ -74,3 +74,18 @@ def test_the_keep_list_is_the_requests_own_conversation_in_its_own_tenant():
               session_id="agent")
     left = {entry.session for entry in bank.entries.values()}
     assert left == {("tenant-a", "agent")}
+
+
+def test_a_request_waits_for_writes_in_flight_rather_than_refused():
+    """Nothing runs, but KV is on its way to the coldstore (staged): its acknowledgement frees
+    the staging and makes entries releasable, so the request waits (first in line) instead
+    of being refused; with nothing in flight, it is refused."""
+    staged = [0]
+    bank = make_bank(active_pin_s=600)
+    bank.staged_bytes = lambda: staged[0]  # the writer's figure
+    _fill(bank, [(TENANT, "incoming")])  # its own conversation's entry: it stays
+    with pytest.raises(Refused):
+        _room(bank, free=100, need=850, tokens=range(10))
+    staged[0] = 500
+    r = _room(bank, free=100, need=850, tokens=range(10))
+    assert r.decision == "wait" and r.verdict == "after_the_conversation_cache_reaches_ssd"

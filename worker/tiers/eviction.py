@@ -267,14 +267,16 @@ class EvictionPolicy:
            prompt's restore source last;
         6. refuse before any prefill work, naming the holders of memory and a retry verdict.
 
-        `need` prices the request in the batch as it is (mlx-lm pads batched caches);
-        `solo_need` alone. `taken_over`: the bytes of the bank entry the request will take as
-        its own cache (`Restorer.hands_over`). `need` prices that history already, and from
-        the hand-over on the ledger counts it there alone, so it is free for this request.
+        `need` prices the request as it would start now (its cache, and its forward's working
+        memory beyond the one held); `solo_need` alone. `taken_over`: the bytes of the bank
+        entry the request will take as its own cache, holding it once
+        (`Restorer.takes_over`). `need` prices that history already, and from the hand-over
+        on the ledger counts it there alone, so it is free for this request.
         `hit`: the prompt's RAM hit short of its last token, where the caller looked it up
         already (False: looked up here).
-        Returns the receipt with decision "admitted", or "wait" when
-        requests in flight hold the missing memory (the request stays first in line); raises
+        Returns the receipt with decision "admitted", or "wait" when requests in flight, or
+        writes to the coldstore in flight (their staging, and the entries they make durable,
+        hence releasable), hold the missing memory (the request stays first in line); raises
         Refused otherwise."""
         bank = self.bank
         free = lambda: budget - held_bytes(pricing, bank) + taken_over  # noqa: E731
@@ -331,9 +333,9 @@ class EvictionPolicy:
             raise _refused(r, f"this request needs {_size(solo_need)} but the memory budget "
                              f"leaves {_size(budget - pricing.fixed_bytes)} beyond the model: "
                              f"shorten the prompt, lower max_tokens or raise --memory-budget")
-        if running:
+        if running or ledger["staged_bytes"]:  # what they hold comes free as they end
             r.decision, r.reason = Decision.WAIT, RefusalReason.IN_FLIGHT
-            r.verdict = Verdict.AFTER_IN_FLIGHT
+            r.verdict = Verdict.AFTER_IN_FLIGHT if running else Verdict.AFTER_SSD
             return r
         unwritten = sum(e.nbytes for e in bank.entries.values() if e.awaits_queued_write)
         r.decision, r.reason = Decision.REFUSED, RefusalReason.MEMORY_HELD
