@@ -14,24 +14,27 @@ class Pricing:
     """What a request will cost in bytes, before it allocates anything.
 
     MLX on CPU does not enforce a memory limit and a failed allocation kills the process, so
-    every byte is priced up front. The worker runs one forward at a time, so of the running
-    requests' prefill transients only the largest is held (worker/tiers/bank.py
-    `reserve_active`); a request read in mlx-lm's batch with others holds its own. A request
-    on its own cache holds its KV once, in a buffer
-    up to one growth step (ROOM_STEP_TOKENS) longer: mlx-lm's cache grows a layer at a time
-    and the old layer's buffer goes as the grown one is written (measured on the default
-    model: a returning turn of 1,100 restored, 150 new and 32 answered tokens peaked 14 MB
-    beyond its 59 MB history). Joining mlx-lm's batch copies its cache into the batch's and
-    pads it to the longest there, and a member's leaving copies the rest again: that copy is
-    priced when the request joins (`join_bytes`), not before. A prefill chunk's transients
-    (attention scores, activations, logits) are measured once at start and grow with the
-    context the chunk attends to.
+    every byte is priced up front.
+
+    A request on its own cache holds its KV once, in a buffer up to one growth step
+    (ROOM_STEP_TOKENS) longer: mlx-lm's cache grows a layer at a time and the old layer's
+    buffer goes as the grown one is written (measured on the default model: a returning turn
+    of 1,100 restored, 150 new and 32 answered tokens peaked 14 MB beyond its 59 MB history).
+    Joining mlx-lm's batch copies its cache into the batch's and pads it to the longest
+    there, and a member's leaving copies the rest again: that copy is priced when the request
+    joins (`join_bytes`), not before.
+
+    A forward's transients (attention scores, activations, the last prompt forward's logits)
+    are measured once at start and grow with the context it attends to. The worker runs one
+    forward at a time, so of the running requests' only the largest is held
+    (worker/tiers/bank.py `reserve_active`); a request read in mlx-lm's batch with others
+    holds its own.
     """
 
     kv_bytes_per_token: int
     fixed_bytes: int  # weights, runtime, interpreter: measured at start
     chunk_tokens: int
-    transient_base: int = 0  # one chunk at an empty context
+    transient_base: int = 0  # one forward at an empty context: a chunk, or the last one
     transient_per_context_token: float = 0.0
     # Resident memory the ledger does not explain (allocator caches, fragmentation), measured
     # against RSS every guard tick and counted as held, so the budget is the real one.
