@@ -183,18 +183,21 @@ class KVManager:
         """What the bank may take without anything leaving: what its cap leaves, and what
         the memory budget does."""
         room = self.bank.effective_max_bytes - self.bank.total_nbytes
+        free = self._free()
+        return room if free is None else min(room, free)
+
+    def _free(self) -> int | None:
+        """What the memory budget leaves beyond every byte held (None: no budget)."""
         if self.pricing is None or self.budget is None:
-            return room
-        return min(room, self.budget() - held_bytes(self.pricing, self))
+            return None
+        return self.budget() - held_bytes(self.pricing, self)
 
     def _fits_a_copy(self, n_tokens: int) -> bool:
         """Whether the budget has room for a copy of a turn's n_tokens of KV beside its cache
         (a request is priced at its cache once: the tight copy a commit may make is not in
         its price)."""
-        if self.pricing is None or self.budget is None:
-            return True
-        free = self.budget() - held_bytes(self.pricing, self)
-        return free >= self.pricing.kv_bytes_per_token * n_tokens
+        free = self._free()
+        return free is None or free >= self.pricing.kv_bytes_per_token * n_tokens
 
     def room_for_hints(self) -> int | None:
         """What a prefetch hint or a pre-render may take (`_room`); None while requests wait
