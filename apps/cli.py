@@ -180,7 +180,7 @@ def _run_up(args: argparse.Namespace) -> int:
     from kvbank.worker.compute.scheduler_config import SchedulerConfig
 
     SchedulerConfig.from_flags(args.scheduler_mode, args.max_active_requests,
-                               args.decode_wait_s)  # refuse at start
+                               args.decode_wait_s, args.shared_forward_s)  # refuse at start
     from kvbank.models import prepare_model
 
     model = prepare_model(args.model)
@@ -292,7 +292,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     from kvbank.worker.compute.scheduler_config import SchedulerConfig
 
     sched = SchedulerConfig.from_flags(args.scheduler_mode, args.max_active_requests,
-                                       args.decode_wait_s)
+                                       args.decode_wait_s, args.shared_forward_s)
     from kvbank.worker.kv.cache_kinds import UnsupportedModel
 
     try:

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from kvbank.config import (DEFAULT_BLOCK_TOKENS, DEFAULT_DECODE_WAIT_S, DEFAULT_ROUTER_PORT,
-                           DEFAULT_SHIM_PORT, default_data_dir)
+                           DEFAULT_SHARED_FORWARD_S, DEFAULT_SHIM_PORT, default_data_dir)
 
 DEFAULT_BANK_BYTES = 4 << 30
 
@@ -145,6 +145,11 @@ def worker_flags(p: argparse.ArgumentParser) -> None:
             help="while prompts are read, answers already streaming pause at most this long "
                  "between tokens, then all decode together (agents' turns end sooner); 0: "
                  "they take a token every step, smoother streaming (default: %(default)s)")),
+           (["--shared-forward-s"], dict(type=float, default=DEFAULT_SHARED_FORWARD_S,
+            help="while another API key has a request running (or sent one in the last "
+                 "minute), a prompt is read in chunks of about this many seconds each, so "
+                 "its requests wait at most that for the forward in flight (default: "
+                 "%(default)s)")),
            (["--write-out-deadline-s"], dict(type=float, default=30.0,
             help="one release waits at most this long for all its conversations' KV to reach "
                  "SSD; what misses it is abandoned and reported `deadline` (default: "

@@ -16,6 +16,7 @@ DEFAULT_METRICS_PORT = 9400  # router; worker +1, coldstore +2
 DEFAULT_BLOCK_TOKENS = 256
 # While prompts are read, answers pause at most this long between tokens (worker/compute/scheduler.py).
 DEFAULT_DECODE_WAIT_S = 10.0
+DEFAULT_SHARED_FORWARD_S = 0.15  # see worker/compute/scheduler.py `_step_tokens`
 # A gRPC channel to a peer that may be restarting (router -> worker, shim -> router, a
 # client -> router). gRPC's default backoff is 1 s x 1.6^n up to 120 s, so a peer back after
 # 20 s went unnoticed for up to 20 s more; capped at half a second, the channel is connected

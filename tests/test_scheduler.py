@@ -171,13 +171,13 @@ def test_another_tenants_request_neither_waits_behind_nor_pauses_for_a_long_prom
     20-token requests come one after another, each when the one before has answered: each gets
     its first token at its first step, its answer takes a token every step although a's prompt
     is being read (decode_wait_s is 60 s: a's own answers would pause), and a's prompt is read
-    in quarter chunks (64 tokens) while b runs, every other step by turns, never starved.
-    All answer as alone."""
+    beside b's, by turns, never starved. All answer as alone. (A shared forward may last
+    60 s here: a's chunks stay whole, whatever the machine's speed.)"""
     from mlx_lm.models.cache import make_prompt_cache
 
     model, tokenizer = model_and_tokenizer
     rng = np.random.default_rng(13)
-    s = _scheduler(model, tokenizer, chunk=256, decode_wait_s=60.0)
+    s = _scheduler(model, tokenizer, chunk=256, decode_wait_s=60.0, shared_forward_s=60.0)
     a_tokens = _tokens(tokenizer, rng, 640)
     a = _request(tokenizer, a_tokens, tenant="a")
     s.add(a, make_prompt_cache(model), ANSWER)
@@ -194,13 +194,48 @@ def test_another_tenants_request_neither_waits_behind_nor_pauses_for_a_long_prom
         if bs[-1].first_token_at is not None:
             assert len(bs[-1].completion) == steps - before, "b's answer paused or waited"
         assert steps <= 30, "a's prompt was starved"
-    # 640 - 256 read alone; the rest (320 of which 64 with the first token) in 64-token
-    # chunks: 4 forwards of a's, each beside a step of b's
-    assert 4 <= steps <= 12
+    # 640 - 256 read alone; the rest (384, of which 64 with the first token) in 256-token
+    # chunks: 2 forwards of a's, each beside a step of b's
+    assert 2 <= steps <= 6
     _drain(s)
     assert a.completion == _alone(model, tokenizer, a_tokens)
     for b in bs:
         assert b.completion == _alone(model, tokenizer, np.asarray(b.tokens))[:3]
+
+
+@pytest.mark.parametrize("shared_forward_s", [1e-6, 60.0])
+def test_beside_another_tenants_request_a_prompt_forward_lasts_the_shared_time(
+        model_and_tokenizer, shared_forward_s):
+    """While tenant b's request runs, tenant a's 400-token prompt is read in forwards sized to
+    last `shared_forward_s`: where every forward is longer (1 microsecond), in chunks of the
+    smallest step, so b's next request would wait for no more than 8 tokens' forward; where
+    every forward is shorter (60 s), in whole chunks. Both answer as alone either way."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvbank.worker.compute.scheduler import MIN_SHARED_STEP
+
+    model, tokenizer = model_and_tokenizer
+    rng = np.random.default_rng(17)
+    s = _scheduler(model, tokenizer, chunk=128, shared_forward_s=shared_forward_s)
+    a_tokens, b_tokens = _tokens(tokenizer, rng, 400), _tokens(tokenizer, rng, 8)
+    b = _request(tokenizer, b_tokens, tenant="b")
+    s.add(b, make_prompt_cache(model), ANSWER)
+    s.step()  # b's prompt: one forward, its first token
+    a, a_cache = _request(tokenizer, a_tokens, tenant="a"), make_prompt_cache(model)
+    s.add(a, a_cache, ANSWER)
+    read = [0]
+    while a.first_token_at is None:
+        s.step()
+        read.append(a_cache[0].offset)
+    chunks = [y - x for x, y in zip(read, read[1:])][:-1]  # the last forward: with logits
+    assert chunks[0] == 128 // 4  # the first shared chunk, a quarter, is measured
+    if shared_forward_s < 1:
+        assert set(chunks[1:]) == {MIN_SHARED_STEP}
+    else:
+        assert chunks[1:3] == [128, 128]
+    _drain(s)
+    assert a.completion == _alone(model, tokenizer, a_tokens)
+    assert b.completion == _alone(model, tokenizer, b_tokens)
 
 
 def test_a_cancelled_reader_leaves_and_the_others_go_on(model_and_tokenizer):

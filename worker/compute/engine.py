@@ -104,7 +104,8 @@ class Engine:
                                     eos_token_ids=self.eos_token_ids,
                                     decode=self.tokenizer.decode,
                                     prefill_step_tokens=prefill_chunk_tokens,
-                                    decode_wait_s=scheduler.decode_wait_s, mtp=self.mtp,
+                                    decode_wait_s=scheduler.decode_wait_s,
+                                    shared_forward_s=scheduler.shared_forward_s, mtp=self.mtp,
                                     may_join=self._may_join)
         # The prefill transients and what a first request leaves behind (the fixed part of
         # the budget): measured at a first start, read from kvbank's cache at every other

@@ -19,8 +19,8 @@ nothing else decodes, and joins the batch when a second one would (the batch is 
 its copies), unless their contexts differ by `own_lead_tokens` or more: then it decodes on its
 own cache beside the batch (`_close`). Answers pause for prompts of their own tenant only
 (an API key's flood of prompts never stalls another key's stream), and while two tenants have
-requests running a prompt is read in quarter chunks (`_chunk`), so another's request waits
-less for the forward in flight. `hyper` (and `serial`, its
+requests running a prompt is read in forwards of about `shared_forward_s` (`_step_tokens`),
+so another's request waits that long at most for the forward in flight. `hyper` (and `serial`, its
 alias) use the same path with one request at a time. After a request's first token the next
 forward waits 5 ms, so the token reaches its client before the forward takes the cores
 (`_hand_off`).
@@ -47,7 +47,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvbank.config import DEFAULT_DECODE_WAIT_S
+from kvbank.config import DEFAULT_DECODE_WAIT_S, DEFAULT_SHARED_FORWARD_S
 from kvbank.v1 import api_pb2, worker_pb2
 from kvbank.worker.memory.allocator import drop_stale_buffers
 from kvbank.worker.kv.cache_kinds import CacheKinds
@@ -65,8 +65,10 @@ LAST_FORWARD_TOKENS = 64  # a prompt's last forward, the one with logits, reads 
 # by the row, batched or not: a quarter already paid here (docs/decisions.md).
 OWN_LEAD_OF_WEIGHTS = {"gpu": 1.0, "cpu": 0.25}
 HANDOFF_S = 0.005  # after a first token, before the next forward (`_hand_off`)
-SHARED_STEP_DIVISOR = 4  # a prompt's chunk while another tenant runs a request (`_chunk`)
-SHARED_WINDOW_S = 60.0  # or sent one this recently: its next may come during the forward
+# While another tenant runs a request, or sent one within SHARED_WINDOW_S (its next may come
+# during the forward), a prompt forward lasts about `shared_forward_s` (`_step_tokens`).
+SHARED_WINDOW_S = 60.0
+MIN_SHARED_STEP = 8  # tokens: below this a forward is mostly reading the weights
 
 
 @dataclass
@@ -122,10 +124,12 @@ class BatchScheduler:
                  kinds: CacheKinds | None = None,
                  prefill_step_tokens: int = PREFILL_STEP_TOKENS,
                  decode_wait_s: float = DEFAULT_DECODE_WAIT_S,
+                 shared_forward_s: float = DEFAULT_SHARED_FORWARD_S,
                  own_lead_tokens: int | None = None, mtp=None,
                  may_join=lambda joining: True):
         """`decode`: the tokenizer's ids -> text, for the tokens of log-probabilities.
         `decode_wait_s`: how long answers may pause for prompts being read (`_answers_wait`).
+        `shared_forward_s`: how long a prompt forward lasts while tenants share (`_step_tokens`).
         `own_lead_tokens`: contexts this far apart decode on their own caches, not batched
         together (`_close`; default: `OWN_LEAD_OF_WEIGHTS` of the weights in KV bytes).
         `mtp`: the model's MTP head (worker/compute/mtp/serving.py), or None.
@@ -140,6 +144,7 @@ class BatchScheduler:
         self.may_join = may_join
         self.kinds = kinds or CacheKinds.of(model)  # what the caches hold
         self.decode_wait_s = decode_wait_s
+        self.shared_forward_s = shared_forward_s
         self._decoded_at = 0.0  # when answers last took a step (or had none to take)
         self._reads = 0  # prompt forwards so far
         self._read_turn: dict[str, int] = {}  # tenant -> when its prompt was last read
@@ -160,6 +165,7 @@ class BatchScheduler:
         self._failed: list[tuple[Running, Exception]] = []  # see take_failed
         self._first_token_out = False  # since the last forward (`_hand_off`)
         self._tenant_seen: dict[str, float] = {}  # tenant -> when its last request came in
+        self._shared_step = max(MIN_SHARED_STEP, prefill_step_tokens // 4)  # `_shared_forward`
 
     def __len__(self) -> int:
         return len(self.running)
@@ -310,24 +316,41 @@ class BatchScheduler:
 
     def _forwards_left(self, o: _Own) -> int:
         """Forwards until `o`'s first token: its chunks, then the last one with logits."""
-        return math.ceil(max(0, len(o.prompt) - self.last_forward_tokens)
-                         / self._step_tokens(o)) + 1
+        step = self._step_tokens(o)
+        return math.ceil(max(0, len(o.prompt) - min(self.last_forward_tokens, step))
+                         / step) + 1
 
     def _step_tokens(self, o: _Own) -> int:
-        """A chunk of `o`'s prompt: `prefill_step_tokens`, or a quarter of it while another
-        tenant has a request running or sent one in the last SHARED_WINDOW_S: a request that
-        comes waits for the forward in flight (it cannot be cut short). One tenant's long
-        prompts made another's 8-token request wait a whole 512-token chunk at every step,
-        and its first one a whole chunk too (about 2 s on 2 CPU cores; a quarter chunk reads
-        as many tokens a second there: docs/benchmarks.md, bench prefill)."""
+        """A chunk of `o`'s prompt: `prefill_step_tokens`, or, while another tenant has a
+        request running or sent one in the last SHARED_WINDOW_S, what is read in about
+        `shared_forward_s` (`_shared_forward`). A request that comes waits for the forward in
+        flight (it cannot be cut short): one tenant's long prompts made another's 8-token
+        request wait a whole 512-token chunk at every step (about 2 s on 2 CPU cores), and a
+        quarter chunk still 0.5 s, four times its own forward."""
+        return (min(self._shared_step, self.prefill_step_tokens) if self._shares(o)
+                else self.prefill_step_tokens)
+
+    def _shares(self, o: _Own) -> bool:
+        """Whether another tenant has a request running or sent one lately."""
         tenant = o.r.job.request.tenant
         now = time.monotonic()
-        if (any(x.job.request.tenant != tenant for x in self.running.values())
+        return (any(x.job.request.tenant != tenant for x in self.running.values())
                 or any(t != tenant and now - at < SHARED_WINDOW_S
-                       for t, at in self._tenant_seen.items())):
-            return max(self.last_forward_tokens,
-                       self.prefill_step_tokens // SHARED_STEP_DIVISOR)
-        return self.prefill_step_tokens
+                       for t, at in self._tenant_seen.items()))
+
+    def _shared_forward(self, tokens: int, seconds: float) -> None:
+        """A prompt forward read `tokens` in `seconds` while sharing: the step is sized to
+        take `shared_forward_s`, as if time grew with tokens. A forward's fixed part (the
+        weights, read once) makes that estimate fall short of the target from above and from
+        below alike, so the step settles on it without overshooting, and follows the context
+        as it grows. Any forward over the target bounds the step; one under it raises the
+        step only if it read a whole step. On a GPU a whole chunk is inside the target."""
+        estimate = round(tokens * self.shared_forward_s / max(seconds, 1e-6))
+        if seconds > self.shared_forward_s:
+            estimate = min(self._shared_step, estimate)
+        elif tokens < self._shared_step:
+            return
+        self._shared_step = max(MIN_SHARED_STEP, min(self.prefill_step_tokens, estimate))
 
     def _batch_step(self) -> list[tuple[Running, list]]:
         self._hand_off()
@@ -405,11 +428,15 @@ class BatchScheduler:
                     return self._speculate(o)
                 # A chunk without logits: a long last chunk's would cost more than one forward.
                 n = self._chunk(o)
+                reads = len(o.prompt) if o.prompt and self._shares(o) else 0  # timed, if so
+                t0 = time.perf_counter()
                 if n:
                     chunk, o.prompt = o.prompt[:n], o.prompt[n:]
                     self._forward(o, chunk, r.tokens[len(r.tokens) - len(o.prompt) - n + 1:
                                                      len(r.tokens) - len(o.prompt) + 1].tolist())
                     mx.eval([c.state for c in o.cache])
+                    if reads:
+                        self._shared_forward(n, time.perf_counter() - t0)
                     self._checkpoint(o, len(r.tokens) - len(o.prompt))
                     return []
                 if r.decoding.processors:  # its checkpoints taken: the rest where mlx-lm
@@ -424,6 +451,8 @@ class BatchScheduler:
                 logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
                 token = r.decoding.sampler(logprobs)
                 mx.eval(token, logprobs)
+                if reads:
+                    self._shared_forward(reads, time.perf_counter() - t0)
                 token = int(token.item())
                 if o.mtp is not None:
                     o.mtp.state.tokens = [token]  # the pending row's next token
@@ -499,10 +528,13 @@ class BatchScheduler:
         """How many prompt tokens the next forward reads without logits (0: the rest, with
         them): a step's worth (`_step_tokens`), short of the last forward's, and never past a
         split."""
-        r, last = o.r, self.last_forward_tokens
+        r, step = o.r, self._step_tokens(o)
+        last = min(self.last_forward_tokens, step)
         pos = len(r.tokens) - len(o.prompt)
-        step = self._step_tokens(o)
-        n = min(step, len(o.prompt) - last) if len(o.prompt) > last else 0
+        # less than half a chunk left beyond the last forward rides with it, within the
+        # logits the pricing allows (a 17-token prompt in 16-token chunks: one forward)
+        n = (min(step, len(o.prompt) - last)
+             if len(o.prompt) > min(self.last_forward_tokens, last + last // 2) else 0)
         split = next((p for p in r.split_at if pos < p < len(r.tokens)), None)
         if split is not None and (n == 0 or split < pos + n):
             n = split - pos
