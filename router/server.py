@@ -369,7 +369,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         try:
             tenant = self.b.tenant(context)
             info = await self.b.info()
-            v = validate(request, vocab_size=self.b.tokenizer.vocab_size)
+            v = validate(request, vocab_size=self.b.tokenizer.vocab_size,
+                         max_grammar_bytes=info.max_grammar_bytes)
             async with self.b.session_lock(tenant, v.session_id):
                 tokens, checkpoints = await self.b.prompt_tokens(v, tenant, info,
                                                                  with_checkpoints=True)
@@ -409,7 +410,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         try:
             tenant = self.b.tenant(context)
             info = await self.b.info()
-            v = validate(request, vocab_size=self.b.tokenizer.vocab_size)
+            v = validate(request, vocab_size=self.b.tokenizer.vocab_size,
+                         max_grammar_bytes=info.max_grammar_bytes)
             tokens = await self.b.prompt_tokens(v, tenant, info)
         except Exception as e:
             code, msg, md = _status_for(e)
@@ -429,7 +431,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 if request.max_tokens <= 0:  # nothing is generated: any room will do
                     request = _copy(request)
                     request.max_tokens = 1
-                v = validate(request, vocab_size=self.b.tokenizer.vocab_size)
+                v = validate(request, vocab_size=self.b.tokenizer.vocab_size,
+                             max_grammar_bytes=info.max_grammar_bytes)
                 tokens = await self.b.prompt_tokens(v, tenant, info)
             elif not request.session_id:
                 raise InvalidRequest("a prefetch names a session_id or sends the request's "

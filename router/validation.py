@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvbank import json_input
-from kvbank.contracts.failures import InvalidRequest
+from kvbank.contracts.failures import GrammarTooLarge, InvalidRequest
 from kvbank.contracts.vocabulary import MAX_TOP_LOGPROBS
 from kvbank.v1 import api_pb2
 
@@ -53,7 +53,10 @@ class ValidRequest:
         return {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
 
 
-def validate(req: api_pb2.GenerateRequest, *, vocab_size: int) -> ValidRequest:
+def validate(req: api_pb2.GenerateRequest, *, vocab_size: int,
+             max_grammar_bytes: int = 0) -> ValidRequest:
+    """The request checked field by field; `max_grammar_bytes` (the worker's, 0: unknown)
+    bounds a JSON schema before it is parsed."""
     sid = req.session_id
     if len(sid.encode()) > MAX_SESSION_ID_BYTES:
         raise InvalidRequest(f"session_id must be at most {MAX_SESSION_ID_BYTES} bytes of UTF-8; "
@@ -99,6 +102,10 @@ def validate(req: api_pb2.GenerateRequest, *, vocab_size: int) -> ValidRequest:
     if fmt.type not in FORMATS:
         raise InvalidRequest(f"response_format.type must be one of text, json_object, "
                              f"json_schema; given {fmt.type!r}", param="response_format")
+    if (fmt.type == "json_schema" and max_grammar_bytes
+            and len(fmt.json_schema) > max_grammar_bytes):  # characters: at most the bytes
+        raise GrammarTooLarge("response_format", len(fmt.json_schema.encode()),
+                              max_grammar_bytes, param="response_format")
     if fmt.type == "json_schema" and not isinstance(_json(fmt.json_schema,
                                                           "response_format.json_schema"), dict):
         raise InvalidRequest("response_format.json_schema must be a JSON object (a schema)",

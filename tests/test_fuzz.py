@@ -783,6 +783,25 @@ def test_deep_json_in_a_grpc_field_is_invalid_argument_naming_it(fuzz, depth):
         assert "deeper than 128" in err.details()
 
 
+def test_the_router_refuses_a_schema_over_the_workers_limit_from_its_length_alone():
+    """A schema over the worker's --max-grammar-bytes (in its Info) is refused by the router
+    before it is parsed: a client resending a 1.1 MB schema made the router parse it each time
+    (~40 ms of its loop, which every stream's tokens pass through) and the worker read it
+    again only to refuse it. Under the limit the same text is read, and refused as JSON."""
+    from kvbank.contracts.failures import GrammarTooLarge, InvalidRequest
+    from kvbank.router.validation import validate
+
+    req = api_pb2.GenerateRequest(max_tokens=2)
+    req.chat.messages.add(role="user", content="Fill it in.")
+    req.response_format.type = "json_schema"
+    req.response_format.json_schema = "not JSON " * 40_000  # 360 KB
+    with pytest.raises(GrammarTooLarge) as big:
+        validate(req, vocab_size=1000, max_grammar_bytes=256 << 10)
+    assert big.value.param == "response_format" and "360,000 bytes" in str(big.value)
+    with pytest.raises(InvalidRequest, match="is not valid JSON"):
+        validate(req, vocab_size=1000, max_grammar_bytes=1 << 20)
+
+
 def test_a_schema_over_the_grammar_size_limit_is_refused_at_once_naming_it(fuzz):
     """A 1.1 MB schema was compiled on the worker's engine thread (every stream stalled 3.4 s)
     and refused with llguidance's panic and backtrace. Compiles run beside the engine now, and

@@ -107,7 +107,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             transient_base_bytes=e.pricing.transient_base,
             transient_per_context_token=e.pricing.transient_per_context_token,
             checkpointed=e.kinds.checkpointed, cache_layout=e.kinds.layout,
-            **_tool_calling(e.tokenizer))
+            max_grammar_bytes=self.compiles.max_bytes, **_tool_calling(e.tokenizer))
 
     @staticmethod
     def _session_pb(snap: cmd.Snapshot, key, info, tokens=None) -> api_pb2.Session:

@@ -66,7 +66,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_path", "fingerprint", "max_context_tokens", "kv_bytes_per_token", "block_tokens", "eos_token_ids", "scheduler", "max_active_requests", "memory_budget_bytes", "fixed_bytes", "max_fit_tokens", "prefill_chunk_tokens", "transient_base_bytes", "transient_per_context_token", "tool_parser", "tool_call_start", "tool_call_end", "checkpointed", "cache_layout")
+    __slots__ = ("model_path", "fingerprint", "max_context_tokens", "kv_bytes_per_token", "block_tokens", "eos_token_ids", "scheduler", "max_active_requests", "memory_budget_bytes", "fixed_bytes", "max_fit_tokens", "prefill_chunk_tokens", "transient_base_bytes", "transient_per_context_token", "tool_parser", "tool_call_start", "tool_call_end", "checkpointed", "cache_layout", "max_grammar_bytes")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class InfoResponse(_message.Message):
     TOOL_CALL_END_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTED_FIELD_NUMBER: _ClassVar[int]
     CACHE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAMMAR_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     fingerprint: str
     max_context_tokens: int
@@ -105,7 +106,8 @@ class InfoResponse(_message.Message):
     tool_call_end: str
     checkpointed: bool
     cache_layout: str
-    def __init__(self, model_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., block_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., scheduler: _Optional[str] = ..., max_active_requests: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., fixed_bytes: _Optional[int] = ..., max_fit_tokens: _Optional[int] = ..., prefill_chunk_tokens: _Optional[int] = ..., transient_base_bytes: _Optional[int] = ..., transient_per_context_token: _Optional[float] = ..., tool_parser: _Optional[str] = ..., tool_call_start: _Optional[str] = ..., tool_call_end: _Optional[str] = ..., checkpointed: _Optional[bool] = ..., cache_layout: _Optional[str] = ...) -> None: ...
+    max_grammar_bytes: int
+    def __init__(self, model_path: _Optional[str] = ..., fingerprint: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., block_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., scheduler: _Optional[str] = ..., max_active_requests: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., fixed_bytes: _Optional[int] = ..., max_fit_tokens: _Optional[int] = ..., prefill_chunk_tokens: _Optional[int] = ..., transient_base_bytes: _Optional[int] = ..., transient_per_context_token: _Optional[float] = ..., tool_parser: _Optional[str] = ..., tool_call_start: _Optional[str] = ..., tool_call_end: _Optional[str] = ..., checkpointed: _Optional[bool] = ..., cache_layout: _Optional[str] = ..., max_grammar_bytes: _Optional[int] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
     __slots__ = ("tenant", "token_ids")

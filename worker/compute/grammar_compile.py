@@ -18,7 +18,7 @@ import concurrent.futures
 import logging
 from collections import OrderedDict
 
-from kvbank.contracts.failures import InvalidRequest
+from kvbank.contracts.failures import GrammarTooLarge, InvalidRequest
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +50,8 @@ class GrammarCompiles:
             self._kept.move_to_end(key)
             return self._outcome(self._kept[key])
         if len(key.encode()) > self.max_bytes:
-            raise InvalidRequest(
-                f"{self._field(req)} is {len(key.encode()):,} bytes; this server compiles "
-                f"grammars of at most {self.max_bytes:,} (--max-grammar-bytes): send a "
-                f"smaller schema", param=self._param(req))
+            raise GrammarTooLarge(self._field(req), len(key.encode()), self.max_bytes,
+                                  param=self._param(req))
         running = self._running.get(key)
         if running is None:
             running = self._running[key] = asyncio.ensure_future(self._compile(key, req))
