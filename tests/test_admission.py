@@ -300,6 +300,7 @@ def test_a_request_that_can_never_fit_is_refused_up_front(tiny_model, tmp_path, 
         s.stop()
 
 
+@pytest.mark.matrix  # make test-all: the test below checks the same refusal on its way
 def test_a_full_queue_refuses_with_retry_after(tiny_model, tmp_path, cache_dir):
     s = _stack(tiny_model, tmp_path, cache_dir, "--max-active-requests", "1",
                "--max-queue", "0")
@@ -319,7 +320,8 @@ def test_a_full_queue_refuses_with_retry_after(tiny_model, tmp_path, cache_dir):
 
 def test_a_full_queue_keeps_a_conversation_this_machine_holds(tiny_model, tmp_path, cache_dir):
     """Behind a gateway a refusal sends the request to another machine, which recomputes the
-    whole conversation: a full queue takes a request whose KV is here, and it waits its turn."""
+    whole conversation: a full queue takes a request whose KV is here, and it waits its turn.
+    A request whose KV is not here is refused with a Retry-After, naming the flag."""
     s = _stack(tiny_model, tmp_path, cache_dir, "--max-active-requests", "1",
                "--max-queue", "0")
     try:
@@ -328,12 +330,16 @@ def test_a_full_queue_keeps_a_conversation_this_machine_holds(tiny_model, tmp_pa
         t, result = _long_request(s, "long", 20, seed=17)
         with s.client() as c:
             err = rpc_error(lambda: c.generate(token_ids=list(range(3000, 3120)), max_tokens=2))
-            assert dict(err.trailing_metadata())["x-kvbank-reason"] == "queue_full"
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-queue" in err.details()
+            md = dict(err.trailing_metadata())
+            assert md["x-kvbank-reason"] == "queue_full" and int(md["retry-after"]) >= 1
             again = _turn(c, "held", 6, seed=18, max_tokens=2)  # waits for the slot
             served_at = time.time()
         t.join(120)
         assert again.usage["cached_tokens"] >= 120 and again.usage["cache_source"] == "ram"
         assert served_at >= result["at"], "it ran while the slot was taken"
+        assert result["turn"].usage["completion_tokens"] > 0  # the running one went on
         text = httpx.get(s.metrics_url("router"), timeout=10).text
         assert "kvbank_queued_not_refused_total 1.0" in text
     finally:

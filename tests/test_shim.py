@@ -294,7 +294,8 @@ def test_sse_framing_byte_for_byte(shim):
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-def test_queue_full_is_a_429_with_retry_after(tiny_model, tmp_path, cache_dir):
+@pytest.mark.matrix  # make test-all: end to end; the shim's 429 is checked against a fake
+def test_queue_full_is_a_429_with_retry_after(tiny_model, tmp_path, cache_dir):  # router below
     stack = start_stack(tiny_model, tmp_path / "data", cache_dir=cache_dir,
                         extra=["--max-active-requests", "1", "--max-queue", "0"])
     try:
