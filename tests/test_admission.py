@@ -131,9 +131,15 @@ def test_critical_takes_every_idle_entry_and_counts_the_unwritten(idle_stack):
         s = _sessions(c)
         assert s["a"].state == "cold"
         # Their history stays (the record is on disk); only the KV that never reached SSD went.
-        assert s["b"].state == "gone" and s["b"].token_count == 64
+        # A write already on its way when the trim came may land after it (the receipt counted
+        # the entry unwritten, as it was): that conversation is then cold, and reads it back.
+        assert s["b"].token_count == 64 and s["b"].state in ("gone", "cold"), (
+            s["b"], _receipts(c, "pressure_trim"))
         t = _turn(c, "b", 8, seed=9)
-        assert t.usage["cache_source"] == "none" and t.usage["recomputed_tokens"] > 0
+        if s["b"].state == "gone":
+            assert t.usage["cache_source"] == "none" and t.usage["recomputed_tokens"] > 0
+        else:
+            assert t.usage["cache_source"] == "ssd", t.usage
 
 
 def test_critical_spares_only_a_conversation_with_a_request_in_flight(idle_stack):

@@ -389,8 +389,11 @@ def test_a_request_on_its_own_cache_allocates_no_more_than_its_price(model_and_t
     model, tokenizer = model_and_tokenizer
     chunk, prompt, answer = 64, 1500, 40
     per_token, _, _ = CacheKinds.of(model).measure()
+    # calibrated over the contexts this request reaches, as the worker's 512-token chunks
+    # cover 2,048 (one forward's peak varies by ~100 KB: a slope from a span of 256 tokens,
+    # extrapolated to 1,500, priced it 117 KB short one run in ten)
     pricing = calibrate(model, Pricing(per_token, 0, chunk),
-                        last_forward_tokens=LAST_FORWARD_TOKENS)
+                        last_forward_tokens=LAST_FORWARD_TOKENS, chunks=24)
     tokens = _tokens(tokenizer, np.random.default_rng(15), prompt)
     s = _scheduler(model, tokenizer, chunk=chunk)
     r = _request(tokenizer, tokens)

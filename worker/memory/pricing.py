@@ -16,18 +16,21 @@ RSS_SLACK = 0.05  # of the budget: resident memory beyond the ledger that is not
 
 
 CALIBRATION_CHUNKS = 5
+LAST_FORWARD_SAMPLES = 3  # one forward's peak varies by ~100 KB between runs (`_upper_line`)
 
 
-CALIBRATION_METHOD = "chunks at contexts 0 and 4C; a last forward with its logits"
+CALIBRATION_METHOD = ("chunks at contexts 0..4C, a line over them raised to the highest; the "
+                      "highest of three last forwards with their logits")
 
 
 def calibrate(model, pricing: Pricing, on_chunk=lambda i: None, *,
-              last_forward_tokens: int) -> Pricing:
-    """Measure a prefill chunk's transient bytes at contexts 0 and 4 chunks (MLX tracks CPU
-    allocations too), so pricing reflects this model and this chunk size; and a prompt's last
-    forward (`last_forward_tokens`), which computes logits over the whole vocabulary for each
-    of its tokens (the chunks before it compute none): 12 MB on a 49K vocabulary in float32
-    at 64 tokens. A forward's transient is the larger of the two. `on_chunk(i)` after each
+              last_forward_tokens: int, chunks: int = CALIBRATION_CHUNKS) -> Pricing:
+    """Measure a prefill chunk's transient bytes at contexts 0 to `chunks` - 1 chunks (MLX
+    tracks CPU allocations too), so pricing reflects this model and this chunk size; and a
+    prompt's last forward (`last_forward_tokens`), which computes logits over the whole
+    vocabulary for each of its tokens (the chunks before it compute none): 12 MB on a 49K
+    vocabulary in float32 at 64 tokens. A forward's transient is the larger of the two, and
+    grows with the context by the chunks' slope (`_upper_line`). `on_chunk(i)` after each
     chunk (the start's progress; worker/memory/calibration.py keeps the result)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -45,20 +48,31 @@ def calibrate(model, pricing: Pricing, on_chunk=lambda i: None, *,
         return max(0, mx.get_peak_memory() - before - kv_growth)
 
     C = pricing.chunk_tokens
-    last = forward(make_prompt_cache(model), min(last_forward_tokens, C), 0, logits=True)
+    last = max(forward(make_prompt_cache(model), min(last_forward_tokens, C), s, logits=True)
+               for s in range(LAST_FORWARD_SAMPLES))  # its peak varies: the highest
     cache = make_prompt_cache(model)
-    peaks = {}
-    for i in range(CALIBRATION_CHUNKS):  # at context 0 and 4C: the slope over a wide span
-        peak = forward(cache, C, i, logits=False)
-        if i in (0, 4):
-            peaks[i] = peak
+    peaks = []
+    for i in range(chunks):  # at contexts 0, C, ... (chunks - 1) C
+        peaks.append(forward(cache, C, i, logits=False))
         on_chunk(i + 1)
     del cache
     mx.clear_cache()
-    peaks = [peaks[0], peaks[4]]
-    pricing.transient_base = max(peaks[0], last)
-    pricing.transient_per_context_token = max(0.0, (peaks[1] - peaks[0]) / (4 * C))
+    slope, base = _upper_line([i * C for i in range(len(peaks))], peaks)
+    pricing.transient_base = max(base, last)
+    pricing.transient_per_context_token = slope
     return pricing
+
+
+def _upper_line(contexts: list[int], peaks: list[int]) -> tuple[float, int]:
+    """The slope fitted over every chunk's peak (least squares), and the line raised to the
+    highest of them. One forward's peak varies between runs by up to ~100 KB here (where MLX's
+    threads free their buffers); a slope from two peaks, extrapolated six times past a span of
+    four 64-token chunks, priced a 1,500-token request 117 KB short one run in ten."""
+    n = len(contexts)
+    mx_, mp = sum(contexts) / n, sum(peaks) / n
+    var = sum((x - mx_) ** 2 for x in contexts)
+    slope = max(0.0, sum((x - mx_) * (p - mp) for x, p in zip(contexts, peaks)) / var)
+    return slope, int(max(p - slope * x for x, p in zip(contexts, peaks)))
 
 
 def resident_bytes(pid: int | str = "self") -> int:
