@@ -317,8 +317,11 @@ class BatchScheduler:
     def _forwards_left(self, o: _Own) -> int:
         """Forwards until `o`'s first token: its chunks, then the last one with logits."""
         step = self._step_tokens(o)
-        return math.ceil(max(0, len(o.prompt) - min(self.last_forward_tokens, step))
-                         / step) + 1
+        return math.ceil(max(0, len(o.prompt) - self._last_tokens(step)) / step) + 1
+
+    def _last_tokens(self, step: int) -> int:
+        """The tokens a prompt's last forward (with logits) reads, short of a fold (`_chunk`)."""
+        return min(self.last_forward_tokens, step)
 
     def _step_tokens(self, o: _Own) -> int:
         """A chunk of `o`'s prompt: `prefill_step_tokens`, or, while another tenant has a
@@ -528,8 +531,10 @@ class BatchScheduler:
         """How many prompt tokens the next forward reads without logits (0: the rest, with
         them): a step's worth (`_step_tokens`), short of the last forward's, and never past a
         split."""
+        if not o.prompt:  # a decode step: no tenants to look at
+            return 0
         r, step = o.r, self._step_tokens(o)
-        last = min(self.last_forward_tokens, step)
+        last = self._last_tokens(step)
         pos = len(r.tokens) - len(o.prompt)
         # Up to two steps are read in the last forward, within the logits the pricing allows:
         # a short prompt's first token is then one forward, not two with another tenant's

@@ -69,9 +69,9 @@ def _upper_line(contexts: list[int], peaks: list[int]) -> tuple[float, int]:
     threads free their buffers); a slope from two peaks, extrapolated six times past a span of
     four 64-token chunks, priced a 1,500-token request 117 KB short one run in ten."""
     n = len(contexts)
-    mx_, mp = sum(contexts) / n, sum(peaks) / n
-    var = sum((x - mx_) ** 2 for x in contexts)
-    slope = max(0.0, sum((x - mx_) * (p - mp) for x, p in zip(contexts, peaks)) / var)
+    mean_x, mean_p = sum(contexts) / n, sum(peaks) / n
+    var = sum((x - mean_x) ** 2 for x in contexts)
+    slope = max(0.0, sum((x - mean_x) * (p - mean_p) for x, p in zip(contexts, peaks)) / var)
     return slope, int(max(p - slope * x for x, p in zip(contexts, peaks)))
 
 

@@ -394,6 +394,10 @@ class SessionBank:
         """The forward working memory the ledger holds (`reserve_active`)."""
         return max(self._forward_nbytes.values(), default=0)
 
+    def running_bytes(self) -> int:
+        """What running requests hold: their caches and the largest forward's memory."""
+        return sum(self._active_nbytes.values()) + self.forward_bytes()
+
     def unreserve_active(self, session: SessionKey, nbytes: int) -> None:
         if (left := self._active_nbytes.get(session, 0) - nbytes) > 0:
             self._active_nbytes[session] = left

@@ -324,7 +324,7 @@ class EvictionPolicy:
         # 6. it does not fit: wait for requests in flight, or refuse with the reason
         ledger = bank.ledger()
         r.holders = {"fixed_bytes": pricing.fixed_bytes, "bank_bytes": ledger["entries_bytes"],
-                     "running_bytes": ledger["active_bytes"] + ledger["forward_bytes"],
+                     "running_bytes": bank.running_bytes(),
                      "staged_bytes": ledger["staged_bytes"],
                      "unaccounted_bytes": pricing.unaccounted_bytes}
         if solo_need > budget - pricing.fixed_bytes:
@@ -402,8 +402,7 @@ class EvictionPolicy:
         conversation's KV (it may stay above)."""
         bank = self.bank
         ledger = bank.ledger()
-        others = (pricing.fixed_bytes + ledger["active_bytes"] + ledger["forward_bytes"]
-                  + ledger["staged_bytes"])
+        others = pricing.fixed_bytes + bank.running_bytes() + ledger["staged_bytes"]
         bank.set_ceiling(max(0, budget - others))
         if bank.total_nbytes > bank.effective_max_bytes:
             self.shrink_to_bytes(bank.effective_max_bytes, reason=TrimReason.DYNAMIC_CEILING,

@@ -453,7 +453,7 @@ class KVManager:
         """The bank's figures for the Status command."""
         ledger = self.bank.ledger()
         return {"bank_bytes": ledger["entries_bytes"],
-                "running_bytes": ledger["active_bytes"] + ledger["forward_bytes"],
+                "running_bytes": self.bank.running_bytes(),
                 "staged_bytes": ledger["staged_bytes"], "bank_max_bytes": self.bank.max_bytes,
                 "bank_ceiling_bytes": self.bank.ceiling_bytes or 0,
                 "bank_entries": len(self.bank.entries)}
