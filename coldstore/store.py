@@ -22,8 +22,9 @@ import lmdb
 import numpy as np
 
 from kvbank.blocks import (BlockId, common_prefix_len, decode_header, is_anonymous,
-                           is_quantized_block, next_block_id, tail_block_id)
-from kvbank.contracts.store_layout import (BLOCK_BYTES_KEY, FORMAT_KEY, QUANTIZED_STORE_FORMAT,
+                           is_head_block, is_quantized_block, next_block_id, tail_block_id)
+from kvbank.contracts.store_layout import (BLOCK_BYTES_KEY, FORMAT_KEY, HEAD_STORE_FORMAT,
+                                           QUANTIZED_KEY, QUANTIZED_STORE_FORMAT,
                                            RESPONSE_BYTES_KEY, SessionMeta, StoreReader,
                                            session_key)
 
@@ -382,17 +383,26 @@ class ColdStore(StoreReader):
         if not self._holds_block(txn, block_id):
             if is_quantized_block(payload):
                 self._stamp_quantized(txn)
+            if self.format_version < HEAD_STORE_FORMAT and is_head_block(payload):
+                self._stamp(txn, HEAD_STORE_FORMAT)
             txn.put(block_id, payload, db=self._db[b"blocks"])
             self._add_block_bytes(txn, len(payload))
             self.last_written_bytes = len(payload)
         self._incref(txn, block_id)
 
     def _stamp_quantized(self, txn) -> None:
-        """The store holds a quantized block: a kvbank that cannot read one refuses it."""
+        """The store holds a quantized block: a kvbank that cannot read one refuses it, and
+        this one warns a worker without --kv-bits (`StoreReader.holds_quantized`)."""
+        if txn.get(QUANTIZED_KEY, db=self._db[b"meta"]) is None:
+            txn.put(QUANTIZED_KEY, b"1", db=self._db[b"meta"])
+        self._stamp(txn, QUANTIZED_STORE_FORMAT)
+
+    def _stamp(self, txn, version: int) -> None:
+        """The store's format raised to `version` (never lowered), in the write's txn."""
         raw = txn.get(FORMAT_KEY, db=self._db[b"meta"])
-        if (struct.unpack("<I", raw)[0] if raw else 1) < QUANTIZED_STORE_FORMAT:
-            txn.put(FORMAT_KEY, struct.pack("<I", QUANTIZED_STORE_FORMAT), db=self._db[b"meta"])
-            self.format_version = QUANTIZED_STORE_FORMAT
+        if (struct.unpack("<I", raw)[0] if raw else 1) < version:
+            txn.put(FORMAT_KEY, struct.pack("<I", version), db=self._db[b"meta"])
+            self.format_version = version
 
     def _truncate_blocks(self, txn, meta: SessionMeta, keep_tokens: int) -> None:
         keep_full = keep_tokens // meta.block_tokens if meta.block_tokens else 0

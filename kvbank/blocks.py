@@ -102,6 +102,28 @@ def is_quantized_block(buf: bytes | memoryview) -> bool:
     return bytes(memoryview(buf)[:4]) == _MAGIC_Q
 
 
+# The end of a block's `layout` when it carries the MTP head's history: its attention layer's
+# rows (the block's last K/V pair) and the hidden state it pairs with the next token (its
+# checkpoint's last array): worker/kv/kinds.py HeadKind and HiddenKind.
+HEAD_LAYOUT = ",mtp,mtp-hidden"
+
+
+def carries_head(header: "BlockHeader") -> bool:
+    """Whether a block holds the MTP head's history after the model's own caches (a store
+    holding one is stamped HEAD_STORE_FORMAT). Blocks with and without it share ids: the
+    model's caches are the same, and a reader keeps the layers it has slots for."""
+    return header.layout.endswith(HEAD_LAYOUT)
+
+
+def is_head_block(buf: bytes | memoryview) -> bool:
+    """`carries_head` of a stored block's bytes (False for bytes that are not one: the
+    restore that reads them says so)."""
+    try:
+        return carries_head(decode_header(buf)[0])
+    except CorruptBlock:
+        return False
+
+
 class CorruptBlock(ValueError):
     """A stored block whose bytes are not what was written: never used, always recomputed.
     `index`: its place among the blocks being read, where the reader knows it."""

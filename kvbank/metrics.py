@@ -65,6 +65,11 @@ GENERATION_TOKENS = Counter("kvbank_generation_tokens_total", "Tokens generated"
 MTP_TOKENS = Counter("kvbank_mtp_tokens_total",
                      "Speculative decoding with the model's MTP head: tokens the head drafted "
                      "(`drafted`) and those the model kept (`accepted`)", ["outcome"])
+MTP_HISTORY_MISSING = Counter(
+    "kvbank_mtp_history_missing_tokens_total",
+    "Tokens restored from SSD without the MTP head's history (their blocks were written with "
+    "--mtp off): the head drafts over zeros there until the conversation is computed again; "
+    "answers are unchanged")
 CORRUPT_BLOCKS = Counter("kvbank_corrupt_blocks_total",
                          "Stored blocks that failed their checksum on a restore (recomputed)")
 PREFIX_LOST = Counter("kvbank_prefix_lost_tokens_total",

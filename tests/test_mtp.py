@@ -265,6 +265,117 @@ def test_the_heads_history_goes_to_ssd_and_comes_back_with_the_conversation(mode
     assert answer(restored) == answer(cache)
 
 
+def test_blocks_written_with_mtp_off_are_read_with_it_on_and_the_other_way(models, tmp_path):
+    """--mtp on and off name a conversation's blocks alike (the head is not in the model
+    fingerprint): a store written without the head restores with it on, the head's rows zero
+    where no block carried them and kept where one did, counted, and the answer is plain
+    decoding's; a worker without the head reads blocks that carry it. A store holding one is
+    stamped HEAD_STORE_FORMAT, so a kvbank from before refuses it."""
+    import mlx.core as mx
+
+    from kvbank import metrics
+    from kvbank.blocks import chain_block_ids, chain_root
+    from kvbank.coldstore.store import ColdStore
+    from kvbank.contracts.store_layout import HEAD_STORE_FORMAT, STORE_FORMAT, StoreReader
+    from kvbank.worker.compute.mtp.decode import MTPDecoder, MTPState
+    from kvbank.worker.compute.mtp.sampling import Sampling
+    from kvbank.worker.compute.served_model import fingerprint
+    from kvbank.worker.kv import arrays, codec
+    from kvbank.worker.kv.cache_kinds import CacheKinds
+    from kvbank.worker.tiers.restore import Restorer
+
+    model, head = models["trained"]
+    off, on = CacheKinds.of(model), CacheKinds.of(model)
+    dec = MTPDecoder(model, head, 2, kinds=on)
+    on.add_head(*dec.head_layer_shape())
+    prints = {fingerprint(tmp_path, {"model_type": "qwen3_5"}, k, k.measure()[2],
+                          k.model_bytes_per_token, 16) for k in (off, on)}
+    assert len(prints) == 1 and off.layout != on.layout
+    root = chain_root(prints.pop(), "t")
+    [prompt] = _prompts(1, 48, seed=21)
+    n, B = len(prompt), 16
+    ids = chain_block_ids(np.array(prompt, dtype=np.uint32), root, B)
+
+    plain = off.new_cache()  # the conversation as a worker without the head read it
+    model(mx.array([prompt]), cache=plain)
+    with_head = on.new_cache()  # and as one with it
+    state = MTPState(cache=on.head_cache(with_head), hidden=dec.unknown_hidden(),
+                     tokens=prompt[:1])
+    h = dec.read(prompt, prompt[1:], with_head, state)
+    on.keep_hidden(with_head, h[:, -1:])
+    written = {}
+    for name, kinds, cache in (("off", off, plain), ("on", on, with_head)):
+        layers, end = kinds.freeze(cache, n)
+        views = arrays.layer_views(layers)
+        written[name] = [codec.encode_views(views, "float32", s, s + B, layout=kinds.layout,
+                                            state=kinds.checkpoint_views(end)
+                                            if s + B == n else None) for s in range(0, n, B)]
+
+    def store_of(name: str, frames: list) -> tuple[int, Path]:
+        """A store whose conversation's blocks are `frames`: its format, and where it is."""
+        store = ColdStore(tmp_path / name)
+        store.put_session_tokens("t", "s", np.array(prompt, dtype=np.uint32), B)
+        for i, (bid, frame) in enumerate(zip(ids, frames)):
+            assert store.commit_block("t", "s", root, bid, i * B, frame) is not None
+        store.close()
+        reader = StoreReader(tmp_path / name, readonly=True)
+        version = reader.format_version
+        reader.close()
+        return version, tmp_path / name
+
+    def restored(store_dir: Path, kinds) -> list:
+        reader = Restorer(kinds=kinds, bank=None, client=None, store_dir=store_dir,
+                          root_for=lambda tenant: root, block_tokens=B)
+        layers, checkpoint, got = reader.ssd_prefix(
+            np.array(prompt), ids, "t", ("t", "s"), better_than=0, limit=n)
+        reader.close()
+        assert got == n
+        return kinds.restore(layers, checkpoint, n, owned=True)
+
+    def missing() -> float:
+        return metrics.MTP_HISTORY_MISSING._value.get()
+
+    def head_rows(cache):
+        return on.head_cache(cache).state[0][..., :n, :]
+
+    # A store written with --mtp off, read with it on: the model's caches as written, the
+    # head's rows zero, no hidden state, every token counted; the answer plain decoding's.
+    version, store = store_of("off", written["off"])
+    assert version == STORE_FORMAT
+    before = missing()
+    cache = restored(store, on)
+    assert missing() - before == n
+    assert not mx.any(head_rows(cache)).item() and on.kept_hidden(cache) is None
+    for got, want in zip(_cache_arrays(on.model_caches(cache)), _cache_arrays(plain)):
+        assert mx.array_equal(got, want).item()
+    dec.stats.__init__()
+    s = MTPState(cache=on.head_cache(cache), hidden=dec.unknown_hidden())
+    answer = [t for t, _ in dec.generate([700, 701], Sampling(), max_tokens=16, cache=cache,
+                                         state=s)]
+    assert answer == [t for t, _ in _plain(model, prompt + [700, 701], 16)]
+    assert dec.stats.drafted > 0
+
+    # A chain of both (two blocks from before, the last one since the head ran): the head's
+    # rows where a block carried them, zeros before, and the hidden state of its checkpoint.
+    version, store = store_of("mixed", written["off"][:2] + written["on"][2:])
+    assert version == HEAD_STORE_FORMAT
+    before = missing()
+    cache = restored(store, on)
+    assert missing() - before == 2 * B
+    want = head_rows(with_head)
+    assert not mx.any(head_rows(cache)[..., :2 * B, :]).item()
+    assert mx.array_equal(head_rows(cache)[..., 2 * B:, :], want[..., 2 * B:, :]).item()
+    assert mx.array_equal(on.kept_hidden(cache), on.kept_hidden(with_head)).item()
+
+    # Blocks that carry the head, read by a worker without it: its layer checked, not kept.
+    version, store = store_of("on", written["on"])
+    assert version == HEAD_STORE_FORMAT
+    cache = restored(store, off)
+    assert len(cache) == len(plain)
+    for got, want in zip(_cache_arrays(cache), _cache_arrays(on.model_caches(with_head))):
+        assert mx.array_equal(got, want).item()
+
+
 # -- rollback ------------------------------------------------------------------------------
 
 def _cache_arrays(caches) -> list:

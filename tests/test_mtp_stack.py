@@ -134,6 +134,47 @@ def test_four_agents_at_once_answer_as_each_alone(served):
     assert sum(a.usage["drafted_tokens"] for a in alone) > 0
 
 
+def test_a_conversation_kept_with_mtp_off_returns_from_ssd_with_it_on(tmp_path, cache_dir):
+    """A user who turns MTP on keeps the conversations kept without it: written by a stack
+    with `--mtp off`, the next turn on a `--mtp auto` stack over the same data restores from
+    SSD (not recomputed), answers as the plain stack did reading the whole prompt (tokens
+    equal, logprobs within 1e-4), drafts over the part the head never saw, and the worker
+    counts those tokens."""
+    import httpx
+    import numpy as np
+
+    from kvbank.testing.tiny_mtp import mtp_model
+
+    model, data = mtp_model("tiny", cache_dir), tmp_path / "data"
+    s = start_stack(model, data, cache_dir=cache_dir, extra=["--mtp", "off"])
+    try:
+        with s.client() as c:
+            prompt = c.render(messages=[{"role": "user", "content": "Walk the call graph."}])
+            one = c.generate(session_id="kept", token_ids=prompt, max_tokens=MAX_TOKENS)
+            history = prompt + one.token_ids + [700, 701, 702]
+            plain = c.generate(session_id="plain", token_ids=history, no_cache=True,
+                               max_tokens=MAX_TOKENS, logprobs=True)
+            c.release("kept")  # written out first: on SSD, then out of RAM
+    finally:
+        s.stop()
+    s = start_stack(model, data, cache_dir=cache_dir, extra=["--mtp", "auto"])
+    try:
+        with s.client() as c:
+            two = c.generate(session_id="kept", token_ids=[700, 701, 702], append=True,
+                             max_tokens=MAX_TOKENS, logprobs=True)
+        assert two.usage["cache_source"] == "ssd", two.usage
+        assert two.usage["cached_tokens"] >= len(prompt) + len(one.token_ids), two.usage
+        assert two.token_ids == plain.token_ids
+        assert np.abs(np.subtract(two.logprobs, plain.logprobs)).max() < 1e-4
+        assert two.usage["drafted_tokens"] > 0, two.usage
+        text = httpx.get(s.metrics_url("worker"), timeout=10).text
+        missing = [line for line in text.splitlines()
+                   if line.startswith("kvbank_mtp_history_missing_tokens_total ")]
+        assert missing and float(missing[0].split()[1]) >= two.usage["cached_tokens"], missing
+    finally:
+        s.stop()
+
+
 @pytest.mark.matrix  # make test-all: two more stacks; the fallback itself is checked above
 def test_bench_decode_agents_drafts_alone_and_falls_back_to_plain_together(tmp_path, cache_dir):
     """`kvbank bench decode --mtp --agents 1,2` on the tiny trained head: one request alone

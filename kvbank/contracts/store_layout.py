@@ -13,7 +13,10 @@ Named databases:
               b"format_version"        -> u32 STORE_FORMAT (none: a store from before it, whose
                                           blocks are KVB1 and still read as they are);
                                           QUANTIZED_STORE_FORMAT once a quantized block
-                                          (KVB3, --kv-bits) is in it
+                                          (KVB3, --kv-bits) is in it, HEAD_STORE_FORMAT
+                                          once a block that carries the MTP head's history
+              b"quantized_blocks"      -> b"1" once a quantized block is in it (a store at
+                                          HEAD_STORE_FORMAT says so only here)
 
 Only the coldstore process writes (coldstore/store.py: `ColdStore`, which adds the writes and
 the durability rule). The worker reads with a `StoreReader` (`readonly=True`): LMDB serves
@@ -50,7 +53,13 @@ STORE_FORMAT = 2  # blocks with per-layer shapes, checkpoints and checksums (kvb
 # quantized blocks refuses the store as newer than it knows instead of taking its KVB3 blocks
 # for damaged ones; a full-precision store keeps STORE_FORMAT.
 QUANTIZED_STORE_FORMAT = 3
-READ_FORMAT = QUANTIZED_STORE_FORMAT  # the newest this kvbank reads
+QUANTIZED_KEY = b"quantized_blocks"
+# Stamped by the write of the first block that carries the MTP head's history
+# (kvbank/blocks.py `carries_head`). Such blocks share their ids with the model's own (a store
+# written with --mtp off is read with it on, and the other way); a kvbank from before reads
+# their extra layer as damage where a chain mixes both, so it refuses the store instead.
+HEAD_STORE_FORMAT = 4
+READ_FORMAT = HEAD_STORE_FORMAT  # the newest this kvbank reads
 
 
 class StoreFormatError(RuntimeError):
@@ -166,6 +175,13 @@ class StoreReader:
             with self.env.begin(write=True) as txn:
                 txn.put(FORMAT_KEY, struct.pack("<I", STORE_FORMAT), db=self._db[b"meta"])
         return version
+
+    def holds_quantized(self) -> bool:
+        """Whether a quantized block (--kv-bits) was ever written to the store."""
+        if self.format_version == QUANTIZED_STORE_FORMAT:
+            return True
+        with self._read_txn() as txn:
+            return txn.get(QUANTIZED_KEY, db=self._db[b"meta"]) is not None
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Once the read txns open in other threads end (a restore's read, at most

@@ -113,7 +113,7 @@ class Engine:
         calibration.measured(
             self.pricing,
             calibration.CalibrationFile(default_cache_dir(), self.fingerprint,
-                                        prefill_chunk_tokens),
+                                        prefill_chunk_tokens, head=self.kinds.has_head),
             calibrate=lambda pricing, on_chunk: calibrate(
                 self.model, pricing, on_chunk,
                 last_forward_tokens=self.batch.last_forward_tokens),

@@ -73,7 +73,8 @@ def load_served_model(path: Path, block_tokens: int, kv_bits: int | None = None,
     except ValueError as e:  # a head_dim --kv-bits cannot quantize
         raise UnsupportedModel(str(e)) from None
     served = ServedModel(path, model, tokenizer, config, kinds, per_token, checkpoint, dtype,
-                         fingerprint(path, config, kinds, dtype, per_token, block_tokens),
+                         fingerprint(path, config, kinds, dtype, kinds.model_bytes_per_token,
+                                     block_tokens),
                          kinds.rest_bytes_per_token, kv_bits, head, message)
     logger.info("model %s loaded in %.1fs: %d KV bytes/token (%d at rest%s), %d bytes a "
                 "checkpoint (%s), caches %s, fingerprint %s", path, time.monotonic() - t0,
@@ -86,7 +87,10 @@ def load_served_model(path: Path, block_tokens: int, kv_bits: int | None = None,
 def fingerprint(path: Path, config: dict, kinds: CacheKinds, dtype: str, per_token: int,
                 block_tokens: int) -> bytes:
     """Nothing restores across model, weights, KV dtype, cache kinds, block size or
-    --kv-bits (a block's header names its bits too: never read as another setting)."""
+    --kv-bits (a block's header names its bits too: never read as another setting).
+    `per_token`: the model's own caches' bytes a token. The MTP head's history is not in it
+    (`CacheKinds.model_layout`): with --mtp on or off a conversation's blocks are the same
+    ids, and each reader keeps the layers it has slots for (worker/kv/codec.py)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(json.dumps(config, sort_keys=True).encode())
     for f in sorted(path.glob("*.safetensors")):
@@ -95,7 +99,7 @@ def fingerprint(path: Path, config: dict, kinds: CacheKinds, dtype: str, per_tok
     h.update(f"{dtype}:{per_token}:{block_tokens}".encode())
     h.update(codec.BLOCK_LAYOUT.encode())
     if kinds.checkpointed:  # a full-attention model's stores from before still read
-        h.update(f"caches:{kinds.layout}".encode())
+        h.update(f"caches:{kinds.model_layout}".encode())
     if kinds.quantized:  # full precision's fingerprint is as it was: its stores still read
         h.update(kinds.quantized.encode())
     return h.digest()

@@ -136,8 +136,25 @@ class CacheKinds:
 
     @property
     def layout(self) -> str:
-        """The slots in order (`full,window:128:0,...`): part of the model fingerprint."""
+        """The slots in order (`full,window:128:0,...`), the MTP head's last
+        (`...,mtp,mtp-hidden`): a block's layout says which it carries."""
         return ",".join(s.tag for s in self.slots)
+
+    @property
+    def model_layout(self) -> str:
+        """The model's own slots (`layout` without the head's): part of the model fingerprint,
+        so blocks written with and without MTP share their ids (kvbank/blocks.py
+        `carries_head`)."""
+        return ",".join(s.tag for s in self.slots[:len(self.slots) - 2 * self.has_head])
+
+    @property
+    def has_head(self) -> bool:
+        return self.head is not None
+
+    @property
+    def full_count(self) -> int:
+        """How many FULL leaves a cache has: the K/V pairs of an entry's layers."""
+        return sum(1 for leaf in self.leaves if leaf.every_token)
 
     @property
     def quantized(self) -> str:
@@ -181,9 +198,11 @@ class CacheKinds:
         self.model(mx.array([[0]]), cache=self.model_caches(cache))
         mx.eval([c.state for c in cache])
         per_token, checkpoint, dtype, rest = 0, 0, None, 0
+        self.model_bytes_per_token = 0  # the model's own (the fingerprint's): not the head's
         for leaf, c in self._leaves(cache):
             size = leaf.measure(c)
             per_token += size.per_token
+            self.model_bytes_per_token += size.per_token if leaf is not self.head else 0
             rest += size.rest_per_token
             checkpoint += size.checkpoint
             dtype = size.dtype if leaf.every_token else (dtype or size.dtype)
@@ -284,8 +303,9 @@ class CacheKinds:
 
         def restored(leaf: CacheKind, fresh):
             if leaf.every_token:
-                pair = next(full, None)
-                return fresh if pair is None else leaf.restore(fresh, pair, n_tokens, owned)
+                pair = next(full, None)  # none: blocks written without the MTP head's layer
+                return (leaf.absent(fresh, n_tokens) if pair is None
+                        else leaf.restore(fresh, pair, n_tokens, owned))
             part = next(saved, None)
             return fresh if part is None else leaf.restore(fresh, part, n_tokens)
 
@@ -360,9 +380,11 @@ class CacheKinds:
                 for a in flat]
 
     def checkpoint_from_arrays(self, flat: list[mx.array | None]) -> Checkpoint:
-        """A checkpoint decoded from a block, in `checkpoint_views`' order."""
+        """A checkpoint decoded from a block, in `checkpoint_views`' order. A block written
+        without the MTP head has no hidden state (None: not known); one written with it has an
+        array more than a worker without it reads."""
         it = iter(flat)
-        return Checkpoint(tuple(tuple(next(it) for _ in range(leaf.saved_arrays()))
+        return Checkpoint(tuple(tuple(next(it, None) for _ in range(leaf.saved_arrays()))
                                 for leaf in self.leaves if not leaf.every_token))
 
 

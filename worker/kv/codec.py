@@ -117,7 +117,7 @@ def _restore_lanes() -> tuple[ThreadPoolExecutor, list]:
 
 
 def decode_blocks(payloads: list[bytes], capacity: int = 0, done_with=None, *,
-                  verify: bool = True) -> Layers:
+                  layers: int | None = None, verify: bool = True) -> Layers:
     """Stored blocks (in order) back into per-layer (1, H, n, D) arrays, in one copy.
 
     MLX copies outside memory in (it refuses a CPU buffer without a copy), so each layer's K
@@ -129,10 +129,15 @@ def decode_blocks(payloads: list[bytes], capacity: int = 0, done_with=None, *,
     Quantized blocks come back as QArrays, tight (a request dequantizes them anyway).
     `done_with(payload)`: called by a lane once a block is copied and checked (for the LMDB
     map's views, `StoreReader.get_blocks` passes its `unmap`). `verify=False` only for the
-    yardstick of what checking costs (`kvbank bench coldstore`): a restore always checks."""
+    yardstick of what checking costs (`kvbank bench coldstore`): a restore always checks.
+
+    `layers`: how many K/V pairs the reader keeps (None: all). Blocks of one chain may carry
+    the MTP head's layer after the model's or not (kvbank/blocks.py `carries_head`): the
+    widest block names the shapes, a block without a layer leaves its rows zero, and a layer
+    past `layers` is checked, never copied."""
     decoded = [decode_block(raw, verify=False) for raw in payloads]
     kv_end = [data_end(raw, h) for raw, (h, _) in zip(payloads, decoded)]
-    header = decoded[0][0]
+    header = max((h for h, _ in decoded), key=lambda h: len(h.kv_shapes))
     if any(h.quant != header.quant for h, _ in decoded):
         raise CorruptBlock("blocks of one conversation quantized differently")
     starts = list(itertools.accumulate((h.n_tokens for h, _ in decoded), initial=0))
@@ -151,7 +156,7 @@ def decode_blocks(payloads: list[bytes], capacity: int = 0, done_with=None, *,
                                    stream=streams[i % len(streams)])
                           for d, s in specs(shape))
                     for shape in pair)
-              for i, pair in enumerate(header.kv_shapes)]
+              for i, pair in enumerate(header.kv_shapes[:layers])]
     mx.eval(arrays)
     targets = [[np.array(x, copy=False) for a in pair for x in a] for pair in arrays]
 
@@ -160,14 +165,15 @@ def decode_blocks(payloads: list[bytes], capacity: int = 0, done_with=None, *,
             block_header, kv_arrays = decoded[b]
             h = xxhash.xxh3_64() if verify and block_header.checksum is not None else None
             s, e = starts[b], starts[b + 1]
-            for pair, dsts in zip(kv_arrays, targets):
+            for pair, dsts in itertools.zip_longest(kv_arrays, targets[:len(kv_arrays)]):
                 srcs = [x for a in pair for x in (a if isinstance(a, tuple) else (a,))]
                 # Each array hashed just before it is copied, while the cache still holds it:
                 # checking the block first reads every byte twice from memory (+22 % here).
-                for src, dst in zip(srcs, dsts):
+                for src, dst in itertools.zip_longest(srcs, dsts or ()):
                     if h is not None:
                         h.update(src)
-                    dst[:, s:e] = src.transpose(1, 0, 2)
+                    if dst is not None:
+                        dst[:, s:e] = src.transpose(1, 0, 2)
             if h is not None:
                 h.update(memoryview(payloads[b])[kv_end[b]:])  # the checkpoint's arrays
                 if h.intdigest() != block_header.checksum:

@@ -101,6 +101,11 @@ class CacheKind:
         only at one (a window's, a state's), by default."""
         return max((p for p in checkpoints if p <= n_tokens), default=0)
 
+    def absent(self, fresh, n_tokens: int):
+        """The cache restored where the stored blocks hold none of this kind's layer (only
+        the MTP head's can be missing: `HeadKind`)."""
+        return fresh
+
     def trimmable(self, cache, n: int) -> bool:
         """Whether `trim` can take back the cache's last n tokens (a state never can: it
         exists only where a forward stopped)."""
@@ -305,6 +310,11 @@ class HeadKind(FullKind):
         held = min(n_tokens, int((k[0] if isinstance(k, tuple) else k).shape[2]))
         if held:
             fresh = super().restore(fresh, saved, held, owned)
+        return self._rows(fresh, n_tokens)
+
+    def absent(self, fresh, n_tokens: int) -> KVCache:
+        """Blocks written without MTP: the head never saw these tokens, so zeros (the
+        restorer counts them, `kvbank_mtp_history_missing_tokens_total`)."""
         return self._rows(fresh, n_tokens)
 
     def view(self, cache):

@@ -55,13 +55,18 @@ class CalibrationFile:
     MLX build and device: written once measured, read at every later start. A file that does
     not parse or names other settings is measured again (and replaced)."""
 
-    def __init__(self, cache_dir: Path, fingerprint: bytes, chunk_tokens: int):
-        """`cache_dir`: kvbank's (kvbank/models.py `default_cache_dir`)."""
+    def __init__(self, cache_dir: Path, fingerprint: bytes, chunk_tokens: int,
+                 head: bool = False):
+        """`cache_dir`: kvbank's (kvbank/models.py `default_cache_dir`). `head`: the model
+        decodes with its MTP head, whose weights and layer change what a forward holds (the
+        fingerprint leaves the head out: `CacheKinds.model_layout`)."""
         import mlx.core as mx
 
         self.path = (cache_dir / "calibration"
-                     / f"{fingerprint.hex()[:24]}-chunk{chunk_tokens}.json")
+                     / f"{fingerprint.hex()[:24]}-{'mtp-' if head else ''}"
+                       f"chunk{chunk_tokens}.json")
         self.key = {"fingerprint": fingerprint.hex(), "chunk_tokens": chunk_tokens,
+                    **({"mtp": True} if head else {}),
                     "mlx": mx.__version__, "device": str(mx.default_device()),
                     "method": CALIBRATION_METHOD}
 

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 
 from kvbank import events, metrics
-from kvbank.blocks import (BlockId, CorruptBlock, common_prefix_len, decode_header,
-                           tail_block_id)
+from kvbank.blocks import (BlockId, CorruptBlock, carries_head, common_prefix_len,
+                           decode_header, tail_block_id)
 from kvbank.contracts import coldstore_wire as wire
-from kvbank.contracts.store_layout import QUANTIZED_STORE_FORMAT, StoreReader
+from kvbank.contracts.store_layout import StoreReader
 from kvbank.v1 import api_pb2
 from kvbank.worker.kv import arrays, codec
 from kvbank.worker.tiers.bank import BankEntry, SessionBank, SessionKey, any_prefix
@@ -60,8 +60,7 @@ class Restorer:
             except Exception as e:
                 logger.warning("cannot open the store read-only yet: %s", e)
             else:
-                if (self._store.format_version >= QUANTIZED_STORE_FORMAT
-                        and not self.kinds.kv_bits):
+                if self._store.holds_quantized() and not self.kinds.kv_bits:
                     logger.warning(
                         "the store in %s holds KV written with --kv-bits; this worker runs "
                         "without it, so that KV is never read: those conversations are "
@@ -275,7 +274,7 @@ class Restorer:
         """Blocks up to the restore point <= limit that the kinds find over them
         (`CacheKinds.restore_point`): any token for a model without checkpoints (the request
         writes past it), else the end of a block that carries one."""
-        ends, stated, n = [], [], 0
+        ends, stated, headless, n = [], [], [], 0
         for i, p in enumerate(payloads):
             try:
                 header = decode_header(p)[0]
@@ -286,17 +285,24 @@ class Restorer:
             ends.append(n)
             if header.has_state:
                 stated.append(i)
+            if not carries_head(header):
+                headless.append(i)
         n = self.kinds.restore_point([ends[i] for i in stated], min(n, limit))
         if n <= better_than:
             return None
+        if self.kinds.has_head:  # written with --mtp off: the head drafts over zeros there
+            metrics.MTP_HISTORY_MISSING.inc(sum(
+                min(ends[i], n) - (ends[i - 1] if i else 0) for i in headless
+                if (ends[i - 1] if i else 0) < n))
+        full = self.kinds.full_count
         if not self.kinds.checkpointed:
-            return codec.decode_blocks(payloads, capacity, done_with), None, n
+            return codec.decode_blocks(payloads, capacity, done_with, layers=full), None, n
         i = max(i for i in stated if ends[i] == n)
         try:
             state = self.kinds.checkpoint_from_arrays(codec.decode_state(payloads[i]))
         except CorruptBlock as e:
             raise CorruptBlock(str(e), index=i) from None
-        layers = (codec.decode_blocks(payloads[:i + 1], capacity, done_with)
+        layers = (codec.decode_blocks(payloads[:i + 1], capacity, done_with, layers=full)
                   if self.kinds.has_full else [])
         return layers, state, n
 
