@@ -116,39 +116,50 @@ def _restore_lanes() -> tuple[ThreadPoolExecutor, list]:
     return _POOL, streams
 
 
-def decode_blocks(payloads: list[bytes], capacity: int = 0, done_with=None, *,
+def decode_blocks(payloads, capacity: int = 0, done_with=None, *,
                   layers: int | None = None, verify: bool = True) -> Layers:
-    """Stored blocks (in order) back into per-layer (1, H, n, D) arrays, in one copy.
+    """Stored blocks (in order) back into per-layer (1, H, n, D) arrays, in one copy
+    (`decode_stream` over blocks all at hand, laid out as the widest of them).
+
+    `verify=False` only for the yardstick of what checking costs (`kvbank bench coldstore`):
+    a restore always checks."""
+    headers = [decode_header(p)[0] for p in payloads]
+    like = max(headers, key=lambda h: len(h.kv_shapes))
+    return decode_stream(payloads.__getitem__, [h.n_tokens for h in headers], like, capacity,
+                         done_with, layers=layers, verify=verify)[0]
+
+
+def decode_stream(get, counts: list[int], like: BlockHeader, capacity: int = 0,
+                  done_with=None, *, layers: int | None = None, verify: bool = True
+                  ) -> tuple[Layers, list[BlockHeader]]:
+    """Blocks of `counts` tokens each, `get(i)` giving block i (it may wait while the block
+    is read: a restore copies the blocks read so far while the next are read), back into
+    per-layer (1, H, n, D) arrays laid out as `like` says, in one copy; and each block's
+    header.
 
     MLX copies outside memory in (it refuses a CPU buffer without a copy), so each layer's K
     and V is allocated by MLX and filled through a NumPy view of it (documented: writing to the
     view writes the array). The lanes take every n-th block and check each block's checksum as
-    they copy it (the reads happened as the blocks were got: py-lmdb reads a value whole). The
-    arrays are head-major, as a request's cache is, with room for `capacity` tokens: the
-    request that restores them (`restore(..., owned=True)`) appends in place, no second copy.
-    Quantized blocks come back as QArrays, tight (a request dequantizes them anyway).
-    `done_with(payload)`: called by a lane once a block is copied and checked (for the LMDB
-    map's views, `StoreReader.get_blocks` passes its `unmap`). `verify=False` only for the
-    yardstick of what checking costs (`kvbank bench coldstore`): a restore always checks.
+    they copy it. The arrays are head-major, as a request's cache is, with room for `capacity`
+    tokens: the request that restores them (`restore(..., owned=True)`) appends in place, no
+    second copy. Quantized blocks come back as QArrays, tight (a request dequantizes them
+    anyway). `done_with(payload)`: called by a lane once a block is copied and checked (for the
+    LMDB map's views, `StoreReader.get_blocks` passes its `unmap`).
 
     `layers`: how many K/V pairs the reader keeps (None: all). Blocks of one chain may carry
-    the MTP head's layer after the model's or not (kvbank/blocks.py `carries_head`): the
-    widest block names the shapes, a block without a layer leaves its rows zero, and a layer
-    past `layers` is checked, never copied."""
-    decoded = [decode_block(raw, verify=False) for raw in payloads]
-    kv_end = [data_end(raw, h) for raw, (h, _) in zip(payloads, decoded)]
-    header = max((h for h, _ in decoded), key=lambda h: len(h.kv_shapes))
-    if any(h.quant != header.quant for h, _ in decoded):
-        raise CorruptBlock("blocks of one conversation quantized differently")
-    starts = list(itertools.accumulate((h.n_tokens for h, _ in decoded), initial=0))
+    the MTP head's layer after the model's or not (kvbank/blocks.py `carries_head`): a block
+    without a layer leaves its rows zero, and a layer past `layers` (or past `like`'s) is
+    checked, never copied. A block whose tokens, dtype or bits are not `like`'s is corrupt."""
+    starts = list(itertools.accumulate(counts, initial=0))
+    headers: list[BlockHeader | None] = [None] * len(counts)
     pool, streams = _restore_lanes()
     # Quantized blocks are read tight: the request dequantizes them into its own buffer.
-    cap = max(starts[-1], capacity) if header.quant is None else starts[-1]
+    cap = max(starts[-1], capacity) if like.quant is None else starts[-1]
 
     def specs(shape):  # the arrays one K or V is stored as
-        if header.quant is None:
-            return [(header.dtype, shape)]
-        return quantized_specs(header.dtype, shape, *header.quant)
+        if like.quant is None:
+            return [(like.dtype, shape)]
+        return quantized_specs(like.dtype, shape, *like.quant)
 
     # bf16 is filled as its uint16 bits, viewed as bf16 after
     arrays = [tuple(tuple(mx.zeros((s[1], cap, *s[2:]),
@@ -156,13 +167,20 @@ def decode_blocks(payloads: list[bytes], capacity: int = 0, done_with=None, *,
                                    stream=streams[i % len(streams)])
                           for d, s in specs(shape))
                     for shape in pair)
-              for i, pair in enumerate(header.kv_shapes[:layers])]
+              for i, pair in enumerate(like.kv_shapes[:layers])]
     mx.eval(arrays)
     targets = [[np.array(x, copy=False) for a in pair for x in a] for pair in arrays]
 
     def fill(blocks: range) -> None:
         for b in blocks:
-            block_header, kv_arrays = decoded[b]
+            raw = get(b)
+            block_header, kv_arrays = decode_block(raw, verify=False)
+            if (block_header.n_tokens, block_header.dtype, block_header.quant) != (
+                    counts[b], like.dtype, like.quant):
+                raise CorruptBlock(f"block {b}: {block_header.n_tokens} {block_header.dtype} "
+                                   f"tokens at {block_header.quant}, not the chain's "
+                                   f"{counts[b]} {like.dtype} at {like.quant}", index=b)
+            headers[b] = block_header
             h = xxhash.xxh3_64() if verify and block_header.checksum is not None else None
             s, e = starts[b], starts[b + 1]
             for pair, dsts in itertools.zip_longest(kv_arrays, targets[:len(kv_arrays)]):
@@ -175,23 +193,23 @@ def decode_blocks(payloads: list[bytes], capacity: int = 0, done_with=None, *,
                     if dst is not None:
                         dst[:, s:e] = src.transpose(1, 0, 2)
             if h is not None:
-                h.update(memoryview(payloads[b])[kv_end[b]:])  # the checkpoint's arrays
+                h.update(memoryview(raw)[data_end(raw, block_header):])  # the checkpoint's
                 if h.intdigest() != block_header.checksum:
                     raise CorruptBlock(f"block {b}: block checksum mismatch", index=b)
             if done_with is not None:
-                done_with(payloads[b])
+                done_with(raw)
 
     lanes = len(streams)
-    done, _ = wait([pool.submit(fill, range(i, len(decoded), lanes)) for i in range(lanes)])
-    for f in done:  # every lane has stopped reading the blocks before an error is raised
-        f.result()
+    done, _ = wait([pool.submit(fill, range(i, len(counts), lanes)) for i in range(lanes)])
+    for f in sorted(done, key=lambda f: f.exception() is None):  # every lane has stopped
+        f.result()  # reading the blocks before an error is raised (a damaged block's first)
     del targets
-    bf16 = header.dtype == "bfloat16"
+    bf16 = like.dtype == "bfloat16"
 
     def as_read(a: mx.array) -> mx.array:
         return (a.view(mx.bfloat16) if bf16 and a.dtype == mx.uint16 else a)[None]
 
-    out = [tuple(tuple(as_read(x) for x in a) if header.quant is not None else as_read(a[0])
+    out = [tuple(tuple(as_read(x) for x in a) if like.quant is not None else as_read(a[0])
                  for a in pair) for pair in arrays]
     mx.eval(out)
-    return out
+    return out, headers

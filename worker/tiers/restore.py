@@ -6,6 +6,7 @@ them for an admitted request."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,42 +270,78 @@ class Restorer:
             return None
         return self._decode(frames, limit, better_than, capacity)
 
-    def _decode(self, payloads: list, limit: int, better_than: int, capacity: int,
+    def _decode(self, payloads, limit: int, better_than: int, capacity: int,
                 done_with=None) -> tuple[arrays.Layers, Checkpoint | None, int] | None:
         """Blocks up to the restore point <= limit that the kinds find over them
         (`CacheKinds.restore_point`): any token for a model without checkpoints (the request
-        writes past it), else the end of a block that carries one."""
-        ends, stated, headless, n = [], [], [], 0
-        for i, p in enumerate(payloads):
-            try:
-                header = decode_header(p)[0]
-                self.kinds.check_block(header)
-            except CorruptBlock as e:
-                raise CorruptBlock(str(e), index=i) from None
-            n += header.n_tokens
-            ends.append(n)
-            if header.has_state:
-                stated.append(i)
-            if not carries_head(header):
-                headless.append(i)
-        n = self.kinds.restore_point([ends[i] for i in stated], min(n, limit))
+        writes past it), else the end of a block that carries one.
+
+        Every block but the last is a whole block (`ssd_prefix` asks for no other), so the
+        last one's header alone says where the restore stops when it carries the checkpoint
+        (or the model has none): the blocks are then copied as they are read
+        (`StoreReader.get_blocks`); else every header is read first."""
+        last = len(payloads) - 1
+        tail = self._header(payloads, last)
+        counts = [self.block_tokens] * last + [tail.n_tokens]
+        n = sum(counts)
+        checkpointed = self.kinds.checkpointed
+        if checkpointed and not (tail.has_state and n <= limit
+                                 and self.kinds.restore_point([n], n) == n):
+            return self._decode_at_a_checkpoint(payloads, limit, better_than, capacity,
+                                                done_with)
+        n = min(n, limit)
         if n <= better_than:
             return None
-        if self.kinds.has_head:  # written with --mtp off: the head drafts over zeros there
-            metrics.MTP_HISTORY_MISSING.inc(sum(
-                min(ends[i], n) - (ends[i - 1] if i else 0) for i in headless
-                if (ends[i - 1] if i else 0) < n))
-        full = self.kinds.full_count
-        if not self.kinds.checkpointed:
-            return codec.decode_blocks(payloads, capacity, done_with, layers=full), None, n
+        layers, headers = (codec.decode_stream(
+            payloads.__getitem__, counts, tail, capacity, done_with,
+            layers=self.kinds.full_count) if self.kinds.has_full else ([], [tail]))
+        self._count_missing_head(headers, n)
+        if not checkpointed:
+            return layers, None, n
+        return layers, self._checkpoint(payloads, last), n
+
+    def _decode_at_a_checkpoint(self, payloads, limit: int, better_than: int, capacity: int,
+                                done_with=None):
+        """`_decode` where the last block does not say: every header read, the restore point
+        found among the blocks that carry a checkpoint, the blocks up to it decoded."""
+        headers = [self._header(payloads, i) for i in range(len(payloads))]
+        ends = list(itertools.accumulate(h.n_tokens for h in headers))
+        stated = [i for i, h in enumerate(headers) if h.has_state]
+        n = self.kinds.restore_point([ends[i] for i in stated], min(ends[-1], limit))
+        if n <= better_than:
+            return None
         i = max(i for i in stated if ends[i] == n)
+        self._count_missing_head(headers[:i + 1], n)
+        layers = (codec.decode_blocks(payloads[:i + 1], capacity, done_with,
+                                      layers=self.kinds.full_count)
+                  if self.kinds.has_full else [])
+        return layers, self._checkpoint(payloads, i), n
+
+    def _header(self, payloads, i: int):
         try:
-            state = self.kinds.checkpoint_from_arrays(codec.decode_state(payloads[i]))
+            header = decode_header(payloads[i])[0]
+            self.kinds.check_block(header)
         except CorruptBlock as e:
             raise CorruptBlock(str(e), index=i) from None
-        layers = (codec.decode_blocks(payloads[:i + 1], capacity, done_with, layers=full)
-                  if self.kinds.has_full else [])
-        return layers, state, n
+        return header
+
+    def _checkpoint(self, payloads, i: int) -> Checkpoint:
+        try:
+            return self.kinds.checkpoint_from_arrays(codec.decode_state(payloads[i]))
+        except CorruptBlock as e:
+            raise CorruptBlock(str(e), index=i) from None
+
+    def _count_missing_head(self, headers: list, n: int) -> None:
+        """Tokens of the first n restored from blocks written with --mtp off: the head
+        drafts over zeros there (kvbank_mtp_history_missing_tokens_total)."""
+        if not self.kinds.has_head:
+            return
+        start, missing = 0, 0
+        for h in headers:
+            if not carries_head(h):
+                missing += max(0, min(start + h.n_tokens, n) - start)
+            start += h.n_tokens
+        metrics.MTP_HISTORY_MISSING.inc(missing)
 
 
 def _stored_blocks(store: StoreReader | None, ids: list[BlockId]) -> int:

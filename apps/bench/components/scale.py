@@ -354,7 +354,8 @@ def _report(*, geometry, g, tokens, sized, conversations, write_pairs, turns, tu
         "restores": restores,
         "read_vs_raw": _median(restores, "read_vs_raw"),
         "restore_vs_raw": _median(restores, "restore_vs_raw"),
-        "decode_s_median": _median(restores, "decode_s"),
+        # the restore's time past its read phase: the copies overlap the reads
+        "after_read_s_median": _median(restores, "after_read_s"),
         "read_mb_s": _median(restores, "read_mb_s"), "raw_mb_s": _median(restores, "raw_mb_s"),
         "restore_s_median": _median(restores, "restore_s"),
         "suspect": [{k: x[k] for k in ("agent", "read_vs_raw", "io")} for x in suspect],
@@ -454,7 +455,7 @@ def _restore_pair(w, disk: Disk, probe: ReadProbe, store: Path, name: str, promp
             "blocks": len(read["ids"]), "bytes_read": nbytes, "raw_bytes": raw["bytes"],
             "same_blocks": same and raw["bytes"] == nbytes,
             "restore_s": round(restore_s, 3), "read_s": round(read_s, 3),
-            "decode_s": round(restore_s - read_s, 3), "raw_s": round(raw["s"], 3),
+            "after_read_s": round(restore_s - read_s, 3), "raw_s": round(raw["s"], 3),
             "read_mb_s": round(nbytes / read_s / 1e6, 1),
             "restore_mb_s": round(nbytes / restore_s / 1e6, 1),
             "raw_mb_s": round(raw["bytes"] / raw["s"] / 1e6, 1),

@@ -1,12 +1,13 @@
 """`kvbank bench scale`'s yardsticks: the disk beside each restore and each write, and the
 memory of every process through each phase.
 
-- `ReadProbe`: a restore's read phase apart from its decode. The restore reads through the
-  store's `StoreReader.get_blocks(ids, decode=...)` (kvbank/contracts/store_layout.py): py-lmdb
-  faults every page of a value in as it is got, so the get loop is the read, and `decode` is
-  called once every block was got. The probe wraps that one call: the block ids read, their
-  bytes (the sum of the values' lengths: what was read, every checkpoint-bearing block in the
-  chain included), the read phase's seconds and its I/O counters.
+- `ReadProbe`: a restore's read phase. The restore reads through the store's
+  `StoreReader.get_blocks(ids, decode=...)` (kvbank/contracts/store_layout.py): py-lmdb faults
+  every page of a value in as it is got, so the get loop, on a thread of its own, is the read,
+  and `decode` copies each block once it is got (the two overlap). The probe wraps that one
+  call: the block ids read, their bytes (the sum of the values' lengths: what was read, every
+  checkpoint-bearing block in the chain included), the get loop's seconds (`Reading.read_s`)
+  and the call's I/O counters.
 - `Disk`: a process of its own (spawned; its memory is not the worker's) that reads the same
   blocks of the same store file cold with a no-copy `get` loop (apps/bench/disk.py
   `raw_get`), writes as the
@@ -51,22 +52,19 @@ class ReadProbe:
         def get_blocks(ids, decode=None):
             if decode is None:
                 return inner(ids)
-            call = {"ids": [bytes(b) for b in ids], "t0": time.perf_counter(),
-                    "io0": io_counters()}
+            call = {"ids": [bytes(b) for b in ids], "io0": io_counters()}
+            seen = []
 
             def timed(views, done_with=None):
-                call["read_s"] = time.perf_counter() - call["t0"]
-                call["io_read"] = delta(io_counters(), call["io0"])
-                call["bytes"] = sum(len(v) for v in views)
-                t = time.perf_counter()
-                try:
-                    return decode(views, done_with=done_with)
-                finally:
-                    call["decode_in_get_s"] = time.perf_counter() - t
+                seen.append(views)
+                return decode(views, done_with=done_with)
 
             try:
                 return inner(ids, decode=timed)
-            finally:
+            finally:  # the gets have ended: `get_blocks` joins them before it returns
+                call["io_read"] = delta(io_counters(), call.pop("io0"))
+                if seen:
+                    call["read_s"], call["bytes"] = seen[0].read_s, seen[0].nbytes
                 probe.calls.append(call)
 
         store.get_blocks = get_blocks
