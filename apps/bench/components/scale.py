@@ -19,11 +19,14 @@ process. The bank's cap is the user's `--memory-budget` less what the process he
    rate before and after the pair (its memory phase) and each writer's CPU seconds per GB.
 2. **Returns from SSD**: `--turns` rounds, each agent back in turn with `--turn-tokens` more
    tokens, restored from SSD (the others released, everything written, the page cache
-   dropped). Each restore is paired with a cold read of the same blocks of the same store file
-   by a no-copy `get` loop in another process (`raw_get`), in alternating order. Reported
-   apart: the restore's read phase (its `get` loop) against the raw read (about 1 expected:
-   the same I/O), the decode, the whole restore against the raw read, the bytes actually
-   read, and each side's /proc I/O counters (`read_bytes`: what reached the disk).
+   dropped). Each restore is paired with cold reads of the same blocks of the same store file
+   by a no-copy `get` loop in another process (`raw_get`), in alternating order: the faster
+   of RAW_READS reads, each after its own page-cache drop (this VM's reads of the same bytes
+   vary 1.0-1.8 s from one drop to the next; the disk's limit is its best). Reported apart:
+   the restore's read phase (its `get` loop, which the copies overlap) against the raw read
+   (about 1 expected: the same I/O), the restore's time past its read, the whole restore
+   against the raw read, the bytes actually read, and each side's /proc I/O counters
+   (`read_bytes`: what reached the disk).
 3. **Prefetch** (scale_prefetch.py): the hint as in service: its read on the worker's
    background path; each return after a think time swept around the read time; its time to
    first forward against a RAM hit's, and whether the hint landed first.
@@ -38,7 +41,7 @@ Goals (`goals`): restore read phase >= 0.9 of the raw read, whole restore >= 0.8
 >= 0.7 of the matched writer in every pair (every memory phase); every phase's peak <= 1.1 x
 `--memory-budget`; every release's write-out only the last turn's blocks and nothing unwritten
 dropped. A read phase faster than the raw read by more than 10 % is not a result but a
-measurement to look into (`suspect`).
+measurement to look into (`suspect`), and neither is the whole restore measured against it.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ WRITERS = ("kvbank", "raw", "ceiling")
 GOALS = {"read_vs_raw": 0.9, "restore_vs_raw": 0.8, "write_vs_raw": 0.7,
          "peak_vs_budget": 1.1}
 SUSPECT_ABOVE = 1.1  # a read phase this much faster than the same read raw: look into it
+RAW_READS = 2  # cold raw reads of a restore's blocks, the fastest kept
 
 
 def conversation_bytes(g: dict, tokens: int, turns: int, turn_tokens: int) -> int:
@@ -395,7 +399,8 @@ def withhold(out: dict) -> dict:
     where their comparison was not fair: the restores' where the reads were not of the same
     blocks, the writes' where the bytes differed, both where the page cache was not dropped
     or the order did not alternate. A read phase faster than the same read raw by more than
-    SUSPECT_ABOVE (`suspect`) meets no goal: it is a measurement to look into."""
+    SUSPECT_ABOVE (`suspect`) meets no goal, nor the whole restore against the same raw reads:
+    they are a measurement to look into."""
     f = out["fairness"]
     common = f["page_cache_dropped"] and f["orders_alternate"]
     withheld = []
@@ -417,8 +422,9 @@ def withhold(out: dict) -> dict:
         g_["met"] = None if v is None else (v >= float(bound) if op == ">=" else
                                             v <= float(bound))
     if out["suspect"] and out["read_vs_raw"] is not None:
-        out["goals"]["read_vs_raw"].update(met=None, note="a read phase faster than the same "
-                                           "read raw (suspect): a measurement to look into")
+        for key in ("read_vs_raw", "restore_vs_raw"):
+            out["goals"][key].update(met=None, note="a read phase faster than the same read "
+                                     "raw (suspect): a measurement to look into")
     return out
 
 
@@ -430,8 +436,7 @@ def _restore_pair(w, disk: Disk, probe: ReadProbe, store: Path, name: str, promp
     raw_first = r % 2 == 1
     raw = None
     if raw_first:
-        drop_caches(store)
-        raw = disk.call(raw_get, store.parent, predicted)
+        raw = _raw_best(disk, store, predicted)
     drop_caches(store)
     probe.attach(w.h.restorer.store())
     probe.take()
@@ -446,8 +451,7 @@ def _restore_pair(w, disk: Disk, probe: ReadProbe, store: Path, name: str, promp
     read = calls[-1]
     same = read["ids"] == predicted
     if not raw_first:
-        drop_caches(store)
-        raw = disk.call(raw_get, store.parent, read["ids"])
+        raw = _raw_best(disk, store, read["ids"])
     restore_s, read_s = row["restore_s_exact"], read["read_s"]
     nbytes = read["bytes"]
     return {"agent": name, "tokens": n, "restored_tokens": row["cached_tokens"],
@@ -456,6 +460,7 @@ def _restore_pair(w, disk: Disk, probe: ReadProbe, store: Path, name: str, promp
             "same_blocks": same and raw["bytes"] == nbytes,
             "restore_s": round(restore_s, 3), "read_s": round(read_s, 3),
             "after_read_s": round(restore_s - read_s, 3), "raw_s": round(raw["s"], 3),
+            "raw_s_each": raw["s_each"],
             "read_mb_s": round(nbytes / read_s / 1e6, 1),
             "restore_mb_s": round(nbytes / restore_s / 1e6, 1),
             "raw_mb_s": round(raw["bytes"] / raw["s"] / 1e6, 1),
@@ -465,6 +470,17 @@ def _restore_pair(w, disk: Disk, probe: ReadProbe, store: Path, name: str, promp
             # what the coldstore read from the disk while it wrote the turn (its blocks only)
             "turn_write_coldstore_io": cs_io,
             "to_first_forward_s": row["to_first_forward_s"]}
+
+
+def _raw_best(disk: Disk, store: Path, ids: list[bytes]) -> dict:
+    """The fastest of RAW_READS cold raw reads of `ids`, each after a page-cache drop, with
+    every read's seconds (`s_each`)."""
+    reads = []
+    for _ in range(RAW_READS):
+        drop_caches(store)
+        reads.append(disk.call(raw_get, store.parent, ids))
+    best = min(reads, key=lambda r: r["s"])
+    return {**best, "s_each": [round(r["s"], 3) for r in reads]}
 
 
 def add_arguments(p) -> None:
