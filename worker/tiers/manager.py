@@ -227,24 +227,35 @@ class KVManager:
             in_ram=lambda k: bool(self.bank.session_entries(k)))
         if self.prefetcher.reading_for(session):  # its hint's read lands first: a RAM hit
             return Start.WAIT_PREFIX
-        hit = self.bank.lookup(tokens, tenant, ids, limit=len(tokens) - 1)
-        taken_over = (hit.entry.nbytes if hit and not req.no_cache and self.restorer.takes_over(
-            hit.entry, hit.n_tokens, session, len(tokens)) else 0)
         try:
-            receipt = self.eviction.make_room(
-                pricing=self.pricing, budget=self.budget(), need=need, solo_need=solo_need,
-                tokens=tokens, tenant=tenant, session_id=session[1], running=running,
-                chain_shed=self.chain_shed, taken_over=taken_over, hit=hit)
+            receipt = self.make_room(tokens, ids, tenant, session, need=need,
+                                     solo_need=solo_need, running=running,
+                                     no_cache=req.no_cache)
         except Refused as e:
             self._log_admission(req, session, e.receipt)
             raise
-        finally:
-            self.refresh()
         if receipt.decision == Decision.WAIT:
             return Start.WAIT_MEMORY
         self._log_admission(req, session, receipt)
         return Admission(job, tokens, ids, session, self.conversations.history(session),
                          receipt)
+
+    def make_room(self, tokens: np.ndarray, ids: list[BlockId], tenant: str,
+                  session: SessionKey, *, need: int, solo_need: int, running: int,
+                  no_cache: bool = False):
+        """Admission's memory step for a request of `need` bytes (`EvictionPolicy.make_room`):
+        the conversation's entry it takes as its own cache counts once (`Restorer.takes_over`).
+        Returns the receipt (admitted, or wait); raises Refused."""
+        hit = self.bank.lookup(tokens, tenant, ids, limit=len(tokens) - 1)
+        taken_over = (hit.entry.nbytes if hit and not no_cache and self.restorer.takes_over(
+            hit.entry, hit.n_tokens, session, len(tokens)) else 0)
+        try:
+            return self.eviction.make_room(
+                pricing=self.pricing, budget=self.budget(), need=need, solo_need=solo_need,
+                tokens=tokens, tenant=tenant, session_id=session[1], running=running,
+                chain_shed=self.chain_shed, taken_over=taken_over, hit=hit)
+        finally:
+            self.refresh()
 
     def start(self, a: Admission, own: int, forward: int, decoding
               ) -> tuple[Restoring, bool]:

@@ -220,6 +220,8 @@ def run(*, geometry: str = "qwen3.6-27b", tokens: int | None = None, conversatio
                              f"{base_rss / 1e9:.2f} GB, less than one conversation "
                              f"({conv_bytes / 1e9:.2f} GB at its largest)")
         w.bank.max_bytes = bank_bytes
+        w.admit_under(memory_budget, base_rss, bytes_per_token=g["bytes_per_token"],
+                      checkpoint_bytes=cp_bytes, first_chunk=first_chunk)
         logger.info("%d conversations of %d tokens of %s (%s), memory budget %.2f GB",
                     max(conversations, write_pairs), tokens, geometry, sized["chosen_by"],
                     memory_budget / 1e9)

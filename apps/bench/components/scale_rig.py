@@ -35,6 +35,18 @@ class Rig:
                            block_tokens=block_tokens, bank_bytes=bank_bytes, active_pin_s=0)
         self.kinds, self.bank, self.block_tokens = kinds, self.h.bank, block_tokens
 
+    def admit_under(self, memory_budget: int, held_before: int, *, bytes_per_token: int,
+                    checkpoint_bytes: int, first_chunk: int) -> None:
+        """The worker's memory budget from here on: what the processes held before the bank
+        is the fixed part of the worker's price list (kvbank/contracts/pricing.py), the
+        synthesized forwards hold no transients, and each return is admitted as the engine
+        admits a request (`KVManager.make_room`); prefetch hints take what it leaves."""
+        from kvbank.contracts.pricing import Pricing
+
+        self.h.pricing = Pricing(kv_bytes_per_token=bytes_per_token, fixed_bytes=held_before,
+                                 chunk_tokens=first_chunk, state_bytes=2 * checkpoint_bytes)
+        self.h.budget = lambda: memory_budget
+
     def key(self, name: str) -> tuple[str, str]:
         return (TENANT, name)
 
@@ -82,27 +94,42 @@ class Rig:
 
     def come_back(self, name: str, prompt, *, seed: int, every: int, first_chunk: int
                   ) -> dict:
-        """A conversation's next turn, as the engine runs it: its cache from the worker's
-        restorer (RAM, or SSD when RAM has it not), room for the prompt (`with_room`, the
-        scheduler's), the forwards (synthesized: scale_kv.forward) with the checkpoints the
-        worker takes every `every` tokens and at the turn's end, then the engine's commit.
-        Times: the restore, and restore to the first forward evaluated (`first_chunk`
-        tokens, the worker's --prefill-chunk-tokens)."""
+        """A conversation's next turn, as the engine runs it: admitted under the budget
+        (`admit_under`: room made, its cache reserved), its cache from the worker's restorer
+        (RAM, or SSD when RAM has it not), the history copied where its buffer has no room for
+        the prompt (`copies_history`, `with_room`: the engine's, the scheduler's), the forwards
+        (synthesized: scale_kv.forward) with the checkpoints the worker takes every `every`
+        tokens and at the turn's end, then the engine's commit. Times: the restore, and
+        restore to the first forward evaluated (`first_chunk` tokens, the worker's
+        --prefill-chunk-tokens)."""
+        from kvbank.blocks import chain_block_ids
         from kvbank.v1 import api_pb2
+        from kvbank.contracts.vocabulary import Decision
 
         from kvbank.apps.bench.components.scale_kv import forward
 
         key = self.key(name)
+        own = 0
+        if self.h.pricing is not None:
+            own = self.h.pricing.own_bytes(len(prompt), 0)
+            ids = chain_block_ids(prompt, self.h.root_for(TENANT), self.block_tokens)
+            while self.h.make_room(prompt, ids, TENANT, key, need=own, solo_need=own,
+                                   running=0).decision == Decision.WAIT:
+                self.h.writer.pump(timeout_s=0.05)  # writes in flight hold the room
+        self.bank.begin_request(key)
+        self.bank.reserve_active(key, own)
         t0 = time.perf_counter()
         taken = self.h.restore(prompt, TENANT, key)
         cache, cached, source, handed = taken.cache, taken.cached, taken.source, taken.handed
         restore_s = time.perf_counter() - t0
+        self.h.copies_history(key, handed, len(prompt))
         self.kinds.with_room(cache, len(prompt))
         room_s = time.perf_counter() - t0
         splits = self.kinds.splits(cached, len(prompt), (), every)
         checkpoints, first_s = forward(self.kinds, cache, cached, len(prompt), seed=seed,
                                        splits=splits, first_chunk=first_chunk)
         self.h.commit(key, prompt, cache, handed=handed, checkpoints=checkpoints)
+        self.bank.end_request(key)
         return {"source": api_pb2.CacheSource.Name(source).removeprefix("CACHE_SOURCE_").lower(),
                 "cached_tokens": cached, "tokens": len(prompt),
                 "restore_s": round(restore_s, 3), "restore_s_exact": restore_s,
