@@ -261,6 +261,51 @@ def test_blocks_carry_the_checkpoint_at_their_end_and_refuse_a_flipped_byte(kind
         codec.decode_blocks([frames[0], bytes(bad), frames[2]])
 
 
+def test_a_restore_copies_the_blocks_read_so_far_while_it_reads_the_rest(kinds):
+    """A restore's reads and copies overlap (kvbank/contracts/store_layout.py `Reading`,
+    worker/kv/codec.py `decode_stream`): the read of the third block waits until the first
+    one is copied, which only a restore that copies blocks as they come lets happen; the
+    cache it gives continues as the one written. Event-driven: a restore that waited for
+    every read first leaves the read waiting, the block missing, and the test failing."""
+    import threading
+
+    from kvbank.blocks import decode_header
+    from kvbank.contracts.store_layout import MissingBlock, Reading
+
+    n = 10
+    tokens = list(range(1, n + 1))
+    layers, end = kinds.freeze(_run(kinds, tokens), n)
+    views = arrays.layer_views(layers)
+    frames = [codec.encode_views(views, "float32", s, min(s + B, n), layout=kinds.layout,
+                                 state=kinds.checkpoint_views(end) if min(s + B, n) == n
+                                 else None) for s in range(0, n, B)]
+    first_copied = threading.Event()
+    order = []
+
+    def get(i):
+        order.append(i)
+        if i == 1 and not first_copied.wait(timeout=30):  # the order: last, 0, then 1
+            return None
+        return frames[i]
+
+    reading = Reading(len(frames))
+    getter = threading.Thread(target=reading.get_all, args=(get,))
+    getter.start()
+    header = decode_header(reading[-1])[0]  # got first: where the restore stops
+    try:
+        got, headers = codec.decode_stream(
+            reading.__getitem__, [B, B, header.n_tokens], header, capacity=16,
+            done_with=lambda raw: first_copied.set() if raw is frames[0] else None)
+    except MissingBlock:
+        pytest.fail("the restore waited for every block to be read before it copied one")
+    finally:
+        getter.join()
+    assert order == [2, 0, 1] and len(headers) == 3 and reading.nbytes == sum(map(len, frames))
+    state = kinds.checkpoint_from_arrays(codec.decode_state(frames[-1]))
+    more = [3, 1, 4]
+    assert _continues(kinds, kinds.restore(got, state, n, owned=True), tokens + more, more)
+
+
 def test_a_restore_from_lmdb_stands_at_the_last_block_that_carries_a_checkpoint(
         kinds, tmp_path):
     """Real LMDB: blocks through the coldstore's own writes, read back by the Restorer."""

@@ -294,7 +294,7 @@ class Restorer:
             return None
         layers, headers = (codec.decode_stream(
             payloads.__getitem__, counts, tail, capacity, done_with,
-            layers=self.kinds.full_count) if self.kinds.has_full else ([], [tail]))
+            layers=self.kinds.full_count) if self.kinds.has_full else ([], []))
         self._count_missing_head(headers, n)
         if not checkpointed:
             return layers, None, n
