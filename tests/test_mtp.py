@@ -423,6 +423,86 @@ def _arch_model(arch: str):
     return build_model(config, seed=1)[0]
 
 
+def test_answers_beside_each_other_draft_as_each_measures_and_answer_as_plain(models,
+                                                                              trained_path):
+    """Two answers on their own caches at once (contexts apart: not batched), through the
+    worker's scheduler with the trained head: the one that comes second drafts beside the
+    first from its first step (`Pace` tries drafting until it has a figure), the first takes
+    undrafted steps beside it too (tried until measured), and both answers are mlx-lm's
+    greedy decoding from scratch, token for token."""
+    import time
+
+    from kvbank.v1 import api_pb2, worker_pb2
+    from kvbank.worker import commands as cmd
+    from kvbank.worker.compute.decoding import Decoding, make_request_sampler
+    from kvbank.worker.compute.mtp.serving import load_mtp
+    from kvbank.worker.compute.scheduler import BatchScheduler, Running
+    from kvbank.worker.kv.cache_kinds import CacheKinds
+
+    model, _ = models["trained"]
+    kinds = CacheKinds.of(model)
+    mtp, message = load_mtp(model, trained_path, kinds, mode="auto", depth=2)
+    assert mtp is not None, message
+    s = BatchScheduler(model, max_active=4, eos_token_ids=[], decode=lambda ids: "",
+                       prefill_step_tokens=64, kinds=kinds, mtp=mtp, own_lead_tokens=1,
+                       may_join=lambda joining: False)
+
+    def request(prompt):
+        job = cmd.Generate(worker_pb2.WorkerGenerateRequest(), emit=lambda ev: None)
+        return Running(job=job, tokens=np.array(prompt, dtype=np.uint32), bank_key=("", "t"),
+                       session=None, cached=0, source=api_pb2.CACHE_SOURCE_NONE, known=0,
+                       started=time.monotonic(), stops=[], detok=_Detok(),
+                       decoding=Decoding(make_request_sampler(0.0, 0.0, None)))
+
+    a_prompt, b_prompt = _prompts(1, 40, seed=31)[0], _prompts(1, 90, seed=32)[0]
+    a, b = request(a_prompt), request(b_prompt)
+    s.add(a, kinds.new_cache(), 80)
+    while len(a.completion) < 4:  # alone: it drafts
+        s.step()
+    assert a.drafted > 0
+    s.add(b, kinds.new_cache(), 16)
+    ended = []
+    while b not in ended:
+        ended += [r for r, _ in s.step()]
+    assert a not in ended and b.drafted > 0  # b drafted, all of its answer beside a
+    while s:
+        s.step()
+    for r, prompt, n in ((a, a_prompt, 80), (b, b_prompt, 16)):
+        assert r.completion == [t for t, _ in _plain(model, prompt, n)]
+
+
+class _Detok:
+    """A detokenizer that keeps no text (the scheduler checks stops on it)."""
+
+    text = last_segment = ""
+
+    def reset(self):
+        pass
+
+    def add_token(self, token):
+        pass
+
+    def finalize(self):
+        pass
+
+
+def test_pace_takes_the_cheaper_way_and_measures_the_other_again():
+    """`Pace` (worker/compute/mtp/serving.py): each way is tried until it has a figure, then
+    the cheaper a token is taken, and after PACE_RETRY steps one way the other is tried once."""
+    from kvbank.worker.compute.mtp.serving import PACE_RETRY, Pace
+
+    p = Pace()
+    assert p.speculates() is True  # no figure for drafting yet
+    p.drafted(0.3, 3)  # 0.1 s a token
+    assert p.speculates() is False  # no figure for a plain step yet
+    p.plain(0.2)
+    choices = [p.speculates() for _ in range(PACE_RETRY + 2)]
+    assert choices[:PACE_RETRY - 1] == [True] * (PACE_RETRY - 1)
+    assert False in choices  # the plain way measured again
+    p.drafted(3.0, 1)  # drafting turned costly (a head that drafts badly here)
+    assert [p.speculates() for _ in range(3)] == [False] * 3
+
+
 def test_qwen3_next_greedy_answers_equal_plain_decoding():
     """Qwen3-Next's head (its MoE layer: router, experts, shared expert) and its own Gated
     DeltaNet class: tokens equal mlx-lm's greedy decoding, logprobs within 1e-4."""

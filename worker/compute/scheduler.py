@@ -459,6 +459,8 @@ class BatchScheduler:
                 token = int(token.item())
                 if o.mtp is not None:
                     o.mtp.state.tokens = [token]  # the pending row's next token
+                    if len(x) == 1 and r.completion:  # a decode step it took undrafted
+                        o.mtp.pace.plain(time.perf_counter() - t0)
             finish = ("stop" if token in self.eos
                       else "length" if len(r.completion) + 1 >= o.max_tokens else None)
             resp = SimpleNamespace(uid=r.uid, token=token, logprobs=logprobs[0],
@@ -499,10 +501,15 @@ class BatchScheduler:
         return [(r, o.cache)]
 
     def _speculates(self, o: _Own) -> bool:
-        """Whether `o` drafts this step: only while it decodes alone (no batch, no other
-        answer on its own cache). Rows of a batch would each accept their own number of
-        drafts; oMLX measured MTP per row inside a batch slower than plain batched decode."""
-        return not self._in_batch() and len(self._decoders) == 1
+        """Whether `o` drafts this step: always while it decodes alone (no batch, no other
+        answer on its own cache); beside others, while a drafted token has cost it less than
+        an undrafted one (`Pace`: each answer on its own cache runs its own forwards, so its
+        choice is its own). Not in mlx-lm's batch: its rows would each keep their own number
+        of drafts, and oMLX measured MTP per row inside a batch slower than plain batched
+        decode."""
+        if not self._in_batch() and len(self._decoders) == 1:
+            return True
+        return o.mtp.pace.speculates()
 
     def _speculate(self, o: _Own) -> list[tuple[Running, list]]:
         """One speculative round of `o` (worker/compute/mtp/decode.py): its tokens taken one
@@ -510,6 +517,7 @@ class BatchScheduler:
         cache rolled back to the last one kept."""
         r, run, dec = o.r, o.mtp, self.mtp.decoder
         accepted = dec.stats.accepted
+        t0 = time.perf_counter()
         out = dec.speculate(r.completion[-1], None, run.sampling, o.cache, run.state, run.spec,
                             o.max_tokens - len(r.completion), self.eos)
         kept, ended = 0, False
@@ -523,6 +531,7 @@ class BatchScheduler:
                 ended = True
                 break
         dec.settle(run.state, run.spec, kept)
+        run.pace.drafted(time.perf_counter() - t0, kept)
         r.drafted += dec.depth
         r.accepted += min(dec.stats.accepted - accepted, kept)
         return self._end_own(o, r.completion[-1]) if ended else []

@@ -14,16 +14,18 @@ both are counted, evicted, written to SSD and restored with the rest
 Which requests speculate (the scheduler asks `MTP.run_for`): a request with no logits
 processors (penalties, logit_bias and grammars run in mlx-lm's BatchGenerator, where a
 processor that keeps state, a grammar's matcher, would be stepped by drafts that are then
-rejected: those requests decode plainly, and exactly as without MTP). A request speculates
-only while it decodes alone, on its own cache; while others decode beside it, it takes one
-token a step as before, its head's history kept current, and speculates again when it is
-alone. A request that joins mlx-lm's batch decodes plainly to its end.
+rejected: those requests decode plainly, and exactly as without MTP). A request on its own
+cache speculates while it decodes alone. Beside other answers on their own caches (each
+runs its own forwards there), each step it drafts or takes one token, whichever has cost it
+less a token so far (`Pace`: measured as it runs, each way tried until it is measured, and
+the other tried again now and then); either way its head's history is kept current. A
+request that joins mlx-lm's batch decodes plainly to its end.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbank.mtp_head import read_head
@@ -35,6 +37,44 @@ logger = logging.getLogger(__name__)
 
 MODES = ("auto", "off")
 DEFAULT_DEPTH = 2
+PACE_WEIGHT = 0.25  # of the newest step in a `Pace` average
+PACE_RETRY = 16  # steps taken one way before the other is measured again
+
+
+@dataclass
+class Pace:
+    """What a token has cost one request on its own cache, drafting (a speculative round's
+    seconds over the tokens it gave) and not (one forward's seconds), each an exponential
+    average; beside other answers, the scheduler takes the cheaper (`speculates`). Each way is
+    tried until it has a figure, and after PACE_RETRY steps one way the other is tried once, so
+    a figure that has gone stale (a longer context, a head that drafts worse here) is taken
+    again."""
+
+    draft_s: float | None = None
+    plain_s: float | None = None
+    _run: int = 0  # steps taken the same way in a row
+    _last: bool | None = None
+
+    def speculates(self) -> bool:
+        if self.draft_s is None or self.plain_s is None:
+            choice = self.draft_s is None
+        else:
+            choice = self.draft_s < self.plain_s
+            if self._last == choice and self._run >= PACE_RETRY:
+                choice = not choice
+        self._run = self._run + 1 if choice == self._last else 1
+        self._last = choice
+        return choice
+
+    def drafted(self, seconds: float, tokens: int) -> None:
+        self.draft_s = _average(self.draft_s, seconds / max(1, tokens))
+
+    def plain(self, seconds: float) -> None:
+        self.plain_s = _average(self.plain_s, seconds)
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else old + PACE_WEIGHT * (new - old)
 
 
 @dataclass
@@ -47,6 +87,7 @@ class MTPRun:
     sampling: Sampling
     drafted: int = 0
     accepted: int = 0
+    pace: Pace = field(default_factory=Pace)
 
 
 class MTP:
