@@ -25,8 +25,15 @@ model, `--mtp auto` at one depth and `--mtp off`, each sent N requests at once (
 prompts, no cache), by turns. A request's decode is the time from its first token (its
 start plus its time to first token) to its end; the rate is the N requests' tokens after
 their first over the span from the first first token to the last end. Several requests
-decoding at once fall back to plain batched decode (the worker drafts only for one decoding
-alone): the goal there is never to be slower than plain.
+decoding at once in mlx-lm's batch decode plainly: the goal there is never to be slower than
+plain.
+
+`--agents 2,4 --beside` measures answers on their own caches beside each other instead (as
+the worker decodes them when their contexts are too far apart to batch, or the join's copy
+does not fit): in this process, through the worker's scheduler (`run_beside`), with the MTP
+head (each answer drafting or not per step, by what a token has cost it: `Pace`) and
+without, N seeded prompts of different lengths read, then timed from the last first token
+to the end.
 """
 
 from __future__ import annotations
@@ -68,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agents", default=None, metavar="N,N",
                    help="through the worker instead: N requests at once with the MTP head "
                         "(at the first of --depths) and without, e.g. 1,2,4")
+    p.add_argument("--beside", action="store_true",
+                   help="with --agents: the answers on their own caches beside each other, "
+                        "in this process through the worker's scheduler (not batched)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="print the result as JSON (to FILE if given)")
 
@@ -340,12 +350,83 @@ def _at_once(stack, n: int, tokens: int, prompt_tokens: int, seed: int) -> dict:
             "accepted": sum(turn.usage.get("accepted_tokens", 0) for _, _, turn in done)}
 
 
+def run_beside(*, model_dir: Path, agents: list[int], depth: int, tokens: int,
+               prompt_tokens: int, repeats: int, argv: list[str]) -> dict:
+    """`--beside` (module docstring): N answers on their own caches at once, through the
+    worker's scheduler, with the MTP head and without, alternated."""
+    from kvbank.config import preload_openblas
+
+    preload_openblas()  # before the first `import mlx` in this process
+    from mlx_lm import load
+
+    from kvbank.v1 import api_pb2, worker_pb2
+    from kvbank.worker import commands as cmd
+    from kvbank.worker.compute.decoding import Decoding, make_request_sampler
+    from kvbank.worker.compute.mtp.serving import load_mtp
+    from kvbank.worker.compute.scheduler import BatchScheduler, Running
+    from kvbank.worker.kv.cache_kinds import CacheKinds
+
+    model, tokenizer = load(str(model_dir))
+    meta = _provenance(argv)
+
+    def once(n: int, with_head: bool, seed: int) -> dict:
+        kinds = CacheKinds.of(model)
+        mtp, message = load_mtp(model, model_dir, kinds, mode="auto" if with_head else "off",
+                                depth=depth)
+        if with_head and mtp is None:
+            raise SystemExit(f"kvbank bench decode --beside: {message}")
+        s = BatchScheduler(model, max_active=n, eos_token_ids=[], decode=tokenizer.decode,
+                           kinds=kinds, mtp=mtp, own_lead_tokens=1,  # never batched together
+                           may_join=lambda joining: False)
+        rng = np.random.default_rng(seed)
+        rs = []
+        for i in range(n):
+            job = cmd.Generate(worker_pb2.WorkerGenerateRequest(), emit=lambda ev: None)
+            prompt = rng.integers(256, 20000, prompt_tokens + 8 * i).astype(np.uint32)
+            rs.append(Running(job=job, tokens=prompt, bank_key=("", f"bench-{i}"),
+                              session=None, cached=0, source=api_pb2.CACHE_SOURCE_NONE,
+                              known=0, started=time.monotonic(), stops=[],
+                              detok=tokenizer.detokenizer,
+                              decoding=Decoding(make_request_sampler(0.0, 0.0, None))))
+            s.add(rs[-1], kinds.new_cache(), tokens)
+        while any(not r.completion for r in rs):  # every prompt read, its first token out
+            s.step()
+        t0, first = time.perf_counter(), sum(len(r.completion) for r in rs)
+        while s:
+            s.step()
+        return {"tok_s": (sum(len(r.completion) for r in rs) - first)
+                / (time.perf_counter() - t0), "ids": [r.completion for r in rs],
+                "drafted": sum(r.drafted for r in rs), "accepted": sum(r.accepted for r in rs)}
+
+    rows, same = {}, True
+    for n in agents:
+        got: dict = {"mtp": [], "plain": []}
+        for r in range(repeats):
+            for side in (("mtp", "plain") if r % 2 == 0 else ("plain", "mtp")):
+                got[side].append(once(n, side == "mtp", seed=1000 * n + r))
+        same &= all(m["ids"] == p["ids"] for m, p in zip(got["mtp"], got["plain"]))
+        rows[str(n)] = {
+            "mtp_tok_s": [round(x["tok_s"], 3) for x in got["mtp"]],
+            "plain_tok_s": [round(x["tok_s"], 3) for x in got["plain"]],
+            "speedup": _med(m["tok_s"] / p["tok_s"] for m, p in zip(got["mtp"], got["plain"])),
+            "drafted_tokens": sum(x["drafted"] for x in got["mtp"]),
+            "accepted_tokens": sum(x["accepted"] for x in got["mtp"])}
+    meta["loadavg_end"] = list(os.getloadavg())
+    return {"model": str(model_dir), **meta, "beside": True,
+            "args": {"agents": agents, "depth": depth, "tokens": tokens,
+                     "prompt_tokens": prompt_tokens, "repeats": repeats},
+            "agents": rows, "same_tokens": same,
+            "goal": "beside each other, never slower than plain (speedup >= 1)",
+            "not_slower": min(r["speedup"] for r in rows.values()) >= 1.0}
+
+
 def print_agents_summary(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
     a = result["args"]
-    t = Table(title=f"kvbank bench decode --mtp --agents: {a['tokens']} tokens each after a "
+    t = Table(title=f"kvbank bench decode --mtp --agents{' --beside' if result.get('beside') else ''}"
+                    f": {a['tokens']} tokens each after a "
                     f"{a['prompt_tokens']}-token prompt, depth {a['depth']}, "
                     f"{Path(result['model']).name}, {a['repeats']} repeats",
               title_justify="left")
@@ -404,6 +485,9 @@ def run_cli(args: argparse.Namespace) -> int:
         sys.stderr.write("kvbank bench decode: --depths takes 1..3 (e.g. 1,2,3), --tokens "
                          ">= 2, --prompt-tokens >= 8, --repeats >= 1\n")
         return 2
+    if args.beside and not args.agents:
+        sys.stderr.write("kvbank bench decode: --beside goes with --agents (e.g. 2,4)\n")
+        return 2
     if args.agents:
         try:
             agents = [int(x) for x in args.agents.split(",") if x.strip()]
@@ -412,10 +496,10 @@ def run_cli(args: argparse.Namespace) -> int:
         if not agents or min(agents) < 1:
             sys.stderr.write("kvbank bench decode: --agents takes counts >= 1 (e.g. 1,2,4)\n")
             return 2
-        result = run_agents(model_dir=_model_dir(args.model, args.arch), agents=agents,
-                            depth=depths[0], tokens=args.tokens,
-                            prompt_tokens=args.prompt_tokens, repeats=args.repeats,
-                            argv=sys.argv)
+        result = (run_beside if args.beside else run_agents)(
+            model_dir=_model_dir(args.model, args.arch), agents=agents, depth=depths[0],
+            tokens=args.tokens, prompt_tokens=args.prompt_tokens, repeats=args.repeats,
+            argv=sys.argv)
         print_agents_summary(result)
         write_json(result, args.json)
         return 0
