@@ -303,14 +303,8 @@ def run_agents(*, model_dir: Path, agents: list[int], depth: int, tokens: int,
                     for side in (("mtp", "plain") if r % 2 == 0 else ("plain", "mtp")):
                         got[side].append(_at_once(stacks[side], n, tokens, prompt_tokens,
                                                   seed=1000 * n + r))
-                same &= all(m["ids"] == p["ids"] for m, p in zip(got["mtp"], got["plain"]))
-                rows[str(n)] = {
-                    "mtp_tok_s": [round(x["tok_s"], 3) for x in got["mtp"]],
-                    "plain_tok_s": [round(x["tok_s"], 3) for x in got["plain"]],
-                    "speedup": _med(m["tok_s"] / p["tok_s"]
-                                    for m, p in zip(got["mtp"], got["plain"])),
-                    "drafted_tokens": sum(x["drafted"] for x in got["mtp"]),
-                    "accepted_tokens": sum(x["accepted"] for x in got["mtp"])}
+                same &= _same(got)
+                rows[str(n)] = _row(got)
         finally:
             for stack in stacks.values():
                 stack.stop()
@@ -348,6 +342,21 @@ def _at_once(stack, n: int, tokens: int, prompt_tokens: int, seed: int) -> dict:
     return {"tok_s": after_first / span, "ids": [turn.token_ids for _, _, turn in done],
             "drafted": sum(turn.usage.get("drafted_tokens", 0) for _, _, turn in done),
             "accepted": sum(turn.usage.get("accepted_tokens", 0) for _, _, turn in done)}
+
+
+def _same(got: dict) -> bool:
+    """Every answer with the head equals the same request's without it."""
+    return all(m["ids"] == p["ids"] for m, p in zip(got["mtp"], got["plain"]))
+
+
+def _row(got: dict) -> dict:
+    """One agent count's runs with the head and without: rates, the median ratio of each
+    repeat's pair, and what the head drafted and the model kept."""
+    return {"mtp_tok_s": [round(x["tok_s"], 3) for x in got["mtp"]],
+            "plain_tok_s": [round(x["tok_s"], 3) for x in got["plain"]],
+            "speedup": _med(m["tok_s"] / p["tok_s"] for m, p in zip(got["mtp"], got["plain"])),
+            "drafted_tokens": sum(x["drafted"] for x in got["mtp"]),
+            "accepted_tokens": sum(x["accepted"] for x in got["mtp"])}
 
 
 def run_beside(*, model_dir: Path, agents: list[int], depth: int, tokens: int,
@@ -404,13 +413,8 @@ def run_beside(*, model_dir: Path, agents: list[int], depth: int, tokens: int,
         for r in range(repeats):
             for side in (("mtp", "plain") if r % 2 == 0 else ("plain", "mtp")):
                 got[side].append(once(n, side == "mtp", seed=1000 * n + r))
-        same &= all(m["ids"] == p["ids"] for m, p in zip(got["mtp"], got["plain"]))
-        rows[str(n)] = {
-            "mtp_tok_s": [round(x["tok_s"], 3) for x in got["mtp"]],
-            "plain_tok_s": [round(x["tok_s"], 3) for x in got["plain"]],
-            "speedup": _med(m["tok_s"] / p["tok_s"] for m, p in zip(got["mtp"], got["plain"])),
-            "drafted_tokens": sum(x["drafted"] for x in got["mtp"]),
-            "accepted_tokens": sum(x["accepted"] for x in got["mtp"])}
+        same &= _same(got)
+        rows[str(n)] = _row(got)
     meta["loadavg_end"] = list(os.getloadavg())
     return {"model": str(model_dir), **meta, "beside": True,
             "args": {"agents": agents, "depth": depth, "tokens": tokens,
