@@ -134,6 +134,8 @@ def test_four_agents_at_once_answer_as_each_alone(served):
     assert sum(a.usage["drafted_tokens"] for a in alone) > 0
 
 
+@pytest.mark.matrix  # make test-all: two more stacks (~18 s under the suite's load);
+# tests/test_mtp.py checks the same blocks through LMDB and the restorer in `make test`
 def test_a_conversation_kept_with_mtp_off_returns_from_ssd_with_it_on(tmp_path, cache_dir):
     """A user who turns MTP on keeps the conversations kept without it: written by a stack
     with `--mtp off`, the next turn on a `--mtp auto` stack over the same data restores from
