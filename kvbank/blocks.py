@@ -102,10 +102,11 @@ def is_quantized_block(buf: bytes | memoryview) -> bool:
     return bytes(memoryview(buf)[:4]) == _MAGIC_Q
 
 
-# The end of a block's `layout` when it carries the MTP head's history: its attention layer's
-# rows (the block's last K/V pair) and the hidden state it pairs with the next token (its
-# checkpoint's last array): worker/kv/kinds.py HeadKind and HiddenKind.
-HEAD_LAYOUT = ",mtp,mtp-hidden"
+# The tags of the MTP head's two slots (worker/kv/kinds.py HeadKind, HiddenKind), last in a
+# block's `layout` when it carries the head's history: its attention layer's rows (the block's
+# last K/V pair) and the hidden state it pairs with the next token (its checkpoint's last array).
+HEAD_TAG, HIDDEN_TAG = "mtp", "mtp-hidden"
+HEAD_LAYOUT = f",{HEAD_TAG},{HIDDEN_TAG}"
 
 
 def carries_head(header: "BlockHeader") -> bool:

@@ -183,11 +183,12 @@ def decode_stream(get, counts: list[int], like: BlockHeader, capacity: int = 0,
             headers[b] = block_header
             h = xxhash.xxh3_64() if verify and block_header.checksum is not None else None
             s, e = starts[b], starts[b + 1]
-            for pair, dsts in itertools.zip_longest(kv_arrays, targets[:len(kv_arrays)]):
+            for i, pair in enumerate(kv_arrays):
                 srcs = [x for a in pair for x in (a if isinstance(a, tuple) else (a,))]
+                dsts = targets[i] if i < len(targets) else [None] * len(srcs)  # not kept
                 # Each array hashed just before it is copied, while the cache still holds it:
                 # checking the block first reads every byte twice from memory (+22 % here).
-                for src, dst in itertools.zip_longest(srcs, dsts or ()):
+                for src, dst in zip(srcs, dsts):
                     if h is not None:
                         h.update(src)
                     if dst is not None:

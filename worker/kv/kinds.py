@@ -32,6 +32,7 @@ from typing import Callable, ClassVar, Iterable
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
+from kvbank.blocks import HEAD_TAG, HIDDEN_TAG
 from kvbank.worker.kv import arrays, quant
 from kvbank.worker.kv.arrays import Layers
 
@@ -268,7 +269,7 @@ class HeadKind(FullKind):
 
     @property
     def tag(self) -> str:
-        return "mtp"
+        return HEAD_TAG
 
     def measure(self, cache) -> Size:
         one = mx.zeros((1, self.kv_heads, 1, self.head_dim), self.dtype)
@@ -337,7 +338,7 @@ class HiddenKind(CacheKind):
 
     @property
     def tag(self) -> str:
-        return "mtp-hidden"
+        return HIDDEN_TAG
 
     def fresh(self) -> ArraysCache:
         return ArraysCache(1)
