@@ -67,7 +67,9 @@ FLUSH_ON_STOP_S = 10.0
 EXPIRE_EVERY_S = 60.0
 DEFAULT_ANONYMOUS_TTL_S = 7 * 86400.0
 WORKER_PEER = b"worker"  # the worker's DEALER identity
-KEEP_FREED_BYTES = 1 << 30  # glibc's trim threshold: none while writing (`keep_freed_pages`)
+# glibc's trim threshold: none while writing (`keep_freed_pages`), but no more than two of
+# the largest blocks beyond the payloads held (`ColdstoreServer._bound_heap`)
+KEEP_FREED_BYTES = 1 << 30
 
 
 def keep_freed_pages() -> None:
@@ -115,6 +117,8 @@ class ColdstoreServer:
         self.state.connect(layout.worker_state_address)
         self.stopping = False
         self._heap_used = False  # a message came since the heap's pages last went back
+        self._anon_floor = 0  # this process's anonymous memory when it started serving
+        self._largest = 0  # the largest block written since the heap last went back
 
     def _enforce_cap(self) -> None:
         """A store found over its cap (a restart with a smaller cap, a response just kept) is
@@ -172,6 +176,7 @@ class ColdstoreServer:
         logger.info("coldstore listening on %s, store %s (%s)",
                     self.layout.coldstore_address, self.layout.store_dir, self.store.stats())
         self._enforce_cap()
+        self._anon_floor = heap.anon_bytes()
         try:
             while not self.stopping:
                 ready = self.lanes.next_job(time.time()) is not None
@@ -202,6 +207,7 @@ class ColdstoreServer:
         if self._heap_used:
             heap.give_back_freed_pages()
             self._heap_used = False
+            self._largest = 0
 
     def _update_gauges(self, now: float, every_s: float = 1.0) -> None:
         if now - getattr(self, "_gauges_at", 0.0) < every_s:
@@ -404,6 +410,21 @@ class ColdstoreServer:
         job = self.lanes.next_job(now)
         if job is not None:
             self._write_block(job, now)
+            self._bound_heap()
+
+    def _bound_heap(self) -> None:
+        """While writing, the freed pages kept for the next blocks (`keep_freed_pages`) stay
+        under what one more block takes (its payload, and LMDB's copy of it as it commits):
+        two of the largest blocks beyond the payloads held. The worker counts as much in its
+        ledger for each write (worker/link/writer.py `staged_bytes`), so its --memory-budget
+        covers the coldstore's writes. Without a bound the heap kept what any order of frees
+        left: blocks of a wide-KV model are tens of MB (70 MB: 256 tokens at 270 KB a token),
+        and two jobs' payloads, LMDB's copies and the pages they left took the coldstore from
+        36 to 303 MB (`bench compare --arch llama --size wide-kv`, this VM, Dec 2026). One
+        /proc/self/statm read a block."""
+        held = self._anon_floor + self.lanes.staged_bytes() + 2 * self._largest
+        if heap.anon_bytes() > held:
+            heap.give_back_freed_pages()
 
     def _write_block(self, job: WriteJob, now: float) -> None:
         if job.give_up_at is not None and now >= job.give_up_at:
@@ -421,6 +442,7 @@ class ColdstoreServer:
             self._refuse(job, refusal)
             return
         block = job.blocks.popleft()
+        self._largest = max(self._largest, len(block.payload))
         if not self.lanes.quiet(now):
             self.lanes.last_stale_write_at = now
         commit = self.store.commit_anchor if block.anchor else self.store.commit_block

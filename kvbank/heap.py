@@ -10,12 +10,15 @@ nothing.
 
 from __future__ import annotations
 
+import os
+
 M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
 M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
 M_ARENA_MAX = -8
 
 _LIBC = None
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _libc():
@@ -40,6 +43,16 @@ def glibc() -> bool:
 def mallopt(param: int, value: int) -> bool:
     """glibc's `mallopt`: False where it refused (or there is no glibc)."""
     return bool(_libc() and _LIBC.mallopt(param, value))
+
+
+def anon_bytes() -> int:
+    """This process's resident memory that is not a file's (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            _, resident, shared = f.read().split()[:3]
+    except OSError:
+        return 0
+    return (int(resident) - int(shared)) * _PAGE
 
 
 def give_back_freed_pages() -> None:

@@ -6,7 +6,9 @@ import mlx.core as mx
 import pytest
 
 from kvbank.worker.memory.allocator import give_back_freed_memory, serve_buffers_from_the_heap
-from kvbank.worker.memory.pricing import resident_bytes
+from kvbank.contracts.pricing import Pricing
+from kvbank.worker.memory.pricing import (memory_budget_bytes, reconcile_rss, resident_bytes,
+                                          rss_slack)
 
 pytestmark = pytest.mark.unit  # make test-fast
 
@@ -36,6 +38,26 @@ def test_freed_kv_below_live_kv_leaves_the_process_at_the_trim():
         assert float(kept[0][0, 0, 0, 0]) == 1.0
     finally:
         mx.set_cache_limit(cache_limit)  # the tests after this one run as they would alone
+
+
+def test_the_budget_bounds_resident_memory_not_only_the_ledger():
+    """What no ledger line itemizes (threads, the allocators' drift in a forward) is held back
+    from the budget, and resident memory past the ledger counts as held at once. Before, RSS
+    could pass the ledger by 5 % of the budget unheld: a worker sat 4 % past its
+    --memory-budget and the memory limit sized from that budget killed it."""
+    pricing = Pricing(512, 100 * MB, 16, transient_base=10 * MB)
+    budget = memory_budget_bytes(1000 * MB, pricing)
+    assert budget == 1000 * MB and rss_slack(budget) == 50 * MB
+    pricing.fixed_bytes += rss_slack(budget)  # as the engine holds it
+    reconcile_rss(pricing, 200 * MB, pricing.fixed_bytes + 200 * MB + 3 * MB)
+    assert pricing.unaccounted_bytes == 3 * MB
+    reconcile_rss(pricing, 200 * MB, pricing.fixed_bytes + 150 * MB)
+    assert pricing.unaccounted_bytes == 0
+
+    # "+N": N bytes for KV beyond the model, a chunk's working memory and the slack.
+    plus = Pricing(512, 100 * MB, 16, transient_base=10 * MB)
+    budget = memory_budget_bytes(f"+{20 * MB}", plus)
+    assert budget - plus.fixed_bytes - plus.transient_base - rss_slack(budget) >= 20 * MB
 
 
 def test_the_memory_calibration_is_kept_per_model_and_chunk_size(tmp_path, tiny_model):

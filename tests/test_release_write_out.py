@@ -273,7 +273,7 @@ def test_staging_at_its_cap_puts_the_hand_over_off_and_keeps_the_entry_protected
     RAM marked to be sent again, protected from trims, and goes once the first is on SSD."""
     first = rig.turn("s1", 40, seed=21)  # its commit hands its write over
     assert first.write_job is not None and rig.writer.staged_bytes > 0
-    rig.writer.staging_max_bytes = rig.writer.staged_bytes + 1  # room for one entry
+    rig.writer.staging_max_bytes = rig.writer.handed_over_bytes + 1  # room for one entry
     assert rig.durable_on_disk("s1") == 0  # busy: the idle lane has not written it
 
     tokens, cache = forward(rig.model, 40, seed=22)

@@ -52,9 +52,16 @@ def test_a_write_streams_a_window_of_blocks_ahead_of_the_commits(start):
     link.turn("big", t, layers)
     wait_until(lambda: link.ping().staged_bytes == 2 * block, "the first window staged")
     assert [op for op in link.sent if "payload" in op] != []  # the window's second block
+    # The worker's ledger counts what the coldstore holds for the write: the window, and
+    # LMDB's copy and the kept pages of two blocks more (coldstore/server.py `_bound_heap`).
+    link.writer.pump()
+    assert link.writer.handed_over_bytes == 2 * block
+    assert link.writer.staged_bytes == 4 * block
     link.set_busy(False)
     wait_until(lambda: link.writer.pump() >= 0 and link.disk.durable("big") >= n,
                "the whole entry written, a window at a time")
+    wait_until(lambda: link.writer.pump() >= 0 and link.writer.staged_bytes == 0,
+               "the ledger's share of the write to go with it")
     check_record_against_kv(link.disk, "big", layers, t, "streamed")
     assert len([op for op in link.sent if "payload" in op]) >= 5  # 9 blocks behind the header
 

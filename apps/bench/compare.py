@@ -226,7 +226,7 @@ def prefetch_summary(without, hinted) -> dict:
 def run(*, model: str | None, scenario, limit_bytes: int, max_wall_s: float,
         progress: bool = True, names: bool = False, prefetch: bool = False,
         sides: tuple[str, ...] = DEFAULT_SIDES, rounds: int = 3, arch: str | None = None,
-        settings: Settings | None = None) -> tuple[dict, list[dict]]:
+        model_size: str = "default", settings: Settings | None = None) -> tuple[dict, list[dict]]:
     """Returns (the result document, one {side: RunResult} per round). `arch`: a random-weight
     model of the default model's size with that architecture (kvbank/testing/tiny.py), its
     tokenizer with think tokens and its template Qwen3.5's, which drops earlier answers'
@@ -243,7 +243,7 @@ def run(*, model: str | None, scenario, limit_bytes: int, max_wall_s: float,
     if unknown := set(sides) - set(BY_NAME):
         raise ValueError(f"--sides: unknown {', '.join(sorted(unknown))}")
     settings = settings or Settings(max_tokens=scenario.params.max_tokens)
-    model_dir = bench_model(arch) if arch else prepare_model(model)
+    model_dir = bench_model(arch, size=model_size) if arch else prepare_model(model)
     counter = TokenCounter(model_dir)
     if prefetch and "kvbank_prefetch" not in sides:
         sides = (*sides, "kvbank_prefetch")
@@ -301,6 +301,7 @@ def run(*, model: str | None, scenario, limit_bytes: int, max_wall_s: float,
     doc = {
         "model": str(model_dir),
         "arch": arch or "",
+        "model_size": model_size if arch else "",
         "scenario": dataclasses.asdict(scenario.params),
         "memory_limit_bytes": limit_bytes,
         "anonymous": not names,
@@ -400,6 +401,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a random-weight model of the default model's size with this "
                         "architecture, instead of --model (its answers reason, and its "
                         "template drops earlier reasoning, as Qwen3.5's does)")
+    p.add_argument("--size", choices=("default", "wide-kv"), default="default",
+                   help="with --arch: the model's shape. wide-kv: the default's width and "
+                        "depth with full multi-head attention of 128-wide heads (a token's KV "
+                        "6x the default's, Llama-3-8B's in bfloat16) and the default model's "
+                        "own template (default: %(default)s)")
     add_scenario_arguments(p, default="two-agents")
     p.add_argument("--agents", type=int, default=None, help="n-agents: how many at once")
     p.add_argument("--think-s", type=float, default=None,
@@ -450,6 +456,10 @@ def run_cli(args: argparse.Namespace) -> int:
     except ValueError as e:
         sys.stderr.write(f"kvbank bench compare: {e}\n")
         return 2
+    if args.size != "default" and not args.arch:
+        sys.stderr.write("kvbank bench compare: --size shapes a random-weight model: it needs "
+                         "--arch\n")
+        return 2
     scenario = build(p)
     settings = Settings(prefill_chunk_tokens=args.prefill_chunk, concurrency=args.concurrency,
                         max_tokens=p.max_tokens)
@@ -458,7 +468,7 @@ def run_cli(args: argparse.Namespace) -> int:
                            max_wall_s=args.max_wall_s, progress=not args.no_progress,
                            names=args.session_ids, prefetch=args.prefetch,
                            sides=tuple(args.sides.split(",")), rounds=args.rounds,
-                           arch=args.arch, settings=settings)
+                           arch=args.arch, model_size=args.size, settings=settings)
     except CgroupUnavailable as e:
         sys.stderr.write(f"kvbank bench compare: cannot hold both servers to the same memory "
                          f"here, so it does not compare them: {e}\n")

@@ -311,9 +311,10 @@ def size(model_dir: Path, tmp: Path, settings: Settings, limit_bytes: int) -> di
     return {"limit_bytes": limit_bytes, "idle": idle, "transient_bytes": transient,
             "kvbank": {"memory_budget_bytes": budget,
                        "rule": "limit - its other processes' idle memory - one write "
-                               f"stream window ({STREAM_WINDOW_BYTES} bytes: the coldstore's "
-                               "blocks in flight; the worker's budget covers its model, "
-                               "bank, requests and transients)"},
+                               f"stream window ({STREAM_WINDOW_BYTES} bytes: the encode "
+                               "buffers the worker keeps for its next blocks; its budget "
+                               "covers its model, bank, requests, transients and the "
+                               "coldstore's writes)"},
             "mlx_lm": {"prompt_cache_bytes": cache,
                        "rule": "limit - its idle memory - one prefill chunk's transient at "
                                f"{TRANSIENT_CONTEXT_CHUNKS} chunks of context"}}

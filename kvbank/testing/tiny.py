@@ -27,7 +27,7 @@ from kvbank.models import TOKENIZER_FILES, atomic_dir, default_model_dir, llama_
 ARCHS = ("llama", "qwen3", "gpt_oss", "gemma3_text", "qwen3_5", "nemotron_h", "mamba2",
          "falcon_h1", "baichuan_m1", "qwen3_moe", "glm4_moe", "gemma4_text")
 MTP_ARCHS = ("qwen3_5",)  # the architectures whose checkpoints ship an MTP head
-SIZES = ("tiny", "default", "scripted")
+SIZES = ("tiny", "default", "wide-kv", "scripted")
 THINK_TOKENS = ("<think>", "</think>")
 TEMPLATE_PATH = Path(__file__).parent / "templates" / "qwen35_reasoning.jinja"
 WEIGHT_STD = 0.02
@@ -37,6 +37,11 @@ _VOCAB_MATRICES = ("embed_tokens.weight", "embeddings.weight", "lm_head.weight")
 _DIMS = {
     "tiny": {"hidden": 64, "layers": 4, "heads": 4, "kv_heads": 2, "head_dim": 16, "inter": 128},
     "default": {"hidden": 576, "layers": 30, "heads": 9, "kv_heads": 3, "head_dim": 64, "inter": 1536},
+    # The default's width and depth with full multi-head attention of 128-wide heads: a token's
+    # KV is 270 KB in float32 (135 KB in bfloat16, Llama-3-8B's is 128 KB), 6x the default's.
+    # Two agents' conversations then outweigh the weights, as a 7B+ model's do on the machines
+    # users run; the default model's are a third of its weights (`bench compare --size`).
+    "wide-kv": {"hidden": 576, "layers": 30, "heads": 9, "kv_heads": 9, "head_dim": 128, "inter": 1536},
     # kvbank/testing/family_models.py's scripted models: room for five token codes in the residual
     # stream, and heads wide enough to carry one of them each
     "scripted": {"hidden": 384, "layers": 4, "heads": 4, "kv_heads": 4, "head_dim": 64, "inter": 256},
@@ -84,7 +89,7 @@ def arch_config(arch: str, *, size: str = "tiny", vocab: int, context: int = 819
     """config.json for one architecture: the smallest layer pattern that still mixes the arch's
     cache kinds when tiny, the arch's usual pattern at SmolLM2-135M's width and depth when default."""
     _check(arch, size)
-    d, tiny = _DIMS[size], size != "default"
+    d, tiny = _DIMS[size], size not in ("default", "wide-kv")
     if head_dim:  # attention heads' width (--kv-bits quantizes in groups of 32 or 64 of it)
         d = {**d, "head_dim": head_dim}
     if arch == "llama":
@@ -394,19 +399,22 @@ def _token_ids(folder: Path) -> dict[str, int]:
     return {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
 
 
-def bench_model(arch: str, cache_dir: Path | None = None) -> Path:
-    """A random-weight ``arch`` model of the default model's size (`kvbank bench --arch`),
-    built once into kvbank's cache dir, in a child process: the caller holds no MLX."""
+def bench_model(arch: str, cache_dir: Path | None = None, size: str = "default") -> Path:
+    """A random-weight ``arch`` model of the default model's size, or of `size`
+    (`kvbank bench --arch`), built once into kvbank's cache dir, in a child process: the caller
+    holds no MLX. "wide-kv" keeps the default model's own chat template (no reasoning), so a
+    scenario's conversations are the default model's, only heavier."""
     import subprocess
     import sys
 
     from kvbank.models import default_cache_dir
 
-    _check(arch, "default")
-    out = (cache_dir or default_cache_dir()) / "bench-models" / f"{arch}-default"
+    _check(arch, size)
+    out = (cache_dir or default_cache_dir()) / "bench-models" / f"{arch}-{size}"
     if not (out / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "kvbank.testing.tiny", arch, str(out), "--size", "default"],
-                       check=True, stdout=subprocess.DEVNULL)
+        own = ["--own-template"] if size == "wide-kv" else []
+        subprocess.run([sys.executable, "-m", "kvbank.testing.tiny", arch, str(out), "--size", size,
+                        *own], check=True, stdout=subprocess.DEVNULL)
     return out
 
 
@@ -421,10 +429,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--window", type=int, default=128, help="sliding window (gpt_oss, gemma3_text)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mtp", action="store_true", help="add a random MTP head (qwen3_5)")
+    p.add_argument("--own-template", action="store_true",
+                   help="the default model's own chat template, without think tokens (by "
+                        "default: Qwen3.5's, whose answers reason)")
     args = p.parse_args(argv)
     preload_openblas()
+    template = None
+    if args.own_template:
+        template = (default_model_dir() / "chat_template.jinja").read_text()
     print(make_arch_model(args.out_dir, args.arch, seed=args.seed, context=args.context,
-                          window=args.window, size=args.size, mtp=args.mtp))
+                          window=args.window, size=args.size, mtp=args.mtp,
+                          think_tokens=not args.own_template, template=template))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ from kvbank.worker.memory.allocator import (give_back_freed_memory, mlx_cache_li
                                             serve_buffers_from_the_heap)
 from kvbank.worker.memory.guard import Guard
 from kvbank.worker.memory.pricing import (calibrate, held_bytes, memory_budget_bytes,
-                                          reconcile_rss, resident_bytes)
+                                          reconcile_rss, resident_bytes, rss_slack)
 from kvbank.worker.tiers.manager import MAX_CHECKPOINTS, KVManager, Restoring, Start
 
 logger = logging.getLogger(__name__)
@@ -120,9 +120,11 @@ class Engine:
             warm_up=lambda: warm_up(self.batch, self.kinds, self.tokenizer,
                                     prefill_chunk_tokens))
         self.memory_budget = memory_budget_bytes(memory_budget, self.pricing)
-        cache_limit = mlx_cache_limit(self.memory_budget, self.pricing.fixed_bytes)
+        slack = rss_slack(self.memory_budget)
+        cache_limit = mlx_cache_limit(self.memory_budget - slack, self.pricing.fixed_bytes)
         mx.set_cache_limit(cache_limit)
-        self.pricing.fixed_bytes += cache_limit  # MLX may keep that much: held, always
+        # MLX may keep that much, and the allocators drift by up to the slack: held, always
+        self.pricing.fixed_bytes += cache_limit + slack
         self.prerenders = Prerenders(model=self.model, kinds=self.kinds, kv=self.kv,
                                      pricing=self.pricing, chunk_tokens=prefill_chunk_tokens,
                                      stream=self.batch.gen.stream, off_reason=off_reason(self.mtp))
@@ -490,7 +492,7 @@ class Engine:
         if turn_ended or held < self._held_seen:
             give_back_freed_memory()
             if self.pricing.unaccounted_bytes:
-                reconcile_rss(self.pricing, held, self.memory_budget, resident_bytes())
+                reconcile_rss(self.pricing, held, resident_bytes())
         self._held_seen = held
 
     def _finish(self, r: Running, cache: list) -> worker_pb2.WorkerGenerateResponse:
@@ -537,8 +539,7 @@ class Engine:
     def _tick(self, tick: cmd.Tick) -> None:
         """The guard's tick: the ledger meets RSS, then the tiers' (the dynamic ceiling,
         writes sent again, hints read back)."""
-        reconcile_rss(self.pricing, self.kv.ledger()["held_bytes"], self.memory_budget,
-                      tick.rss_bytes)
+        reconcile_rss(self.pricing, self.kv.ledger()["held_bytes"], tick.rss_bytes)
         self.kv.tick()
         metrics.MEMORY_HELD.set(held_bytes(self.pricing, self.kv))
 

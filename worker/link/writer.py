@@ -165,6 +165,7 @@ class KVWriter:
         self._wake = wake  # tells the owner that the inbox has mail
         self._outcome: dict[int, Outcome] = {}
         self._staged: dict[int, int] = {}  # job -> bytes handed over, not yet committed
+        self._largest: dict[int, int] = {}  # job -> its largest block's bytes
         self._job_durable: dict[int, int] = {}  # job -> the record's durable extent it reached
         self._superseded_by: dict[int, int] = {}
         self._unsent: set[int] = set()  # jobs still being encoded
@@ -266,14 +267,24 @@ class KVWriter:
 
     @property
     def staged_bytes(self) -> int:
-        """KV bytes the coldstore holds for us in memory until it commits them, as of the
+        """KV bytes the coldstore holds for us in memory until it commits them, and what
+        committing them takes there: LMDB's copy of the block it commits and the pages it keeps
+        for the next, two of the largest blocks (coldstore/server.py `_bound_heap`). As of the
         last `pump` (the owner pumps at every turn of its loop; a reading never applies
         messages, so a ledger taken mid-admission stands still)."""
+        if not self._staged:
+            return 0
+        return (sum(self._staged.values())
+                + 2 * max(self._largest.get(j, 0) for j in self._staged))
+
+    @property
+    def handed_over_bytes(self) -> int:
+        """KV bytes handed to the coldstore and not committed yet (the staging cap's)."""
         return sum(self._staged.values())
 
     def has_room(self, nbytes: int) -> bool:
         """`nbytes` more fit under the staging cap (one job larger than the cap goes alone)."""
-        return not self._staged or self.staged_bytes + nbytes <= self.staging_max_bytes
+        return not self._staged or self.handed_over_bytes + nbytes <= self.staging_max_bytes
 
     def write_behind(self, entry, *, give_up_at: float | None = None) -> int | None:
         """Queue the entry's unwritten blocks; the job id, or None when there was nothing to
@@ -319,6 +330,8 @@ class KVWriter:
         job = write.job = self.client.next_id()
         self.records.write_queued(entry, job)
         self._staged[job] = estimate
+        self._largest = {j: n for j, n in self._largest.items() if j in self._staged}
+        self._largest[job] = max(sizes)
         self._unsent.add(job)
         self._streams[job] = _Stream(entry, write, ranges, sizes)
         self._feed(job)
