@@ -58,6 +58,7 @@ from kvbank.contracts.coldstore_wire import pb
 from kvbank.contracts.vocabulary import Outcome
 from kvbank.coldstore.budgets import Budgets, Limits, WriteRefusal
 from kvbank.coldstore.lanes import Lanes, PendingBlock, WriteJob
+from kvbank.contracts.pricing import WRITE_KEEP_MARGIN_BYTES, coldstore_write_bytes
 from kvbank.coldstore.salvage import open_store
 from kvbank.coldstore.store import SessionMeta, StoreFull
 
@@ -67,8 +68,8 @@ FLUSH_ON_STOP_S = 10.0
 EXPIRE_EVERY_S = 60.0
 DEFAULT_ANONYMOUS_TTL_S = 7 * 86400.0
 WORKER_PEER = b"worker"  # the worker's DEALER identity
-# glibc's trim threshold: none while writing (`keep_freed_pages`), but no more than two of
-# the largest blocks beyond the payloads held (`ColdstoreServer._bound_heap`)
+# glibc's trim threshold: none while writing (`keep_freed_pages`), but no more than
+# `coldstore_write_bytes` and a margin beyond the payloads held (`ColdstoreServer._bound_heap`)
 KEEP_FREED_BYTES = 1 << 30
 
 
@@ -117,7 +118,7 @@ class ColdstoreServer:
         self.state.connect(layout.worker_state_address)
         self.stopping = False
         self._heap_used = False  # a message came since the heap's pages last went back
-        self._anon_floor = 0  # this process's anonymous memory when it started serving
+        self._anon_floor = 0  # its anonymous memory after its last trim, beyond the payloads
         self._largest = 0  # the largest block written since the heap last went back
 
     def _enforce_cap(self) -> None:
@@ -208,6 +209,7 @@ class ColdstoreServer:
             heap.give_back_freed_pages()
             self._heap_used = False
             self._largest = 0
+            self._anon_floor = heap.anon_bytes()
 
     def _update_gauges(self, now: float, every_s: float = 1.0) -> None:
         if now - getattr(self, "_gauges_at", 0.0) < every_s:
@@ -414,17 +416,21 @@ class ColdstoreServer:
 
     def _bound_heap(self) -> None:
         """While writing, the freed pages kept for the next blocks (`keep_freed_pages`) stay
-        under what one more block takes (its payload, and LMDB's copy of it as it commits):
-        two of the largest blocks beyond the payloads held. The worker counts as much in its
-        ledger for each write (worker/link/writer.py `staged_bytes`), so its --memory-budget
-        covers the coldstore's writes. Without a bound the heap kept what any order of frees
+        under what one more block takes (its payload, and LMDB's copy of it as it commits),
+        `coldstore_write_bytes` beyond the payloads held, and WRITE_KEEP_MARGIN_BYTES. The
+        worker counts the first in its ledger for each write (worker/link/writer.py
+        `staged_bytes`), so its --memory-budget covers the coldstore's writes but the margin. Without a bound the heap kept what any order of frees
         left: blocks of a wide-KV model are tens of MB (70 MB: 256 tokens at 270 KB a token),
         and two jobs' payloads, LMDB's copies and the pages they left took the coldstore from
         36 to 303 MB (`bench compare --arch llama --size wide-kv`, this VM, Dec 2026). One
         /proc/self/statm read a block."""
-        held = self._anon_floor + self.lanes.staged_bytes() + 2 * self._largest
-        if heap.anon_bytes() > held:
+        staged = self.lanes.staged_bytes()
+        kept = coldstore_write_bytes(self._largest) + WRITE_KEEP_MARGIN_BYTES
+        if heap.anon_bytes() > self._anon_floor + staged + kept:
             heap.give_back_freed_pages()
+            # What a trim leaves is live (ZeroMQ's and LMDB's own buffers): the next bound
+            # counts from there, or every block after the first would be trimmed for it.
+            self._anon_floor = heap.anon_bytes() - staged
 
     def _write_block(self, job: WriteJob, now: float) -> None:
         if job.give_up_at is not None and now >= job.give_up_at:

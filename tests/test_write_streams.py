@@ -10,6 +10,7 @@ import pytest
 from kvbank import heap
 from kvbank.blocks import chain_block_ids
 from kvbank.contracts.coldstore_wire import pb
+from kvbank.contracts.pricing import coldstore_write_bytes
 from tests.coldstore_rig import (B, TENANT, check_record_against_kv, concat_kv, make_kv,  # noqa: F401
                                   root_for, start, tokens)
 from tests.waiting import wait_until
@@ -53,10 +54,10 @@ def test_a_write_streams_a_window_of_blocks_ahead_of_the_commits(start):
     wait_until(lambda: link.ping().staged_bytes == 2 * block, "the first window staged")
     assert [op for op in link.sent if "payload" in op] != []  # the window's second block
     # The worker's ledger counts what the coldstore holds for the write: the window, and
-    # LMDB's copy and the kept pages of two blocks more (coldstore/server.py `_bound_heap`).
+    # LMDB's copy and the pages it keeps for the next (`coldstore_write_bytes`).
     link.writer.pump()
     assert link.writer.handed_over_bytes == 2 * block
-    assert link.writer.staged_bytes == 4 * block
+    assert link.writer.staged_bytes == 2 * block + coldstore_write_bytes(block)
     link.set_busy(False)
     wait_until(lambda: link.writer.pump() >= 0 and link.disk.durable("big") >= n,
                "the whole entry written, a window at a time")

@@ -10,11 +10,11 @@ The memory flags, from the limit L, as a user sizing a server to a container wou
 see what it holds idle, give the rest to KV (`size`, once a run, each engine in a cgroup with
 no limit, after one warm-up request):
 - kvbank: `--memory-budget` = L - what its other processes hold idle (router, shim,
-  coldstore, supervisor) - one write stream window (`STREAM_WINDOW_BYTES`: the blocks the
-  coldstore holds beyond its idle memory while it writes). The budget is the worker's own: its
-  model, its bank, the running requests and their prefill transients, which it prices itself;
-  with nothing left for the coldstore's writes, the worker at its budget put the tree at the
-  limit and the kernel killed it.
+  coldstore, supervisor) - the coldstore's write margin (`WRITE_KEEP_MARGIN_BYTES`: what it
+  may keep while it writes past what the worker counts for its writes). The budget covers the
+  worker's resident memory (its model, bank, running requests and their prefill transients,
+  which it prices itself, and a slack for what it does not itemize) and the coldstore's
+  writes: the blocks handed to it, and LMDB's copy and the pages it keeps for the next.
 - mlx-lm: `--prompt-cache-bytes` = L - what its process holds idle - one prefill chunk's
   transient bytes (kvbank's calibration of the same model at the same chunk: mlx-lm counts
   running requests' KV in its prompt cache bytes, not their transients).
@@ -274,7 +274,7 @@ def size(model_dir: Path, tmp: Path, settings: Settings, limit_bytes: int) -> di
     """Each engine started once with no limit and warmed up; what it holds idle, and the
     memory flags the limit gives each side (module docstring). Raises ValueError where the
     limit leaves a side no room."""
-    from kvbank.worker.link.writer import STREAM_WINDOW_BYTES  # imports MLX: only when run
+    from kvbank.contracts.pricing import WRITE_KEEP_MARGIN_BYTES
 
     idle: dict = {}
     side = Side("sizing_kvbank", "", "kvbank", False)
@@ -298,7 +298,7 @@ def size(model_dir: Path, tmp: Path, settings: Settings, limit_bytes: int) -> di
     k = idle["kvbank"]
     transient = int(k["transient_base_bytes"] + k["transient_per_context_token"]
                     * TRANSIENT_CONTEXT_CHUNKS * settings.prefill_chunk_tokens)
-    budget = limit_bytes - k["others_bytes"] - STREAM_WINDOW_BYTES
+    budget = limit_bytes - k["others_bytes"] - WRITE_KEEP_MARGIN_BYTES
     cache = limit_bytes - idle["mlx_lm"]["tree_anon_bytes"] - transient
     if budget <= k["worker_bytes"] + k["transient_base_bytes"] or cache <= 0:
         raise ValueError(
@@ -310,11 +310,11 @@ def size(model_dir: Path, tmp: Path, settings: Settings, limit_bytes: int) -> di
             f"transient ({transient / 1e6:.0f} MB) leaves mlx-lm's cache {cache / 1e6:.0f} MB")
     return {"limit_bytes": limit_bytes, "idle": idle, "transient_bytes": transient,
             "kvbank": {"memory_budget_bytes": budget,
-                       "rule": "limit - its other processes' idle memory - one write "
-                               f"stream window ({STREAM_WINDOW_BYTES} bytes: the encode "
-                               "buffers the worker keeps for its next blocks; its budget "
-                               "covers its model, bank, requests, transients and the "
-                               "coldstore's writes)"},
+                       "rule": "limit - its other processes' idle memory - the "
+                               f"coldstore's write margin ({WRITE_KEEP_MARGIN_BYTES} bytes: "
+                               "what it may keep past what the worker's ledger counts for "
+                               "its writes; the worker's budget covers its model, bank, "
+                               "requests, transients and the coldstore's writes)"},
             "mlx_lm": {"prompt_cache_bytes": cache,
                        "rule": "limit - its idle memory - one prefill chunk's transient at "
                                f"{TRANSIENT_CONTEXT_CHUNKS} chunks of context"}}

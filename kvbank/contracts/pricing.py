@@ -7,6 +7,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ROOM_STEP_TOKENS = 256  # mlx-lm's KVCache grows by as many tokens at a time
+# What a busy spell's frees leave in the coldstore past `coldstore_write_bytes`: within 64 MiB
+# with Qwen3.6-27B's 16 MB blocks and 154 MB checkpoints (`bench scale`, Dec 2026; trimmed at
+# `coldstore_write_bytes` alone its page faults were 4.5x and its CPU a GB 1.4x). The
+# coldstore trims past both (coldstore/server.py `_bound_heap`); a memory limit leaves it
+# beside the worker's budget (`bench compare`'s rule), a budget's slack is not for it.
+WRITE_KEEP_MARGIN_BYTES = 64 << 20
+
+
+def coldstore_write_bytes(largest_block: int) -> int:
+    """What the coldstore's writes hold beyond the blocks handed to it: LMDB's copy of the
+    block it commits and the freed pages it keeps for the next, two of the largest blocks.
+    The worker's ledger counts it while a write is staged (worker/link/writer.py
+    `staged_bytes`)."""
+    return 2 * largest_block
 
 
 @dataclass

@@ -29,6 +29,7 @@ import zmq
 
 from kvbank.blocks import tail_block_id
 from kvbank.contracts import coldstore_wire as wire
+from kvbank.contracts.pricing import coldstore_write_bytes
 from kvbank.contracts.vocabulary import FAILED_OUTCOMES, Outcome
 from kvbank.worker.kv.arrays import dtype_name, layer_views
 from kvbank.worker.kv.codec import encode_views, encoded_views_nbytes
@@ -269,13 +270,13 @@ class KVWriter:
     def staged_bytes(self) -> int:
         """KV bytes the coldstore holds for us in memory until it commits them, and what
         committing them takes there: LMDB's copy of the block it commits and the pages it keeps
-        for the next, two of the largest blocks (coldstore/server.py `_bound_heap`). As of the
+        for the next (kvbank/contracts/pricing.py `coldstore_write_bytes`). As of the
         last `pump` (the owner pumps at every turn of its loop; a reading never applies
         messages, so a ledger taken mid-admission stands still)."""
         if not self._staged:
             return 0
         return (sum(self._staged.values())
-                + 2 * max(self._largest.get(j, 0) for j in self._staged))
+                + coldstore_write_bytes(max(self._largest.get(j, 0) for j in self._staged)))
 
     @property
     def handed_over_bytes(self) -> int:
