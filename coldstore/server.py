@@ -55,10 +55,10 @@ from kvbank.blocks import BlockId, is_anonymous
 from kvbank.config import Layout
 from kvbank.contracts import coldstore_wire as wire
 from kvbank.contracts.coldstore_wire import pb
+from kvbank.contracts.pricing import WRITE_KEEP_MARGIN_BYTES, coldstore_write_bytes
 from kvbank.contracts.vocabulary import Outcome
 from kvbank.coldstore.budgets import Budgets, Limits, WriteRefusal
 from kvbank.coldstore.lanes import Lanes, PendingBlock, WriteJob
-from kvbank.contracts.pricing import WRITE_KEEP_MARGIN_BYTES, coldstore_write_bytes
 from kvbank.coldstore.salvage import open_store
 from kvbank.coldstore.store import SessionMeta, StoreFull
 
@@ -419,11 +419,11 @@ class ColdstoreServer:
         under what one more block takes (its payload, and LMDB's copy of it as it commits),
         `coldstore_write_bytes` beyond the payloads held, and WRITE_KEEP_MARGIN_BYTES. The
         worker counts the first in its ledger for each write (worker/link/writer.py
-        `staged_bytes`), so its --memory-budget covers the coldstore's writes but the margin. Without a bound the heap kept what any order of frees
-        left: blocks of a wide-KV model are tens of MB (70 MB: 256 tokens at 270 KB a token),
-        and two jobs' payloads, LMDB's copies and the pages they left took the coldstore from
-        36 to 303 MB (`bench compare --arch llama --size wide-kv`, this VM, Dec 2026). One
-        /proc/self/statm read a block."""
+        `staged_bytes`), so its --memory-budget covers the coldstore's writes but the margin.
+        Without a bound the heap kept what any order of frees left: blocks of a wide-KV model
+        are tens of MB (70 MB: 256 tokens at 270 KB a token), and two jobs' payloads, LMDB's
+        copies and the pages they left took the coldstore from 36 to 303 MB (`bench compare
+        --arch llama --size wide-kv`, this VM, Dec 2026). One /proc/self/statm read a block."""
         staged = self.lanes.staged_bytes()
         kept = coldstore_write_bytes(self._largest) + WRITE_KEEP_MARGIN_BYTES
         if heap.anon_bytes() > self._anon_floor + staged + kept:

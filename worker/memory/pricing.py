@@ -163,7 +163,7 @@ def memory_budget_bytes(spec: str | int | None, pricing: Pricing) -> int:
                 "%.0f MB + %.0f KB per context token; one request fits up to %d tokens",
                 budget / 1e6, pricing.fixed_bytes / 1e6, pricing.chunk_tokens,
                 pricing.transient_base / 1e6, pricing.transient_per_context_token / 1e3,
-                pricing.max_fit_tokens(budget))
+                pricing.max_fit_tokens(budget - rss_slack(budget)))
     if pricing.fixed_bytes + pricing.transient_base + rss_slack(budget) >= budget:
         raise SystemExit(f"--memory-budget {spec}: {budget} bytes is less than the model, "
                          f"one prefill chunk and the allocators' slack take "
