@@ -3,12 +3,14 @@ sizes are chosen by the test (pure policy: who leaves, who stays, what the recei
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
 from tests.test_bank import TENANT, layers_of, make_bank, own_tokens, toks
 from kvbank.contracts.pricing import Pricing
 from kvbank.contracts.failures import Refused
+from kvbank.worker.memory.pricing import resident_bytes
 from kvbank.worker.tiers.eviction import EvictionPolicy
 
 pytestmark = pytest.mark.unit  # make test-fast
@@ -62,6 +64,27 @@ def test_the_release_step_takes_the_prompts_restore_source_last_and_only_to_make
     r = _room(bank, free=0, need=3_000, tokens=toks(own_tokens(1, 40), [7, 7]))
     assert r.decision == "admitted" and r.released_sessions == 1
     assert source.key not in bank.entries
+
+
+def test_what_an_admission_releases_leaves_the_process_before_the_request_allocates():
+    """MLX keeps the buffers it frees for reuse, and glibc its heap's pages, until the engine
+    trims after the turn. Kept through the admission, a conversation released to make room
+    and the one restored into that room were resident together: a worker went 2 % past its
+    budget and the memory limit sized from it killed it."""
+    MB = 1 << 20
+    kept_before = mx.set_cache_limit(1 << 30)  # MLX keeps what is freed (the worker: <= 512 MB)
+    try:
+        bank = make_bank()
+        layers = [(mx.zeros((MB,)), mx.ones((MB,))) for _ in range(12)]  # 96 MB in 4 MB arrays
+        mx.eval(layers)
+        bank.insert((TENANT, "idle"), own_tokens(2, 40), layers)
+        del layers
+        before = resident_bytes()
+        r = _room(bank, free=0, need=80 * MB, tokens=own_tokens(3, 10))
+        assert r.decision == "admitted" and r.lru_evicted + r.released_sessions == 1
+        assert resident_bytes() < before - 64 * MB, "the released KV is still resident"
+    finally:
+        mx.set_cache_limit(kept_before)
 
 
 def test_the_keep_list_is_the_requests_own_conversation_in_its_own_tenant():
