@@ -283,6 +283,9 @@ def _run_router(args: argparse.Namespace) -> int:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
+    from kvbank.worker.memory.allocator import one_heap
+
+    one_heap()  # before any thread starts
     _setup_logging("worker")
     from kvbank.config import preload_openblas
 

@@ -2,8 +2,13 @@
 last one freed, and the trim the engine makes hands freed KV back to the OS (RSS follows the
 ledger). Real MLX arrays in this process, with the worker's settings."""
 
+import subprocess
+import sys
+
 import mlx.core as mx
 import pytest
+
+from kvbank import heap
 
 from kvbank.worker.memory.allocator import give_back_freed_memory, serve_buffers_from_the_heap
 from kvbank.contracts.pricing import Pricing
@@ -58,6 +63,36 @@ def test_the_budget_bounds_resident_memory_not_only_the_ledger():
     plus = Pricing(512, 100 * MB, 16, transient_base=10 * MB)
     budget = memory_budget_bytes(f"+{20 * MB}", plus)
     assert budget - plus.fixed_bytes - plus.transient_base - rss_slack(budget) >= 20 * MB
+
+
+_ONE_HEAP_PROBE = """
+import threading
+from kvbank import heap
+from kvbank.worker.memory.allocator import one_heap, serve_buffers_from_the_heap
+one_heap()  # as the worker's start does, before any thread
+import numpy as np
+serve_buffers_from_the_heap()
+MB = 1 << 20
+held = []
+t = threading.Thread(target=lambda: held.extend(np.ones(MB // 2) for _ in range(48)))
+t.start(); t.join()  # 192 MB taken on another thread (a restore's decode)
+before = heap.anon_bytes()
+held.clear()  # freed by this thread (the engine's, as the answer's cache outgrows them)
+grown = [np.ones(int(4.5 * MB) // 8) for _ in range(48)]  # 216 MB, each a little larger
+print((heap.anon_bytes() - before) // MB)
+"""
+
+
+@pytest.mark.skipif(not heap.glibc(), reason="glibc's arenas")
+def test_buffers_another_thread_took_are_reused_once_freed():
+    """The worker's allocator setting (`one_heap`, at its start): buffers a restore thread
+    took and the engine thread frees are reused by the engine's next allocations. With an
+    arena per thread they stayed resident beside the new ones until a trim (here 143 MB more
+    for 216 MB allocated where 192 MB were freed; in the worker the conversation held twice
+    as its answer outgrew its buffer, past the budget)."""
+    out = subprocess.run([sys.executable, "-c", _ONE_HEAP_PROBE], capture_output=True,
+                         text=True, check=True, timeout=120)
+    assert int(out.stdout.split()[-1]) < 64, out.stdout
 
 
 def test_the_memory_calibration_is_kept_per_model_and_chunk_size(tmp_path, tiny_model):

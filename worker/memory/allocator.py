@@ -40,6 +40,22 @@ def drop_stale_buffers() -> None:
 MMAP_THRESHOLD_BYTES = 32 << 20  # the largest glibc takes
 
 
+def one_heap() -> None:
+    """Every thread allocates from glibc's one heap. Call it first, before any thread starts
+    (OpenBLAS and MLX start theirs as they load): an arena is a thread's for life.
+
+    A restore decodes a conversation's KV on a thread of its own, so its buffers came from
+    that thread's arena; when the answer outgrew them mid-turn (mlx-lm's cache grows by a
+    copy), the engine thread freed them into that arena, whose pages no engine allocation
+    could take, and nothing trimmed them until the turn ended: the worker held the
+    conversation twice (+610 MiB in one decode step at 2K tokens of 270 KB, past its budget:
+    `bench compare --arch llama --size wide-kv --memory-limit 2.4GB`, Dec 2026; mlx-lm's cache
+    alone grows by its 256-token step, +68 MiB)."""
+    if heap.glibc() and not heap.mallopt(heap.M_ARENA_MAX, 1):
+        logger.warning("glibc refused one arena: buffers freed by another thread than the "
+                       "one that took them stay resident until a trim")
+
+
 def serve_buffers_from_the_heap() -> None:
     """Buffers up to 32 MB from glibc's heap, at a threshold that never moves.
 
