@@ -177,7 +177,7 @@ class ColdstoreServer:
         logger.info("coldstore listening on %s, store %s (%s)",
                     self.layout.coldstore_address, self.layout.store_dir, self.store.stats())
         self._enforce_cap()
-        self._anon_floor = heap.anon_bytes()
+        self._anon_floor = heap.resident_bytes()
         try:
             while not self.stopping:
                 ready = self.lanes.next_job(time.time()) is not None
@@ -209,7 +209,7 @@ class ColdstoreServer:
             heap.give_back_freed_pages()
             self._heap_used = False
             self._largest = 0
-            self._anon_floor = heap.anon_bytes()
+            self._anon_floor = heap.resident_bytes()
 
     def _update_gauges(self, now: float, every_s: float = 1.0) -> None:
         if now - getattr(self, "_gauges_at", 0.0) < every_s:
@@ -423,14 +423,14 @@ class ColdstoreServer:
         Without a bound the heap kept what any order of frees left: blocks of a wide-KV model
         are tens of MB (70 MB: 256 tokens at 270 KB a token), and two jobs' payloads, LMDB's
         copies and the pages they left took the coldstore from 36 to 303 MB (`bench compare
-        --arch llama --size wide-kv`, this VM, Dec 2026). One /proc/self/statm read a block."""
+        --arch llama --size wide-kv`, this VM, Dec 2026). One /proc/self/status read a block."""
         staged = self.lanes.staged_bytes()
         kept = coldstore_write_bytes(self._largest) + WRITE_KEEP_MARGIN_BYTES
-        if heap.anon_bytes() > self._anon_floor + staged + kept:
+        if heap.resident_bytes() > self._anon_floor + staged + kept:
             heap.give_back_freed_pages()
             # What a trim leaves is live (ZeroMQ's and LMDB's own buffers): the next bound
             # counts from there, or every block after the first would be trimmed for it.
-            self._anon_floor = heap.anon_bytes() - staged
+            self._anon_floor = heap.resident_bytes() - staged
 
     def _write_block(self, job: WriteJob, now: float) -> None:
         if job.give_up_at is not None and now >= job.give_up_at:

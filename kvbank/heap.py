@@ -10,15 +10,12 @@ nothing.
 
 from __future__ import annotations
 
-import os
-
 M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
 M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
 M_ARENA_MAX = -8
 
 _LIBC = None
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _libc():
@@ -45,14 +42,17 @@ def mallopt(param: int, value: int) -> bool:
     return bool(_libc() and _LIBC.mallopt(param, value))
 
 
-def anon_bytes() -> int:
-    """This process's resident memory that is not a file's (Linux; 0 elsewhere)."""
+def resident_bytes(pid: int | str = "self") -> int:
+    """Memory a process holds itself: anonymous + shared resident pages (Linux RssAnon +
+    RssShmem). File-backed pages (libraries, the LMDB map a restore reads) are the kernel's
+    page cache and can be dropped any time, so they do not count. Elsewhere: RSS."""
     try:
-        with open("/proc/self/statm", "rb") as f:
-            _, resident, shared = f.read().split()[:3]
-    except OSError:
-        return 0
-    return (int(resident) - int(shared)) * _PAGE
+        fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+        return sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem"))
+    except (OSError, KeyError, ValueError):
+        import psutil
+
+        return psutil.Process(None if pid == "self" else int(pid)).memory_info().rss
 
 
 def give_back_freed_pages() -> None:

@@ -10,7 +10,7 @@ import pytest
 from tests.test_bank import TENANT, layers_of, make_bank, own_tokens, toks
 from kvbank.contracts.pricing import Pricing
 from kvbank.contracts.failures import Refused
-from kvbank.worker.memory.pricing import resident_bytes
+from kvbank.heap import resident_bytes
 from kvbank.worker.tiers.eviction import EvictionPolicy
 
 pytestmark = pytest.mark.unit  # make test-fast

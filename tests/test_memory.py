@@ -12,8 +12,8 @@ from kvbank import heap
 
 from kvbank.worker.memory.allocator import give_back_freed_memory, serve_buffers_from_the_heap
 from kvbank.contracts.pricing import Pricing
-from kvbank.worker.memory.pricing import (memory_budget_bytes, reconcile_rss, resident_bytes,
-                                          rss_slack)
+from kvbank.heap import resident_bytes
+from kvbank.worker.memory.pricing import memory_budget_bytes, reconcile_rss, rss_slack
 
 pytestmark = pytest.mark.unit  # make test-fast
 
@@ -76,10 +76,10 @@ MB = 1 << 20
 held = []
 t = threading.Thread(target=lambda: held.extend(np.ones(MB // 2) for _ in range(48)))
 t.start(); t.join()  # 192 MB taken on another thread (a restore's decode)
-before = heap.anon_bytes()
+before = heap.resident_bytes()
 held.clear()  # freed by this thread (the engine's, as the answer's cache outgrows them)
 grown = [np.ones(int(4.5 * MB) // 8) for _ in range(48)]  # 216 MB, each a little larger
-print((heap.anon_bytes() - before) // MB)
+print((heap.resident_bytes() - before) // MB)
 """
 
 

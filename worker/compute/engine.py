@@ -44,11 +44,12 @@ from kvbank.worker.compute.prerender import Prerenders, off_reason
 from kvbank.worker.compute.served_model import load_served_model
 from kvbank.worker.link.kv_events import EventsConfig, Publisher
 from kvbank.worker.memory import calibration
+from kvbank.heap import resident_bytes
 from kvbank.worker.memory.allocator import (give_back_freed_memory, mlx_cache_limit,
                                             serve_buffers_from_the_heap)
 from kvbank.worker.memory.guard import Guard
 from kvbank.worker.memory.pricing import (calibrate, held_bytes, memory_budget_bytes,
-                                          reconcile_rss, resident_bytes, rss_slack)
+                                          reconcile_rss, rss_slack)
 from kvbank.worker.tiers.manager import MAX_CHECKPOINTS, KVManager, Restoring, Start
 
 logger = logging.getLogger(__name__)

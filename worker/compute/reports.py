@@ -10,7 +10,8 @@ import mlx.core as mx
 
 from kvbank import events, metrics
 from kvbank.v1 import api_pb2
-from kvbank.worker.memory.pricing import held_bytes, resident_bytes
+from kvbank.heap import resident_bytes
+from kvbank.worker.memory.pricing import held_bytes
 
 logger = logging.getLogger(__name__)
 

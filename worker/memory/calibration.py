@@ -18,7 +18,8 @@ import os
 import time
 from pathlib import Path
 
-from kvbank.worker.memory.pricing import CALIBRATION_CHUNKS, CALIBRATION_METHOD, resident_bytes
+from kvbank.heap import resident_bytes
+from kvbank.worker.memory.pricing import CALIBRATION_CHUNKS, CALIBRATION_METHOD
 
 logger = logging.getLogger(__name__)
 

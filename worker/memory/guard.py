@@ -31,7 +31,7 @@ import psutil
 
 from kvbank import metrics
 from kvbank.contracts.vocabulary import PressureLevel, PressureSource
-from kvbank.worker.memory.pricing import resident_bytes
+from kvbank.heap import resident_bytes
 from kvbank.worker.commands import PressureTrim, Tick
 
 logger = logging.getLogger(__name__)

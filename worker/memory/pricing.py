@@ -86,19 +86,6 @@ def _upper_line(contexts: list[int], peaks: list[int]) -> tuple[float, int]:
     return slope, int(max(p - slope * x for x, p in zip(contexts, peaks)))
 
 
-def resident_bytes(pid: int | str = "self") -> int:
-    """Memory a process holds itself: anonymous + shared resident pages (Linux RssAnon +
-    RssShmem). File-backed pages (libraries, the LMDB map a restore reads) are the kernel's
-    page cache and can be dropped any time, so they do not count. Elsewhere: RSS."""
-    try:
-        fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
-        return sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem"))
-    except (OSError, KeyError, ValueError):
-        import psutil
-
-        return psutil.Process(None if pid == "self" else int(pid)).memory_info().rss
-
-
 def default_memory_budget() -> int:
     """60 % of the memory this process may use: RAM, or its cgroup's limit where that is lower
     (a container: psutil reports the host's RAM there). The rest is for the OS, kvbank's other

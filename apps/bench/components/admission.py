@@ -76,7 +76,7 @@ def _adversarial(model: Path, *, agents: int, turns: int, budget_kv_bytes: int,
     import psutil
 
     from kvbank.deploy.local import LocalStack
-    from kvbank.worker.memory.pricing import resident_bytes
+    from kvbank.heap import resident_bytes
 
     with tempfile.TemporaryDirectory(prefix="kvbank-bench-") as tmp:
         stack = LocalStack.start(model, Path(tmp) / "data", shim=False, extra=[

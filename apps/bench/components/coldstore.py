@@ -322,7 +322,8 @@ def run(*, model: str | None, tokens: int = 8192, block_tokens: int = 256, turns
     from kvbank.blocks import chain_root
     from kvbank.models import prepare_model
     from kvbank.worker.kv import codec
-    from kvbank.worker.memory.pricing import default_memory_budget, resident_bytes
+    from kvbank.heap import resident_bytes
+    from kvbank.worker.memory.pricing import default_memory_budget
     from kvbank.worker.memory.allocator import mlx_cache_limit, serve_buffers_from_the_heap
 
     serve_buffers_from_the_heap()  # the worker's allocator settings, for both sides
