@@ -362,7 +362,7 @@ def _run_shim(args: argparse.Namespace) -> int:
               keys=load_keys(args.api_key, args.api_keys_file), model_name=args.model_name,
               default_max_tokens=args.default_max_tokens,
               keep_attribution=args.keep_attribution_line, record_to=args.record_requests,
-              strict_model=args.strict_model_name)
+              strict_model=args.strict_model_name, refusal_share=args.refusal_share)
     return 0
 
 

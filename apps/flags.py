@@ -7,8 +7,9 @@ import argparse
 import os
 from pathlib import Path
 
-from kvbank.config import (DEFAULT_BLOCK_TOKENS, DEFAULT_DECODE_WAIT_S, DEFAULT_ROUTER_PORT,
-                           DEFAULT_SHARED_FORWARD_S, DEFAULT_SHIM_PORT, default_data_dir)
+from kvbank.config import (DEFAULT_BLOCK_TOKENS, DEFAULT_DECODE_WAIT_S, DEFAULT_REFUSAL_SHARE,
+                           DEFAULT_ROUTER_PORT, DEFAULT_SHARED_FORWARD_S, DEFAULT_SHIM_PORT,
+                           default_data_dir)
 
 DEFAULT_BANK_BYTES = 4 << 30
 
@@ -280,11 +281,26 @@ def shim_flags(p: argparse.ArgumentParser) -> None:
             help="refuse (404) a request whose `model` is not the served model's name "
                  "(--model-name); by default any name maps to the served model, as agents "
                  "send their own (claude-..., gpt-...)")),
+           (["--refusal-share"], dict(type=share, default=DEFAULT_REFUSAL_SHARE, metavar="F",
+            help="with API keys, while another key is sending: the share of the front end's "
+                 "time one key's refused requests (4xx) may take; each refusal holds that "
+                 "key's next requests back in proportion (1: never held; default: "
+                 "%(default)s)")),
            (["--record-requests"], dict(type=Path, default=None, metavar="FILE",
             help="append each answered generation request to FILE as a JSON line: its body "
                  "as sent, the usage and the answer it got (what an agent sends, to read or "
                  "replay; bodies hold whole conversations; default: off)")))
     auth_flags(p, "shim")
+
+
+def share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a share above 0, at most 1")
+    return value
 
 
 def positive_int(text: str) -> int:

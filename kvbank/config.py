@@ -17,6 +17,12 @@ DEFAULT_BLOCK_TOKENS = 256
 # While prompts are read, answers pause at most this long between tokens (worker/compute/scheduler.py).
 DEFAULT_DECODE_WAIT_S = 10.0
 DEFAULT_SHARED_FORWARD_S = 0.15  # see worker/compute/scheduler.py `_step_tokens`
+# A tenant shares the server while another tenant runs a request or sent one within this long
+# (its next may come any moment): the worker's prompt forwards shorten, and the shim holds
+# back a tenant's refused requests (apps/shim/pacing.py).
+SHARED_WINDOW_S = 60.0
+# The share of the front end's time one tenant's refused requests may take while it shares.
+DEFAULT_REFUSAL_SHARE = 0.1
 # A gRPC channel to a peer that may be restarting (router -> worker, shim -> router, a
 # client -> router). gRPC's default backoff is 1 s x 1.6^n up to 120 s, so a peer back after
 # 20 s went unnoticed for up to 20 s more; capped at half a second, the channel is connected

@@ -72,6 +72,34 @@ def test_bench_compare_names_a_pair_that_ran_under_other_limits_or_settings():
     assert not fairness(unlimited)["ok"]
 
 
+def test_mlx_lms_prompt_cache_is_the_rules_unless_given_and_the_json_says_which():
+    """mlx-lm's server bounds only its prompt cache: on a wide-KV model it was killed at the
+    rule's size, so `--mlx-lm-prompt-cache-bytes` gives a smaller one. The JSON keeps both,
+    and says it was given; kvbank's budget is the rule's either way."""
+    from kvbank.apps.bench.compare_servers import (Settings, Side, memory_flags,
+                                                   mlx_lm_argv_flags)
+    from kvbank.contracts.pricing import WRITE_KEEP_MARGIN_BYTES
+
+    idle = {"kvbank": {"tree_anon_bytes": 1200 * 10**6, "worker_bytes": 950 * 10**6,
+                       "others_bytes": 250 * 10**6, "transient_base_bytes": 45 * 10**6,
+                       "transient_per_context_token": 30_000},
+            "mlx_lm": {"tree_anon_bytes": 980 * 10**6}}
+    limit, settings = 2_800 * 10**6, Settings()
+    transient = 45 * 10**6 + 30_000 * 4 * settings.prefill_chunk_tokens
+    by_rule = memory_flags(limit, idle, settings)
+    assert by_rule["mlx_lm"]["prompt_cache_bytes"] == limit - 980 * 10**6 - transient
+    assert not by_rule["mlx_lm"]["given"]
+    given = memory_flags(limit, idle, settings, mlx_lm_cache_bytes=700 * 10**6)
+    assert given["mlx_lm"]["given"] and given["mlx_lm"]["prompt_cache_bytes"] == 700 * 10**6
+    assert given["mlx_lm"]["by_rule_bytes"] == by_rule["mlx_lm"]["prompt_cache_bytes"]
+    assert "given by --mlx-lm-prompt-cache-bytes" in given["mlx_lm"]["rule"]
+    assert given["kvbank"] == by_rule["kvbank"]
+    assert given["kvbank"]["memory_budget_bytes"] == limit - 250 * 10**6 \
+        - WRITE_KEEP_MARGIN_BYTES
+    argv = mlx_lm_argv_flags(Side("mlx_lm", "", "mlx_lm", True), settings, given)
+    assert argv[argv.index("--prompt-cache-bytes") + 1] == str(700 * 10**6)
+
+
 def test_bench_compare_reports_no_ratio_of_a_pair_that_ran_unfairly():
     """A ratio whose pair ran under other limits is withheld (null, its key named), the
     others stand; other settings withhold every ratio. `vs_ideal` below 1 is a finding, not a

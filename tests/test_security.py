@@ -15,6 +15,7 @@ tests below pin the visible half of that: another tenant's identical prompt rest
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
 import uuid
@@ -97,7 +98,10 @@ def keyed(tiny_model, tmp_path_factory, cache_dir):
     keys_file = root / "keys"
     keys_file.write_text("# tenant key\n" + "".join(f"{t} {k}\n" for t, k in KEYS.items()))
     s = start_stack(tiny_model, root / "data", cache_dir=cache_dir,
-                    extra=["--api-keys-file", str(keys_file), "--admin-key", OPERATOR_KEY])
+                    # a refusal holds its tenant's next request back 99x its cost: well
+                    # past the next request's sending (the test of it waits for no clock)
+                    extra=["--api-keys-file", str(keys_file), "--admin-key", OPERATOR_KEY,
+                           "--refusal-share", "0.01"])
     yield s
     s.stop()
 
@@ -399,6 +403,60 @@ def test_a_prompt_too_long_by_its_bytes_is_refused_without_tokenizing(keyed, ali
                                        metadata=alice.metadata, timeout=60).token_ids
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
     assert list(rendered) == tok.encode(text, add_special_tokens=False)
+
+
+def test_a_tenants_refused_requests_hold_its_next_back_while_another_tenant_sends(keyed):
+    """A 1 MB prompt is refused on its byte count, yet reading and refusing it takes the front
+    end's CPU: a tenant sending them back to back took it from another tenant's decode. Each
+    refusal holds that tenant's next request back (said in `x-kvbank-held-ms`); the other
+    tenant is never held, and the refused tenant's next good request is answered."""
+    url = keyed.shim_url + "/v1/completions"  # no template: nothing of a chat's is cached
+
+    def post(key: str, prompt: str) -> httpx.Response:
+        return httpx.post(url, headers={"authorization": f"Bearer {key}"}, timeout=60,
+                          json={"model": "kvbank", "max_tokens": 2, "prompt": prompt})
+
+    assert post(KEYS["bob"], "hello").status_code == 200  # bob shares the server
+    big = "word " * 200_000
+    first = post(KEYS["alice"], big)
+    assert first.status_code == 400 and "prompt is too long" in first.text
+    held = post(KEYS["alice"], big)
+    assert held.status_code == 400
+    assert int(held.headers["x-kvbank-held-ms"]) > 0
+    good = post(KEYS["alice"], "hello")
+    assert good.status_code == 200 and "x-kvbank-held-ms" in good.headers  # held, answered
+    assert "x-kvbank-held-ms" not in post(KEYS["bob"], "hello").headers
+
+
+def test_a_tenant_alone_and_a_server_without_keys_are_never_held():
+    """Holding back only shares the front end between tenants: one alone, or a server
+    without keys, answers its refusals as fast as it can. (The app behind the pacing is a
+    test seam: 400 on /bad, 200 elsewhere.)"""
+    from kvbank.apps.shim.pacing import RefusalPacing
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "headers": [],
+                    "status": 400 if scope["path"] == "/bad" else 200})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def held(paced, key: str, path: str) -> bool:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=paced),
+                                     base_url="http://shim") as c:
+            r = await c.post(path, headers={"authorization": f"Bearer {key}"})
+            return "x-kvbank-held-ms" in r.headers
+
+    async def run() -> None:
+        keys = {KEYS["alice"]: "alice", KEYS["bob"]: "bob"}
+        paced = RefusalPacing(app, keys, share=0.001)
+        assert [await held(paced, KEYS["alice"], "/bad") for _ in range(3)] == [False] * 3
+        assert not await held(paced, KEYS["bob"], "/good")  # now alice shares: what she
+        assert not await held(paced, KEYS["alice"], "/bad")  # did alone is not owed
+        assert await held(paced, KEYS["alice"], "/bad")
+        keyless = RefusalPacing(app, {}, share=0.001)
+        for key in ("a", "b", "a", "b"):
+            assert not await held(keyless, key, "/bad")
+
+    asyncio.run(run())
 
 
 def test_no_prefix_hit_across_tenants_from_ram(alice, bob):

@@ -226,7 +226,8 @@ def prefetch_summary(without, hinted) -> dict:
 def run(*, model: str | None, scenario, limit_bytes: int, max_wall_s: float,
         progress: bool = True, names: bool = False, prefetch: bool = False,
         sides: tuple[str, ...] = DEFAULT_SIDES, rounds: int = 3, arch: str | None = None,
-        model_size: str = "default", settings: Settings | None = None) -> tuple[dict, list[dict]]:
+        model_size: str = "default", settings: Settings | None = None,
+        mlx_lm_cache_bytes: int | None = None) -> tuple[dict, list[dict]]:
     """Returns (the result document, one {side: RunResult} per round). `arch`: a random-weight
     model of the default model's size with that architecture (kvbank/testing/tiny.py), its
     tokenizer with think tokens and its template Qwen3.5's, which drops earlier answers'
@@ -250,7 +251,7 @@ def run(*, model: str | None, scenario, limit_bytes: int, max_wall_s: float,
     results: list[dict] = []
     records: list[dict] = []  # per round: {side: its argv, memory, kvbank's sessions}
     with tempfile.TemporaryDirectory(prefix="kvbank-compare-") as tmpdir:
-        sizing = size(model_dir, Path(tmpdir), settings, limit_bytes)
+        sizing = size(model_dir, Path(tmpdir), settings, limit_bytes, mlx_lm_cache_bytes)
         for i in range(rounds):
             tmp = Path(tmpdir) / f"round-{i + 1}"
             tmp.mkdir()
@@ -372,7 +373,10 @@ def print_table(doc: dict, *, stderr: bool = False) -> None:
     sz = doc["sizing"]
     console.print(f"flags from the limit: kvbank --memory-budget "
                   f"{mb(sz['kvbank']['memory_budget_bytes'])} MB, mlx-lm --prompt-cache-bytes "
-                  f"{mb(sz['mlx_lm']['prompt_cache_bytes'])} MB (idle: kvbank's processes "
+                  f"{mb(sz['mlx_lm']['prompt_cache_bytes'])} MB"
+                  + (f" (given; the rule's: {mb(sz['mlx_lm']['by_rule_bytes'])} MB)"
+                     if sz["mlx_lm"].get("given") else "")
+                  + f" (idle: kvbank's processes "
                   f"{mb(sz['idle']['kvbank']['tree_anon_bytes'])} MB, mlx-lm's "
                   f"{mb(sz['idle']['mlx_lm']['tree_anon_bytes'])} MB)")
     kv = doc["sides"].get("kvbank", {}).get("summary", {})
@@ -414,6 +418,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the memory cgroup limit of each limited side's whole process tree, "
                         "page cache included (e.g. 1.2GB); each server's memory flags are "
                         "set from it (default: %(default)s)")
+    p.add_argument("--mlx-lm-prompt-cache-bytes", default=None, metavar="SIZE",
+                   help="mlx-lm's --prompt-cache-bytes under the limit, instead of the "
+                        "rule's (limit - its idle memory - a prefill transient), where that "
+                        "size is killed; recorded in the JSON (sizing.mlx_lm.given)")
     p.add_argument("--prefill-chunk", type=int, default=Settings.prefill_chunk_tokens,
                    help="prompt tokens a prefill step reads, both servers (default: "
                         "%(default)s)")
@@ -456,6 +464,17 @@ def run_cli(args: argparse.Namespace) -> int:
     except ValueError as e:
         sys.stderr.write(f"kvbank bench compare: {e}\n")
         return 2
+    mlx_cache = None
+    if args.mlx_lm_prompt_cache_bytes is not None:
+        try:
+            mlx_cache = parse_bytes(args.mlx_lm_prompt_cache_bytes)
+        except ValueError:
+            mlx_cache = 0
+        if mlx_cache <= 0:
+            sys.stderr.write(f"kvbank bench compare: --mlx-lm-prompt-cache-bytes "
+                             f"{args.mlx_lm_prompt_cache_bytes!r}: not a size in bytes (e.g. "
+                             f"600MB)\n")
+            return 2
     if args.size != "default" and not args.arch:
         sys.stderr.write("kvbank bench compare: --size shapes a random-weight model: it needs "
                          "--arch\n")
@@ -468,7 +487,8 @@ def run_cli(args: argparse.Namespace) -> int:
                            max_wall_s=args.max_wall_s, progress=not args.no_progress,
                            names=args.session_ids, prefetch=args.prefetch,
                            sides=tuple(args.sides.split(",")), rounds=args.rounds,
-                           arch=args.arch, model_size=args.size, settings=settings)
+                           arch=args.arch, model_size=args.size, settings=settings,
+                           mlx_lm_cache_bytes=mlx_cache)
     except CgroupUnavailable as e:
         sys.stderr.write(f"kvbank bench compare: cannot hold both servers to the same memory "
                          f"here, so it does not compare them: {e}\n")

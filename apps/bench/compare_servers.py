@@ -18,7 +18,10 @@ no limit, after one warm-up request):
 - mlx-lm: `--prompt-cache-bytes` = L - what its process holds idle - one prefill chunk's
   transient bytes (kvbank's calibration of the same model at the same chunk: mlx-lm counts
   running requests' KV in its prompt cache bytes, not their transients).
-Neither is tuned per run; `sizing` in the JSON has every number.
+Neither is tuned per run; `sizing` in the JSON has every number. Where mlx-lm's server is
+killed at the rule's size (it bounds only its prompt cache: MLX's buffer cache and the copies
+it makes of a cache entry are outside it), `--mlx-lm-prompt-cache-bytes` gives it a smaller
+one, as its user would, and `sizing.mlx_lm.given` says so.
 """
 
 from __future__ import annotations
@@ -270,12 +273,10 @@ class Peaks:
                 return
 
 
-def size(model_dir: Path, tmp: Path, settings: Settings, limit_bytes: int) -> dict:
-    """Each engine started once with no limit and warmed up; what it holds idle, and the
-    memory flags the limit gives each side (module docstring). Raises ValueError where the
-    limit leaves a side no room."""
-    from kvbank.contracts.pricing import WRITE_KEEP_MARGIN_BYTES
-
+def size(model_dir: Path, tmp: Path, settings: Settings, limit_bytes: int,
+         mlx_lm_cache_bytes: int | None = None) -> dict:
+    """Each engine started once with no limit and warmed up, and what it holds idle gives
+    each side its memory flags (`memory_flags`)."""
     idle: dict = {}
     side = Side("sizing_kvbank", "", "kvbank", False)
     rec: dict = {}
@@ -295,11 +296,24 @@ def size(model_dir: Path, tmp: Path, settings: Settings, limit_bytes: int) -> di
     with serve(side, model_dir, tmp, settings, None, None, rec) as url:
         warm_up(url, "default_model")
         idle["mlx_lm"] = {"tree_anon_bytes": _group_anon(rec)}
+    return memory_flags(limit_bytes, idle, settings, mlx_lm_cache_bytes)
+
+
+def memory_flags(limit_bytes: int, idle: dict, settings: Settings,
+                 mlx_lm_cache_bytes: int | None = None) -> dict:
+    """The memory flags the limit gives each side, from what each holds idle (module
+    docstring). `mlx_lm_cache_bytes`: mlx-lm's prompt cache given instead of the rule's,
+    recorded as given (for a limit at which the rule's size is killed: mlx-lm bounds no other
+    memory of its own, MLX's buffer cache included, so its user lowers its one flag until it
+    lives). Raises ValueError where the limit leaves a side no room."""
+    from kvbank.contracts.pricing import WRITE_KEEP_MARGIN_BYTES
+
     k = idle["kvbank"]
     transient = int(k["transient_base_bytes"] + k["transient_per_context_token"]
                     * TRANSIENT_CONTEXT_CHUNKS * settings.prefill_chunk_tokens)
     budget = limit_bytes - k["others_bytes"] - WRITE_KEEP_MARGIN_BYTES
-    cache = limit_bytes - idle["mlx_lm"]["tree_anon_bytes"] - transient
+    by_rule = limit_bytes - idle["mlx_lm"]["tree_anon_bytes"] - transient
+    cache = by_rule if mlx_lm_cache_bytes is None else mlx_lm_cache_bytes
     if budget <= k["worker_bytes"] + k["transient_base_bytes"] or cache <= 0:
         raise ValueError(
             f"--memory-limit {limit_bytes}: too small for these servers: kvbank's processes "
@@ -315,9 +329,12 @@ def size(model_dir: Path, tmp: Path, settings: Settings, limit_bytes: int) -> di
                                "what it may keep past what the worker's ledger counts for "
                                "its writes; the worker's budget covers its model, bank, "
                                "requests, transients and the coldstore's writes)"},
-            "mlx_lm": {"prompt_cache_bytes": cache,
+            "mlx_lm": {"prompt_cache_bytes": cache, "by_rule_bytes": by_rule,
+                       "given": mlx_lm_cache_bytes is not None,
                        "rule": "limit - its idle memory - one prefill chunk's transient at "
-                               f"{TRANSIENT_CONTEXT_CHUNKS} chunks of context"}}
+                               f"{TRANSIENT_CONTEXT_CHUNKS} chunks of context"
+                               + (" (not applied: given by --mlx-lm-prompt-cache-bytes)"
+                                  if mlx_lm_cache_bytes is not None else "")}}
 
 
 def _group_anon(rec: dict) -> int:

@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -45,7 +46,8 @@ from kvbank.apps.shim.errors import error_for, router_away
 from kvbank.apps.shim.recorder import Recorder
 from kvbank.apps.shim.openai_format import (DEFAULT_MAX_TOKENS, ApiError, invalid, parse,
                                             parse_render)
-from kvbank.config import PEER_READY_WAIT_S, RECONNECT_OPTIONS
+from kvbank.apps.shim.pacing import RefusalPacing
+from kvbank.config import DEFAULT_REFUSAL_SHARE, PEER_READY_WAIT_S, RECONNECT_OPTIONS
 from kvbank.contracts.failures import Unauthenticated
 from kvbank.v1 import api_pb2, api_pb2_grpc
 from kvbank.router.auth import AUTH_KEY, tenant_for
@@ -578,7 +580,8 @@ def create_app(router_address: str, keys: dict[str, str] | None = None,
                model_name: str | None = None,
                default_max_tokens: int = DEFAULT_MAX_TOKENS,
                keep_attribution: bool = False, record_to: Path | None = None,
-               strict_model: bool = False) -> Starlette:
+               strict_model: bool = False,
+               refusal_share: float = DEFAULT_REFUSAL_SHARE) -> Starlette:
     shim = Shim(router_address, keys or {}, model_name, default_max_tokens, keep_attribution,
                 record_to, strict_model)
     return Starlette(
@@ -600,6 +603,7 @@ def create_app(router_address: str, keys: dict[str, str] | None = None,
             Route("/v1/messages/count_tokens", shim.count_tokens, methods=["POST"]),
         ],
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
+        middleware=[Middleware(RefusalPacing, keys=shim.keys, share=refusal_share)],
         lifespan=shim.lifespan,
     )
 
@@ -607,9 +611,9 @@ def create_app(router_address: str, keys: dict[str, str] | None = None,
 def main(router_address: str, host: str, port: int, keys: dict[str, str],
          model_name: str | None, default_max_tokens: int = DEFAULT_MAX_TOKENS,
          keep_attribution: bool = False, record_to: Path | None = None,
-         strict_model: bool = False) -> None:
+         strict_model: bool = False, refusal_share: float = DEFAULT_REFUSAL_SHARE) -> None:
     app = create_app(router_address, keys, model_name, default_max_tokens, keep_attribution,
-                     record_to, strict_model)
+                     record_to, strict_model, refusal_share)
     # log_config=None keeps the process's logging (set up by the CLI); loop="asyncio" because
     # grpc.aio wants the standard event loop.
     config = uvicorn.Config(app, host=host, port=port, loop="asyncio", log_config=None,

@@ -47,7 +47,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvbank.config import DEFAULT_DECODE_WAIT_S, DEFAULT_SHARED_FORWARD_S
+from kvbank.config import DEFAULT_DECODE_WAIT_S, DEFAULT_SHARED_FORWARD_S, SHARED_WINDOW_S
 from kvbank.v1 import api_pb2, worker_pb2
 from kvbank.worker.memory.allocator import drop_stale_buffers
 from kvbank.worker.kv.cache_kinds import CacheKinds
@@ -65,9 +65,8 @@ LAST_FORWARD_TOKENS = 64  # a prompt's last forward, the one with logits, reads 
 # by the row, batched or not: a quarter already paid here (docs/decisions.md).
 OWN_LEAD_OF_WEIGHTS = {"gpu": 1.0, "cpu": 0.25}
 HANDOFF_S = 0.005  # after a first token, before the next forward (`_hand_off`)
-# While another tenant runs a request, or sent one within SHARED_WINDOW_S (its next may come
-# during the forward), a prompt forward lasts about `shared_forward_s` (`_step_tokens`).
-SHARED_WINDOW_S = 60.0
+# While another tenant runs a request, or sent one within SHARED_WINDOW_S (kvbank/config.py),
+# a prompt forward lasts about `shared_forward_s` (`_step_tokens`).
 MIN_SHARED_STEP = 8  # tokens: below this a forward is mostly reading the weights
 
 
