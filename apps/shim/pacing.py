@@ -2,9 +2,9 @@
 
 A request the front end refuses (a 4xx: a prompt past the context, a schema over the limit, a
 full share of the queue, an unknown key) never reaches the worker, yet reading, parsing and
-refusing it takes the shim's and the router's CPU: 0.05-0.1 s of a core for a 4 MB prompt. On
-a machine whose cores also run the model's forwards, a tenant sending such requests back to
-back (`kvbank bench tenants`' big_prompts: eight at once) took half a core from another
+refusing it takes the shim's and the router's CPU. On a machine whose cores also run the
+model's forwards, a tenant sending such requests back to back (`kvbank bench tenants`'
+big_prompts: eight 4 MB prompts at once) kept 0.5-0.8 of a core busy there, taken from another
 tenant's decode, and answering them faster only let it send more. So while another tenant has
 sent a request within SHARED_WINDOW_S, each refused request of a tenant holds that tenant's
 next requests back, before their bodies are read, long enough that its refused work takes at
