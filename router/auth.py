@@ -47,6 +47,12 @@ def _anonymous_name(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
+def sent_key(x_api_key: str | None, authorization: str | None) -> str:
+    """The `authorization` value a client's key comes as: Anthropic's clients send
+    `x-api-key: KEY` (or, with an auth token, `authorization: Bearer`); OpenAI's the latter."""
+    return f"Bearer {x_api_key.strip()}" if x_api_key else (authorization or "")
+
+
 def tenant_for(keys: dict[str, str], metadata) -> str:
     """The caller's tenant, from its `authorization` metadata; raises Unauthenticated."""
     if not keys:

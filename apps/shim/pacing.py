@@ -19,7 +19,7 @@ import time
 
 from kvbank.config import SHARED_WINDOW_S
 from kvbank.contracts.failures import Unauthenticated
-from kvbank.router.auth import AUTH_KEY, tenant_for
+from kvbank.router.auth import AUTH_KEY, sent_key, tenant_for
 
 MAX_HOLD_S = 10.0  # a client's timeout is longer: a held request is late, never lost
 UNKNOWN = "\0unknown"  # requests without a known key share one account
@@ -76,11 +76,10 @@ class RefusalPacing:
     def _tenant(self, scope) -> str:
         """The tenant of the request's key, as the router will read it (OpenAI's
         `authorization: Bearer`, or Anthropic's `x-api-key`)."""
-        headers = dict(scope["headers"])
-        key = headers.get(b"x-api-key")
-        header = (b"Bearer " + key.strip() if key else headers.get(AUTH_KEY.encode(), b""))
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            return tenant_for(self.keys, [(AUTH_KEY, header.decode("latin-1"))])
+            return tenant_for(self.keys, [(AUTH_KEY, sent_key(headers.get("x-api-key"),
+                                                              headers.get(AUTH_KEY)))])
         except Unauthenticated:
             return UNKNOWN
 

@@ -50,7 +50,7 @@ from kvbank.apps.shim.pacing import RefusalPacing
 from kvbank.config import DEFAULT_REFUSAL_SHARE, PEER_READY_WAIT_S, RECONNECT_OPTIONS
 from kvbank.contracts.failures import Unauthenticated
 from kvbank.v1 import api_pb2, api_pb2_grpc
-from kvbank.router.auth import AUTH_KEY, tenant_for
+from kvbank.router.auth import AUTH_KEY, sent_key, tenant_for
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +113,7 @@ class Shim:
     def authorize_anthropic(self, request: Request) -> tuple[tuple[str, str], ...]:
         """As `authorize`, for a key sent as Anthropic's `x-api-key` (or, as Anthropic's
         clients do with an auth token, `authorization: Bearer`)."""
-        key = request.headers.get("x-api-key")
-        header = f"Bearer {key.strip()}" if key else request.headers.get(AUTH_KEY, "")
+        header = sent_key(request.headers.get("x-api-key"), request.headers.get(AUTH_KEY))
         if self.keys and not header:
             raise ApiError(401, "this server needs an API key: send `x-api-key: KEY`",
                            code="invalid_api_key")
