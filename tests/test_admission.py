@@ -52,14 +52,17 @@ def _sessions(c):
     return {s.session_id: s for s in c.list_sessions()}
 
 
+LONG_ANSWER = 600  # tokens: seconds of decoding, for the one RPC each test sends meanwhile
+
+
 def _long_request(stack, session, n_tokens, seed) -> tuple[threading.Thread, dict]:
-    """A 1,500-token answer running in a thread, returned once it streams; the dict gets its
-    turn and the time it ended."""
+    """A long answer (LONG_ANSWER tokens) running in a thread, returned once it streams; the
+    dict gets its turn and the time it ended."""
     first_text, done = threading.Event(), {}
 
     def run():
         with stack.client() as c2:
-            done["turn"] = _turn(c2, session, n_tokens, seed=seed, max_tokens=1500,
+            done["turn"] = _turn(c2, session, n_tokens, seed=seed, max_tokens=LONG_ANSWER,
                                  on_text=lambda _: first_text.set())
             done["at"] = time.time()
 
@@ -396,7 +399,7 @@ def test_hyper_runs_exactly_one_request_at_a_time(tiny_model, tmp_path, cache_di
 
     s = _stack(tiny_model, tmp_path, cache_dir, "--scheduler", "hyper")
     try:
-        first, done = _long_request(s, "h0", 30, seed=20)  # streams 1,500 tokens
+        first, done = _long_request(s, "h0", 30, seed=20)
 
         def run_second():
             with s.client() as c2:
