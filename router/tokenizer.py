@@ -153,7 +153,13 @@ class PromptTokenizer:
     def max_token_bytes(self) -> int:
         """The most UTF-8 bytes one token stands for (a run of spaces, say): a text of B
         bytes is at least B / this many tokens, known without tokenizing it."""
-        return max(1, max(len(self.tok.decode([i]).encode()) for i in range(len(self.tok))))
+        ids = [[i] for i in range(len(self.tok))]
+        # one call for the whole vocabulary where the tokenizer is a Rust one: 0.045 s against
+        # 0.13 s a token at a time for 49K tokens, at every router start
+        fast = getattr(self.tok, "backend_tokenizer", None)
+        texts = (fast.decode_batch(ids, skip_special_tokens=False) if fast is not None
+                 else map(self.tok.decode, ids))
+        return max(1, max(len(t.encode()) for t in texts))
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
