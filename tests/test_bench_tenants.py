@@ -27,5 +27,7 @@ def test_bench_tenants_runs_a_flood_and_answers_the_other_key(tiny_model, tmp_pa
     flood, idle = doc["full_queue"], doc["idle"]
     assert flood["probes"] == 1 and idle["probes"] >= 1, doc
     assert flood["ttft_p50_s"] > 0 and isinstance(flood["ttft_met"], bool), flood
+    # the token the longest gap came before (None: an answer of one token has no gap)
+    assert flood["gap_max_before_token"] in (None, 2, 3, 4), flood
     # past its share of the queue the flooding key is refused, while the probe was answered
     assert flood["flood_answers"].get("429", 0) > 0, flood
