@@ -29,8 +29,10 @@ A request enters with its own restored cache (RAM bank or SSD) and leaves with t
 everything it read and wrote, which the engine commits. Stop strings and cancellation are
 checked here, on the detokenized text, after each token; so are tool calls, which the
 request's `Decoding` (worker/compute/decoding.py) parses out of the text before it is sent. A request
-with logits processors (penalties, logit_bias, a grammar) takes the batch for its last prompt
-forward (from the start where it has no checkpoints to take): mlx-lm applies them there.
+with logits processors (penalties, logit_bias, a grammar) reads its prompt as any other and
+takes the batch for its last prompt forward: mlx-lm applies them there. (Read whole in the
+batch, a long constrained prompt put a 512-token chunk into every step of another tenant's
+stream.)
 """
 
 from __future__ import annotations
@@ -176,8 +178,8 @@ class BatchScheduler:
             # restored where the router marked (a shared system prompt's end): its commit
             # names that checkpoint too, so a stored anchor lives while a record holds it
             self._checkpoint(_Own(r, cache, prompt, max_tokens), r.cached, always=True)
-        if r.decoding.processors and not (self.kinds.checkpointed and r.split_at):
-            self._insert(r, prompt, cache, max_tokens)
+        if r.decoding.processors and self._chunk(_Own(r, cache, prompt, max_tokens)) == 0:
+            self._insert(r, prompt, cache, max_tokens)  # one forward: mlx-lm's, with them
             return
         self.kinds.with_room(cache, len(r.tokens))  # a buffer of a size MLX has kept
         r.uid = next(self._own_uids)
@@ -672,8 +674,8 @@ def warm_up(batch: "BatchScheduler", kinds, tokenizer, chunk_tokens: int) -> Non
     r = Running(job=job, tokens=tokens, bank_key=("", "warm-up"), session=None, cached=0,
                 source=api_pb2.CACHE_SOURCE_NONE, known=0, started=time.monotonic(),
                 stops=[], detok=tokenizer.detokenizer,
-                # a logits processor sends it through mlx-lm's BatchGenerator, whose first-use
-                # buffers belong in the fixed part too (not the solo path)
+                # a logits processor sends its last forward through mlx-lm's BatchGenerator,
+                # whose first-use buffers belong in the fixed part too (its chunks: the solo path)
                 decoding=Decoding(make_request_sampler(0.0, 0.0, None),
                                   processors=[lambda tokens, logits: logits]))
     batch.add(r, kinds.new_cache(), 2)
