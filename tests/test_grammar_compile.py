@@ -109,3 +109,37 @@ def test_a_grammar_refusal_is_our_sentence_never_a_panic():
     assert in_our_words("tools[0].function.parameters: " + "x" * 400).endswith("simplify it")
     plain = "response_format.json_schema.schema: Unknown keyword 'frobnicate'"
     assert in_our_words(plain) == plain  # a sentence a client can act on stays
+
+
+def test_while_a_compile_runs_the_forwards_leave_it_a_core():
+    """A compile takes a core for seconds, and OpenBLAS's threads wait for each other at every
+    matmul: while one runs, the engine's forwards use the cores it leaves (`Cores.share`, before
+    each step), and all of them again once it has ended."""
+    from kvbank.worker.compute.cores import Cores
+
+    cores = Cores()
+    if cores.all < 2:
+        pytest.skip("MLX here runs no OpenBLAS of two threads or more: no core to give")
+    blas = cores._blas.openblas_get_num_threads  # what OpenBLAS itself says
+
+    async def run():
+        slow = Slow()
+        compiles = GrammarCompiles(slow, timeout_s=5, max_bytes=1000)
+        cores.compiling = lambda: compiles.running
+        cores.share()
+        assert blas() == cores.all
+        pending = asyncio.ensure_future(compiles.grammar(_req('{"a": 1}')))
+        while slow.compiled != ['{"a": 1}']:
+            await asyncio.sleep(0.01)
+        cores.share()
+        assert blas() == cores.all - 1
+        slow.release['{"a": 1}'].set()
+        assert await pending == 'grammar of {"a": 1}'
+        cores.share()
+        assert blas() == cores.all
+        compiles.close()
+
+    try:
+        asyncio.run(run())
+    finally:  # this process's own OpenBLAS: as it was, whatever happened
+        cores._blas.openblas_set_num_threads(cores.all)

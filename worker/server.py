@@ -265,6 +265,7 @@ async def serve(model: Path, layout: Layout, *, metrics_port: int = -1,
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     compiles = GrammarCompiles(engine.decodings, timeout_s=grammar_timeout_s,
                                max_bytes=max_grammar_bytes)
+    engine.cores.compiling = lambda: compiles.running  # the forwards leave compiles a core
     worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(engine, compiles), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

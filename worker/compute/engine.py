@@ -36,6 +36,7 @@ from kvbank.models import default_cache_dir
 from kvbank.v1 import api_pb2, worker_pb2
 from kvbank.worker import commands as cmd
 from kvbank.worker.compute import reports
+from kvbank.worker.compute.cores import Cores
 from kvbank.worker.compute.decoding import Decodings
 from kvbank.worker.compute.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running, warm_up
 from kvbank.worker.compute.scheduler_config import SchedulerConfig
@@ -130,6 +131,7 @@ class Engine:
                                      pricing=self.pricing, chunk_tokens=prefill_chunk_tokens,
                                      stream=self.batch.gen.stream, off_reason=off_reason(self.mtp))
         self._held_seen = 0  # the ledger at the last _give_back_freed
+        self.cores = Cores(self.batch.gen.stream)  # its `compiling` set by the worker's server
         kv = self.kv
         self._handlers = {
             cmd.DeleteSession: lambda c: kv.delete(c.session),
@@ -216,6 +218,7 @@ class Engine:
             if self.running() > running:  # seen running (guard, Status) before it answers
                 self._publish()
             self._give_back_freed()  # what commands, acknowledged writes and evictions freed
+            self.cores.share()  # a grammar compile running beside takes a core
             if self.batch:
                 self._step()
             elif not self._pending and self._prerender_now():

@@ -40,6 +40,7 @@ class GrammarCompiles:
         self._running: dict[str, asyncio.Future] = {}
         self._started: dict[str, float] = {}  # key -> when its thread began (loop time)
         self._turns: dict[str, asyncio.Lock] = {}  # tenant (API key) -> one compile at a time
+        self.running = 0  # compiles on a thread now: the forwards leave them a core (cores.py)
 
     async def grammar(self, req):
         """The request's compiled grammar (None: its answer is free). Raises InvalidRequest."""
@@ -80,6 +81,7 @@ class GrammarCompiles:
             async with turn:
                 loop = asyncio.get_running_loop()
                 self._started[key] = loop.time()
+                self.running += 1
                 try:
                     got = await loop.run_in_executor(self._pool, self.decodings.compile, req)
                 except InvalidRequest as e:
@@ -89,6 +91,8 @@ class GrammarCompiles:
                     got = InvalidRequest(f"{self._field(req)}: the grammar compiler could not "
                                          f"build a grammar from it ({type(e).__name__})",
                                          param=self._param(req))
+                finally:
+                    self.running -= 1
             if key not in self._kept:  # a timeout's refusal stands
                 self._keep(key, got)
             return self._kept.get(key, got)
