@@ -31,8 +31,9 @@ def _setup_logging(name: str) -> None:
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """Every command's parser; `command`: the one the arguments name, whose flags alone are
-    built where building them imports modules (loadgen's, every bench's: 0.5 s of CPU in
-    each of a stack's five processes, at every start). None: all of them."""
+    built where building them imports modules (loadgen's, every bench's: 0.5 s of CPU in a
+    bare process, paid by each of a stack's five processes and every `kvbank status`). None:
+    all of them."""
     FLAG_GROUPS.clear()
     ap = argparse.ArgumentParser(prog="kvbank", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -120,7 +120,7 @@ def test_while_a_compile_runs_the_forwards_leave_it_a_core():
     cores = Cores()
     if cores.all < 2:
         pytest.skip("MLX here runs no OpenBLAS of two threads or more: no core to give")
-    blas = cores._blas.openblas_get_num_threads  # what OpenBLAS itself says
+    blas = cores.threads  # what OpenBLAS itself says
 
     async def run():
         slow = Slow()
@@ -142,4 +142,5 @@ def test_while_a_compile_runs_the_forwards_leave_it_a_core():
     try:
         asyncio.run(run())
     finally:  # this process's own OpenBLAS: as it was, whatever happened
-        cores._blas.openblas_set_num_threads(cores.all)
+        cores.compiling = lambda: 0
+        cores.share()

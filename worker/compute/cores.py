@@ -32,6 +32,10 @@ class Cores:
         self.all = self._blas.openblas_get_num_threads() if self._blas else 0
         self.now = self.all
 
+    def threads(self) -> int:
+        """OpenBLAS's own count of its threads now (0: no OpenBLAS here)."""
+        return self._blas.openblas_get_num_threads() if self._blas else 0
+
     def share(self) -> None:
         """Before a step: the forwards get the cores the running compiles leave them."""
         if self._blas is None:
