@@ -22,6 +22,9 @@ def test_bench_tenants_runs_a_flood_and_answers_the_other_key(tiny_model, tmp_pa
         env={**__import__("os").environ, "KVBANK_CACHE_DIR": str(cache_dir)})
     assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
     doc = json.loads(out.read_text())
+    # and a row per scenario for the person who ran it
+    rows = [line.split()[1] for line in run.stdout.splitlines() if line.startswith("│")]
+    assert rows == ["idle", "full_queue"] and "longest gap" in run.stdout, run.stdout[-3000:]
     assert doc["errors"] == [], doc["errors"]
     assert doc["rounds"] == 1 and doc["provenance"]["commit"]["sha"], doc
     flood, idle = doc["full_queue"], doc["idle"]

@@ -24,11 +24,17 @@ def print_result(name: str, result: dict, as_json: bool) -> None:
             continue
         table.add_row(key, json.dumps(value) if isinstance(value, (dict, list)) else str(value))
     Console().print(table)
+    Console().print(footer(result))
+
+
+def footer(result: dict) -> str:
+    """The line under a bench's table: the commit, the date, the load, and whether the run
+    can be a record (its provenance stamped)."""
     p = result["provenance"]
-    Console().print(f"commit {(p['commit']['sha'] or '-')[:10]}"
-                    f"{' (modified)' if p['commit']['dirty'] else ''}, {p['date']}, load "
-                    f"{p['load_at_start'][0]} -> {p['load_at_end'][0]}"
-                    f"{'' if p['quiet'] else ' (busy: not a figure for the record)'}")
+    return (f"commit {(p['commit']['sha'] or '-')[:10]}"
+            f"{' (modified)' if p['commit']['dirty'] else ''}, {p['date']}, load "
+            f"{p['load_at_start'][0]} -> {p['load_at_end'][0]}"
+            f"{'' if p['quiet'] else ' (busy: not a figure for the record)'}")
 
 
 def write_json(result: dict, dest: str | None) -> None:

@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_cli(args: argparse.Namespace) -> int:
     import sys
 
-    from kvbank.apps.bench.report import print_result, write_json
+    from kvbank.apps.bench.provenance import stamp
+    from kvbank.apps.bench.report import write_json
 
     scenarios = [s for s in args.scenarios.split(",") if s]
     unknown = set(scenarios) - set(SCENARIOS)
@@ -76,9 +77,48 @@ def run_cli(args: argparse.Namespace) -> int:
                  stack_dir=args.stack_dir)
     if args.json:
         write_json(result, args.json)
+        print_table(result, stderr=args.json == "-")  # stdout is the JSON's then
     else:
-        print_result("tenants", result, False)
+        stamp(result)
+        print_table(result)
     return 0
+
+
+def print_table(result: dict, *, stderr: bool = False) -> None:
+    """A row per scenario: what the flood got, the probe's TTFT and longest gap, the goals."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvbank.apps.bench.report import footer
+
+    def s(x, unit: str = " s") -> str:
+        return "-" if x is None else f"{x}{unit}"
+
+    def met(x) -> str:
+        return "" if x is None else "met" if x else "NOT met"
+
+    t = Table(title="bench tenants: the probe's short request while another key floods",
+              title_justify="left")
+    for col in ("scenario", "flood's answers", "TTFT p50", "max", "queued p50", "longest gap",
+                "step", "before token", "TTFT goal", "gap goal"):
+        t.add_column(col, justify="left" if col in ("scenario", "flood's answers") else "right")
+    for name in ("idle", *SCENARIOS):
+        r = result.get(name)
+        if r is None:
+            continue
+        flood = ", ".join(f"{n} x {code}" for code, n in sorted(r.get("flood_answers", {}).items()))
+        t.add_row(name, flood or "-", s(r["ttft_p50_s"]), s(r["ttft_max_s"]),
+                  s(r["kvbank_queue_p50_s"]), s(r["gap_max_s"]), s(r["step_median_s"]),
+                  s(r["gap_max_before_token"], ""), met(r.get("ttft_met")), met(r.get("gap_met")))
+    console = Console(stderr=stderr)
+    if not console.is_terminal:  # a log file or a pipe: do not squeeze to 80 columns
+        console = Console(stderr=stderr, width=150)
+    console.print(t)
+    console.print("goals: TTFT (the slowest probe) within 3x idle and idle + 2 s; the longest "
+                  "gap under 1.5 s and within 3x the median step", markup=False)
+    for e in result.get("errors", []):
+        console.print(f"error: {e}", markup=False)
+    console.print(footer(result), markup=False)
 
 
 def run(*, model: str | None, scenarios: list[str], probes: int, rounds: int,
