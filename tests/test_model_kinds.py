@@ -385,7 +385,7 @@ def test_a_stripped_history_comes_back_from_ssd_at_the_previous_prompts_end(arch
 
 
 TIERS = ("ram", "ssd after a release", "ssd after kill -9")
-TOOL_TURNS = 10
+TOOL_TURNS = 8  # each tier at least twice (RAM, SSD, kill -9), the new query at the seventh, one after
 TOP = 5  # a scripted model's chosen token has logprob 0.0 in float32, whatever its context:
          # its alternatives' logprobs are what a wrong KV moves
 
@@ -414,7 +414,7 @@ def gpt_oss_tools(cache_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("api", matrix(("chat", "responses", "anthropic"), keep=("chat",)))
 def test_a_gpt_oss_tool_loop_answers_as_mlx_lm_from_scratch(api, gpt_oss_tools):
-    """gpt-oss's published template, ten requests of an agent's tool loop (reasoning in the
+    """gpt-oss's published template, eight requests of an agent's tool loop (reasoning in the
     analysis channel, a call in the commentary channel, its result, a new query at the
     seventh), each sending the history back as the API returned it; before each returning
     turn the conversation stays in RAM, is released to SSD, or the worker is killed with -9,
@@ -422,7 +422,7 @@ def test_a_gpt_oss_tool_loop_answers_as_mlx_lm_from_scratch(api, gpt_oss_tools):
     from scratch on the prompt ids the worker read, and each turn reads the whole previous
     one from cache. The Responses and Anthropic APIs carry no logprobs of a call: their last
     request is sent again as the shim sends it to the router, logprobs asked, so the KV all
-    ten turns left is checked to 1e-4 as well."""
+    eight turns left is checked to 1e-4 as well."""
     import uuid
 
     from kvbank.client import Turn
