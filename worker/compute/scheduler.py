@@ -173,19 +173,19 @@ class BatchScheduler:
 
     def add(self, r: Running, cache: list, max_tokens: int) -> None:
         self._tenant_seen[r.job.request.tenant] = time.monotonic()
-        prompt = r.tokens[r.cached:].tolist()
+        o = _Own(r, cache, r.tokens[r.cached:].tolist(), max_tokens)
         if r.cached and r.cached in r.job.request.checkpoint_at:
             # restored where the router marked (a shared system prompt's end): its commit
             # names that checkpoint too, so a stored anchor lives while a record holds it
-            self._checkpoint(_Own(r, cache, prompt, max_tokens), r.cached, always=True)
-        if r.decoding.processors and self._chunk(_Own(r, cache, prompt, max_tokens)) == 0:
-            self._insert(r, prompt, cache, max_tokens)  # one forward: mlx-lm's, with them
+            self._checkpoint(o, r.cached, always=True)
+        if r.decoding.processors and self._chunk(o) == 0:
+            self._insert(r, o.prompt, cache, max_tokens)  # one forward: mlx-lm's, with them
             return
         self.kinds.with_room(cache, len(r.tokens))  # a buffer of a size MLX has kept
         r.uid = next(self._own_uids)
-        run = (self.mtp.run_for(r.job.request, cache, r.decoding.processors,
-                                int(r.tokens[r.cached])) if self.mtp is not None else None)
-        self._readers.append(_Own(r, cache, prompt, max_tokens, mtp=run))
+        o.mtp = (self.mtp.run_for(r.job.request, cache, r.decoding.processors,
+                                  int(r.tokens[r.cached])) if self.mtp is not None else None)
+        self._readers.append(o)
         self.running[r.uid] = r
 
     def _insert(self, r: Running, prompt: list[int], cache: list, max_tokens: int) -> None:
