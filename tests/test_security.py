@@ -430,13 +430,17 @@ def test_a_tenants_refused_requests_hold_its_next_back_while_another_tenant_send
 
 def test_a_tenant_alone_and_a_server_without_keys_are_never_held():
     """Holding back only shares the front end between tenants: one alone, or a server
-    without keys, answers its refusals as fast as it can. (The app behind the pacing is a
-    test seam: 400 on /bad, 200 elsewhere.)"""
+    without keys, answers its refusals as fast as it can. (Test seams: the app behind the
+    pacing answers 400 on /bad, 200 elsewhere, and each refusal moves the pacing's clock 10 ms;
+    nothing else moves it, so whether a request is held never depends on this machine's speed.)"""
     from kvbank.apps.shim.pacing import RefusalPacing
 
+    now = [0.0]
+
     async def app(scope, receive, send):
-        await send({"type": "http.response.start", "headers": [],
-                    "status": 400 if scope["path"] == "/bad" else 200})
+        bad = scope["path"] == "/bad"
+        now[0] += 0.010 if bad else 0.0
+        await send({"type": "http.response.start", "headers": [], "status": 400 if bad else 200})
         await send({"type": "http.response.body", "body": b""})
 
     async def held(paced, key: str, path: str) -> bool:
@@ -447,12 +451,13 @@ def test_a_tenant_alone_and_a_server_without_keys_are_never_held():
 
     async def run() -> None:
         keys = {KEYS["alice"]: "alice", KEYS["bob"]: "bob"}
-        paced = RefusalPacing(app, keys, share=0.001)
+        paced = RefusalPacing(app, keys, share=0.5, clock=lambda: now[0])
         assert [await held(paced, KEYS["alice"], "/bad") for _ in range(3)] == [False] * 3
         assert not await held(paced, KEYS["bob"], "/good")  # now alice shares: what she
         assert not await held(paced, KEYS["alice"], "/bad")  # did alone is not owed
-        assert await held(paced, KEYS["alice"], "/bad")
-        keyless = RefusalPacing(app, {}, share=0.001)
+        assert await held(paced, KEYS["alice"], "/bad")  # 10 ms refused: held 10 ms
+        assert not await held(paced, KEYS["bob"], "/good")
+        keyless = RefusalPacing(app, {}, share=0.5, clock=lambda: now[0])
         for key in ("a", "b", "a", "b"):
             assert not await held(keyless, key, "/bad")
 

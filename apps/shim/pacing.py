@@ -29,10 +29,11 @@ HELD_HEADER = b"x-kvbank-held-ms"  # on a held request's answer: how long it was
 class RefusalPacing:
     """ASGI middleware in front of the shim's routes. It owns `_free_at` (when each tenant's
     next request may start) and `_seen` (when each last sent one); both live on the shim's one
-    event loop."""
+    event loop. `clock` is a test seam: a test that moves time itself holds nothing by
+    chance."""
 
-    def __init__(self, app, keys: dict[str, str], share: float):
-        self.app, self.keys, self.share = app, keys, share
+    def __init__(self, app, keys: dict[str, str], share: float, clock=time.monotonic):
+        self.app, self.keys, self.share, self.clock = app, keys, share, clock
         self._free_at: dict[str, float] = {}
         self._seen: dict[str, float] = {}
 
@@ -42,19 +43,19 @@ class RefusalPacing:
             await self.app(scope, receive, send)
             return
         tenant = self._tenant(scope)
-        now = time.monotonic()
+        now = self.clock()
         self._seen[tenant] = now
         hold = min(self._free_at.get(tenant, 0.0) - now, MAX_HOLD_S)
         if hold > 0 and self._shared(tenant, now):
             await asyncio.sleep(hold)
         else:
             hold = 0.0
-        start = time.monotonic()
+        start = self.clock()
 
         async def sending(message) -> None:
             if message["type"] == "http.response.start":
-                if _refused(message["status"]) and self._shared(tenant, time.monotonic()):
-                    self._charge(tenant, time.monotonic() - start)
+                if _refused(message["status"]) and self._shared(tenant, self.clock()):
+                    self._charge(tenant, self.clock() - start)
                 if hold:  # said to the held client alone: why its answer came late
                     message = {**message, "headers": [
                         *message.get("headers", ()), (HELD_HEADER, b"%d" % (hold * 1000))]}
@@ -66,7 +67,7 @@ class RefusalPacing:
         """The refusal took `cost_s` of the front end: the tenant's next request waits
         cost_s * (1 / share - 1) more, so refusals take at most `share` of the time. Only
         while shared: what a tenant did alone it does not owe when another comes."""
-        now = time.monotonic()
+        now = self.clock()
         free = max(now, self._free_at.get(tenant, 0.0)) + cost_s * (1 / self.share - 1)
         self._free_at[tenant] = min(free, now + MAX_HOLD_S)
 
