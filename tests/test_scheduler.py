@@ -229,8 +229,8 @@ def test_beside_another_tenants_request_a_prompt_forward_lasts_the_shared_time(
         read.append(a_cache[0].offset)
     chunks = [y - x for x, y in zip(read, read[1:])][:-1]  # the last forward: with logits
     assert chunks[0] == 128 // 4  # the first shared chunk, a quarter, is measured
-    if shared_forward_s < 1:
-        assert set(chunks[1:]) == {MIN_SHARED_STEP}
+    if shared_forward_s < 1:  # the one before the last forward: what the last leaves
+        assert set(chunks[1:-1]) == {MIN_SHARED_STEP} and 0 < chunks[-1] <= MIN_SHARED_STEP
     else:
         assert chunks[1:3] == [128, 128]
     _drain(s)
@@ -346,6 +346,62 @@ def test_answers_whose_contexts_are_far_apart_decode_on_their_own_caches(model_a
     assert sorted(map(id, _drain(s))) == sorted(map(id, [short, long_, third]))
     for r, tokens in ((short, s_tokens), (long_, l_tokens), (third, t_tokens)):
         assert r.completion == _alone(model, tokenizer, tokens)
+
+
+def test_an_answer_that_joins_the_batch_takes_a_token_at_every_step(model_and_tokenizer):
+    """S answers alone on its own cache; T's prompt is read and both join mlx-lm's batch. On
+    a CPU every step from then on gives each of them a token: none waits a step for mlx-lm
+    to hand out what it computed (an answer joining a batch waited two steps for its next
+    token so). Each ends at the step of its last token; both answer as alone."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = model_and_tokenizer
+    rng = np.random.default_rng(23)
+    s_tokens, t_tokens = _tokens(tokenizer, rng, 20), _tokens(tokenizer, rng, 30)
+    s = _scheduler(model, tokenizer, chunk=64, decode_wait_s=0.0)  # S never pauses for T
+    assert s.takes_ahead  # this suite runs on a CPU
+    short, third = _request(tokenizer, s_tokens), _request(tokenizer, t_tokens)
+    s.add(short, make_prompt_cache(model), ANSWER)
+    s.step()
+    s.add(third, make_prompt_cache(model), ANSWER)
+    s.step()  # T's prompt and first token; S's second, on its own cache; then they join
+    assert (len(short.completion), len(third.completion)) == (2, 1)
+    counts, ended = [], []
+    while s:
+        ended.append({id(r) for r, _ in s.step()})
+        counts.append((len(short.completion), len(third.completion)))
+        assert short.uid >= 0 and third.uid >= 0 or not s  # batched
+    assert counts[:ANSWER - 2] == [(3 + i, 2 + i) for i in range(ANSWER - 2)]
+    # S's last token came a step before T's: each ends the step after its last token
+    assert ended[ANSWER - 2:] == [{id(short)}, {id(third)}]
+    for r, tokens in ((short, s_tokens), (third, t_tokens)):
+        assert r.completion == _alone(model, tokenizer, tokens)
+
+
+def test_a_stop_string_in_a_token_taken_ahead_ends_the_answer_there(model_and_tokenizer):
+    """In the batch a token is taken as soon as it is computed: a stop string it completes
+    ends the answer at that token, as on its own cache. (This prompt's answer repeats one
+    word: the stop string is four of them.)"""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = model_and_tokenizer
+    rng = np.random.default_rng(25)
+    a_tokens, b_tokens = _tokens(tokenizer, rng, 20), _tokens(tokenizer, rng, 24)
+    alone = _alone(model, tokenizer, b_tokens)
+    stop = tokenizer.decode(alone[:4])
+    assert stop not in tokenizer.decode(alone[:3])
+    s = _scheduler(model, tokenizer, chunk=64)
+    a, b = _request(tokenizer, a_tokens), _request(tokenizer, b_tokens)
+    b.stops = [stop]
+    s.add(a, make_prompt_cache(model), ANSWER)
+    s.add(b, make_prompt_cache(model), ANSWER)
+    while b.uid < 0:
+        s.step()
+    assert len(b.completion) < 4  # the rest comes from the batch
+    ended = _drain(s)
+    assert b.finish == api_pb2.FINISH_REASON_STOP and b.completion == alone[:4]
+    assert b.stop_sequence == stop and b.sent == 0 and b in ended  # nothing of it sent
+    assert a.completion == _alone(model, tokenizer, a_tokens)
 
 
 def test_answers_with_no_memory_for_the_joins_copy_decode_beside_each_other(

@@ -10,18 +10,19 @@ prefill gets its first token after one chunk; a long one is not starved; of equa
 the first to come is read through first, not all of them by turns). A prompt is read on the
 request's own cache, the model called as mlx-lm's own generate does: its chunks without
 logits, then its last <= 64 tokens and its first token in one forward, handed out at once.
-Reading prompts in the
-batch would pad them to the longest, copy every cache in and out of the batch (merge,
-split), and hand each token out one step after computing it; on this CPU four 512-token
-prompts on 1,600-token histories read together ran at 0.85 of one after another
-(docs/decisions.md). A request whose prompt is read decodes alone on its own cache while
+Reading prompts in the batch would pad them to the longest, copy every cache in and out of
+the batch (merge, split), and hand each token out one step after computing it (mlx-lm does
+so; on a CPU the batch's tokens are taken as they are computed, `_take_ahead`); on this CPU
+four 512-token prompts on 1,600-token histories read together ran at 0.85 of one after
+another (docs/decisions.md). A request whose prompt is read decodes alone on its own cache while
 nothing else decodes, and joins the batch when a second one would (the batch is then worth
 its copies), unless their contexts differ by `own_lead_tokens` or more: then it decodes on its
 own cache beside the batch (`_close`). Answers pause for prompts of their own tenant only
 (an API key's flood of prompts never stalls another key's stream), and while two tenants have
 requests running a prompt is read in forwards of about `shared_forward_s` (`_step_tokens`),
-so another's request waits that long at most for the forward in flight. `hyper` (and `serial`, its
-alias) use the same path with one request at a time. After a request's first token the next
+so another's request waits that long at most for the forward in flight, and in none while
+the batch takes rows in (`_read_waits`). `hyper` (and `serial`, its alias) use the same path
+with one request at a time. After a request's first token the next
 forward waits 5 ms, so the token reaches its client before the forward takes the cores
 (`_hand_off`).
 
@@ -105,6 +106,7 @@ class Running:
     head_cache: Any = None  # its MTP head's KV while mlx-lm's batch runs it (CacheKinds.with_head)
     drafted: int = 0  # tokens its MTP head drafted (worker/compute/mtp/serving.py)
     accepted: int = 0  # of them, those the model kept
+    ahead: str = ""  # "taken"/"stopped": its batch token was taken when computed (`_take_ahead`)
 
 
 @dataclass(eq=False)  # found in lists by identity
@@ -167,6 +169,11 @@ class BatchScheduler:
         self._first_token_out = False  # since the last forward (`_hand_off`)
         self._tenant_seen: dict[str, float] = {}  # tenant -> when its last request came in
         self._shared_step = max(MIN_SHARED_STEP, prefill_step_tokens // 4)  # `_shared_forward`
+        # `_take_ahead`: on a CPU, where evaluating waits for every forward queued before it
+        self.takes_ahead = mx.default_device().type == mx.DeviceType.cpu
+        self._entering = False  # rows inserted since the batch's last step
+        self._join_steps = 0  # steps left that read no prompt chunk (`_read_waits`)
+        self._reads_waited = 0  # steps in a row that read none for a join
 
     def __len__(self) -> int:
         return len(self.running)
@@ -190,6 +197,7 @@ class BatchScheduler:
 
     def _insert(self, r: Running, prompt: list[int], cache: list, max_tokens: int) -> None:
         d = r.decoding
+        self._entering = True  # the batch's next step takes it in (`_read_waits`)
         r.head_cache = self.kinds.head_cache(cache)  # the batch runs the model's caches only
         (r.uid,) = self.gen.insert(
             [prompt], max_tokens=[max_tokens], caches=[self.kinds.model_caches(cache)],
@@ -257,13 +265,29 @@ class BatchScheduler:
         unless answers wait for the prompts being read (`_answers_wait`). Returns the requests
         that ended, each with its cache."""
         done: list[tuple[Running, list]] = []
+        joined = False
         if not self._answers_wait():
+            joined, self._entering = self._entering and self._in_batch(), False
             done = self._batch_step() if self._in_batch() else []
             for o in list(self._decoders):
                 done += self._own_step(o)
-        if self._readers:
+        if not self._read_waits(joined) and self._readers:
             done += self._own_step(self._next_reader())
         return done
+
+    def _read_waits(self, joined: bool) -> bool:
+        """Whether no prompt chunk is read this step: the step whose batch took rows in, and
+        the next, while another tenant's answer streams. mlx-lm runs the new rows' first
+        forward apart and copies every row into one cache in the next forward, each step
+        about two steps' time; a chunk on top had that answer wait three to four (bench
+        tenants full_queue: 0.30-0.34 s against a 0.09 s step). Never three steps in a row:
+        joins as frequent as every step still leave the prompts a step in three."""
+        if joined and not self._reading_for_every_answer():
+            self._join_steps = 2
+        waits = self._join_steps > 0 and self._reads_waited < 2
+        self._join_steps = max(0, self._join_steps - 1)
+        self._reads_waited = self._reads_waited + 1 if waits else 0
+        return waits
 
     def _next_reader(self) -> _Own:
         """The prompt read next: the tenant whose prompt was read longest ago takes its turn
@@ -318,11 +342,15 @@ class BatchScheduler:
     def _forwards_left(self, o: _Own) -> int:
         """Forwards until `o`'s first token: its chunks, then the last one with logits."""
         step = self._step_tokens(o)
-        return math.ceil(max(0, len(o.prompt) - self._last_tokens(step)) / step) + 1
+        return math.ceil(max(0, len(o.prompt) - self._last_tokens(o, step)) / step) + 1
 
-    def _last_tokens(self, step: int) -> int:
-        """The tokens a prompt's last forward (with logits) reads, short of a fold (`_chunk`)."""
-        return min(self.last_forward_tokens, step)
+    def _last_tokens(self, o: _Own, step: int) -> int:
+        """The tokens a prompt's last forward (with logits) reads, short of a fold (`_chunk`);
+        while tenants share, half a step: with its logits a token costs about two of a chunk's
+        (on this CPU a 43-token last forward took 0.20 s against 0.10-0.13 for 24-34-token
+        chunks, in another tenant's stream)."""
+        last = min(self.last_forward_tokens, step)
+        return max(1, last // 2) if self._shares(o) else last
 
     def _step_tokens(self, o: _Own) -> int:
         """A chunk of `o`'s prompt: `prefill_step_tokens`, or, while another tenant has a
@@ -365,7 +393,8 @@ class BatchScheduler:
             r = self.running.get(resp.uid)
             if r is None:
                 continue
-            if self._take(r, resp):
+            ahead, r.ahead = r.ahead, ""
+            if ahead == "stopped" or (not ahead and self._take(r, resp)):
                 stopped.append(resp.uid)
                 continue
             if resp.finish_reason is not None:
@@ -378,7 +407,29 @@ class BatchScheduler:
                 done.append((r, self.kinds.with_head(caches[uid][0], r.head_cache)))
         for r, _ in done:
             self._flush_text(r)
+        if self.takes_ahead:
+            self._take_ahead()
         return done
+
+    def _take_ahead(self) -> None:
+        """Each batch row's next token, taken as soon as it is computed rather than at the next
+        step. mlx-lm hands a token out one step after its forward, so that on a GPU the host's
+        work overlaps the next forward; on a CPU evaluating waits for the forward anyway, and
+        the lag only made every batched token a step late, and an answer joining the batch
+        (whose last token came from its own cache) wait two steps for its next: under `bench
+        tenants` full_queue, 0.25-0.38 s against a 0.08 s step. The next step hands the same
+        token out again: only its end is news then (`_batch_step`)."""
+        rows = self.gen._generation_batch  # mlx-lm pinned: its pending tokens, in row order
+        if not rows.uids:
+            return
+        tokens = rows._next_tokens.reshape(-1).tolist()
+        for uid, token, logprobs in zip(rows.uids, tokens, rows._next_logprobs):
+            r = self.running.get(uid)
+            if r is None or r.ahead:
+                continue
+            finish = "stop" if token in self.eos else None  # an end of turn: no text (`_take`)
+            r.ahead = ("stopped" if self._take(r, SimpleNamespace(
+                uid=uid, token=token, logprobs=logprobs, finish_reason=finish)) else "taken")
 
     def prefilling(self) -> list[Running]:
         """Requests still reading their prompt (no first token yet)."""
@@ -544,14 +595,15 @@ class BatchScheduler:
         if not o.prompt:  # a decode step: no tenants to look at
             return 0
         r, step = o.r, self._step_tokens(o)
-        last = self._last_tokens(step)
         pos = len(r.tokens) - len(o.prompt)
-        # Up to two steps are read in the last forward, within the logits the pricing allows:
-        # a short prompt's first token is then one forward, not two with another tenant's
-        # chunk between them (a 17-token prompt at an 11-token step waited 0.6 s so, against
-        # 0.3 s; its forward, at a short context, is no longer than a long prompt's chunk).
-        n = (min(step, len(o.prompt) - last)
-             if len(o.prompt) > min(self.last_forward_tokens, 2 * last) else 0)
+        # A prompt of up to two steps is read in one forward, within the logits the pricing
+        # allows: a short prompt's first token is then one forward, not two with another
+        # tenant's chunk between them (a 17-token prompt at an 11-token step waited 0.6 s so,
+        # against 0.3 s; its forward, at a short context, is no longer than a long prompt's
+        # chunk).
+        short = pos == r.cached and len(o.prompt) <= min(self.last_forward_tokens, 2 * step)
+        last = self._last_tokens(o, step)
+        n = 0 if short or len(o.prompt) <= last else min(step, len(o.prompt) - last)
         split = next((p for p in r.split_at if pos < p < len(r.tokens)), None)
         if split is not None and (n == 0 or split < pos + n):
             n = split - pos
