@@ -277,12 +277,17 @@ class BatchScheduler:
 
     def _read_waits(self, joined: bool) -> bool:
         """Whether no prompt chunk is read this step: the step whose batch took rows in, and
-        the next, while another tenant's answer streams. mlx-lm runs the new rows' first
-        forward apart and copies every row into one cache in the next forward, each step
-        about two steps' time; a chunk on top had that answer wait three to four (bench
-        tenants full_queue: 0.30-0.34 s against a 0.09 s step). Never three steps in a row:
-        joins as frequent as every step still leave the prompts a step in three."""
-        if joined and not self._reading_for_every_answer():
+        the next, while another tenant's answer streams and every prompt waiting is of a
+        tenant with an answer running too (a tenant with nothing running is never held back:
+        its first token would wait those two steps).
+        mlx-lm runs the new rows' first forward apart and copies every row into one cache in
+        the next forward, each step about two steps' time; a chunk on top had that answer wait
+        three to four (bench tenants full_queue: 0.30-0.34 s against a 0.09 s step). Never
+        three steps in a row: joins as frequent as every step still leave the prompts a step
+        in three."""
+        answering = {r.job.request.tenant for r in self.answering()}
+        if (joined and not self._reading_for_every_answer()
+                and all(o.r.job.request.tenant in answering for o in self._readers)):
             self._join_steps = 2
         waits = self._join_steps > 0 and self._reads_waited < 2
         self._join_steps = max(0, self._join_steps - 1)
