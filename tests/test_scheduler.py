@@ -352,7 +352,7 @@ def test_an_answer_that_joins_the_batch_takes_a_token_at_every_step(model_and_to
     """S answers alone on its own cache; T's prompt is read and both join mlx-lm's batch. On
     a CPU every step from then on gives each of them a token: none waits a step for mlx-lm
     to hand out what it computed (an answer joining a batch waited two steps for its next
-    token so). Each ends at the step of its last token; both answer as alone."""
+    token so). Each ends at the step after its last token; both answer as alone."""
     from mlx_lm.models.cache import make_prompt_cache
 
     model, tokenizer = model_and_tokenizer

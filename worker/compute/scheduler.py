@@ -14,17 +14,16 @@ Reading prompts in the batch would pad them to the longest, copy every cache in 
 the batch (merge, split), and hand each token out one step after computing it (mlx-lm does
 so; on a CPU the batch's tokens are taken as they are computed, `_take_ahead`); on this CPU
 four 512-token prompts on 1,600-token histories read together ran at 0.85 of one after
-another (docs/decisions.md). A request whose prompt is read decodes alone on its own cache while
-nothing else decodes, and joins the batch when a second one would (the batch is then worth
-its copies), unless their contexts differ by `own_lead_tokens` or more: then it decodes on its
-own cache beside the batch (`_close`). Answers pause for prompts of their own tenant only
-(an API key's flood of prompts never stalls another key's stream), and while two tenants have
-requests running a prompt is read in forwards of about `shared_forward_s` (`_step_tokens`),
-so another's request waits that long at most for the forward in flight, and in none while
-the batch takes rows in (`_read_waits`). `hyper` (and `serial`, its alias) use the same path
-with one request at a time. After a request's first token the next
-forward waits 5 ms, so the token reaches its client before the forward takes the cores
-(`_hand_off`).
+another (docs/decisions.md). A request whose prompt is read decodes alone on its own cache
+while nothing else decodes, and joins the batch when a second one would (the batch is then
+worth its copies), unless their contexts differ by `own_lead_tokens` or more: then it decodes
+on its own cache beside the batch (`_close`). Answers pause for prompts of their own tenant
+only (an API key's flood of prompts never stalls another key's stream), and while two tenants
+have requests running a prompt is read in forwards of about `shared_forward_s`
+(`_step_tokens`), so another's request waits that long at most for the forward in flight, and
+in none while the batch takes rows in (`_read_waits`). `hyper` (and `serial`, its alias) use
+the same path with one request at a time. After a request's first token the next forward waits
+5 ms, so the token reaches its client before the forward takes the cores (`_hand_off`).
 
 A request enters with its own restored cache (RAM bank or SSD) and leaves with the cache of
 everything it read and wrote, which the engine commits. Stop strings and cancellation are
