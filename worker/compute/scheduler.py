@@ -26,10 +26,10 @@ the same path with one request at a time. After a request's first token the next
 5 ms, so the token reaches its client before the forward takes the cores (`_hand_off`).
 
 A request enters with its own restored cache (RAM bank or SSD) and leaves with the cache of
-everything it read and wrote, which the engine commits. Stop strings and cancellation are
-checked here, on the detokenized text, after each token; so are tool calls, which the
-request's `Decoding` (worker/compute/decoding.py) parses out of the text before it is sent. A request
-with logits processors (penalties, logit_bias, a grammar) reads its prompt as any other and
+everything it read and wrote, which the engine commits. Cancellation is checked here before
+each step, stop strings after each token, on the detokenized text, where the token's text is
+sent (worker/compute/sending.py: the reasoning and tool calls that the request's `Decoding`
+parses out of it, too). A request with logits processors (penalties, logit_bias, a grammar) reads its prompt as any other and
 takes the batch for its last prompt forward: mlx-lm applies them there. (Read whole in the
 batch, a long constrained prompt put a 512-token chunk into every step of another tenant's
 stream.)
@@ -54,7 +54,8 @@ from kvbank.v1 import api_pb2, worker_pb2
 from kvbank.worker.memory.allocator import drop_stale_buffers
 from kvbank.worker.kv.cache_kinds import CacheKinds
 from kvbank.worker import commands as cmd
-from kvbank.worker.compute.decoding import Decoding, make_request_sampler, token_logprob
+from kvbank.worker.compute.decoding import Decoding, make_request_sampler
+from kvbank.worker.compute.sending import send_end, send_token
 
 logger = logging.getLogger(__name__)
 
@@ -284,10 +285,10 @@ class BatchScheduler:
         three to four (bench tenants full_queue: 0.30-0.34 s against a 0.09 s step). Never
         three steps in a row: joins as frequent as every step still leave the prompts a step
         in three."""
-        answering = {r.job.request.tenant for r in self.answering()}
-        if (joined and not self._reading_for_every_answer()
-                and all(o.r.job.request.tenant in answering for o in self._readers)):
-            self._join_steps = 2
+        if joined and not self._reading_for_every_answer():
+            answering = {r.job.request.tenant for r in self.answering()}
+            if all(o.r.job.request.tenant in answering for o in self._readers):
+                self._join_steps = 2
         waits = self._join_steps > 0 and self._reads_waited < 2
         self._join_steps = max(0, self._join_steps - 1)
         self._reads_waited = self._reads_waited + 1 if waits else 0
@@ -410,7 +411,7 @@ class BatchScheduler:
                 r = self.running.pop(uid)
                 done.append((r, self.kinds.with_head(caches[uid][0], r.head_cache)))
         for r, _ in done:
-            self._flush_text(r)
+            send_end(r)
         if self.takes_ahead:
             self._take_ahead()
         return done
@@ -468,7 +469,7 @@ class BatchScheduler:
             return False
         r.detok.add_token(resp.token)
         r.text += r.detok.last_segment
-        if self._emit(r, resp):
+        if send_token(r, resp.token, resp.logprobs, self.decode):
             r.finish = api_pb2.FINISH_REASON_STOP
             return True
         return False
@@ -553,7 +554,7 @@ class BatchScheduler:
             self._forward(o, [token], [])
             mx.eval([c.state for c in o.cache])
         self._forget([r])
-        self._flush_text(r)
+        send_end(r)
         return [(r, o.cache)]
 
     def _speculates(self, o: _Own) -> bool:
@@ -628,65 +629,6 @@ class BatchScheduler:
         if r.uid in self.running:
             self._forget([r])
 
-    def _emit(self, r: Running, resp) -> bool:
-        """Send what may be sent of the text, with the token; True when a stop string was
-        found (the stop string and what follows it are not sent)."""
-        cut, hit = stop_cut(r.text, r.stops)
-        text = ""
-        if cut > r.sent:
-            text, r.sent = r.text[r.sent:cut], cut
-        elif hit:
-            r.stop_sequence = hit
-            return True
-        msg = worker_pb2.WorkerGenerateResponse(token_ids=[resp.token])
-        if r.decoding.logprobs:
-            msg.logprobs.append(token_logprob(resp.logprobs, resp.token,
-                                              r.decoding.top_logprobs, self.decode))
-        self._send(r, msg, text)
-        r.stop_sequence = hit
-        return bool(hit)
-
-    def _flush_text(self, r: Running) -> None:
-        """The end of the answer: the detokenizer's last text and any held-back tool call."""
-        text = ""
-        if not r.stop_sequence:
-            r.detok.finalize()
-            r.text += r.detok.last_segment
-            end, hit = stop_cut(r.text, r.stops)
-            if end > r.sent:
-                text, r.sent = r.text[r.sent:end], end
-            if hit:
-                r.stop_sequence, r.finish = hit, api_pb2.FINISH_REASON_STOP
-        self._send(r, worker_pb2.WorkerGenerateResponse(), text, final=True)
-
-    @staticmethod
-    def _send(r: Running, msg, text: str, final: bool = False) -> None:
-        """Text through the reasoning split (chat input, a model with think markers), the
-        rest through the tool-call parser (when the request has tools), then out."""
-        harmony = r.decoding.harmony
-        if harmony is not None:
-            msg.reasoning, text, calls = harmony.feed(text)
-            if final:
-                more, rest, last = harmony.finish()
-                msg.reasoning, text, calls = msg.reasoning + more, text + rest, calls + last
-            msg.tool_calls.extend(calls)
-        reasoning = r.decoding.reasoning
-        if reasoning is not None:
-            msg.reasoning, text = reasoning.feed(text)
-            if final:
-                more, rest = reasoning.finish()
-                msg.reasoning, text = msg.reasoning + more, text + rest
-        tools = r.decoding.tools
-        if tools is not None:
-            text, calls = tools.feed(text)
-            if final:
-                rest, more = tools.finish()
-                text, calls = text + rest, calls + more
-            msg.tool_calls.extend(calls)
-        msg.text = text
-        if msg.text or msg.reasoning or msg.token_ids or msg.tool_calls:
-            r.job.emit(msg)
-
 
 def _context(r: Running) -> int:
     """A running request's context: its prompt and its answer so far."""
@@ -706,20 +648,6 @@ def _own_lead(model, kinds: CacheKinds) -> int:
     weights = sum(int(v.nbytes) for _, v in tree_flatten(model.parameters()))
     per_token = kinds.measure()[0]
     return int(share * weights / per_token) if per_token else 1 << 62
-
-
-def stop_cut(text: str, stops: list[str]) -> tuple[int, str]:
-    """How much of `text` may be sent, and the stop string found ("" : none).
-
-    Text that could still grow into a stop string is held back.
-    """
-    if not stops:
-        return len(text), ""
-    found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
-    if found:
-        return min(found)
-    hold = max(len(s) for s in stops) - 1
-    return max(0, len(text) - hold), ""
 
 
 def warm_up(batch: "BatchScheduler", kinds, tokenizer, chunk_tokens: int) -> None:
