@@ -395,8 +395,7 @@ def report(samples: dict[str, list[Probe]], floods: dict[str, Counter]) -> dict:
                 "ttft_max_s": round(ttfts[-1], 3) if ttfts else None,
                 "step_median_s": round(statistics.median(gaps), 4) if gaps else None,
                 "gap_max_s": round(max(gaps), 3) if gaps else None,
-                # which token the longest gap came before (2: the first after the first
-                # token, where an answer joins the batch)
+                # which token the longest gap came before (2: the gap after the first token)
                 "gap_max_before_token": max(((g, i + 2) for p in probes
                                              for i, g in enumerate(p.gaps)),
                                             default=(0, None))[1]}
