@@ -108,7 +108,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             transient_base_bytes=e.pricing.transient_base,
             transient_per_context_token=e.pricing.transient_per_context_token,
             checkpointed=e.kinds.checkpointed, cache_layout=e.kinds.layout,
-            max_grammar_bytes=self.compiles.max_bytes, **_tool_calling(e.tokenizer))
+            max_grammar_bytes=self.compiles.max_bytes, **_tool_calling(e.decodings.format))
 
     @staticmethod
     def _session_pb(snap: cmd.Snapshot, key, info, tokens=None) -> api_pb2.Session:
@@ -302,11 +302,9 @@ def main(model: Path, layout: Layout, **engine_kw) -> None:
     asyncio.run(serve(model, layout, **engine_kw))
 
 
-def _tool_calling(tokenizer) -> dict:
-    """The model's tool calling as read from its chat template (empty: none)."""
-    from kvbank.worker.compute.call_formats import call_format
-
-    fmt = call_format(tokenizer)
+def _tool_calling(fmt) -> dict:
+    """The model's tool calling as read from its chat template (a `CallFormat`; empty:
+    none)."""
     if fmt is None:
         return {}
     return {"tool_parser": fmt.name, "tool_call_start": fmt.start, "tool_call_end": fmt.end}

@@ -4,10 +4,38 @@ standard health service for the router and the worker, a ping over ZeroMQ for th
 from __future__ import annotations
 
 
+def listening(address: str) -> bool:
+    """Whether anything accepts a connection at a gRPC (`unix://PATH`, `HOST:PORT`) or ZeroMQ
+    (`ipc://PATH`) address. A start is polled twenty times a second, and a gRPC channel to a
+    peer that is not there yet costs milliseconds of CPU where a refused connect costs
+    microseconds. An address of another form passes: the real check decides."""
+    import socket
+
+    for scheme in ("unix://", "ipc://"):
+        if address.startswith(scheme):
+            family, target = socket.AF_UNIX, address[len(scheme):]
+            break
+    else:
+        host, _, port = address.rpartition(":")
+        if not port.isdigit():
+            return True
+        family, target = socket.AF_INET6 if ":" in host else socket.AF_INET, \
+            (host.strip("[]"), int(port))
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(target)
+            return True
+        except OSError:
+            return False
+
+
 def grpc_healthy(address: str, timeout_s: float = 1.0) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    if not listening(address):
+        return False
     try:
         with grpc.insecure_channel(address) as ch:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
@@ -48,4 +76,4 @@ def coldstore_ping(address: str, timeout_ms: int = 1000):
 
 
 def coldstore_up(address: str) -> bool:
-    return coldstore_ping(address) is not None
+    return listening(address) and coldstore_ping(address) is not None

@@ -56,10 +56,11 @@ def call_format(tokenizer) -> CallFormat | None:
     template = getattr(tokenizer, "chat_template", None) or ""
     if not isinstance(template, str):
         return None
-    vocab = tokenizer.get_vocab()
-    if all(m in vocab for m in (HARMONY_CHANNEL, HARMONY_MESSAGE, HARMONY_CALL)) and \
-            "to=" in template and "functions." in template:
-        return CallFormat("harmony", HARMONY_CHANNEL, HARMONY_CALL, None)
+    # the template first: `get_vocab` builds a dict of every token at each call
+    if "to=" in template and "functions." in template:
+        vocab = tokenizer.get_vocab()
+        if all(m in vocab for m in (HARMONY_CHANNEL, HARMONY_MESSAGE, HARMONY_CALL)):
+            return CallFormat("harmony", HARMONY_CHANNEL, HARMONY_CALL, None)
     if NEMOTRON_START in template and NEMOTRON_END in template:
         return CallFormat("nemotron", NEMOTRON_START, NEMOTRON_END, parse_nemotron)
     return None
