@@ -8,7 +8,7 @@ def listening(address: str) -> bool:
     """Whether anything accepts a connection at a gRPC (`unix://PATH`, `HOST:PORT`) or ZeroMQ
     (`ipc://PATH`) address. A start is polled twenty times a second, and a gRPC channel to a
     peer that is not there yet costs milliseconds of CPU where a refused connect costs
-    microseconds. An address of another form passes: the real check decides."""
+    microseconds. Only a refused connect says no: anything else, the real check decides."""
     import socket
 
     for scheme in ("unix://", "ipc://"):
@@ -25,9 +25,11 @@ def listening(address: str) -> bool:
         s.settimeout(1.0)
         try:
             s.connect(target)
-            return True
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False  # nothing listens there: the one answer taken from this check
         except OSError:
-            return False
+            pass  # another error (a wildcard address, a timeout): the real check decides
+    return True
 
 
 def grpc_healthy(address: str, timeout_s: float = 1.0) -> bool:
