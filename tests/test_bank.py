@@ -592,3 +592,22 @@ def test_running_requests_hold_their_caches_and_the_largest_forward_once():
     assert bank.ledger()["held_bytes"] == 1000 + 300
     bank.end_request(a)
     assert bank.ledger()["held_bytes"] == 0
+
+
+def test_a_request_past_its_prompt_holds_a_decode_steps_memory_not_its_prompt_forwards():
+    """Once a request has read its prompt it runs decode steps: the ledger holds their working
+    memory for it, so another prompt forward or a batch join finds that room; while a second
+    request of the same conversation runs (it may be reading its prompt), nothing changes."""
+    bank = make_bank()
+    a, b = (TENANT, "a"), (TENANT, "b")
+    for s, own, forward in ((a, 1000, 300), (b, 2000, 500)):
+        bank.begin_request(s)
+        bank.reserve_active(s, own, forward)
+    bank.settle_forward(b, 20)
+    assert bank.ledger()["forward_bytes"] == 300  # a still reads its prompt
+    bank.settle_forward(a, 10)
+    assert bank.ledger()["held_bytes"] == 1000 + 2000 + 20
+    bank.begin_request(a)  # a second request of a's, its prompt's forward
+    bank.reserve_active(a, 0, 400)
+    bank.settle_forward(a, 10)
+    assert bank.ledger()["forward_bytes"] == 400

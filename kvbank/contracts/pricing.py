@@ -42,7 +42,7 @@ class Pricing:
     are measured once at start and grow with the context it attends to. The worker runs one
     forward at a time, so of the running requests' only the largest is held
     (worker/tiers/bank.py `reserve_active`); a request read in mlx-lm's batch with others
-    holds its own.
+    holds its own. A request past its prompt holds a decode step's (`decode_transient`).
     """
 
     kv_bytes_per_token: int
@@ -70,6 +70,12 @@ class Pricing:
 
     def prefill_transient(self, context_tokens: int) -> int:
         return int(self.transient_base + self.transient_per_context_token * context_tokens)
+
+    def decode_transient(self, context_tokens: int, tokens: int) -> int:
+        """A decode step's working memory: `tokens` queries (every row of a full batch, each
+        with its drafts) at `context_tokens`, the measured chunk's share of them (its
+        activations, scores and logits are per query token)."""
+        return int(self.prefill_transient(context_tokens) * tokens / max(self.chunk_tokens, 1))
 
     def max_fit_tokens(self, budget: int, prompt_tokens: int | None = None) -> int:
         """The longest prompt + max_tokens that fits the budget with nothing else held

@@ -90,6 +90,7 @@ class Engine:
         speculation = served.mtp.depth + 1 if served.mtp is not None else 0
         self.pricing = Pricing(self.kv_bytes_per_token, 0, prefill_chunk_tokens,  # calibrated below
                                state_bytes=(2 + speculation) * self.checkpoint_bytes)
+        self._step_queries = scheduler.max_active * max(1, speculation)  # a decode step's most
         self.memory_budget = 0  # known once the model and the tiers are in memory (below)
         self.kv = KVManager(
             layout, kinds=self.kinds, fingerprint=self.fingerprint, block_tokens=block_tokens,
@@ -456,6 +457,9 @@ class Engine:
             done = self.batch.step()
             for r in self.batch.take_prefix_ready():
                 self.kv.share(r, self.batch)
+            for r in self.batch.answering():  # past its prompt: a decode step's memory
+                self.kv.prompt_read(r.bank_key, self.pricing.decode_transient(
+                    _length(r), self._step_queries))
         except Exception as e:  # a failed step fails every request in it, not the worker
             logger.exception("generation step failed")
             for r in list(self.batch.running.values()):

@@ -390,6 +390,13 @@ class SessionBank:
             self._forward_nbytes[session] = max(self._forward_nbytes.get(session, 0),
                                                 forward_bytes)
 
+    def settle_forward(self, session: SessionKey, nbytes: int) -> None:
+        """A request past its prompt: it runs decode steps from now on, and holds their
+        working memory (`nbytes`) instead of its prompt forward's. Where two of the session's
+        requests run, the other may still read its prompt: nothing changes."""
+        if self._in_flight.get(session, 0) == 1:
+            self._forward_nbytes[session] = nbytes
+
     def forward_bytes(self) -> int:
         """The forward working memory the ledger holds (`reserve_active`)."""
         return max(self._forward_nbytes.values(), default=0)

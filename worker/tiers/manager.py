@@ -362,6 +362,10 @@ class KVManager:
         """The forward working memory held for running requests (the largest of theirs)."""
         return self.bank.forward_bytes()
 
+    def prompt_read(self, session: SessionKey, decode_bytes: int) -> None:
+        """A running request read its prompt: it holds a decode step's working memory now."""
+        self.bank.settle_forward(session, decode_bytes)
+
     def reserve(self, session: SessionKey, nbytes: int) -> None:
         """More bytes for a running request, held until it ends (its batch join's copy)."""
         self.bank.reserve_active(session, nbytes)
