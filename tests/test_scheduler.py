@@ -430,6 +430,40 @@ def test_answers_with_no_memory_for_the_joins_copy_decode_beside_each_other(
         assert b.completion == _alone(model, tokenizer, b_tokens)
 
 
+def test_answers_refused_the_join_join_later_as_many_as_memory_allows_and_answer_as_alone(
+        model_and_tokenizer):
+    """Answers refused the join's copy decode beside each other; asked again later (the
+    engine asks once its ledger falls: a prompt read, writes landed), as many join mid-answer
+    as the memory allows (here two of three), and each still answers exactly as alone. Before,
+    they decoded beside each other to their ends, a forward each a step (bench compare
+    n-agents at 1.3 GB: twice the decode time)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = model_and_tokenizer
+    rng = np.random.default_rng(15)
+    tokens = [_tokens(tokenizer, rng, n) for n in (40, 50, 45)]
+    room = [0]  # how many answers' copies the memory holds
+    asked = []
+    s = _scheduler(model, tokenizer, chunk=64,
+                   may_join=lambda joining: asked.append(len(joining)) or len(joining) <= room[0])
+    rs = [_request(tokenizer, t) for t in tokens]
+    for r in rs:
+        s.add(r, make_prompt_cache(model), ANSWER)
+    while any(r.first_token_at is None for r in rs):
+        s.step()
+    s.step()
+    assert all(r.uid < 0 and len(r.completion) < ANSWER for r in rs)
+    asked.clear()
+    assert not s.join_beside()  # still refused, three then two
+    assert asked == [3, 2]
+    room[0] = 2
+    assert s.join_beside()
+    assert sorted(r.uid >= 0 for r in rs) == [False, True, True]
+    _drain(s)
+    for r, t in zip(rs, tokens):
+        assert r.completion == _alone(model, tokenizer, t)
+
+
 def test_a_request_on_its_own_cache_allocates_no_more_than_its_price(model_and_tokenizer):
     """A request is priced at its cache once, with its prefill transients (Pricing): read in
     chunks and answered on its own cache, what MLX allocates for it peaks within that price

@@ -91,6 +91,7 @@ class Engine:
         self.pricing = Pricing(self.kv_bytes_per_token, 0, prefill_chunk_tokens,  # calibrated below
                                state_bytes=(2 + speculation) * self.checkpoint_bytes)
         self._step_queries = scheduler.max_active * max(1, speculation)  # a decode step's most
+        self._join_refused_at: int | None = None  # the ledger when a join was last refused
         self.memory_budget = 0  # known once the model and the tiers are in memory (below)
         self.kv = KVManager(
             layout, kinds=self.kinds, fingerprint=self.fingerprint, block_tokens=block_tokens,
@@ -430,16 +431,20 @@ class Engine:
         cache into the batch's and pads it to the longest there, and a member's leaving copies
         the rest again (`Pricing.join_bytes`). Each is charged that copy now, when the budget
         has room for all of it; else they decode on their own caches beside the batch (a
-        forward each, no copy)."""
+        forward each, no copy), and are asked again once the ledger falls below what it held
+        then (`BatchScheduler.join_beside`)."""
         lens = self._batch_lens()
         extra = []
         for r in joining:
             extra.append(self.pricing.join_bytes(_length(r), batch_len=max(lens, default=0),
                                                  batch_size=len(lens)))
             lens.append(_length(r))
-        if sum(extra) > self.memory_budget - held_bytes(self.pricing, self.kv):
+        held = held_bytes(self.pricing, self.kv)
+        if sum(extra) > self.memory_budget - held:
             metrics.BATCH_JOINS.labels("no_memory").inc(len(joining))
+            self._join_refused_at = held  # asked again once the ledger falls below it
             return False
+        self._join_refused_at = None
         for r, nbytes in zip(joining, extra):
             self.kv.reserve(r.bank_key, nbytes)
         metrics.BATCH_JOINS.labels("joined").inc(len(joining))
@@ -460,6 +465,10 @@ class Engine:
             for r in self.batch.answering():  # past its prompt: a decode step's memory
                 self.kv.prompt_read(r.bank_key, self.pricing.decode_transient(
                     _length(r), self._step_queries))
+            if (self._join_refused_at is not None
+                    and held_bytes(self.pricing, self.kv) < self._join_refused_at):
+                self._join_refused_at = None  # asked once: a refusal sets it again
+                self.batch.join_beside()  # the memory a refused join lacked may be here
         except Exception as e:  # a failed step fails every request in it, not the worker
             logger.exception("generation step failed")
             for r in list(self.batch.running.values()):

@@ -224,6 +224,29 @@ class BatchScheduler:
         if not mates or not self.may_join([d.r for d in mates]):
             self._decoders.append(o)
             return
+        self._join(mates)
+
+    def join_beside(self) -> bool:
+        """Answers decoding on their own caches beside each other (or the batch), left there
+        because `may_join` refused the copy, join now as many as it lets: the caller asks when
+        memory was freed since (a prompt read, writes landed, an answer ended), not only when
+        another prompt ends. Returns whether any joined."""
+        if not self._decoders:
+            return False
+        batch = [r for uid, r in self.running.items() if uid >= 0]
+        if batch:
+            mates = [d for d in self._decoders if all(self._close(d.r, r) for r in batch)]
+        else:
+            mates = [d for d in self._decoders if self._close(self._decoders[0].r, d.r)]
+        mates.sort(key=lambda d: _context(d.r))  # the smallest copies first
+        # as many as the memory allows: two batched, two beside beat four beside
+        for n in range(len(mates), 0 if batch else 1, -1):
+            if self.may_join([d.r for d in mates[:n]]):
+                self._join(mates[:n])
+                return True
+        return False
+
+    def _join(self, mates: list[_Own]) -> None:
         for d in mates:
             self._decoders = [x for x in self._decoders if x is not d]
             r = self.running.pop(d.r.uid)  # its last token is sampled, not in the cache yet
