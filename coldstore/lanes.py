@@ -91,20 +91,26 @@ class Lanes:
     payload_stall_s: float = 30.0
     jobs: dict[int, WriteJob] = field(default_factory=dict)
     worker_busy: bool = False
+    write_now: bool = False  # the worker needs the memory the queued writes hold
     state_changed_at: float = 0.0
     state_heard_at: float = 0.0
     last_stale_write_at: float = 0.0
 
-    def on_worker_state(self, busy: bool, now: float) -> None:
+    def on_worker_state(self, busy: bool, now: float, write_now: bool = False) -> None:
         """The first report starts the quiet grace too: the worker's first "busy" may never
         arrive (a PUB socket drops what it sends before its subscriber connects), and a
-        "quiet" then must not count as quiet since the epoch."""
+        "quiet" then must not count as quiet since the epoch. `write_now`: the worker needs
+        the memory the queued writes hold (a join into its batch waits for it): every job is
+        written at once, a young tail too."""
         if busy != self.worker_busy or not self.state_heard_at:
             self.state_changed_at = now
         self.worker_busy = busy
+        self.write_now = write_now
         self.state_heard_at = now
 
     def quiet(self, now: float) -> bool:
+        if self.write_now:
+            return True
         if now - self.state_heard_at > self.silent_worker_s:
             return True
         return not self.worker_busy and now - self.state_changed_at >= self.quiet_grace_s
@@ -135,7 +141,7 @@ class Lanes:
     def held(self, job: WriteJob, now: float) -> bool:
         """Only a young partial tail is left: wait, its next turn would rewrite it."""
         return (job.give_up_at is None and len(job.blocks) == 1 and job.blocks[0].tail
-                and now - job.dirty_since < self.tail_delay_s)
+                and now - job.dirty_since < self.tail_delay_s and not self.write_now)
 
     def stalled(self, job: WriteJob, now: float) -> bool:
         """Its next block's payload is missing, and nothing arrived or was committed for

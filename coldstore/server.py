@@ -251,7 +251,8 @@ class ColdstoreServer:
                 msg = self.state.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.lanes.on_worker_state(msg.startswith(b"busy"), time.time())
+            self.lanes.on_worker_state(msg.startswith(b"busy"), time.time(),
+                                       write_now=msg == b"write-now")
 
     # -- messages ---------------------------------------------------------------------------
 

@@ -332,3 +332,26 @@ def test_a_workers_first_quiet_report_starts_the_quiet_grace():
     lanes.on_worker_state(False, now)
     assert lanes.next_job(now + 1) is None  # quiet for 1 s of a 60 s grace
     assert lanes.next_job(now + 61) is not None
+
+
+def test_a_worker_that_needs_the_memory_has_every_queued_write_written_now_tails_too():
+    """A young tail waits `tail_delay_s` (its next turn rewrites it), and writes wait for a
+    quiet worker; a worker whose batch join waits for the memory the queued writes hold says
+    `write-now`, and the tail is written at once, busy or not. Agents taking turns keep the
+    worker busy: at every turn's start four tails held 31-65 MB and a join of two lacked 8."""
+    from collections import deque
+
+    from kvbank.coldstore.lanes import Lanes, PendingBlock, WriteJob
+
+    now = time.time()
+    lanes = Lanes(quiet_grace_s=0.25, max_dirty_s=3600, tail_delay_s=30)
+    tail = PendingBlock(b"b", 0, 8, payload=memoryview(b"x" * 8), tail=True)
+    lanes.submit(WriteJob(1, b"peer", TENANT, "s", b"root", deque([tail]), dirty_since=now))
+    lanes.on_worker_state(False, now)
+    assert lanes.next_job(now + 1) is None  # quiet, but a young tail
+    lanes.on_worker_state(True, now + 1)
+    assert lanes.next_job(now + 2) is None
+    lanes.on_worker_state(False, now + 2, write_now=True)
+    assert lanes.next_job(now + 2) is not None
+    lanes.on_worker_state(True, now + 3)  # the join happened: busy as before
+    assert lanes.next_job(now + 3) is None

@@ -52,8 +52,8 @@ class ColdstoreClient:
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._said_busy = False  # the caller's of set_busy (the engine thread's)
-        self._busy = False  # the I/O thread's: what it publishes
+        self._said_state = b"quiet"  # the caller's of set_busy (the engine thread's)
+        self._state = b"quiet"  # the I/O thread's: what it publishes
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="coldstore-io", daemon=True)
 
@@ -182,11 +182,14 @@ class ColdstoreClient:
         if chunk:
             self.send(payload=pb.Payload(job=job), frames=chunk)
 
-    def set_busy(self, busy: bool) -> None:
-        """One thread's (the engine's): whether it is computing; the I/O thread publishes it."""
-        if busy != self._said_busy:
-            self._said_busy = busy
-            self._send_raw([b"busy", b"1" if busy else b"0"])
+    def set_busy(self, busy: bool, write_now: bool = False) -> None:
+        """One thread's (the engine's): whether it is computing, or needs the memory the
+        coldstore's queued writes hold (`write_now`: it writes them at once, tails too); the
+        I/O thread publishes it."""
+        state = b"write-now" if write_now else b"busy" if busy else b"quiet"
+        if state != self._said_state:
+            self._said_state = state
+            self._send_raw([b"busy", state])
 
     def _post(self, request: pb.Request, frames: Sequence) -> None:
         self._send_raw([b"msg", *wire.encode(request, frames)])
@@ -214,7 +217,7 @@ class ColdstoreClient:
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(self._pull, zmq.POLLIN)
-        last_state, sent_busy = 0.0, None
+        last_state, sent_state = 0.0, None
         try:
             while not self._stop.is_set():
                 try:
@@ -224,9 +227,9 @@ class ColdstoreClient:
                     if dealer in events:
                         self._receive(dealer)
                     now = time.monotonic()
-                    if self._busy != sent_busy or now - last_state >= STATE_EVERY_S:
-                        pub.send(b"busy" if self._busy else b"quiet")
-                        sent_busy, last_state = self._busy, now
+                    if self._state != sent_state or now - last_state >= STATE_EVERY_S:
+                        pub.send(self._state)
+                        sent_state, last_state = self._state, now
                 except Exception:  # the link outlives a bad message: writes depend on it
                     logger.exception("coldstore link: I/O step failed")
         finally:
@@ -244,7 +247,7 @@ class ColdstoreClient:
             if parts[0].bytes == b"msg":
                 dealer.send_multipart(parts[1:], copy=False)
             elif parts[0].bytes == b"busy":
-                self._busy = parts[1].bytes == b"1"
+                self._state = parts[1].bytes
 
     def _receive(self, dealer: zmq.Socket) -> None:
         while True:

@@ -512,9 +512,11 @@ class KVManager:
         durable); how many."""
         return self.writer.pump()
 
-    def set_busy(self, busy: bool) -> None:
-        """Tell the coldstore whether requests run (it writes idle-lane jobs when quiet)."""
-        self.coldstore.set_busy(busy or bool(self.reads) or bool(self.prefetcher.reading))
+    def set_busy(self, busy: bool, write_now: bool = False) -> None:
+        """Tell the coldstore whether requests run (it writes idle-lane jobs when quiet), or
+        that the memory its queued writes hold is needed now (`write_now`)."""
+        self.coldstore.set_busy(busy or bool(self.reads) or bool(self.prefetcher.reading),
+                                write_now)
 
     def land(self) -> None:
         """Hints' reads that ended, into the bank."""
