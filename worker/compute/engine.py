@@ -469,7 +469,7 @@ class Engine:
             done = self.batch.step()
             for r in self.batch.take_prefix_ready():
                 self.kv.share(r, self.batch)
-            for r in self.batch.answering():  # past its prompt: a decode step's memory
+            for r in self.batch.take_prompts_read():  # from now on a decode step's memory
                 self.kv.prompt_read(r.bank_key, self.pricing.decode_transient(
                     _length(r), self._step_queries))
             if (self._join_refused_at is not None

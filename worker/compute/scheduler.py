@@ -165,6 +165,7 @@ class BatchScheduler:
                                   prefill_step_size=prefill_step_tokens)
         self.running: dict[int, Running] = {}
         self._prefix_ready: list[Running] = []
+        self._prompts_read: list[Running] = []  # first tokens since the last look
         self._failed: list[tuple[Running, Exception]] = []  # see take_failed
         self._first_token_out = False  # since the last forward (`_hand_off`)
         self._tenant_seen: dict[str, float] = {}  # tenant -> when its last request came in
@@ -467,6 +468,11 @@ class BatchScheduler:
         """Requests past their prompt, still running."""
         return [r for r in self.running.values() if r.first_token_at is not None]
 
+    def take_prompts_read(self) -> list[Running]:
+        """Requests whose prompt was read (their first token) since the last look."""
+        read, self._prompts_read = self._prompts_read, []
+        return read
+
     def take_prefix_ready(self) -> list[Running]:
         """Requests others wait for whose prompt was read by the last step (and still run)."""
         ready, self._prefix_ready = self._prefix_ready, []
@@ -484,6 +490,7 @@ class BatchScheduler:
         if r.first_token_at is None:
             r.first_token_at = time.monotonic()
             self._first_token_out = True
+            self._prompts_read.append(r)
             if r.followers:
                 self._prefix_ready.append(r)
         r.completion.append(resp.token)
