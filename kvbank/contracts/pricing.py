@@ -34,9 +34,10 @@ class Pricing:
     (ROOM_STEP_TOKENS) longer: mlx-lm's cache grows a layer at a time and the old layer's
     buffer goes as the grown one is written (measured on the default model: a returning turn
     of 1,100 restored, 150 new and 32 answered tokens peaked 14 MB beyond its 59 MB history).
-    Joining mlx-lm's batch copies its cache into the batch's and pads it to the longest
-    there, and a member's leaving copies the rest again: that copy is priced when the request
-    joins (`join_bytes`), not before.
+    Joining mlx-lm's batch copies its cache into the batch's, with a growth step, and pads it
+    to the longest there. The copy is held while the join runs (`join_bytes`), the padding
+    until the request ends (`padding_bytes`); its own cache goes once copied. Members leaving
+    the batch are copied out of it a layer at a time (`leave_bytes`).
 
     A forward's transients (attention scores, activations, the last prompt forward's logits)
     are measured once at start and grow with the context it attends to. The worker runs one
@@ -56,17 +57,40 @@ class Pricing:
     # A request's window and recurrent caches (worker/kv/cache_kinds.py), whatever its length,
     # and the checkpoints it takes of them: twice their largest size.
     state_bytes: int = 0
+    # The full-attention layers the KV spans: mlx-lm gathers a batch's rows a layer at a time.
+    kv_layers: int = 1
+    # A query's logits over the vocabulary, in float32 (an upper bound where a model computes
+    # them in half precision): mlx-lm keeps a batch row's log-probabilities for two steps.
+    logits_bytes_per_query: int = 0
 
     def cache_bytes(self, tokens: int) -> int:
         """A cache of `tokens` on its own: its buffer, with the room a growth step leaves."""
         return self.kv_bytes_per_token * (tokens + ROOM_STEP_TOKENS) + self.state_bytes
 
     def join_bytes(self, tokens: int, *, batch_len: int = 0, batch_size: int = 0) -> int:
-        """What joining mlx-lm's batch adds to a request of `tokens` on its own cache: its copy
-        in the batch's cache, padded to the longest there, and the padding it adds to every
-        other member (batch_len: the longest member's tokens; batch_size: how many)."""
+        """What joining mlx-lm's batch adds to a request of `tokens` on its own cache while the
+        join runs: its copy in the batch's cache, with a growth step, and the padding
+        (`padding_bytes`), held twice (copied, then kept). Measured on the default model, a
+        1,500-token answer's join peaked at its copy plus 3 MB, and its own cache went with
+        the step."""
+        padding = self.padding_bytes(tokens, batch_len=batch_len, batch_size=batch_size)
+        return self.kv_bytes_per_token * (tokens + ROOM_STEP_TOKENS) + 2 * padding
+
+    def padding_bytes(self, tokens: int, *, batch_len: int = 0, batch_size: int = 0) -> int:
+        """What a request of `tokens` joining the batch pads, for as long as it runs: itself to
+        the longest member's `batch_len`, or each of the `batch_size` members to its own."""
         padding = batch_size * max(0, tokens - batch_len) + max(0, batch_len - tokens)
-        return self.kv_bytes_per_token * (tokens + 2 * padding)
+        return self.kv_bytes_per_token * padding
+
+    def leave_bytes(self, members: list[int]) -> int:
+        """Members of mlx-lm's batch (`members`: each one's tokens) leaving it: their rows are
+        copied out and the rest gathered into a new buffer, a layer at a time, each layer's
+        old buffer going as both are made (worker/compute/scheduler.py `_copy_out`): one
+        layer of every row, padded to the longest with a growth step."""
+        if not members:
+            return 0
+        rows = len(members) * (max(members) + ROOM_STEP_TOKENS)
+        return self.kv_bytes_per_token * rows // max(self.kv_layers, 1)
 
     def prefill_transient(self, context_tokens: int) -> int:
         return int(self.transient_base + self.transient_per_context_token * context_tokens)
@@ -74,8 +98,11 @@ class Pricing:
     def decode_transient(self, context_tokens: int, tokens: int) -> int:
         """A decode step's working memory: `tokens` queries (every row of a full batch, each
         with its drafts) at `context_tokens`, the measured chunk's share of them (its
-        activations, scores and logits are per query token)."""
-        return int(self.prefill_transient(context_tokens) * tokens / max(self.chunk_tokens, 1))
+        activations, scores and logits are per query token), and the log-probabilities
+        mlx-lm keeps for each, this step's and the last's (on the tiny model's 49K vocabulary,
+        1.2 MB for three rows, unpriced until 2026-12-07)."""
+        share = self.prefill_transient(context_tokens) * tokens / max(self.chunk_tokens, 1)
+        return int(share) + 2 * tokens * self.logits_bytes_per_query
 
     def max_fit_tokens(self, budget: int, prompt_tokens: int | None = None) -> int:
         """The longest prompt + max_tokens that fits the budget with nothing else held

@@ -89,7 +89,9 @@ class Engine:
         # the recurrent states after each of its depth + 1 tokens (worker/kv/rollback.py).
         speculation = served.mtp.depth + 1 if served.mtp is not None else 0
         self.pricing = Pricing(self.kv_bytes_per_token, 0, prefill_chunk_tokens,  # calibrated below
-                               state_bytes=(2 + speculation) * self.checkpoint_bytes)
+                               state_bytes=(2 + speculation) * self.checkpoint_bytes,
+                               kv_layers=self.kinds.full_count,
+                               logits_bytes_per_query=4 * self.vocab_size)
         self._step_queries = scheduler.max_active * max(1, speculation)  # a decode step's most
         self._join_refused_at: int | None = None  # the ledger when a join was last refused
         self.memory_budget = 0  # known once the model and the tiers are in memory (below)
@@ -428,27 +430,47 @@ class Engine:
 
     def _may_join(self, joining: list[Running]) -> bool:
         """Whether answers on their own caches may join mlx-lm's batch: the join copies each
-        cache into the batch's and pads it to the longest there, and a member's leaving copies
-        the rest again (`Pricing.join_bytes`). Each is charged that copy now, when the budget
-        has room for all of it; else they decode on their own caches beside the batch (a
-        forward each, no copy), and are asked again once the ledger falls below what it held
-        then (`BatchScheduler.join_beside`)."""
+        cache into the batch's, padded to the longest there (`Pricing.join_bytes`), and the
+        batch's rows may grow longer (`_hold_leave`). Each is charged its copy now, when
+        the budget has room for all of it, until the copy is made (`_settle_joins`); else
+        they decode on their own caches beside the batch (a forward each, no copy), and are
+        asked again once the ledger falls below what it held then
+        (`BatchScheduler.join_beside`)."""
         lens = self._batch_lens()
+        leave_was = self.pricing.leave_bytes(lens)
         extra = []
         for r in joining:
             extra.append(self.pricing.join_bytes(_length(r), batch_len=max(lens, default=0),
                                                  batch_size=len(lens)))
+            r.join_copy = extra[-1] - self.pricing.padding_bytes(
+                _length(r), batch_len=max(lens, default=0), batch_size=len(lens))
             lens.append(_length(r))
+        leave = self.pricing.leave_bytes(lens)
         held = held_bytes(self.pricing, self.kv)
-        if sum(extra) > self.memory_budget - held:
+        if sum(extra) + leave - leave_was > self.memory_budget - held:
             metrics.BATCH_JOINS.labels("no_memory").inc(len(joining))
             self._join_refused_at = held  # asked again once the ledger falls below it
+            for r in joining:
+                r.join_copy = 0
             return False
         self._join_refused_at = None
         for r, nbytes in zip(joining, extra):
             self.kv.reserve(r.bank_key, nbytes)
+        self.kv.hold_leave(leave)
         metrics.BATCH_JOINS.labels("joined").inc(len(joining))
         return True
+
+    def _settle_joins(self) -> None:
+        """Answers whose join's copy is made (mlx-lm's merge, then its extend, a step each):
+        their own caches are gone, and they hold their rows' padding from now on."""
+        for r in self.batch.take_joined():
+            self.kv.unreserve(r.bank_key, r.join_copy)
+            r.join_copy = 0
+
+    def _hold_leave(self) -> None:
+        """What members ending in the next step take as they leave the batch, held before it:
+        a layer of every row, copied out or gathered (`Pricing.leave_bytes`)."""
+        self.kv.hold_leave(self.pricing.leave_bytes(self._batch_lens()))
 
     def _wants_writes(self) -> bool:
         """Whether the coldstore should write its queued jobs at once, tails too: a join was
@@ -466,14 +488,16 @@ class Engine:
         if not self.batch:
             return
         try:
+            self._hold_leave()
             done = self.batch.step()
+            self._settle_joins()
             for r in self.batch.take_prefix_ready():
                 self.kv.share(r, self.batch)
             for r in self.batch.take_prompts_read():  # from now on a decode step's memory
                 self.kv.prompt_read(r.bank_key, self.pricing.decode_transient(
                     _length(r), self._step_queries))
-            if (self._join_refused_at is not None
-                    and held_bytes(self.pricing, self.kv) < self._join_refused_at):
+            if (self._join_refused_at is None  # none refused since the last join
+                    or held_bytes(self.pricing, self.kv) < self._join_refused_at):
                 self._join_refused_at = None  # asked once: a refusal sets it again
                 self.batch.join_beside()  # the memory a refused join lacked may be here
         except Exception as e:  # a failed step fails every request in it, not the worker

@@ -143,6 +143,7 @@ class SessionBank:
         self._in_flight: dict[SessionKey, int] = {}
         self._active_nbytes: dict[SessionKey, int] = {}  # caches of running requests
         self._forward_nbytes: dict[SessionKey, int] = {}  # their forwards' working memory
+        self._leave_nbytes = 0  # members leaving mlx-lm's batch (`hold_leave`)
         self._last_use: dict[SessionKey, float] = {}
         self._ids = itertools.count(1)
 
@@ -401,9 +402,14 @@ class SessionBank:
         """The forward working memory the ledger holds (`reserve_active`)."""
         return max(self._forward_nbytes.values(), default=0)
 
+    def hold_leave(self, nbytes: int) -> None:
+        """What members of mlx-lm's batch take as they leave it (`Pricing.leave_bytes`), beside
+        the members' own caches."""
+        self._leave_nbytes = nbytes
+
     def running_bytes(self) -> int:
         """What running requests hold: their caches and the largest forward's memory."""
-        return sum(self._active_nbytes.values()) + self.forward_bytes()
+        return sum(self._active_nbytes.values()) + self._leave_nbytes + self.forward_bytes()
 
     def unreserve_active(self, session: SessionKey, nbytes: int) -> None:
         if (left := self._active_nbytes.get(session, 0) - nbytes) > 0:
@@ -414,7 +420,7 @@ class SessionBank:
     def ledger(self) -> dict[str, int]:
         """Every byte the bank answers for: entries, running requests' caches, and KV handed
         to the coldstore but not committed yet."""
-        active = sum(self._active_nbytes.values())
+        active = sum(self._active_nbytes.values()) + self._leave_nbytes
         forward = self.forward_bytes()
         staged = self.staged_bytes()
         return {"entries_bytes": self.total_nbytes, "active_bytes": active,

@@ -367,8 +367,17 @@ class KVManager:
         self.bank.settle_forward(session, decode_bytes)
 
     def reserve(self, session: SessionKey, nbytes: int) -> None:
-        """More bytes for a running request, held until it ends (its batch join's copy)."""
+        """More bytes for a running request, held until it ends or `unreserve` (its batch
+        join's copy and padding)."""
         self.bank.reserve_active(session, nbytes)
+
+    def unreserve(self, session: SessionKey, nbytes: int) -> None:
+        """Bytes `reserve` held that the request no longer needs (its join's copy, made)."""
+        self.bank.unreserve_active(session, nbytes)
+
+    def hold_leave(self, nbytes: int) -> None:
+        """What members of mlx-lm's batch take as they leave it (SessionBank.hold_leave)."""
+        self.bank.hold_leave(nbytes)
 
     def share(self, r, batch) -> None:
         """`r` has read its prompt and others wait for it: its prompt's KV into the bank."""
