@@ -577,8 +577,9 @@ def test_the_engine_asks_the_kv_manager_alone_about_kv():
                 or isinstance(node.value, ast.Attribute) and node.value.attr == "kv"
                 and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"):
             asked.add(node.attr)
-    requests = {"admit", "start", "ready", "take", "reserve", "forward_bytes", "prompt_read",
-                "copies_history", "abandon", "leave", "share", "commit", "turns_ended"}
+    requests = {"admit", "start", "ready", "take", "reserve", "unreserve", "hold_leave",
+                "forward_bytes", "prompt_read", "copies_history", "abandon", "leave", "share",
+                "commit", "turns_ended"}
     loop = {"pump", "set_busy", "land", "refresh", "ledger", "published", "flush_events",
             "reading", "reading_of", "stop", "close"}
     commands = {"delete", "release", "trim", "flush", "receipts", "pressure", "probe", "hint",
