@@ -105,9 +105,9 @@ class Running:
     at_rest: Any = None  # the quantized KV its cache was restored from (CacheKinds.at_rest)
     head_cache: Any = None  # its MTP head's KV while mlx-lm's batch runs it (CacheKinds.with_head)
     drafted: int = 0  # tokens its MTP head drafted (worker/compute/mtp/serving.py)
-    join_copy: int = 0  # bytes its join into mlx-lm's batch holds until made (Engine._may_join)
     accepted: int = 0  # of them, those the model kept
     ahead: str = ""  # "taken"/"stopped": its batch token was taken when computed (`_take_ahead`)
+    join_copy: int = 0  # bytes its join into mlx-lm's batch holds until made (Engine._may_join)
 
 
 @dataclass(eq=False)  # found in lists by identity
