@@ -83,6 +83,36 @@ def test_a_short_prompt_that_arrives_during_a_long_one_is_read_first(model_and_t
     assert b.completion == _alone(model, tokenizer, b_tokens)
 
 
+def test_a_request_that_comes_while_the_batch_decodes_is_read_in_that_step(
+        model_and_tokenizer):
+    """Tenant a's answer decodes while c's long prompt is read in chunks beside it; b's short
+    request comes during a step's decode (the engine adds it `between` the decode and the
+    chunk) and gets its first token in that same step, c's chunk waiting one step.
+    Before, it was read a step later, after a's chunk: on this CPU a decode, a shared chunk
+    of 0.15 s and its own forward before its first token (bench tenants full_queue)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = model_and_tokenizer
+    rng = np.random.default_rng(21)
+    s = _scheduler(model, tokenizer, chunk=64)
+    answer = _request(tokenizer, _tokens(tokenizer, rng, 30), tenant="a")
+    s.add(answer, make_prompt_cache(model), 40)
+    while answer.first_token_at is None:
+        s.step()
+    long = _request(tokenizer, _tokens(tokenizer, rng, 640), tenant="c")
+    s.add(long, make_prompt_cache(model), 1)
+    s.step()
+    s.step()  # c's long prompt is read a chunk a step beside a's answer
+    b_tokens = _tokens(tokenizer, rng, 12)
+    b = _request(tokenizer, b_tokens, tenant="b")
+    decoded = len(answer.completion)
+    s.step(between=lambda: s.add(b, make_prompt_cache(model), ANSWER))
+    assert len(answer.completion) == decoded + 1  # the decode ran first
+    assert b.first_token_at is not None and long.first_token_at is None
+    _drain(s)
+    assert b.completion == _alone(model, tokenizer, b_tokens)
+
+
 def test_a_long_prompt_is_not_starved_by_short_ones(model_and_tokenizer):
     """A short prompt arrives before every step, each ahead of the long one by its length;
     the long one still gets its first token within twice its own number of chunks."""

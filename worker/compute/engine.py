@@ -84,6 +84,7 @@ class Engine:
         self.checkpoint_every = served.checkpoint_every(checkpoint_every, block_tokens)
         self.decodings = Decodings(self.tokenizer, self.vocab_size, self.model_path.name)
         self._queue: queue.Queue = queue.Queue()
+        self._arrived: deque = deque()  # taken from the queue mid-step, for the loop (`_arrivals`)
         self._pending: deque[cmd.Generate] = deque()
         # A request's window and recurrent caches, priced twice; with MTP, a verify also keeps
         # the recurrent states after each of its depth + 1 tokens (worker/kv/rollback.py).
@@ -196,13 +197,10 @@ class Engine:
 
     def _run(self) -> None:
         while True:
-            idle = not self.batch and not self._pending
+            idle = not self.batch and not self._pending and not self._arrived
             items = [self._queue.get()] if idle and not self._prerender_now() else []
-            while True:
-                try:
-                    items.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            items = list(self._arrived) + items + self._drain_queue()  # in the order they came
+            self._arrived.clear()
             self.kv.pump()  # acknowledgements first: they free staging and mark durable
             for item in items:
                 if isinstance(item, cmd.Stop):
@@ -230,6 +228,34 @@ class Engine:
             self._publish()
             if self._pending and not self.batch:  # first in line waits for memory
                 time.sleep(0.01)
+
+    def _arrivals(self) -> None:
+        """Between the batch's decode and its next prompt chunk: requests that came meanwhile
+        join the line and start where they fit, so a short prompt that came during the decode
+        is read in this step, not after another tenant's chunk (bench tenants full_queue: a
+        probe's first token waited a decode, a 0.15 s chunk and its own forward). A request
+        behind another command waits for the loop, which runs them all in order."""
+        came, held = False, False
+        for item in self._drain_queue():
+            if isinstance(item, cmd.Generate) and not held:
+                self._pending.append(item)
+                came = True
+            else:
+                held = held or item is not _WAKE
+                self._arrived.append(item)
+        if came:
+            running = self.running()
+            self._admit_pending()
+            if self.running() > running:
+                self._publish()
+
+    def _drain_queue(self) -> list:
+        items = []
+        while True:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                return items
 
     def _prerender_now(self) -> bool:
         """A pre-render may take a chunk: no request runs, restores or waits (the caller
@@ -489,7 +515,7 @@ class Engine:
             return
         try:
             self._hold_leave()
-            done = self.batch.step()
+            done = self.batch.step(between=self._arrivals)
             self._settle_joins()
             for r in self.batch.take_prefix_ready():
                 self.kv.share(r, self.batch)

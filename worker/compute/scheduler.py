@@ -44,7 +44,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
@@ -310,10 +310,11 @@ class BatchScheduler:
         for r in gone:
             del self.running[r.uid]
 
-    def step(self) -> list[tuple[Running, list]]:
+    def step(self, between: Callable[[], None] = lambda: None) -> list[tuple[Running, list]]:
         """One chunk of one prompt, and one decode token for each request past its prompt
-        unless answers wait for the prompts being read (`_answers_wait`). Returns the requests
-        that ended, each with its cache."""
+        unless answers wait for the prompts being read (`_answers_wait`); `between` the two,
+        the caller may `add` what came meanwhile, read first if its tenant's turn. Returns the
+        requests that ended, each with its cache."""
         done: list[tuple[Running, list]] = []
         joined = False
         if not self._answers_wait():
@@ -322,6 +323,7 @@ class BatchScheduler:
             self._settle_joins()
             for o in list(self._decoders):
                 done += self._own_step(o)
+        between()
         if not self._read_waits(joined) and self._readers:
             done += self._own_step(self._next_reader())
         return done
