@@ -235,7 +235,7 @@ class Engine:
         is read in this step, not after another tenant's chunk (bench tenants full_queue: a
         probe's first token waited a decode, a 0.15 s chunk and its own forward). A request
         behind another command waits for the loop, which runs them all in order."""
-        came, held = False, False
+        came, held = False, any(item is not _WAKE for item in self._arrived)
         for item in self._drain_queue():
             if isinstance(item, cmd.Generate) and not held:
                 self._pending.append(item)
