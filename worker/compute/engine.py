@@ -38,6 +38,7 @@ from kvbank.worker import commands as cmd
 from kvbank.worker.compute import reports
 from kvbank.worker.compute.cores import Cores
 from kvbank.worker.compute.decoding import Decodings
+from kvbank.worker.compute.joins import BatchJoins, length
 from kvbank.worker.compute.scheduler import PREFILL_STEP_TOKENS, BatchScheduler, Running, warm_up
 from kvbank.worker.compute.scheduler_config import SchedulerConfig
 from kvbank.worker.compute.mtp.serving import DEFAULT_DEPTH
@@ -94,7 +95,6 @@ class Engine:
                                kv_layers=self.kinds.full_count,
                                logits_bytes_per_query=4 * self.vocab_size)
         self._step_queries = scheduler.max_active * max(1, speculation)  # a decode step's most
-        self._join_refused_at: int | None = None  # the ledger when a join was last refused
         self.memory_budget = 0  # known once the model and the tiers are in memory (below)
         self.kv = KVManager(
             layout, kinds=self.kinds, fingerprint=self.fingerprint, block_tokens=block_tokens,
@@ -113,7 +113,9 @@ class Engine:
                                     prefill_step_tokens=prefill_chunk_tokens,
                                     decode_wait_s=scheduler.decode_wait_s,
                                     shared_forward_s=scheduler.shared_forward_s, mtp=self.mtp,
-                                    may_join=self._may_join)
+                                    may_join=lambda joining: self.joins.may_join(joining))
+        self.joins = BatchJoins(self.pricing, self.kv, self.batch,
+                                budget=lambda: self.memory_budget)
         # The prefill transients and what a first request leaves behind (the fixed part of
         # the budget): measured at a first start, read from kvbank's cache at every other
         # (into the one Pricing the KV manager holds too).
@@ -212,7 +214,7 @@ class Engine:
                     self._pending.append(item)
                 elif item is not _WAKE:
                     self._handle(item)
-            self.kv.set_busy(bool(self.batch or self._pending), write_now=self._wants_writes())
+            self.kv.set_busy(bool(self.batch or self._pending), write_now=self.joins.wants_writes())
             running = self.running()
             self._join_restored()
             self.kv.land()  # hints' reads that ended, into the bank
@@ -445,65 +447,11 @@ class Engine:
         it is) and its forwards' working memory. The engine runs one forward at a time, so the
         ledger holds only the largest of the running requests' (`reserve_active`); mlx-lm's
         batch reads the prompts in it together, so a request that joins at once holds its own."""
-        lens = self._batch_lens()
+        lens = self.joins.lens()
         own = self.pricing.own_bytes(prompt_tokens, max_tokens, joins=joins,
                                      batch_len=max(lens, default=0), batch_size=len(lens))
         forward = self.pricing.prefill_transient(prompt_tokens)
         return (own + forward, 0) if joins else (own, forward)
-
-    def _batch_lens(self) -> list[int]:
-        return [_length(r) for r in self.batch.running.values() if r.uid >= 0]
-
-    def _may_join(self, joining: list[Running]) -> bool:
-        """Whether answers on their own caches may join mlx-lm's batch: the join copies each
-        cache into the batch's, padded to the longest there (`Pricing.join_bytes`), and the
-        batch's rows may grow longer (`_hold_leave`). Each is charged its copy now, when
-        the budget has room for all of it, until the copy is made (`_settle_joins`); else
-        they decode on their own caches beside the batch (a forward each, no copy), and are
-        asked again once the ledger falls below what it held then
-        (`BatchScheduler.join_beside`)."""
-        lens = self._batch_lens()
-        leave_was = self.pricing.leave_bytes(lens)
-        extra = []
-        for r in joining:
-            extra.append(self.pricing.join_bytes(_length(r), batch_len=max(lens, default=0),
-                                                 batch_size=len(lens)))
-            r.join_copy = extra[-1] - self.pricing.padding_bytes(
-                _length(r), batch_len=max(lens, default=0), batch_size=len(lens))
-            lens.append(_length(r))
-        leave = self.pricing.leave_bytes(lens)
-        held = held_bytes(self.pricing, self.kv)
-        if sum(extra) + leave - leave_was > self.memory_budget - held:
-            metrics.BATCH_JOINS.labels("no_memory").inc(len(joining))
-            self._join_refused_at = held  # asked again once the ledger falls below it
-            for r in joining:
-                r.join_copy = 0
-            return False
-        self._join_refused_at = None
-        for r, nbytes in zip(joining, extra):
-            self.kv.reserve(r.bank_key, nbytes)
-        self.kv.hold_leave(leave)
-        metrics.BATCH_JOINS.labels("joined").inc(len(joining))
-        return True
-
-    def _settle_joins(self) -> None:
-        """Answers whose join's copy is made (mlx-lm's merge, then its extend, a step each):
-        their own caches are gone, and they hold their rows' padding from now on."""
-        for r in self.batch.take_joined():
-            self.kv.unreserve(r.bank_key, r.join_copy)
-            r.join_copy = 0
-
-    def _hold_leave(self) -> None:
-        """What members ending in the next step take as they leave the batch, held before it:
-        a layer of every row, copied out or gathered (`Pricing.leave_bytes`)."""
-        self.kv.hold_leave(self.pricing.leave_bytes(self._batch_lens()))
-
-    def _wants_writes(self) -> bool:
-        """Whether the coldstore should write its queued jobs at once, tails too: a join was
-        refused, and writes it holds in memory for us (`staged_bytes`) are part of what held
-        the room (bench compare n-agents at 1.3 GB: 31-65 MB of young tails at every turn's
-        start, kept for `--tail-delay-s`; a join of two 8 MB short)."""
-        return self._join_refused_at is not None and self.kv.ledger()["staged_bytes"] > 0
 
     def _step(self) -> None:
         # A cancelled turn is not committed: the client never saw it, so the session's
@@ -514,18 +462,16 @@ class Engine:
         if not self.batch:
             return
         try:
-            self._hold_leave()
+            self.joins.hold_leave()
             done = self.batch.step(between=self._arrivals)
-            self._settle_joins()
+            self.joins.settle()
             for r in self.batch.take_prefix_ready():
                 self.kv.share(r, self.batch)
             for r in self.batch.take_prompts_read():  # from now on a decode step's memory
                 self.kv.prompt_read(r.bank_key, self.pricing.decode_transient(
-                    _length(r), self._step_queries))
-            if (self._join_refused_at is None  # none refused since the last join
-                    or held_bytes(self.pricing, self.kv) < self._join_refused_at):
-                self._join_refused_at = None  # asked once: a refusal sets it again
-                self.batch.join_beside()  # the memory a refused join lacked may be here
+                    length(r), self._step_queries))
+            if self.joins.ask_again():  # the memory a refused join lacked may be here
+                self.batch.join_beside()
         except Exception as e:  # a failed step fails every request in it, not the worker
             logger.exception("generation step failed")
             for r in list(self.batch.running.values()):
@@ -619,8 +565,3 @@ class Engine:
 
 
 _WAKE = object()  # a turn of the loop, nothing else (the writer's inbox has mail)
-
-
-def _length(r: Running) -> int:
-    """The tokens a request's cache may reach: its prompt and max_tokens."""
-    return len(r.tokens) + r.job.request.max_tokens

@@ -107,7 +107,7 @@ class Running:
     drafted: int = 0  # tokens its MTP head drafted (worker/compute/mtp/serving.py)
     accepted: int = 0  # of them, those the model kept
     ahead: str = ""  # "taken"/"stopped": its batch token was taken when computed (`_take_ahead`)
-    join_copy: int = 0  # bytes its join into mlx-lm's batch holds until made (Engine._may_join)
+    join_copy: int = 0  # bytes its join into mlx-lm's batch holds until made (BatchJoins.may_join)
 
 
 @dataclass(eq=False)  # found in lists by identity
