@@ -447,7 +447,10 @@ class BatchScheduler:
         _, responses = self.gen.next()
         done: list[tuple[Running, list]] = []
         stopped: list[int] = []
+        left: list[list] = []  # caches of rows mlx-lm took out of its batch (`_copy_out`)
         for resp in responses:
+            if resp.finish_reason is not None:
+                left.append(resp.prompt_cache)
             r = self.running.get(resp.uid)
             if r is None:
                 continue
@@ -458,7 +461,6 @@ class BatchScheduler:
             if resp.finish_reason is not None:
                 r = self.running.pop(resp.uid)
                 done.append((r, self.kinds.with_head(resp.prompt_cache, r.head_cache)))
-        left = [resp.prompt_cache for resp in responses if resp.finish_reason is not None]
         if stopped:
             caches = self.gen.remove(stopped, return_prompt_caches=True)
             left += [caches[uid][0] for uid in stopped]
