@@ -213,22 +213,29 @@ class Turn:
     routed_to: str  # SMG's x-smg-routed-worker-id: the worker's URL
 
 
+def first_messages(i: int, system: str = SYSTEM) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": task(i)}]
+
+
+def one_turn(client: openai.OpenAI, i: int, t: int, messages: list[dict]) -> Turn:
+    """Agent i's turn t: sends its history, adds the answer and the next tool result to it."""
+    raw = client.chat.completions.with_raw_response.create(
+        model="kvbank", messages=messages, max_tokens=8, temperature=0)
+    r = raw.parse()
+    usage = r.model_dump()["usage"]
+    messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                 {"role": "user", "content": tool_result(i, t)}]
+    return Turn(i, t, usage["kvbank"]["session_id"],
+                usage["prompt_tokens"] + usage["completion_tokens"], usage["prompt_tokens"],
+                usage["prompt_tokens_details"]["cached_tokens"], raw.headers.get(ROUTED_HEADER, ""))
+
+
 def agent(client: openai.OpenAI, i: int, turns: int, out: list, errors: list) -> None:
     """One agent: a shared system prompt, its own task, its history sent back each turn."""
-    messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": task(i)}]
+    messages = first_messages(i)
     try:
         for t in range(turns):
-            raw = client.chat.completions.with_raw_response.create(
-                model="kvbank", messages=messages, max_tokens=8, temperature=0)
-            r = raw.parse()
-            usage = r.model_dump()["usage"]
-            out.append(Turn(i, t, usage["kvbank"]["session_id"],
-                            usage["prompt_tokens"] + usage["completion_tokens"],
-                            usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"],
-                            raw.headers.get(ROUTED_HEADER, "")))
-            messages += [{"role": "assistant", "content": r.choices[0].message.content},
-                         {"role": "user", "content": tool_result(i, t)}]
+            out.append(one_turn(client, i, t, messages))
             time.sleep(THINK_S)  # the tool runs
     except Exception as e:  # reported by the test, not lost in a thread
         errors.append(f"agent {i}: {e!r}")
@@ -258,60 +265,32 @@ def by_agent(stacks: list[LocalStack], turns: list[Turn]) -> dict[int, list[tupl
 SPILL = ["--balance-abs-threshold", "1", "--balance-rel-threshold", "1.0"]
 
 
-@pytest.mark.parametrize("flags", [pytest.param([], marks=pytest.mark.matrix), SPILL],
-                         ids=["defaults", "spill"])  # make test: the one that spreads agents
-def test_anonymous_agents_behind_cache_aware(stacks, gateway, flags):
-    """Six agents with no session name (the openai SDK's defaults), three at a time, behind
-    SMG's cache_aware policy: how many returning turns reach the stack that served the agent's
-    previous turn, and a turn that does finds its whole history cached there.
+def test_anonymous_agents_behind_cache_aware(stacks, gateway):
+    """Six agents with no session name (the openai SDK's defaults) behind SMG's cache_aware
+    policy with its defaults, one turn at a time: every returning turn reaches the stack that
+    served the agent's previous turn and finds its whole history cached there.
 
-    Measured (smg 1.13.0, 2 cores, a benchmark running beside): with SMG's defaults 30 of 30
-    returning turns stayed in 9 of 9 runs, but every run put all six agents on ONE stack:
-    they share a system prompt (half of a first prompt), SMG's tree matches it above
-    --cache-threshold (0.3) and pins each new agent to the stack that served the first, and
-    its spill gate (64 requests above the mean) never opens at this load. With SPILL, 30 of
-    30 stayed in 10 of 10 runs and the agents spread over two stacks (8 runs) or three (2)."""
-    gw = gateway("cache_aware", *flags)
+    Each agent has a system prompt of its own here. Agents that share one (half of a first
+    prompt) all land on ONE stack: SMG's tree matches the shared part above --cache-threshold
+    (0.3) and pins each new agent to the stack that served the first (smg 1.13.0: 9 of 9
+    runs). Sent together, its spill gate lowered to one request above the mean, it spread them
+    over two or three stacks and moved a few returning turns to the least loaded one: a load
+    trade that depends on timing, so not asserted here. One turn at a time there is no load to
+    weigh, and where a turn goes says only what SMG's tree holds."""
+    gw = gateway("cache_aware")
     client = openai.OpenAI(base_url=gw.base_url, api_key="none")
-    turns: list[Turn] = []
-    errors: list[str] = []
-    first_agent = 0 if not flags else 10  # agents of its own (task)
-
-    def two_agents(first: int) -> None:
-        for i in (first, first + 3):
-            agent(client, first_agent + i, 6, turns, errors)
-
-    threads = [threading.Thread(target=two_agents, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    assert errors == [], errors
-    assert len(turns) == 36
+    agents = range(6)
+    messages = {i: first_messages(i, f"You are agent {i}. {SYSTEM}") for i in agents}
+    turns = [one_turn(client, i, t, messages[i]) for t in range(6) for i in agents]
     seqs = by_agent(stacks, turns)
-    returning = same = 0
-    for seq in seqs.values():
-        for (prev, _), (now, _) in zip(seq, seq[1:]):
-            returning += 1
-            same += prev == now
-    assert returning == 30
     summary = {i: [s for s, _ in seq] for i, seq in seqs.items()}
-    print(f"cache_aware {flags}: {same} of {returning} returning turns stayed; stacks per "
-          f"agent {summary}")
-    if flags:  # with the defaults they all share one stack (above): measured, not promised
-        assert len({s for seq in summary.values() for s in seq}) >= 2, \
-            f"every conversation on one stack: nothing was routed: {summary}"
-    # SMG's choice, not kvbank's: with SPILL a turn that finds its stack one request busier
-    # than the mean goes elsewhere (measured 30 of 30 in 10 runs; a CI run saw fewer), so
-    # that run asks for most, not all; round robin would keep about one in three.
-    least = 0.9 if not flags else 0.75
-    assert same / returning >= least, f"{same} of {returning} returning turns stayed: {summary}"
-    # What kvbank answers for: a turn that reached the stack holding its conversation found
-    # its whole history (the previous prompt at least) cached there.
+    assert len({s for seq in summary.values() for s in seq}) >= 2, \
+        f"every conversation on one stack: nothing was routed: {summary}"
+    moved = {i: seq for i, seq in summary.items() if len(set(seq)) > 1}
+    assert moved == {}, f"agents whose returning turns left their stack: {moved}"
     for i, seq in seqs.items():
-        for (prev, before), (now, t) in zip(seq, seq[1:]):
-            if now == prev:
-                assert t.cached >= before.prompt, (i, before, t)
+        for (_, before), (_, t) in zip(seq, seq[1:]):
+            assert t.cached >= before.prompt, (i, before, t)
     assert all(s.proc.poll() is None for s in stacks)
 
 

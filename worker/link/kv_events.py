@@ -6,9 +6,9 @@ What is announced (`medium`): blocks in the RAM bank as device memory ("GPU"), b
 committed in LMDB as disk ("STORAGE"), which the router credits least. The bank's KV is MLX
 arrays the model computes from directly (unified memory on Apple silicon, the same RAM on a
 CPU): a hit there costs a copy, like a GPU prefix-cache hit, not a transfer. Credited as host
-memory (0.8) instead, a returning agent lost its machine to a less loaded one 2 to 5 times in
-30 in tests/test_cluster.py; as device memory, none. A block is announced when the first holder on a medium takes it and removed when the
-last one lets go. At start, and whenever a subscriber joins, the whole state goes out again
+memory (0.8) instead, six agents sent together through vllm-router lost their machine to a
+less loaded one 2 to 5 times in 30 returning turns; as device memory, none. A block is
+announced when the first holder on a medium takes it and removed when the last one lets go. At start, and whenever a subscriber joins, the whole state goes out again
 after `AllBlocksCleared`, so a restarted machine (or router) is found again.
 
 Blocks are `block_size` tokens (the router's `--kv-event-block-size`), whatever kvbank's own
