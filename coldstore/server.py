@@ -60,6 +60,7 @@ from kvbank.contracts.vocabulary import Outcome
 from kvbank.coldstore.budgets import Budgets, Limits, WriteRefusal
 from kvbank.coldstore.lanes import Lanes, PendingBlock, WriteJob
 from kvbank.coldstore.salvage import open_store
+from kvbank.coldstore.shared import SharedPayloads
 from kvbank.coldstore.store import SessionMeta, StoreFull
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,7 @@ class ColdstoreServer:
         self._heap_used = False  # a message came since the heap's pages last went back
         self._anon_floor = 0  # its anonymous memory after its last trim, beyond the payloads
         self._largest = 0  # the largest block written since the heap last went back
+        self.shared = SharedPayloads()  # the worker's buffers it names, mapped while busy
 
     def _enforce_cap(self) -> None:
         """A store found over its cap (a restart with a smaller cap, a response just kept) is
@@ -177,7 +179,7 @@ class ColdstoreServer:
         logger.info("coldstore listening on %s, store %s (%s)",
                     self.layout.coldstore_address, self.layout.store_dir, self.store.stats())
         self._enforce_cap()
-        self._anon_floor = heap.resident_bytes()
+        self._anon_floor = heap.anonymous_bytes()
         try:
             while not self.stopping:
                 ready = self.lanes.next_job(time.time()) is not None
@@ -205,11 +207,12 @@ class ColdstoreServer:
     def _idle(self) -> None:
         """No write job, and nothing came for a poll's wait: the heap's freed pages (kept while
         busy: `keep_freed_pages`) go back to the OS, once per busy spell."""
+        self.shared.close_all()
         if self._heap_used:
             heap.give_back_freed_pages()
             self._heap_used = False
             self._largest = 0
-            self._anon_floor = heap.resident_bytes()
+            self._anon_floor = heap.anonymous_bytes()
 
     def _update_gauges(self, now: float, every_s: float = 1.0) -> None:
         if now - getattr(self, "_gauges_at", 0.0) < every_s:
@@ -291,7 +294,8 @@ class ColdstoreServer:
             staged_bytes=self.lanes.staged_bytes(), written_bytes=self.written_bytes,
             write_budget_left_bytes=max(0, self.limits.write_bytes_per_hour
                                         - self.budgets.written_last_hour()),
-            free_disk_bytes=shutil.disk_usage(self.layout.store_dir).free))
+            free_disk_bytes=shutil.disk_usage(self.layout.store_dir).free,
+            shm_ok=bool(ping.shm_probe) and self.shared.probe(ping.shm_probe, wire.SHM_PROBE)))
 
     def _op_get_blocks(self, peer, req, get: pb.GetBlocks, frames):
         """Restore through the coldstore (the worker can also read LMDB itself, read-only)."""
@@ -353,8 +357,9 @@ class ColdstoreServer:
         if len(frames) > len(write.blocks):
             raise ValueError(f"{len(frames)} payloads for {len(write.blocks)} blocks")
         blocks = deque(
-            PendingBlock(b.id, b.start,
-                         _block_bytes(b, frames[i].buffer if i < len(frames) else None),
+            PendingBlock(b.id, b.start,  # shared memory: every block announces its size
+                         _block_bytes(b, frames[i].buffer if i < len(frames) and not write.shm
+                                      else None),
                          tail=b.tail, anchor=b.anchor)
             for i, b in enumerate(write.blocks)
         )
@@ -364,8 +369,9 @@ class ColdstoreServer:
             give_up_at=write.give_up_at if write.HasField("give_up_at") else None,
             first_start=blocks[0].start if blocks else 0, in_transit=len(blocks),
         )
+        self.shared.forget(write.shm_released)
         try:
-            job.receive([f.buffer for f in frames], now)
+            job.receive(self._payloads(job, write.shm, frames), now)
         except ValueError as e:
             self._finish(job, Outcome.ERROR, error=str(e))
             return None
@@ -377,14 +383,27 @@ class ColdstoreServer:
         return None
 
     def _op_payload(self, peer, req, payload: pb.Payload, frames):
+        self.shared.forget(payload.shm_released)
         job = self.lanes.jobs.get(payload.job)
         if job is None or job.peer != peer:  # it ended (superseded, cancelled): drop these
             return None
         try:
-            job.receive([f.buffer for f in frames], time.time())
+            job.receive(self._payloads(job, payload.shm, frames), time.time())
         except ValueError as e:
             self._fail(job, str(e))
         return None
+
+    def _payloads(self, job: WriteJob, names, frames) -> list[memoryview]:
+        """The next blocks' payloads: the frames, or where the write names shared memory
+        (Write.shm), the worker's buffers as they lie ('': the next frame)."""
+        if not names:
+            return [f.buffer for f in frames]
+        if len(names) > job.in_transit:
+            raise ValueError(f"job {job.job_id}: {len(names)} payloads for {job.in_transit} "
+                             "blocks in transit")
+        first, rest = len(job.blocks) - job.in_transit, iter(frames)
+        return [self.shared.view(name, job.blocks[first + i].nbytes) if name
+                else next(rest).buffer for i, name in enumerate(names)]
 
     def _op_promote(self, peer, req, promote: pb.Promote, frames):
         """A release waits on this job: give it a deadline, so it jumps the idle lane."""
@@ -424,14 +443,16 @@ class ColdstoreServer:
         Without a bound the heap kept what any order of frees left: blocks of a wide-KV model
         are tens of MB (70 MB: 256 tokens at 270 KB a token), and two jobs' payloads, LMDB's
         copies and the pages they left took the coldstore from 36 to 303 MB (`bench compare
-        --arch llama --size wide-kv`, this VM, Dec 2026). One /proc/self/status read a block."""
+        --arch llama --size wide-kv`, this VM, Dec 2026). The heap is its anonymous memory
+        (RssAnon): the worker's shared buffers it maps are the worker's. One /proc/self/status
+        read a block."""
         staged = self.lanes.staged_bytes()
         kept = coldstore_write_bytes(self._largest) + WRITE_KEEP_MARGIN_BYTES
-        if heap.resident_bytes() > self._anon_floor + staged + kept:
+        if heap.anonymous_bytes() > self._anon_floor + staged + kept:
             heap.give_back_freed_pages()
             # What a trim leaves is live (ZeroMQ's and LMDB's own buffers): the next bound
             # counts from there, or every block after the first would be trimmed for it.
-            self._anon_floor = heap.resident_bytes() - staged
+            self._anon_floor = heap.anonymous_bytes() - staged
 
     def _write_block(self, job: WriteJob, now: float) -> None:
         if job.give_up_at is not None and now >= job.give_up_at:

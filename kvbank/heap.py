@@ -55,6 +55,18 @@ def resident_bytes(pid: int | str = "self") -> int:
         return psutil.Process(None if pid == "self" else int(pid)).memory_info().rss
 
 
+def anonymous_bytes(pid: int | str = "self") -> int:
+    """A process's anonymous resident pages (Linux RssAnon): its heap, without the shared
+    memory it maps. Elsewhere: RSS."""
+    try:
+        fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+        return int(fields["RssAnon"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        import psutil
+
+        return psutil.Process(None if pid == "self" else int(pid)).memory_info().rss
+
+
 def give_back_freed_pages() -> None:
     """Return every free page of the heap to the OS (glibc keeps them otherwise)."""
     if _libc():

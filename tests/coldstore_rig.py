@@ -222,6 +222,7 @@ class Link:
         self.layout = layout
         self.events: list[pb.Message] = []
         self.sent: list[dict] = []  # each send's op, e.g. {"write": pb.Write(...)}
+        self.sent_frames: list[int] = []  # and how many frames went with it
         self._lock = threading.Lock()
         self.kv = KVManager(layout, kinds=CacheKinds(FullAttention(n_layers), "fake"),
                                  fingerprint=FP, block_tokens=B,
@@ -242,6 +243,7 @@ class Link:
 
         def recording_send(frames=(), **op):
             self.sent.append(op)
+            self.sent_frames.append(len(frames))
             send(frames=frames, **op)
 
         self.client.send = recording_send
@@ -249,6 +251,15 @@ class Link:
 
     def sent_writes(self) -> list[pb.Write]:
         return [op["write"] for op in self.sent if "write" in op]
+
+    def payloads_sent(self) -> int:
+        """Block payloads handed to the coldstore: frames, or names of shared memory."""
+        n = 0
+        for op, frames in zip(self.sent, self.sent_frames):
+            msg = op.get("write") or op.get("payload")
+            if msg is not None:
+                n += len(msg.shm) or frames
+        return n
 
     def close(self) -> None:
         if self.kv is not None:

@@ -20,11 +20,14 @@ pytestmark = pytest.mark.unit  # make test-fast
 
 
 class HeldPayloads:
-    """Keeps the worker's streamed `payload` messages from leaving, until `release`."""
+    """Keeps the worker's streamed `payload` messages from leaving, until `release`. Its
+    payloads go as frames: the first block's with the header, the others streamed behind
+    (in shared memory, a window's names go in one message)."""
 
     def __init__(self, link: Link):
         self.link, self.send, self.held = link, link.client.send, []
         link.client.send = self._send
+        link.writer.shared_memory = False
 
     def _send(self, frames=(), **op):
         if "payload" in op:

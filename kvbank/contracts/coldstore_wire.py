@@ -9,6 +9,10 @@ from typing import Sequence
 from kvbank.contracts.vocabulary import Outcome
 from kvbank.v1 import coldstore_pb2 as pb
 
+# What a Ping's `shm_probe` buffer holds: the coldstore that reads it there may be handed
+# payloads in shared memory (Write.shm).
+SHM_PROBE = b"kvbank shared-memory probe"
+
 __all__ = ["pb", "request", "encode", "decode", "decode_request", "outcome_of", "outcome_pb"]
 
 

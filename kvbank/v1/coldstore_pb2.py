@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvbank/v1/coldstore.proto\x12\x13kvbank.coldstore.v1\"\x9a\x05\n\x07Request\x12\x0b\n\x03req\x18\x01 \x01(\x04\x12\x36\n\x0bput_session\x18\x02 \x01(\x0b\x32\x1f.kvbank.coldstore.v1.PutSessionH\x00\x12<\n\x0e\x64\x65lete_session\x18\x03 \x01(\x0b\x32\".kvbank.coldstore.v1.DeleteSessionH\x00\x12+\n\x05write\x18\x04 \x01(\x0b\x32\x1a.kvbank.coldstore.v1.WriteH\x00\x12/\n\x07payload\x18\x05 \x01(\x0b\x32\x1c.kvbank.coldstore.v1.PayloadH\x00\x12/\n\x07promote\x18\x06 \x01(\x0b\x32\x1c.kvbank.coldstore.v1.PromoteH\x00\x12-\n\x06\x63\x61ncel\x18\x07 \x01(\x0b\x32\x1b.kvbank.coldstore.v1.CancelH\x00\x12\x34\n\nget_blocks\x18\x08 \x01(\x0b\x32\x1e.kvbank.coldstore.v1.GetBlocksH\x00\x12)\n\x04ping\x18\t \x01(\x0b\x32\x19.kvbank.coldstore.v1.PingH\x00\x12\x36\n\x0b\x64rop_blocks\x18\n \x01(\x0b\x32\x1f.kvbank.coldstore.v1.DropBlocksH\x00\x12\x38\n\x0cput_response\x18\x0b \x01(\x0b\x32 .kvbank.coldstore.v1.PutResponseH\x00\x12\x38\n\x0cget_response\x18\x0c \x01(\x0b\x32 .kvbank.coldstore.v1.ResponseKeyH\x00\x12;\n\x0f\x64\x65lete_response\x18\r \x01(\x0b\x32 .kvbank.coldstore.v1.ResponseKeyH\x00\x42\x04\n\x02op\"=\n\x0bPutResponse\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\t\x12\x12\n\ncreated_at\x18\x03 \x01(\x01\")\n\x0bResponseKey\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\t\"F\n\nPutSession\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x03 \x01(\r\"3\n\rDeleteSession\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"`\n\x05\x42lock\x12\n\n\x02id\x18\x01 \x01(\x0c\x12\r\n\x05start\x18\x02 \x01(\x04\x12\x13\n\x06nbytes\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04tail\x18\x04 \x01(\x08\x12\x0e\n\x06\x61nchor\x18\x05 \x01(\x08\x42\t\n\x07_nbytes\"\xaf\x01\n\x05Write\x12\x0b\n\x03job\x18\x01 \x01(\x04\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x0c\n\x04root\x18\x04 \x01(\x0c\x12*\n\x06\x62locks\x18\x05 \x03(\x0b\x32\x1a.kvbank.coldstore.v1.Block\x12\x13\n\x0b\x64irty_since\x18\x06 \x01(\x01\x12\x17\n\ngive_up_at\x18\x07 \x01(\x01H\x00\x88\x01\x01\x42\r\n\x0b_give_up_at\"\x16\n\x07Payload\x12\x0b\n\x03job\x18\x01 \x01(\x04\"*\n\x07Promote\x12\x0b\n\x03job\x18\x01 \x01(\x04\x12\x12\n\ngive_up_at\x18\x02 \x01(\x01\"\x15\n\x06\x43\x61ncel\x12\x0b\n\x03job\x18\x01 \x01(\x04\"\x18\n\tGetBlocks\x12\x0b\n\x03ids\x18\x01 \x03(\x0c\"\x19\n\nDropBlocks\x12\x0b\n\x03ids\x18\x01 \x03(\x0c\"\x06\n\x04Ping\"\xcd\x01\n\x07Message\x12+\n\x05reply\x18\x01 \x01(\x0b\x32\x1a.kvbank.coldstore.v1.ReplyH\x00\x12\x31\n\x08progress\x18\x02 \x01(\x0b\x32\x1d.kvbank.coldstore.v1.ProgressH\x00\x12)\n\x04\x64one\x18\x03 \x01(\x0b\x32\x19.kvbank.coldstore.v1.DoneH\x00\x12/\n\x07retired\x18\x04 \x01(\x0b\x32\x1c.kvbank.coldstore.v1.RetiredH\x00\x42\x06\n\x04kind\"\x97\x03\n\x05Reply\x12\x0b\n\x03req\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x36\n\x0bput_session\x18\x04 \x01(\x0b\x32\x1f.kvbank.coldstore.v1.SessionPutH\x00\x12=\n\x0e\x64\x65lete_session\x18\x05 \x01(\x0b\x32#.kvbank.coldstore.v1.SessionDeletedH\x00\x12\x37\n\nget_blocks\x18\x06 \x01(\x0b\x32!.kvbank.coldstore.v1.BlocksFollowH\x00\x12.\n\x04ping\x18\x07 \x01(\x0b\x32\x1e.kvbank.coldstore.v1.PingReplyH\x00\x12<\n\x0cget_response\x18\x08 \x01(\x0b\x32$.kvbank.coldstore.v1.ResponseFollowsH\x00\x12>\n\x0f\x64\x65lete_response\x18\t \x01(\x0b\x32#.kvbank.coldstore.v1.SessionDeletedH\x00\x42\x08\n\x06\x61nswer\" \n\x0fResponseFollows\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"$\n\nSessionPut\x12\x16\n\x0e\x64urable_tokens\x18\x01 \x01(\x04\"!\n\x0eSessionDeleted\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x0e\n\x0c\x42locksFollow\"j\n\nStoreStats\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x04\x12\x10\n\x08sessions\x18\x02 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x11\n\tmap_bytes\x18\x04 \x01(\x04\x12\x12\n\nused_bytes\x18\x05 \x01(\x04\"\xdb\x01\n\tPingReply\x12.\n\x05stats\x18\x01 \x01(\x0b\x32\x1f.kvbank.coldstore.v1.StoreStats\x12\x14\n\x0cworker_state\x18\x02 \x01(\t\x12\x13\n\x0bqueued_jobs\x18\x03 \x01(\r\x12\x0c\n\x04jobs\x18\x04 \x03(\x04\x12\x14\n\x0cstaged_bytes\x18\x05 \x01(\x04\x12\x15\n\rwritten_bytes\x18\x06 \x01(\x04\x12\x1f\n\x17write_budget_left_bytes\x18\x07 \x01(\x04\x12\x17\n\x0f\x66ree_disk_bytes\x18\x08 \x01(\x04\"S\n\x08Progress\x12\x0b\n\x03job\x18\x01 \x01(\x04\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x16\n\x0e\x64urable_tokens\x18\x04 \x01(\x04\"\xc9\x01\n\x04\x44one\x12\x0b\n\x03job\x18\x01 \x01(\x04\x12-\n\x07outcome\x18\x02 \x01(\x0e\x32\x1c.kvbank.coldstore.v1.Outcome\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x16\n\x0e\x64urable_tokens\x18\x05 \x01(\x04\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x12\n\ntaken_back\x18\x08 \x01(\x08\x12\x0f\n\x02\x62y\x18\t \x01(\x04H\x00\x88\x01\x01\x42\x05\n\x03_by\"r\n\x07Retired\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07removed\x18\x04 \x01(\t\x12\n\n\x02\x61t\x18\x05 \x01(\x01\x12\x16\n\x0e\x64urable_tokens\x18\x06 \x01(\r*\xd0\x01\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x13\n\x0fOUTCOME_WRITTEN\x10\x01\x12\x16\n\x12OUTCOME_SUPERSEDED\x10\x02\x12\x15\n\x11OUTCOME_CANCELLED\x10\x03\x12\x14\n\x10OUTCOME_DEADLINE\x10\x04\x12\x13\n\x0fOUTCOME_REFUSED\x10\x05\x12\x11\n\rOUTCOME_ERROR\x10\x06\x12\x11\n\rOUTCOME_STALE\x10\x07\x12\x17\n\x13OUTCOME_UNKNOWN_JOB\x10\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvbank/v1/coldstore.proto\x12\x13kvbank.coldstore.v1\"\x9a\x05\n\x07Request\x12\x0b\n\x03req\x18\x01 \x01(\x04\x12\x36\n\x0bput_session\x18\x02 \x01(\x0b\x32\x1f.kvbank.coldstore.v1.PutSessionH\x00\x12<\n\x0e\x64\x65lete_session\x18\x03 \x01(\x0b\x32\".kvbank.coldstore.v1.DeleteSessionH\x00\x12+\n\x05write\x18\x04 \x01(\x0b\x32\x1a.kvbank.coldstore.v1.WriteH\x00\x12/\n\x07payload\x18\x05 \x01(\x0b\x32\x1c.kvbank.coldstore.v1.PayloadH\x00\x12/\n\x07promote\x18\x06 \x01(\x0b\x32\x1c.kvbank.coldstore.v1.PromoteH\x00\x12-\n\x06\x63\x61ncel\x18\x07 \x01(\x0b\x32\x1b.kvbank.coldstore.v1.CancelH\x00\x12\x34\n\nget_blocks\x18\x08 \x01(\x0b\x32\x1e.kvbank.coldstore.v1.GetBlocksH\x00\x12)\n\x04ping\x18\t \x01(\x0b\x32\x19.kvbank.coldstore.v1.PingH\x00\x12\x36\n\x0b\x64rop_blocks\x18\n \x01(\x0b\x32\x1f.kvbank.coldstore.v1.DropBlocksH\x00\x12\x38\n\x0cput_response\x18\x0b \x01(\x0b\x32 .kvbank.coldstore.v1.PutResponseH\x00\x12\x38\n\x0cget_response\x18\x0c \x01(\x0b\x32 .kvbank.coldstore.v1.ResponseKeyH\x00\x12;\n\x0f\x64\x65lete_response\x18\r \x01(\x0b\x32 .kvbank.coldstore.v1.ResponseKeyH\x00\x42\x04\n\x02op\"=\n\x0bPutResponse\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\t\x12\x12\n\ncreated_at\x18\x03 \x01(\x01\")\n\x0bResponseKey\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\t\"F\n\nPutSession\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x03 \x01(\r\"3\n\rDeleteSession\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"`\n\x05\x42lock\x12\n\n\x02id\x18\x01 \x01(\x0c\x12\r\n\x05start\x18\x02 \x01(\x04\x12\x13\n\x06nbytes\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04tail\x18\x04 \x01(\x08\x12\x0e\n\x06\x61nchor\x18\x05 \x01(\x08\x42\t\n\x07_nbytes\"\xd2\x01\n\x05Write\x12\x0b\n\x03job\x18\x01 \x01(\x04\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x0c\n\x04root\x18\x04 \x01(\x0c\x12*\n\x06\x62locks\x18\x05 \x03(\x0b\x32\x1a.kvbank.coldstore.v1.Block\x12\x13\n\x0b\x64irty_since\x18\x06 \x01(\x01\x12\x17\n\ngive_up_at\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12\x0b\n\x03shm\x18\x08 \x03(\t\x12\x14\n\x0cshm_released\x18\t \x03(\tB\r\n\x0b_give_up_at\"9\n\x07Payload\x12\x0b\n\x03job\x18\x01 \x01(\x04\x12\x0b\n\x03shm\x18\x02 \x03(\t\x12\x14\n\x0cshm_released\x18\x03 \x03(\t\"*\n\x07Promote\x12\x0b\n\x03job\x18\x01 \x01(\x04\x12\x12\n\ngive_up_at\x18\x02 \x01(\x01\"\x15\n\x06\x43\x61ncel\x12\x0b\n\x03job\x18\x01 \x01(\x04\"\x18\n\tGetBlocks\x12\x0b\n\x03ids\x18\x01 \x03(\x0c\"\x19\n\nDropBlocks\x12\x0b\n\x03ids\x18\x01 \x03(\x0c\"\x19\n\x04Ping\x12\x11\n\tshm_probe\x18\x01 \x01(\t\"\xcd\x01\n\x07Message\x12+\n\x05reply\x18\x01 \x01(\x0b\x32\x1a.kvbank.coldstore.v1.ReplyH\x00\x12\x31\n\x08progress\x18\x02 \x01(\x0b\x32\x1d.kvbank.coldstore.v1.ProgressH\x00\x12)\n\x04\x64one\x18\x03 \x01(\x0b\x32\x19.kvbank.coldstore.v1.DoneH\x00\x12/\n\x07retired\x18\x04 \x01(\x0b\x32\x1c.kvbank.coldstore.v1.RetiredH\x00\x42\x06\n\x04kind\"\x97\x03\n\x05Reply\x12\x0b\n\x03req\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x36\n\x0bput_session\x18\x04 \x01(\x0b\x32\x1f.kvbank.coldstore.v1.SessionPutH\x00\x12=\n\x0e\x64\x65lete_session\x18\x05 \x01(\x0b\x32#.kvbank.coldstore.v1.SessionDeletedH\x00\x12\x37\n\nget_blocks\x18\x06 \x01(\x0b\x32!.kvbank.coldstore.v1.BlocksFollowH\x00\x12.\n\x04ping\x18\x07 \x01(\x0b\x32\x1e.kvbank.coldstore.v1.PingReplyH\x00\x12<\n\x0cget_response\x18\x08 \x01(\x0b\x32$.kvbank.coldstore.v1.ResponseFollowsH\x00\x12>\n\x0f\x64\x65lete_response\x18\t \x01(\x0b\x32#.kvbank.coldstore.v1.SessionDeletedH\x00\x42\x08\n\x06\x61nswer\" \n\x0fResponseFollows\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"$\n\nSessionPut\x12\x16\n\x0e\x64urable_tokens\x18\x01 \x01(\x04\"!\n\x0eSessionDeleted\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x0e\n\x0c\x42locksFollow\"j\n\nStoreStats\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x04\x12\x10\n\x08sessions\x18\x02 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x11\n\tmap_bytes\x18\x04 \x01(\x04\x12\x12\n\nused_bytes\x18\x05 \x01(\x04\"\xeb\x01\n\tPingReply\x12.\n\x05stats\x18\x01 \x01(\x0b\x32\x1f.kvbank.coldstore.v1.StoreStats\x12\x14\n\x0cworker_state\x18\x02 \x01(\t\x12\x13\n\x0bqueued_jobs\x18\x03 \x01(\r\x12\x0c\n\x04jobs\x18\x04 \x03(\x04\x12\x14\n\x0cstaged_bytes\x18\x05 \x01(\x04\x12\x15\n\rwritten_bytes\x18\x06 \x01(\x04\x12\x1f\n\x17write_budget_left_bytes\x18\x07 \x01(\x04\x12\x17\n\x0f\x66ree_disk_bytes\x18\x08 \x01(\x04\x12\x0e\n\x06shm_ok\x18\t \x01(\x08\"S\n\x08Progress\x12\x0b\n\x03job\x18\x01 \x01(\x04\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x16\n\x0e\x64urable_tokens\x18\x04 \x01(\x04\"\xc9\x01\n\x04\x44one\x12\x0b\n\x03job\x18\x01 \x01(\x04\x12-\n\x07outcome\x18\x02 \x01(\x0e\x32\x1c.kvbank.coldstore.v1.Outcome\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x16\n\x0e\x64urable_tokens\x18\x05 \x01(\x04\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x12\n\ntaken_back\x18\x08 \x01(\x08\x12\x0f\n\x02\x62y\x18\t \x01(\x04H\x00\x88\x01\x01\x42\x05\n\x03_by\"r\n\x07Retired\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07removed\x18\x04 \x01(\t\x12\n\n\x02\x61t\x18\x05 \x01(\x01\x12\x16\n\x0e\x64urable_tokens\x18\x06 \x01(\r*\xd0\x01\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x13\n\x0fOUTCOME_WRITTEN\x10\x01\x12\x16\n\x12OUTCOME_SUPERSEDED\x10\x02\x12\x15\n\x11OUTCOME_CANCELLED\x10\x03\x12\x14\n\x10OUTCOME_DEADLINE\x10\x04\x12\x13\n\x0fOUTCOME_REFUSED\x10\x05\x12\x11\n\rOUTCOME_ERROR\x10\x06\x12\x11\n\rOUTCOME_STALE\x10\x07\x12\x17\n\x13OUTCOME_UNKNOWN_JOB\x10\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvbank.v1.coldstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OUTCOME']._serialized_start=2855
-  _globals['_OUTCOME']._serialized_end=3063
+  _globals['_OUTCOME']._serialized_start=2960
+  _globals['_OUTCOME']._serialized_end=3168
   _globals['_REQUEST']._serialized_start=51
   _globals['_REQUEST']._serialized_end=717
   _globals['_PUTRESPONSE']._serialized_start=719
@@ -46,39 +46,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BLOCK']._serialized_start=950
   _globals['_BLOCK']._serialized_end=1046
   _globals['_WRITE']._serialized_start=1049
-  _globals['_WRITE']._serialized_end=1224
-  _globals['_PAYLOAD']._serialized_start=1226
-  _globals['_PAYLOAD']._serialized_end=1248
-  _globals['_PROMOTE']._serialized_start=1250
-  _globals['_PROMOTE']._serialized_end=1292
-  _globals['_CANCEL']._serialized_start=1294
-  _globals['_CANCEL']._serialized_end=1315
-  _globals['_GETBLOCKS']._serialized_start=1317
-  _globals['_GETBLOCKS']._serialized_end=1341
-  _globals['_DROPBLOCKS']._serialized_start=1343
-  _globals['_DROPBLOCKS']._serialized_end=1368
-  _globals['_PING']._serialized_start=1370
-  _globals['_PING']._serialized_end=1376
-  _globals['_MESSAGE']._serialized_start=1379
-  _globals['_MESSAGE']._serialized_end=1584
-  _globals['_REPLY']._serialized_start=1587
-  _globals['_REPLY']._serialized_end=1994
-  _globals['_RESPONSEFOLLOWS']._serialized_start=1996
-  _globals['_RESPONSEFOLLOWS']._serialized_end=2028
-  _globals['_SESSIONPUT']._serialized_start=2030
-  _globals['_SESSIONPUT']._serialized_end=2066
-  _globals['_SESSIONDELETED']._serialized_start=2068
-  _globals['_SESSIONDELETED']._serialized_end=2101
-  _globals['_BLOCKSFOLLOW']._serialized_start=2103
-  _globals['_BLOCKSFOLLOW']._serialized_end=2117
-  _globals['_STORESTATS']._serialized_start=2119
-  _globals['_STORESTATS']._serialized_end=2225
-  _globals['_PINGREPLY']._serialized_start=2228
-  _globals['_PINGREPLY']._serialized_end=2447
-  _globals['_PROGRESS']._serialized_start=2449
-  _globals['_PROGRESS']._serialized_end=2532
-  _globals['_DONE']._serialized_start=2535
-  _globals['_DONE']._serialized_end=2736
-  _globals['_RETIRED']._serialized_start=2738
-  _globals['_RETIRED']._serialized_end=2852
+  _globals['_WRITE']._serialized_end=1259
+  _globals['_PAYLOAD']._serialized_start=1261
+  _globals['_PAYLOAD']._serialized_end=1318
+  _globals['_PROMOTE']._serialized_start=1320
+  _globals['_PROMOTE']._serialized_end=1362
+  _globals['_CANCEL']._serialized_start=1364
+  _globals['_CANCEL']._serialized_end=1385
+  _globals['_GETBLOCKS']._serialized_start=1387
+  _globals['_GETBLOCKS']._serialized_end=1411
+  _globals['_DROPBLOCKS']._serialized_start=1413
+  _globals['_DROPBLOCKS']._serialized_end=1438
+  _globals['_PING']._serialized_start=1440
+  _globals['_PING']._serialized_end=1465
+  _globals['_MESSAGE']._serialized_start=1468
+  _globals['_MESSAGE']._serialized_end=1673
+  _globals['_REPLY']._serialized_start=1676
+  _globals['_REPLY']._serialized_end=2083
+  _globals['_RESPONSEFOLLOWS']._serialized_start=2085
+  _globals['_RESPONSEFOLLOWS']._serialized_end=2117
+  _globals['_SESSIONPUT']._serialized_start=2119
+  _globals['_SESSIONPUT']._serialized_end=2155
+  _globals['_SESSIONDELETED']._serialized_start=2157
+  _globals['_SESSIONDELETED']._serialized_end=2190
+  _globals['_BLOCKSFOLLOW']._serialized_start=2192
+  _globals['_BLOCKSFOLLOW']._serialized_end=2206
+  _globals['_STORESTATS']._serialized_start=2208
+  _globals['_STORESTATS']._serialized_end=2314
+  _globals['_PINGREPLY']._serialized_start=2317
+  _globals['_PINGREPLY']._serialized_end=2552
+  _globals['_PROGRESS']._serialized_start=2554
+  _globals['_PROGRESS']._serialized_end=2637
+  _globals['_DONE']._serialized_start=2640
+  _globals['_DONE']._serialized_end=2841
+  _globals['_RETIRED']._serialized_start=2843
+  _globals['_RETIRED']._serialized_end=2957
 # @@protoc_insertion_point(module_scope)

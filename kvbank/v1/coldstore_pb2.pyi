@@ -109,7 +109,7 @@ class Block(_message.Message):
     def __init__(self, id: _Optional[bytes] = ..., start: _Optional[int] = ..., nbytes: _Optional[int] = ..., tail: _Optional[bool] = ..., anchor: _Optional[bool] = ...) -> None: ...
 
 class Write(_message.Message):
-    __slots__ = ("job", "tenant", "session_id", "root", "blocks", "dirty_since", "give_up_at")
+    __slots__ = ("job", "tenant", "session_id", "root", "blocks", "dirty_since", "give_up_at", "shm", "shm_released")
     JOB_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,8 @@ class Write(_message.Message):
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DIRTY_SINCE_FIELD_NUMBER: _ClassVar[int]
     GIVE_UP_AT_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    SHM_RELEASED_FIELD_NUMBER: _ClassVar[int]
     job: int
     tenant: str
     session_id: str
@@ -124,13 +126,19 @@ class Write(_message.Message):
     blocks: _containers.RepeatedCompositeFieldContainer[Block]
     dirty_since: float
     give_up_at: float
-    def __init__(self, job: _Optional[int] = ..., tenant: _Optional[str] = ..., session_id: _Optional[str] = ..., root: _Optional[bytes] = ..., blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ..., dirty_since: _Optional[float] = ..., give_up_at: _Optional[float] = ...) -> None: ...
+    shm: _containers.RepeatedScalarFieldContainer[str]
+    shm_released: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job: _Optional[int] = ..., tenant: _Optional[str] = ..., session_id: _Optional[str] = ..., root: _Optional[bytes] = ..., blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ..., dirty_since: _Optional[float] = ..., give_up_at: _Optional[float] = ..., shm: _Optional[_Iterable[str]] = ..., shm_released: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Payload(_message.Message):
-    __slots__ = ("job",)
+    __slots__ = ("job", "shm", "shm_released")
     JOB_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    SHM_RELEASED_FIELD_NUMBER: _ClassVar[int]
     job: int
-    def __init__(self, job: _Optional[int] = ...) -> None: ...
+    shm: _containers.RepeatedScalarFieldContainer[str]
+    shm_released: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job: _Optional[int] = ..., shm: _Optional[_Iterable[str]] = ..., shm_released: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Promote(_message.Message):
     __slots__ = ("job", "give_up_at")
@@ -159,8 +167,10 @@ class DropBlocks(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Ping(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("shm_probe",)
+    SHM_PROBE_FIELD_NUMBER: _ClassVar[int]
+    shm_probe: str
+    def __init__(self, shm_probe: _Optional[str] = ...) -> None: ...
 
 class Message(_message.Message):
     __slots__ = ("reply", "progress", "done", "retired")
@@ -233,7 +243,7 @@ class StoreStats(_message.Message):
     def __init__(self, blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., block_bytes: _Optional[int] = ..., map_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ...) -> None: ...
 
 class PingReply(_message.Message):
-    __slots__ = ("stats", "worker_state", "queued_jobs", "jobs", "staged_bytes", "written_bytes", "write_budget_left_bytes", "free_disk_bytes")
+    __slots__ = ("stats", "worker_state", "queued_jobs", "jobs", "staged_bytes", "written_bytes", "write_budget_left_bytes", "free_disk_bytes", "shm_ok")
     STATS_FIELD_NUMBER: _ClassVar[int]
     WORKER_STATE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_JOBS_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +252,7 @@ class PingReply(_message.Message):
     WRITTEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     WRITE_BUDGET_LEFT_BYTES_FIELD_NUMBER: _ClassVar[int]
     FREE_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_OK_FIELD_NUMBER: _ClassVar[int]
     stats: StoreStats
     worker_state: str
     queued_jobs: int
@@ -250,7 +261,8 @@ class PingReply(_message.Message):
     written_bytes: int
     write_budget_left_bytes: int
     free_disk_bytes: int
-    def __init__(self, stats: _Optional[_Union[StoreStats, _Mapping]] = ..., worker_state: _Optional[str] = ..., queued_jobs: _Optional[int] = ..., jobs: _Optional[_Iterable[int]] = ..., staged_bytes: _Optional[int] = ..., written_bytes: _Optional[int] = ..., write_budget_left_bytes: _Optional[int] = ..., free_disk_bytes: _Optional[int] = ...) -> None: ...
+    shm_ok: bool
+    def __init__(self, stats: _Optional[_Union[StoreStats, _Mapping]] = ..., worker_state: _Optional[str] = ..., queued_jobs: _Optional[int] = ..., jobs: _Optional[_Iterable[int]] = ..., staged_bytes: _Optional[int] = ..., written_bytes: _Optional[int] = ..., write_budget_left_bytes: _Optional[int] = ..., free_disk_bytes: _Optional[int] = ..., shm_ok: _Optional[bool] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("job", "tenant", "session_id", "durable_tokens")

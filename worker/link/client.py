@@ -153,25 +153,40 @@ class ColdstoreClient:
         _op_name(op)
         self._post(pb.Request(**op), frames)
 
-    def send_write(self, write: pb.Write, payloads: Sequence) -> None:
+    def send_write(self, write: pb.Write, payloads: Sequence, released: Sequence[str] = ()
+                   ) -> None:
         """A write job, its payloads streamed: the first block's payload rides with the header
         and the rest follow in `payload` messages of about STREAM_CHUNK_BYTES, so the
         coldstore commits the first block while the others are still in transit. With a
         payload for every block, each block's `nbytes` is set from it; with fewer, the blocks
-        announce their sizes already and the rest come later (`send_payloads`)."""
+        announce their sizes already and the rest come later (`send_payloads`). A payload
+        that is a `str` names a shared-memory buffer holding it (Write.shm): those go in one
+        message, the few that are frames beside them. `released`: shared buffers the worker
+        let go of (Write.shm_released)."""
+        write.shm_released.extend(released)
         if len(payloads) > len(write.blocks) or not payloads:
             raise ValueError(f"{len(payloads)} payloads for {len(write.blocks)} blocks")
-        if len(payloads) == len(write.blocks):
+        if not all(b.HasField("nbytes") for b in write.blocks):
+            if len(payloads) < len(write.blocks) or any(isinstance(p, str) for p in payloads):
+                raise ValueError("a write whose payloads stream later or lie in shared memory "
+                                 "announces their sizes")
             for block, payload in zip(write.blocks, payloads):
                 block.nbytes = len(payload)
-        elif not all(b.HasField("nbytes") for b in write.blocks):
-            raise ValueError("a write that streams its payloads later announces their sizes")
+        if any(isinstance(p, str) for p in payloads):
+            write.shm.extend(_names(payloads))
+            self.send(write=write, frames=[p for p in payloads if not isinstance(p, str)])
+            return
         self.send(write=write, frames=payloads[:1])
         self.send_payloads(write.job, payloads[1:])
 
-    def send_payloads(self, job: int, payloads: Sequence) -> None:
+    def send_payloads(self, job: int, payloads: Sequence, released: Sequence[str] = ()
+                      ) -> None:
         """The next blocks' payloads of a write job, in order, in messages of about
-        STREAM_CHUNK_BYTES."""
+        STREAM_CHUNK_BYTES (or, as in `send_write`, names of shared memory in one)."""
+        if any(isinstance(p, str) for p in payloads) or released:
+            self.send(payload=pb.Payload(job=job, shm=_names(payloads), shm_released=released),
+                      frames=[p for p in payloads if not isinstance(p, str)])
+            return
         chunk, size = [], 0
         for payload in payloads:
             chunk.append(payload)
@@ -181,6 +196,11 @@ class ColdstoreClient:
                 chunk, size = [], 0
         if chunk:
             self.send(payload=pb.Payload(job=job), frames=chunk)
+
+    def sees_shared_memory(self, name: str, timeout_s: float = 2.0) -> bool:
+        """Whether the coldstore read the probe in the shared-memory buffer `name`."""
+        reply, _ = self.call(ping=pb.Ping(shm_probe=name), timeout_s=timeout_s)
+        return reply.ping.shm_ok
 
     def set_busy(self, busy: bool, write_now: bool = False) -> None:
         """One thread's (the engine's): whether it is computing, or needs the memory the
@@ -282,3 +302,8 @@ def _op_name(op: dict) -> str:
     if len(op) != 1:
         raise TypeError(f"one op per request, not {sorted(op) or 'none'}")
     return next(iter(op))
+
+
+def _names(payloads: Sequence) -> list[str]:
+    """Write.shm / Payload.shm: each payload's buffer name, '' where it is a frame."""
+    return [p if isinstance(p, str) else "" for p in payloads]

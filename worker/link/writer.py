@@ -19,7 +19,9 @@ of its loop and while a write-out waits, so nothing here needs a lock.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -33,13 +35,15 @@ from kvbank.contracts.pricing import coldstore_write_bytes
 from kvbank.contracts.vocabulary import FAILED_OUTCOMES, Outcome
 from kvbank.worker.kv.arrays import dtype_name, layer_views
 from kvbank.worker.kv.codec import encode_views, encoded_views_nbytes
-from kvbank.worker.link.client import ColdstoreClient
+from kvbank.worker.link.client import ColdstoreClient, ColdstoreUnavailable
+from kvbank.worker.link.shared_buffers import PAGE, SharedBuffers, make_buffer, release
 
 logger = logging.getLogger(__name__)
 
 RELEASE_WRITE_OUT_MAX_S = 30.0
 STREAM_WINDOW_BYTES = 64 << 20  # a job's blocks sent and not yet committed (at least one)
 _KEEP_OUTCOMES = 4096  # finished jobs remembered (a write-out may ask after its job ended)
+SHM_PROBE_EVERY_S = 5.0  # while the coldstore does not answer whether it sees shared memory
 BUFFERS_IDLE_S = 1.0  # the kv-encode thread's buffers go back this long after its last send
 
 
@@ -173,6 +177,11 @@ class KVWriter:
         self._ahead: dict[int, None] = {}  # jobs promoted by write_ahead (oldest first)
         self._outbox: queue.Queue = queue.Queue()
         self._buffers = EncodeBuffers(keep_bytes=window_bytes)  # the kv-encode thread's
+        self._shared = SharedBuffers(keep_bytes=window_bytes)  # its, lent until committed
+        # Payloads go in shared memory the coldstore maps (False: as frames; None: ask it)
+        self.shared_memory: bool | None = None
+        self._shm_probe_at = 0.0
+        self._job_shares: dict[int, bool] = {}  # kv-encode thread's: job -> payloads shared
         self._thread = threading.Thread(target=self._send_loop, name="kv-encode", daemon=True)
         self._thread.start()
 
@@ -196,6 +205,7 @@ class KVWriter:
         sent = self.drain(timeout_s)
         self._outbox.put(None)
         self._thread.join(timeout_s)
+        self._shared.close()
         return sent
 
     def _send_loop(self) -> None:
@@ -204,6 +214,7 @@ class KVWriter:
                 send = self._outbox.get(timeout=BUFFERS_IDLE_S)
             except queue.Empty:  # no write for a while: its buffers go back
                 self._buffers.clear()
+                self._shared.clear()
                 continue
             if send is None:  # close()
                 return
@@ -246,9 +257,11 @@ class KVWriter:
         if kind == "progress":
             p = msg.progress
             self._job_durable[p.job] = max(self._job_durable.get(p.job, 0), p.durable_tokens)
+            self._shared.committed(p.job)
             self._advance(p.job)
         elif kind == "done":
             d = msg.done
+            self._shared.ended(d.job)
             self._staged.pop(d.job, None)
             self._streams.pop(d.job, None)
             self._outcome[d.job] = wire.outcome_of(d)
@@ -278,6 +291,10 @@ class KVWriter:
         return (sum(self._staged.values())
                 + coldstore_write_bytes(max(self._largest.get(j, 0) for j in self._staged)))
 
+    def shared_lent_bytes(self) -> int:
+        """Shared buffers holding payloads the coldstore has not committed yet."""
+        return self._shared.lent_bytes()
+
     @property
     def handed_over_bytes(self) -> int:
         """KV bytes handed to the coldstore and not committed yet (the staging cap's)."""
@@ -295,16 +312,6 @@ class KVWriter:
         n = entry.n_tokens
         if start >= n:
             return None
-        estimate = min((n - start) * entry.nbytes // n, self.window_bytes)  # in the window
-        if give_up_at is None and not self.has_room(estimate):
-            self.staging_deferred += 1
-            self.records.write_deferred(entry)
-            logger.info("session %s: staging at its cap (%d bytes): its KV waits in RAM, "
-                        "protected, to be sent again", entry.session[1], self.staging_max_bytes)
-            return None
-        root = self.root_for(entry.session[0])
-        write = wire.pb.Write(tenant=entry.session[0], session_id=entry.session[1],
-                              root=bytes(root), dirty_since=time.time())
         # The blocks in order, each anchor (a checkpoint inside a block where a conversation
         # comes back: the system prompt's end, a prompt's end before its generation prompt)
         # just before the block it falls in: its chain is written by then.
@@ -318,6 +325,17 @@ class KVWriter:
                                       state=self._state(entry, e), bits=self._bits())
                  for s, e in ranges]
         del views
+        estimate = min(sum(sizes), self.window_bytes  # in flight at once (`_feed`)
+                       + (max(sizes) if max(sizes) > self.window_bytes else 0))
+        if give_up_at is None and not self.has_room(estimate):
+            self.staging_deferred += 1
+            self.records.write_deferred(entry)
+            logger.info("session %s: staging at its cap (%d bytes): its KV waits in RAM, "
+                        "protected, to be sent again", entry.session[1], self.staging_max_bytes)
+            return None
+        root = self.root_for(entry.session[0])
+        write = wire.pb.Write(tenant=entry.session[0], session_id=entry.session[1],
+                              root=bytes(root), dirty_since=time.time())
         for (s, e), size in zip(ranges, sizes):
             if e - s == B and (s, e) not in anchor:
                 write.blocks.add(id=bytes(entry.block_ids[s // B]), start=s, nbytes=size)
@@ -375,12 +393,17 @@ class KVWriter:
 
     def _feed(self, job: int) -> None:
         """Hand the kv-encode thread the stream's next blocks, as many as the window holds
-        beside those sent and not yet committed (one at least)."""
+        beside those sent and not yet committed (one at least). A block larger than the
+        window (one that carries a hybrid model's checkpoint: 171 MB for Qwen3.6-27B) goes
+        once what is in flight is under the window, not once nothing is: the coldstore commits
+        the blocks before it while it is encoded and sent."""
         st = self._streams[job]
         in_flight = sum(st.sizes[st.committed:st.sent])
         first, end = st.sent, st.sent
-        while end < len(st.ranges) and (end == st.committed
-                                        or in_flight + st.sizes[end] <= self.window_bytes):
+        while end < len(st.ranges) and (in_flight + st.sizes[end] <= self.window_bytes
+                                        or end == st.committed
+                                        or (st.sizes[end] > self.window_bytes
+                                            and in_flight < self.window_bytes)):
             in_flight += st.sizes[end]
             end += 1
         if end == first:
@@ -392,20 +415,64 @@ class KVWriter:
         states = {e: self._state(st.entry, e) for _, e in ranges}
         write = st.write if first == 0 else None
 
-        def encode(s: int, e: int):
+        def encode(s: int, e: int, shared: bool) -> tuple[object, int]:
+            """A block encoded: the name of the shared buffer it went into, or a frame."""
             kw = dict(layout=layout, state=states[e], bits=bits)
-            return self._buffers.frame(encoded_views_nbytes(views, dtype, s, e, **kw),
-                                       lambda out: encode_views(views, dtype, s, e, out=out, **kw))
+            nbytes = encoded_views_nbytes(views, dtype, s, e, **kw)
+
+            def fill(out):
+                encode_views(views, dtype, s, e, out=out, **kw)
+            name = self._shared.take(job, nbytes, fill) if shared else None
+            return (name or self._buffers.frame(nbytes, fill)), nbytes
 
         def send() -> None:
-            frames = [encode(s, e) for s, e in ranges]
+            shared = self._shares(job)
+            payloads, sizes = zip(*(encode(s, e, shared) for s, e in ranges))
+            released = self._shared.released()
             if write is None:
-                self.client.send_payloads(job, frames)
+                if not self._shared.gone(job):
+                    self.client.send_payloads(job, list(payloads), released)
                 return
-            self.deliver(Encoded(job, sum(len(f) for f in frames)))
-            self.client.send_write(write, frames)
+            self.deliver(Encoded(job, sum(sizes)))
+            self.client.send_write(write, list(payloads), released)
 
         self._outbox.put(send)
+
+    # -- the kv-encode thread -------------------------------------------------------------
+
+    def _shares(self, job: int) -> bool:
+        """Whether the job's payloads go in shared memory: decided at its first send, once
+        the coldstore has said it sees our buffers (a job keeps one way: the coldstore's
+        `progress` messages give its buffers back in order)."""
+        if job not in self._job_shares:
+            self._job_shares[job] = self._coldstore_sees_shared_memory()
+            while len(self._job_shares) > _KEEP_OUTCOMES:
+                self._job_shares.pop(next(iter(self._job_shares)))
+        return self._job_shares[job]
+
+    def _coldstore_sees_shared_memory(self) -> bool:
+        """Asked once (again every SHM_PROBE_EVERY_S while the coldstore does not answer):
+        it maps a buffer of ours holding SHM_PROBE. Not on the same machine, or in another
+        IPC namespace (a container of its own), payloads go as frames."""
+        if self.shared_memory is None and time.monotonic() >= self._shm_probe_at:
+            self._shm_probe_at = time.monotonic() + SHM_PROBE_EVERY_S
+            probe = make_buffer(f"kvbprobe{os.getpid()}{secrets.token_hex(3)}", PAGE)
+            if probe is None:
+                self.shared_memory = False
+                return False
+            try:
+                probe.buf[:len(wire.SHM_PROBE)] = wire.SHM_PROBE
+                self.shared_memory = self.client.sees_shared_memory(probe.name)
+            except ColdstoreUnavailable:  # not up yet: frames until it answers
+                pass
+            finally:
+                release(probe)
+            if self.shared_memory is False:
+                logger.info("the coldstore cannot map this worker's shared memory: KV goes to "
+                            "it as ZeroMQ frames")
+        return bool(self.shared_memory)
+
+    # -- the owner thread -----------------------------------------------------------------
 
     def write_ahead(self, entry, give_up_at: float) -> bool:
         """The entry's queued write goes now, not at a quiet window or its deadline: a
@@ -427,6 +494,7 @@ class KVWriter:
         for job in [j for j in self._staged if j not in live and j not in self._unsent]:
             self._staged.pop(job)
             self._streams.pop(job, None)
+            self._shared.ended(job)
 
     def write_out(self, entry, give_up_at: float) -> Outcome:
         """Write the entry now, by `give_up_at` (unix s): written | deadline | refused | error."""

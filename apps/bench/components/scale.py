@@ -33,8 +33,8 @@ process. The bank's cap is the user's `--memory-budget` less what the process he
 
 The memory of every process (this one, the worker's part, and the coldstore) is followed
 through each phase (`memory`: builds, SSD returns, RAM hits, prefetch) against the budget: the
-sampled peak of what both hold themselves (RssAnon + RssShmem, summed, every 20 ms: what the
-worker's ledger counts and the kernel cannot reclaim) and, beside it, the sum of their VmHWM
+sampled peak of what both hold themselves (RssAnon summed, and RssShmem once, every 20 ms:
+what the worker's ledger counts and the kernel cannot reclaim) and, beside it, the sum of their VmHWM
 (file pages they mapped included), and each against the KV held.
 
 Goals (`goals`): restore read phase >= 0.9 of the raw read, whole restore >= 0.8; write-behind
@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 
 from kvbank.apps.bench.components.scale_io import (Disk, Memory, ReadProbe, file_write,
-                                                   fresh_page_mb_s, own_bytes, raw_lmdb_write,
+                                                   fresh_page_mb_s, held_bytes, raw_lmdb_write,
                                                    remove)
 from kvbank.apps.bench.components.scale_kv import (GEOMETRIES, checkpoint_bytes, checkpoint_every,
                                                    forward, presize)
@@ -203,7 +203,7 @@ def run(*, geometry: str = "qwen3.6-27b", tokens: int | None = None, conversatio
                 1 << 40)
         # What the worker's part (this process) and the coldstore hold before any KV: the
         # budget's floor, as a worker's model and runtime are its budget's.
-        base_rss = own_bytes(os.getpid()) + own_bytes(w.proc.pid)
+        base_rss = held_bytes([os.getpid(), w.proc.pid])
         if memory_budget is None:
             held_n = HELD_WITH_PREFETCH if prefetching else HELD
             memory_budget = int(base_rss + held_n * conv_bytes)

@@ -181,6 +181,15 @@ def own_bytes(pid: int | str = "self") -> int:
     return _status(pid, "RssAnon") + _status(pid, "RssShmem")
 
 
+def held_bytes(pids) -> int:
+    """What the processes hold together: each one's RssAnon, and shared memory once (the
+    largest RssShmem: the coldstore maps a part of the worker's payload buffers,
+    worker/link/shared_buffers.py)."""
+    pids = list(pids)
+    return (sum(_status(p, "RssAnon") for p in pids)
+            + max((_status(p, "RssShmem") for p in pids), default=0))
+
+
 class Memory:
     """The worker's and the coldstore's memory through named phases (module docstring)."""
 
@@ -196,7 +205,7 @@ class Memory:
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
-            now = sum(own_bytes(p) for p in self.pids.values())
+            now = held_bytes(self.pids.values())
             with self._lock:
                 self._peak = max(self._peak, now)
 
@@ -227,7 +236,7 @@ class Memory:
         if name is not None:
             self._hwm_reset = self._reset_hwm()
             with self._lock:
-                self._peak = sum(own_bytes(p) for p in self.pids.values())
+                self._peak = held_bytes(self.pids.values())
 
     def stop(self) -> dict:
         self.phase(None)
