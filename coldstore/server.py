@@ -398,9 +398,9 @@ class ColdstoreServer:
         (Write.shm), the worker's buffers as they lie ('': the next frame)."""
         if not names:
             return [f.buffer for f in frames]
-        if len(names) > job.in_transit:
-            raise ValueError(f"job {job.job_id}: {len(names)} payloads for {job.in_transit} "
-                             "blocks in transit")
+        if len(names) > job.in_transit or sum(not n for n in names) != len(frames):
+            raise ValueError(f"job {job.job_id}: {len(names)} payloads ({len(frames)} frames) "
+                             f"for {job.in_transit} blocks in transit")
         first, rest = len(job.blocks) - job.in_transit, iter(frames)
         return [self.shared.view(name, job.blocks[first + i].nbytes) if name
                 else next(rest).buffer for i, name in enumerate(names)]

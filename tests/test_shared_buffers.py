@@ -12,7 +12,8 @@ from kvbank.coldstore.shared import SharedPayloads
 from kvbank.contracts.coldstore_wire import SHM_PROBE, outcome_of
 from kvbank.worker.link import shared_buffers, writer
 from kvbank.worker.link.shared_buffers import SharedBuffers
-from tests.coldstore_rig import B, check_record_against_kv, make_kv, start, tokens  # noqa: F401
+from tests.coldstore_rig import (B, TENANT, check_record_against_kv, make_kv, start,  # noqa: F401
+                                 tokens)
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.unit  # make test-fast
@@ -112,13 +113,18 @@ def test_the_coldstore_reads_the_probe_and_refuses_what_is_not_there(buffers):
     coldstore.close_all()
 
 
+def written(link, name: str, n_blocks: int, seed: int):
+    """A conversation of `n_blocks` blocks committed and written behind: its tokens and KV."""
+    t, layers = tokens(n_blocks * B, seed=seed), make_kv(n_blocks * B, seed=seed)
+    link.set_busy(False)
+    e = link.turn(name, t, layers)
+    assert outcome_of(link.wait_done(e.write_job)) == "written"
+    return t, layers
+
+
 def test_a_write_goes_in_shared_memory_and_its_buffers_come_back(start):
     _, link = start()
-    n = 6 * B
-    t, layers = tokens(n, seed=40), make_kv(n, seed=40)
-    link.set_busy(False)
-    e = link.turn("shm", t, layers)
-    assert outcome_of(link.wait_done(e.write_job)) == "written"
+    t, layers = written(link, "shm", 6, seed=40)
     (write,) = link.sent_writes()
     assert len(write.shm) == len(write.blocks) and all(write.shm)
     check_record_against_kv(link.disk, "shm", layers, t, "through shared memory")
@@ -130,11 +136,23 @@ def test_a_coldstore_that_cannot_map_our_memory_gets_frames(start, monkeypatch):
     """The probe fails (another machine, another IPC namespace): the KV goes as frames."""
     monkeypatch.setattr(writer, "make_buffer", lambda name, nbytes: None)
     _, link = start()
-    n = 3 * B
-    t, layers = tokens(n, seed=41), make_kv(n, seed=41)
-    link.set_busy(False)
-    e = link.turn("frames", t, layers)
-    assert outcome_of(link.wait_done(e.write_job)) == "written"
+    t, layers = written(link, "frames", 3, seed=41)
     assert link.writer.shared_memory is False
     assert not any(w.shm for w in link.sent_writes()) and link.payloads_sent() == 3
     check_record_against_kv(link.disk, "frames", layers, t, "as frames")
+
+
+def test_a_write_naming_memory_that_is_gone_ends_in_error_and_the_coldstore_goes_on(start):
+    """Its worker died and its buffers went with it: the job ends in error, named; the next
+    write is written."""
+    from kvbank.contracts.coldstore_wire import pb
+
+    _, link = start()
+    write = pb.Write(job=link.client.next_id(), tenant=TENANT, session_id="gone",
+                     root=bytes(16))
+    write.blocks.add(id=bytes(16), start=0, nbytes=1024)
+    link.client.send_write(write, ["kvbnosuchbuffer"])
+    done = link.wait_done(write.job)
+    assert outcome_of(done) == "error" and "kvbnosuchbuffer" in done.error, done
+    t, layers = written(link, "after", 2, seed=42)
+    check_record_against_kv(link.disk, "after", layers, t, "after a bad write")

@@ -138,8 +138,9 @@ class KVWriter:
     applying the acknowledgements as they come.
 
     The owner thread only takes zero-copy views of the entry's arrays; the `kv-encode` thread
-    turns them into blocks (one copy, NumPy) and sends them, and every message about a job
-    (write, promote, cancel) leaves through it, in order.
+    turns them into blocks (one copy, NumPy), into shared memory the coldstore maps where it
+    can (worker/link/shared_buffers.py) and into frames where not, and sends them; every
+    message about a job (write, promote, cancel) leaves through it, in order.
 
     Staging is bounded: bytes handed over but not yet committed stay under
     `staging_max_bytes`. At the cap `write_behind` hands nothing over and reports the entry as
