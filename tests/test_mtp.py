@@ -144,9 +144,11 @@ def test_the_head_is_read_where_mlx_lm_drops_it_and_refused_with_the_reason(
 
 # -- greedy: exact -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("which,depth", [("trained", 1), ("trained", 2), ("trained", 3),
-                                         ("random", 3)])
-def test_greedy_answers_equal_plain_decoding(models, which, depth):
+@pytest.mark.parametrize("which,depth,draft_bits", [
+    ("trained", 1, "auto"), ("trained", 2, "auto"),
+    ("trained", 3, 4),  # a GPU's drafts: a 4-bit copy of the LM head (decode.draft_bits_for)
+    ("random", 3, "auto")])
+def test_greedy_answers_equal_plain_decoding(models, which, depth, draft_bits):
     """Tokens equal mlx-lm's greedy decoding from scratch and logprobs within 1e-4, whatever
     the head drafts; on the trained head every round kind happens (all drafts kept, some,
     none), and answers cut by max_tokens or a stop token inside a round end exactly there."""
@@ -154,7 +156,7 @@ def test_greedy_answers_equal_plain_decoding(models, which, depth):
     from kvbank.worker.compute.mtp.sampling import Sampling
 
     model, head = models[which]
-    dec = MTPDecoder(model, head, depth)
+    dec = MTPDecoder(model, head, depth, draft_bits=draft_bits)
     # Every round of the random head rejects: two answers exercise it.
     for i, prompt in enumerate(_prompts(2 if which == "random" else 3, 24, seed=1)):
         n = 40 + i  # budgets that end inside a round

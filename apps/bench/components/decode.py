@@ -65,9 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depths", default="1,2,3", help="MTP depths (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=96, help="tokens decoded per run "
                                                           "(default: %(default)s)")
-    p.add_argument("--draft-bits", type=int, choices=(0, 4, 8), default=4,
+    p.add_argument("--draft-bits", type=int, choices=(0, 4, 8), default=None,
                    help="the drafts' copy of the LM head, quantized (0: the trunk's own) "
-                        "(default: %(default)s)")
+                        "(default: the worker's for the device: the trunk's own on a CPU, "
+                        "4 on a GPU)")
     p.add_argument("--prompt-tokens", type=int, default=64,
                    help="tokens per prompt (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3,
@@ -205,7 +206,8 @@ def _model_dir(model: str | None, arch: str | None) -> Path:
 
 
 def run(*, model: str | None, arch: str | None, depths: list[int], tokens: int,
-        prompt_tokens: int, repeats: int, argv: list[str], draft_bits: int | None = 4) -> dict:
+        prompt_tokens: int, repeats: int, argv: list[str],
+        draft_bits: int | None | str = "auto") -> dict:
     from kvbank.config import preload_openblas
 
     model_dir = _model_dir(model, arch)
@@ -215,6 +217,12 @@ def run(*, model: str | None, arch: str | None, depths: list[int], tokens: int,
     from kvbank.mtp_head import read_head
 
     mlx_model, _ = load(str(model_dir))
+    if draft_bits == "auto":  # what the worker drafts with on this device, recorded
+        import mlx.core as mx
+
+        from kvbank.worker.compute.mtp.decode import draft_bits_for
+
+        draft_bits = draft_bits_for(mx.default_device())
     loaded = read_head(mlx_model, model_dir)
     if loaded.head is None:
         raise SystemExit(f"kvbank bench decode --mtp: {loaded.message}")
@@ -509,7 +517,7 @@ def run_cli(args: argparse.Namespace) -> int:
         return 0
     result = run(model=args.model, arch=args.arch, depths=depths, tokens=args.tokens,
                  prompt_tokens=args.prompt_tokens, repeats=args.repeats, argv=sys.argv,
-                 draft_bits=args.draft_bits or None)
+                 draft_bits="auto" if args.draft_bits is None else args.draft_bits or None)
     print_summary(result)
     write_json(result, args.json)
     return 0
