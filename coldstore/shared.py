@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from multiprocessing import resource_tracker, shared_memory
 
+from kvbank import heap
+
 logger = logging.getLogger(__name__)
 
 MAX_MAPPED = 256  # past this many buffers mapped at once, those not read lately go
@@ -34,6 +36,7 @@ class SharedPayloads:
             # The worker owns it: without this, Python 3.11's tracker would unlink it when
             # this process ends (3.13 has `track=False`).
             resource_tracker.unregister(shm._name, "shared_memory")
+            heap.close_shared_descriptor(shm)
             if len(self._mapped) >= MAX_MAPPED:
                 self._close(next(iter(self._mapped)))
         self._mapped[name] = shm  # the newest last

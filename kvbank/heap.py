@@ -71,3 +71,15 @@ def give_back_freed_pages() -> None:
     """Return every free page of the heap to the OS (glibc keeps them otherwise)."""
     if _libc():
         _LIBC.malloc_trim(0)
+
+
+def close_shared_descriptor(shm) -> None:
+    """A `multiprocessing.shared_memory` mapping stands without its file descriptor: closed
+    once mapped, so a process holding many buffers does not hold a descriptor for each
+    (CPython keeps it until `close`, which skips it once it is -1)."""
+    fd = getattr(shm, "_fd", -1)
+    if fd >= 0:
+        import os
+
+        os.close(fd)
+        shm._fd = -1

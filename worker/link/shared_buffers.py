@@ -32,10 +32,16 @@ from collections import deque
 from multiprocessing import shared_memory
 from typing import Callable
 
+from kvbank import heap
+
 logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"  # Linux's POSIX shared memory (a tmpfs); macOS has none to check
 PAGE = 64 << 10  # buffers are made in whole 64 KiB, so blocks of nearby sizes share them
+# Smaller blocks go as frames: their copies cost little, and a window of them would be
+# hundreds of buffers (a file and a mapping each, in both processes). A real model's block is
+# several MB (SmolLM2-135M's 256 tokens: 5.9 MB in bfloat16; Qwen3.6-27B's: 16.8 MB).
+MIN_BYTES = 1 << 20
 
 
 def make_buffer(name: str, nbytes: int) -> shared_memory.SharedMemory | None:
@@ -59,6 +65,7 @@ def make_buffer(name: str, nbytes: int) -> shared_memory.SharedMemory | None:
             shm.close()
             shm.unlink()
             return None
+    heap.close_shared_descriptor(shm)
     return shm
 
 

@@ -36,7 +36,8 @@ from kvbank.contracts.vocabulary import FAILED_OUTCOMES, Outcome
 from kvbank.worker.kv.arrays import dtype_name, layer_views
 from kvbank.worker.kv.codec import encode_views, encoded_views_nbytes
 from kvbank.worker.link.client import ColdstoreClient, ColdstoreUnavailable
-from kvbank.worker.link.shared_buffers import PAGE, SharedBuffers, make_buffer, release
+from kvbank.worker.link.shared_buffers import (MIN_BYTES, PAGE, SharedBuffers, make_buffer,
+                                               release)
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +182,7 @@ class KVWriter:
         self._shared = SharedBuffers(keep_bytes=window_bytes)  # its, lent until committed
         # Payloads go in shared memory the coldstore maps (False: as frames; None: ask it)
         self.shared_memory: bool | None = None
+        self.shared_min_bytes = MIN_BYTES  # smaller blocks go as frames (tests lower it)
         self._shm_probe_at = 0.0
         self._job_shares: dict[int, bool] = {}  # kv-encode thread's: job -> payloads shared
         self._thread = threading.Thread(target=self._send_loop, name="kv-encode", daemon=True)
@@ -423,7 +425,8 @@ class KVWriter:
 
             def fill(out):
                 encode_views(views, dtype, s, e, out=out, **kw)
-            name = self._shared.take(job, nbytes, fill) if shared else None
+            name = (self._shared.take(job, nbytes, fill)
+                    if shared and nbytes >= self.shared_min_bytes else None)
             return (name or self._buffers.frame(nbytes, fill)), nbytes
 
         def send() -> None:
