@@ -45,7 +45,7 @@ def draft_bits_for(device) -> int | None:
     by reading weights (MTPLX drafts with one on Metal); on a CPU the trunk's own (None), as
     MLX's quantized matmul runs on one thread there and float32 on OpenBLAS's: the default
     model's LM head took 24.7 ms a draft at 4 bits against 11.4 ms (this 2-core VM, mlx
-    0.32.4, Dec 2026), and `bench decode --depths 2` went from 1.17x to 1.85x plain."""
+    0.32.4, Dec 2026), and `bench decode` at depth 2 went from 1.17x to 1.49x plain."""
     return None if device.type == mx.DeviceType.cpu else DRAFT_BITS
 
 
