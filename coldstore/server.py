@@ -371,7 +371,7 @@ class ColdstoreServer:
         )
         self.shared.forget(write.shm_released)
         try:
-            job.receive(self._payloads(job, write.shm, frames), now)
+            job.receive(self.shared.payloads(job, write.shm, frames), now)
         except ValueError as e:
             self._finish(job, Outcome.ERROR, error=str(e))
             return None
@@ -388,22 +388,10 @@ class ColdstoreServer:
         if job is None or job.peer != peer:  # it ended (superseded, cancelled): drop these
             return None
         try:
-            job.receive(self._payloads(job, payload.shm, frames), time.time())
+            job.receive(self.shared.payloads(job, payload.shm, frames), time.time())
         except ValueError as e:
             self._fail(job, str(e))
         return None
-
-    def _payloads(self, job: WriteJob, names, frames) -> list[memoryview]:
-        """The next blocks' payloads: the frames, or where the write names shared memory
-        (Write.shm), the worker's buffers as they lie ('': the next frame)."""
-        if not names:
-            return [f.buffer for f in frames]
-        if len(names) > job.in_transit or sum(not n for n in names) != len(frames):
-            raise ValueError(f"job {job.job_id}: {len(names)} payloads ({len(frames)} frames) "
-                             f"for {job.in_transit} blocks in transit")
-        first, rest = len(job.blocks) - job.in_transit, iter(frames)
-        return [self.shared.view(name, job.blocks[first + i].nbytes) if name
-                else next(rest).buffer for i, name in enumerate(names)]
 
     def _op_promote(self, peer, req, promote: pb.Promote, frames):
         """A release waits on this job: give it a deadline, so it jumps the idle lane."""

@@ -45,6 +45,19 @@ class SharedPayloads:
                              f"{nbytes} announced")
         return shm.buf[:nbytes]
 
+    def payloads(self, job, names, frames) -> list[memoryview]:
+        """A write job's next blocks' payloads (coldstore/lanes.py `WriteJob`): the frames, or
+        where the write names shared memory (Write.shm), the worker's buffers as they lie
+        ('': the next frame). ValueError where they do not add up."""
+        if not names:
+            return [f.buffer for f in frames]
+        if len(names) > job.in_transit or sum(not n for n in names) != len(frames):
+            raise ValueError(f"job {job.job_id}: {len(names)} payloads ({len(frames)} frames) "
+                             f"for {job.in_transit} blocks in transit")
+        first, rest = len(job.blocks) - job.in_transit, iter(frames)
+        return [self.view(name, job.blocks[first + i].nbytes) if name else next(rest).buffer
+                for i, name in enumerate(names)]
+
     def probe(self, name: str, expect: bytes) -> bool:
         """Whether the buffer `name` can be mapped and starts with `expect`."""
         try:

@@ -46,21 +46,20 @@ def resident_bytes(pid: int | str = "self") -> int:
     """Memory a process holds itself: anonymous + shared resident pages (Linux RssAnon +
     RssShmem). File-backed pages (libraries, the LMDB map a restore reads) are the kernel's
     page cache and can be dropped any time, so they do not count. Elsewhere: RSS."""
-    try:
-        fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
-        return sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem"))
-    except (OSError, KeyError, ValueError):
-        import psutil
-
-        return psutil.Process(None if pid == "self" else int(pid)).memory_info().rss
+    return _status_bytes(pid, ("RssAnon", "RssShmem"))
 
 
 def anonymous_bytes(pid: int | str = "self") -> int:
     """A process's anonymous resident pages (Linux RssAnon): its heap, without the shared
     memory it maps. Elsewhere: RSS."""
+    return _status_bytes(pid, ("RssAnon",))
+
+
+def _status_bytes(pid: int | str, fields: tuple[str, ...]) -> int:
+    """The sum of /proc/PID/status's `fields` (kB there), in bytes; RSS where there is none."""
     try:
-        fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
-        return int(fields["RssAnon"].split()[0]) * 1024
+        status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+        return sum(int(status[k].split()[0]) * 1024 for k in fields)
     except (OSError, KeyError, ValueError):
         import psutil
 
