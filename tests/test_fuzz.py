@@ -356,7 +356,7 @@ def test_deleting_a_session_while_it_generates(fuzz):
     """One thread streams a long turn of session s while this one deletes s over and over:
     both end with clear answers, the worker stays up, and the next turn on s works."""
     sid = f"busy-{uuid.uuid4().hex[:8]}"
-    req = api_pb2.GenerateRequest(session_id=sid, append=True, max_tokens=1500)
+    req = api_pb2.GenerateRequest(session_id=sid, append=True, max_tokens=300)
     req.chat.messages.add(role="user", content="Go on and on.")
     streaming, outcome = threading.Event(), {}
 
