@@ -183,9 +183,8 @@ def test_a_prompt_that_needs_room_releases_an_idle_conversation_after_writing_it
             free = st.memory_budget_bytes - st.held_bytes
             freed_by_release = st.bank_bytes + st.staged_bytes
             want = free + freed_by_release // 2  # needs the release, fits after it
-            # the fewest tokens to decode (a prompt's token costs a fraction of one's)
-            prompt, max_tokens = next(((p, m) for m in range(1, 1900, 10)
-                                       for p in range(100, 2000 - m, 100)
+            prompt, max_tokens = next(((p, m) for p in range(100, 1900, 100)
+                                       for m in range(1, 2000 - p, 10)
                                        if pricing.request_bytes(p, m) >= want), (None, None))
             assert prompt is not None, (st, want)
 
