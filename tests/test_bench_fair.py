@@ -233,3 +233,36 @@ def test_a_runs_commit_is_dirty_when_any_code_in_the_checkout_differs(tmp_path):
     assert commit(here)["dirty"] is False
     (tmp_path / "worker.py").write_text("y\n")
     assert commit(here)["dirty"] is True
+
+
+def test_a_kvbank_round_says_what_left_ram_and_what_a_trim_dropped(tmp_path):
+    """The kvbank side's record reads the worker's own event log: evictions by reason and
+    where they went, the guard's trims by level and source, and the unwritten entries they
+    dropped (what a round that recomputed needs to explain itself)."""
+    from dataclasses import asdict
+
+    from kvbank import events
+    from kvbank.apps.bench.compare_servers import left_ram
+    from kvbank.contracts.receipts import PressureReceipt
+    from kvbank.contracts.vocabulary import PressureLevel, PressureSource, TrimReason
+
+    path = tmp_path / "log" / "events.jsonl"
+    events.open_log(path)
+    try:
+        events.emit("kv_evicted", tenant="", session_id="~a", reason=TrimReason.ADMISSION_LRU,
+                    tokens=900, bytes=1, durable_tokens=900, now="cold", write_out="written")
+        events.emit("kv_evicted", tenant="", session_id="~b",
+                    reason=TrimReason.PRESSURE_CRITICAL, tokens=800, bytes=1,
+                    durable_tokens=310, now="gone", write_out=None)
+        events.emit(**asdict(PressureReceipt(level=PressureLevel.CRITICAL,
+                                             source=PressureSource.PSI,
+                                             bank_unwritten_dropped=1)))
+        events.emit("kv_restored", tenant="", session_id="~a", source="ssd")
+    finally:
+        for h in events._log.handlers:
+            h.close()
+        events._log.handlers[:] = []
+    assert left_ram(path) == {
+        "evicted": {"admission_lru: cold": 1, "pressure_critical: gone": 1},
+        "pressure_trims": {"critical: psi": 1}, "unwritten_dropped_by_trims": 1}
+    assert left_ram(tmp_path / "none.jsonl")["evicted"] == {}

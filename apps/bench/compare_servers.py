@@ -179,7 +179,8 @@ def _kvbank(model_dir: Path, data_dir: Path, flags: list[str], group: MemoryCgro
         with Peaks(stack) as peaks:
             yield stack.shim_url
         record["kvbank"] = {**sessions(stack), "peak_bank_bytes": peaks.bank_bytes,
-                            "peak_worker_bytes": peaks.worker_bytes}
+                            "peak_worker_bytes": peaks.worker_bytes,
+                            **left_ram(stack.layout.events_path)}
     finally:
         record.pop("stack", None)
         stack.stop()
@@ -232,6 +233,28 @@ def sessions(stack) -> dict:
                                         "token_count": s.token_count,
                                         "durable_tokens": s.durable_tokens}
                          for s in got}}
+
+
+def left_ram(events_path: Path) -> dict:
+    """What left kvbank's RAM in a run and why, from its event log: `kv_evicted` by reason
+    and where it went (`cold`: on SSD; `gone`: dropped before its SSD write), and the guard's
+    trims by level and source, with the unwritten entries they dropped. A round that
+    recomputed says here whether KV was dropped (the stack's own files go with the run)."""
+    import collections
+    import json
+
+    evicted, trims = collections.Counter(), collections.Counter()
+    dropped = 0
+    lines = events_path.read_text().splitlines() if events_path.exists() else []
+    for line in lines:
+        e = json.loads(line)
+        if e.get("kind") == "kv_evicted":
+            evicted[f"{e.get('reason')}: {e.get('now')}"] += 1
+        elif e.get("kind") == "pressure_trim":
+            trims[f"{e.get('level')}: {e.get('source')}"] += 1
+            dropped += e.get("bank_unwritten_dropped", 0)
+    return {"evicted": dict(evicted), "pressure_trims": dict(trims),
+            "unwritten_dropped_by_trims": dropped}
 
 
 class Peaks:
