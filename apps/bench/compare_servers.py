@@ -26,6 +26,8 @@ one, as its user would, and `sizing.mlx_lm.given` says so.
 
 from __future__ import annotations
 
+import collections
+import json
 import logging
 import os
 import subprocess
@@ -240,9 +242,6 @@ def left_ram(events_path: Path) -> dict:
     and where it went (`cold`: on SSD; `gone`: dropped before its SSD write), and the guard's
     trims by level and source, with the unwritten entries they dropped. A round that
     recomputed says here whether KV was dropped (the stack's own files go with the run)."""
-    import collections
-    import json
-
     evicted, trims = collections.Counter(), collections.Counter()
     dropped = 0
     lines = events_path.read_text().splitlines() if events_path.exists() else []
