@@ -10,6 +10,8 @@ nothing.
 
 from __future__ import annotations
 
+import os
+
 M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
 M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
@@ -78,7 +80,5 @@ def close_shared_descriptor(shm) -> None:
     (CPython keeps it until `close`, which skips it once it is -1)."""
     fd = getattr(shm, "_fd", -1)
     if fd >= 0:
-        import os
-
         os.close(fd)
         shm._fd = -1

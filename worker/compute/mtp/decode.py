@@ -87,9 +87,9 @@ class MTPDecoder:
     def __init__(self, model, head, depth: int, *, draft_bits: int | None | str = "auto",
                  profile: dict | None = None, kinds: CacheKinds | None = None):
         """`draft_bits`: the drafts score the vocabulary with a copy of the LM head quantized
-        to this many bits (None: the trunk's own head; "auto": `draft_bits_for` the device). A draft step is the head's one layer
-        and the LM head over every token; the LM head is most of it (SmolLM2-135M's: 21 % of
-        the model's weights), and a rejected draft costs only its own time: the verify, with
+        to this many bits (None: the trunk's own head; "auto": `draft_bits_for` the device).
+        A draft step is the head's one layer and the LM head over every token; the LM head is
+        most of it (SmolLM2-135M's: 21 % of the model's weights), and a rejected draft costs only its own time: the verify, with
         the trunk's own head, decides every token (MTPLX drafts with a 4-bit head too).
         `profile`: a dict that gets the CPU seconds each phase of the rounds took (draft,
         verify, accept, rollback), each phase evaluated on its own (slower: benchmarks)."""
@@ -102,7 +102,6 @@ class MTPDecoder:
         self._draft_head = None
         if draft_bits == "auto":
             draft_bits = draft_bits_for(mx.default_device())
-        self.draft_bits = draft_bits
         weight = self.trunk.lm_head_weight()
         if draft_bits and weight is not None and weight.shape[-1] % DRAFT_GROUP == 0:
             wq = mx.quantize(weight, group_size=DRAFT_GROUP, bits=draft_bits)
