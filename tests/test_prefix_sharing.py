@@ -127,13 +127,18 @@ def test_a_cancelled_turn_takes_back_the_prompt_it_shared(slow_prefill):
         c.generate(session_id="a", token_ids=ids(400), append=True, max_tokens=2)
         history = list(c.get_session("a").token_ids)
         new = ids(300)
-        req = api_pb2.GenerateRequest(session_id="a", append=True, max_tokens=1200)
+        # It may answer until the model's context is full (about 7,500 tokens): it is still
+        # answering when the other request ends, however slowly the machine runs. With 1,200
+        # tokens, a loaded CI machine once finished the turn first, and it was committed.
+        req = api_pb2.GenerateRequest(session_id="a", append=True, max_tokens=1 << 20,
+                                      fit_max_tokens=True)
         req.tokens.ids.extend(new)
         call = c.generation.Generate(req)  # the stub's own call, so the test can cancel it
         next(ev for ev in call if ev.token_ids)  # it is answering
         other = c.generate(token_ids=history + new[:200] + ids(30), max_tokens=2).usage
         assert other["cache_source"] == "ram", other
         assert other["cached_tokens"] >= len(history) + 200 - 16, other
+        assert c.status().running_requests == 1, "the turn ended before its client went away"
         call.cancel()
         wait_until(lambda: c.status().running_requests == 0, "the cancelled turn to leave")
         assert list(c.get_session("a").token_ids) == history  # not committed
