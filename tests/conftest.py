@@ -7,7 +7,23 @@ from pathlib import Path
 
 from kvbank.config import preload_openblas
 
-preload_openblas()  # before anything imports mlx in this process
+_blas = preload_openblas()  # before anything imports mlx in this process
+
+
+def blas_threads(n: int) -> None:
+    """This pytest process's OpenBLAS threads (the library MLX uses here; none: nothing)."""
+    if _blas:
+        import ctypes
+
+        ctypes.CDLL(_blas).openblas_set_num_threads(n)
+
+
+# This process's own forwards (the references from scratch, the in-process models) on one
+# OpenBLAS thread: `make test` runs three processes on two cores beside the stacks, and a
+# second thread mostly waited for the first (the busiest four files: 6-7 % less wall time in
+# two alternated pairs). The stacks keep OpenBLAS's default: this sets the library in this
+# process, not the environment they inherit. A test of the thread count sets its own.
+blas_threads(1)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 

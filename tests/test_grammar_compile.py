@@ -8,6 +8,7 @@ so the order of events is the test's, not a clock's."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import pytest
@@ -111,12 +112,15 @@ def test_a_grammar_refusal_is_our_sentence_never_a_panic():
     assert in_our_words(plain) == plain  # a sentence a client can act on stays
 
 
-def test_while_a_compile_runs_the_forwards_leave_it_a_core():
+def test_while_a_compile_runs_the_forwards_leave_it_a_core(request):
     """A compile takes a core for seconds, and OpenBLAS's threads wait for each other at every
     matmul: while one runs, the engine's forwards use the cores it leaves (`Cores.share`, before
     each step), and all of them again once it has ended."""
     from kvbank.worker.compute.cores import Cores
+    from tests.conftest import blas_threads
 
+    blas_threads(os.cpu_count())  # as a worker starts (this process runs one: conftest)
+    request.addfinalizer(lambda: blas_threads(1))
     cores = Cores()
     if cores.all < 2:
         pytest.skip("MLX here runs no OpenBLAS of two threads or more: no core to give")
