@@ -119,7 +119,7 @@ def test_while_a_compile_runs_the_forwards_leave_it_a_core(request):
     from kvbank.worker.compute.cores import Cores
     from tests.conftest import blas_threads
 
-    blas_threads(os.cpu_count())  # as a worker starts (this process runs one: conftest)
+    blas_threads(os.cpu_count())  # OpenBLAS's default (conftest gives pytest one thread)
     request.addfinalizer(lambda: blas_threads(1))
     cores = Cores()
     if cores.all < 2:

@@ -127,9 +127,9 @@ def test_a_cancelled_turn_takes_back_the_prompt_it_shared(slow_prefill):
         c.generate(session_id="a", token_ids=ids(400), append=True, max_tokens=2)
         history = list(c.get_session("a").token_ids)
         new = ids(300)
-        # It may answer until the model's context is full (about 7,500 tokens): it is still
-        # answering when the other request ends, however slowly the machine runs. With 1,200
-        # tokens, a loaded CI machine once finished the turn first, and it was committed.
+        # It may answer until the model's context is full (about 7,500 tokens), so it is still
+        # answering when the other request ends, however slowly the machine runs (a loaded
+        # machine can decode a bound of a thousand tokens or so before that).
         req = api_pb2.GenerateRequest(session_id="a", append=True, max_tokens=1 << 20,
                                       fit_max_tokens=True)
         req.tokens.ids.extend(new)
