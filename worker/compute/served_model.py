@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvbank.worker.compute import few_rows
 from kvbank.worker.compute.mtp.serving import DEFAULT_DEPTH, load_mtp
 from kvbank.worker.kv import codec
 from kvbank.worker.kv.cache_kinds import CHECKPOINT_EVERY, CacheKinds, UnsupportedModel
@@ -68,6 +69,10 @@ def load_served_model(path: Path, block_tokens: int, kv_bits: int | None = None,
     kinds = CacheKinds(model, model_type(config), kv_bits)
     head, message = load_mtp(model, path, kinds, mode=mtp, depth=mtp_depth, sidecar=mtp_head)
     logger.info("%s", message)
+    n = few_rows.install(model) + (few_rows.install(head.decoder.head) if head else 0)
+    if n:
+        logger.info("%d linear layers multiply a few rows as (W @ x.T).T (CPU, OpenBLAS on %d "
+                    "threads: worker/compute/few_rows.py)", n, few_rows.openblas_threads())
     try:
         per_token, checkpoint, dtype = kinds.measure()
     except ValueError as e:  # a head_dim --kv-bits cannot quantize

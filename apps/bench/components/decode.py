@@ -226,6 +226,9 @@ def run(*, model: str | None, arch: str | None, depths: list[int], tokens: int,
     loaded = read_head(mlx_model, model_dir)
     if loaded.head is None:
         raise SystemExit(f"kvbank bench decode --mtp: {loaded.message}")
+    from kvbank.worker.compute import few_rows
+
+    few_rows_layers = few_rows.install(mlx_model) + few_rows.install(loaded.head)  # as the worker
     meta = _provenance(argv)
     from kvbank.mtp_head import Trunk
 
@@ -279,7 +282,8 @@ def run(*, model: str | None, arch: str | None, depths: list[int], tokens: int,
     meta["loadavg_end"] = list(os.getloadavg())
     return {"model": str(model_dir), "head": loaded.message, **meta,
             "args": {"depths": depths, "tokens": tokens, "prompt_tokens": prompt_tokens,
-                     "repeats": repeats, "draft_bits": draft_bits},
+                     "repeats": repeats, "draft_bits": draft_bits,
+                     "few_rows_layers": few_rows_layers},
             "plain_tok_s": _med(p[1] for p in plain),
             "plain_runs_tok_s": [round(p[1], 3) for p in plain],
             "plain_cpu_tok_s": _med(p[3] for p in plain),
