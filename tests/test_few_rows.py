@@ -7,6 +7,8 @@ import pytest
 
 from tests.conftest import blas_threads
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "gpt_oss"])  # Linear layers without bias; with
 def test_a_model_with_the_few_rows_form_gives_the_same_bits(arch, request):
