@@ -18,6 +18,7 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 
+
 @pytest.fixture(scope="module")
 def random_path(tmp_path_factory, cache_dir) -> Path:
     from kvbank.testing.tiny import make_arch_model
@@ -533,11 +534,13 @@ def test_a_draft_rejected_at_each_position_leaves_every_cache_as_plain_decoding(
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    from kvbank.worker.compute import few_rows
     from kvbank.worker.kv.cache_kinds import CacheKinds
     from kvbank.worker.kv.rollback import Speculation, install
 
     model = _arch_model(arch)
     install(model.layers)
+    few_rows.install(model)  # as MTPDecoder: a verify's rows round as plain decoding's
     rng = np.random.default_rng(5)
     prompt = mx.array([rng.integers(0, 1024, 40).tolist()])
     fed = rng.integers(0, 1024, 4).tolist()
@@ -550,7 +553,7 @@ def test_a_draft_rejected_at_each_position_leaves_every_cache_as_plain_decoding(
     def verified(tokens, n):
         c = prefilled()
         spec = Speculation(CacheKinds.of(model), c)
-        with spec.recording(len(tokens)):
+        with spec.recording(len(tokens)), few_rows.verifying():
             mx.eval(model(mx.array([tokens]), cache=c))
         spec.keep(n)
         return c

@@ -147,6 +147,7 @@ def _forward_costs(runs: _Runs, depths: list[int], repeats: int = 7) -> dict:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+    from kvbank.worker.compute import few_rows
     from kvbank.worker.compute.mtp.decode import MTPDecoder
     from kvbank.worker.kv.cache_kinds import CacheKinds
     from kvbank.worker.kv.rollback import Speculation
@@ -172,7 +173,7 @@ def _forward_costs(runs: _Runs, depths: list[int], repeats: int = 7) -> dict:
             if n == 1:  # plain decoding's forward: nothing kept for a rollback
                 mx.eval(trunk.logits(trunk.hidden(inputs, cache)))
             else:
-                with spec.recording(n):
+                with spec.recording(n), few_rows.verifying():  # as MTPDecoder's verify
                     mx.eval(trunk.logits(trunk.hidden(inputs, cache)))
                 spec.keep(1)
             for c in cache:  # the attention caches back to where they stood

@@ -30,6 +30,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from kvbank.mtp_head import Trunk
+from kvbank.worker.compute import few_rows
 from kvbank.worker.kv.cache_kinds import CacheKinds
 from kvbank.worker.kv.rollback import Speculation, install
 from kvbank.worker.compute.mtp.sampling import Sampling
@@ -98,6 +99,8 @@ class MTPDecoder:
         self.model, self.head, self.depth = model, head, depth
         self.trunk = Trunk(model)
         install(self.trunk.text.layers)
+        few_rows.install(model)  # on a CPU, a verify's rows round as plain decoding's
+        few_rows.install(head)
         self.kinds = kinds if kinds is not None else CacheKinds.of(model)
         self._draft_head = None
         if draft_bits == "auto":
@@ -238,7 +241,7 @@ class MTPDecoder:
         self._tick("draft", *drafts, *q_rows)
         # Verify [y, d1..dk] in one forward, keeping what the rollback needs.
         fed = mx.concatenate([mx.array([y])] + drafts)
-        with spec.recording(k + 1):
+        with spec.recording(k + 1), few_rows.verifying():
             hidden = self.trunk.hidden(fed[None], cache)
         rows = ([mx.concatenate([base] + drafts[:j]) for j in range(k + 1)] if procs else None)
         p_lp = sampling.logprobs(self.trunk.logits(hidden[0]), rows)
