@@ -59,6 +59,13 @@ def verifying():
         _VERIFYING.reset(token)
 
 
+def off() -> None:
+    """Every installed layer multiplies as MLX's `x @ W.T` from now on, in this process: for
+    `bench decode --few-rows off`, which measures what the form gives. Never in the worker."""
+    global FAST_ROWS, VERIFY_ROWS
+    FAST_ROWS = VERIFY_ROWS = range(0)
+
+
 def openblas_threads() -> int:
     """OpenBLAS's thread count in this process (0 where MLX's BLAS is not OpenBLAS)."""
     try:

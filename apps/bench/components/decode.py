@@ -69,6 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the drafts' copy of the LM head, quantized (0: the trunk's own) "
                         "(default: the worker's for the device: the trunk's own on a CPU, "
                         "4 on a GPU)")
+    p.add_argument("--few-rows", choices=("on", "off"), default="on",
+                   help="in process: Linear layers over 2-4 rows as the worker runs them on a "
+                        "CPU (worker/compute/few_rows.py), or as MLX's `x @ W.T` (off: to "
+                        "measure what the form gives; a depth-3 verify may then round apart "
+                        "from plain decoding) (default: %(default)s)")
     p.add_argument("--prompt-tokens", type=int, default=64,
                    help="tokens per prompt (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3,
@@ -208,7 +213,7 @@ def _model_dir(model: str | None, arch: str | None) -> Path:
 
 def run(*, model: str | None, arch: str | None, depths: list[int], tokens: int,
         prompt_tokens: int, repeats: int, argv: list[str],
-        draft_bits: int | None | str = "auto") -> dict:
+        draft_bits: int | None | str = "auto", few_rows_on: bool = True) -> dict:
     from kvbank.config import preload_openblas
 
     model_dir = _model_dir(model, arch)
@@ -230,6 +235,8 @@ def run(*, model: str | None, arch: str | None, depths: list[int], tokens: int,
     from kvbank.worker.compute import few_rows
 
     few_rows_layers = few_rows.install(mlx_model) + few_rows.install(loaded.head)  # as the worker
+    if not few_rows_on:
+        few_rows.off()
     meta = _provenance(argv)
     from kvbank.mtp_head import Trunk
 
@@ -284,7 +291,7 @@ def run(*, model: str | None, arch: str | None, depths: list[int], tokens: int,
     return {"model": str(model_dir), "head": loaded.message, **meta,
             "args": {"depths": depths, "tokens": tokens, "prompt_tokens": prompt_tokens,
                      "repeats": repeats, "draft_bits": draft_bits,
-                     "few_rows_layers": few_rows_layers},
+                     "few_rows": few_rows_on, "few_rows_layers": few_rows_layers},
             "plain_tok_s": _med(p[1] for p in plain),
             "plain_runs_tok_s": [round(p[1], 3) for p in plain],
             "plain_cpu_tok_s": _med(p[3] for p in plain),
@@ -522,7 +529,8 @@ def run_cli(args: argparse.Namespace) -> int:
         return 0
     result = run(model=args.model, arch=args.arch, depths=depths, tokens=args.tokens,
                  prompt_tokens=args.prompt_tokens, repeats=args.repeats, argv=sys.argv,
-                 draft_bits="auto" if args.draft_bits is None else args.draft_bits or None)
+                 draft_bits="auto" if args.draft_bits is None else args.draft_bits or None,
+                 few_rows_on=args.few_rows == "on")
     print_summary(result)
     write_json(result, args.json)
     return 0
