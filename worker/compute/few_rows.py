@@ -15,10 +15,12 @@ hands `x @ W.T` to OpenBLAS, and two things were measured about that form (OpenB
   0.20-0.21 CPU-s. At 4 rows the new form was as fast in some processes and 1.2-1.4x slower in
   others (the cause was not found).
 
-So 2-3 rows always take the new form, and 4 rows only inside a verify (`verifying`), where
-its exactness is what counts. At 2-3 rows both forms give the same bits
-(tests/test_few_rows.py compares a model's logits both ways, biases included): mlx-lm's
-answers are unchanged. Half-precision weights run MLX's own CPU matmul, not OpenBLAS: there
+So 2-3 rows take the new form, and 4 rows only inside a verify (`verifying`), where its
+exactness is what counts. Which bits a BLAS gives depends on its kernels for the CPU (the tests
+passed on another CPU without the form, and fail on this one without it), so `install` checks
+both properties on the machine, for each weight shape, at one thread and at the current count,
+and gives a layer the form only where they hold: 2-3 rows where the bits equal `x @ W.T`'s
+(mlx-lm's answers are unchanged), a verify's rows where each equals the row alone. Half-precision weights run MLX's own CPU matmul, not OpenBLAS: there
 both forms gave the same bits and took the same time. On Metal and CUDA a matmul is the GPU's,
 and nothing is installed.
 """
@@ -32,23 +34,39 @@ from contextvars import ContextVar
 import mlx.core as mx
 import mlx.nn as nn
 
-FAST_ROWS = range(2, 4)  # faster in every process measured, and exact
+FAST_ROWS = range(2, 4)  # faster in every process measured
 VERIFY_ROWS = range(2, 5)  # a verify's k+1 rows, up to depth 3 (mtp/decode.py MAX_DEPTH)
 
 _VERIFYING: ContextVar[bool] = ContextVar("few_rows_verifying", default=False)
 
 
+def _transposed(w: mx.array, bias: mx.array | None, x: mx.array) -> mx.array:
+    """x [rows, in] times w [out, in], written (W @ x.T).T; a bias goes into the product, as
+    mlx's addmm puts it (`y + bias` rounds otherwise)."""
+    y = w @ x.T if bias is None else mx.addmm(bias[:, None], w, x.T)
+    return y.T
+
+
+def _mlx(w: mx.array, bias: mx.array | None, x: mx.array) -> mx.array:
+    """nn.Linear's own product."""
+    return x @ w.T if bias is None else mx.addmm(bias, x, w.T)
+
+
 class _FewRowsLinear(nn.Linear):
+    """`fast`: 2-3 rows take the form (its bits are `x @ W.T`'s here); `alone`: a verify's rows
+    do (each row's bits are its own alone here). Both set by `install`."""
+
+    fast = alone = False
+
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.size // x.shape[-1] if x.ndim > 1 else 1
-        if rows not in FAST_ROWS and not (rows in VERIFY_ROWS and _VERIFYING.get()):
+        use = (self.fast if rows in FAST_ROWS
+               else self.alone if rows in VERIFY_ROWS and _VERIFYING.get() else False)
+        if not use:
             return super().__call__(x)
-        w, cols = self["weight"], x.reshape(rows, x.shape[-1]).T
-        if "bias" in self:  # into the product, as mlx's addmm: `y + bias` rounds otherwise
-            y = mx.addmm(self["bias"][:, None], w, cols)
-        else:
-            y = w @ cols
-        return y.T.reshape(*x.shape[:-1], w.shape[0])
+        w = self["weight"]
+        y = _transposed(w, self["bias"] if "bias" in self else None, x.reshape(rows, -1))
+        return y.reshape(*x.shape[:-1], w.shape[0])
 
 
 @contextmanager
@@ -68,22 +86,65 @@ def off() -> None:
     FAST_ROWS = VERIFY_ROWS = range(0)
 
 
+def _blas():
+    """OpenBLAS's get/set thread functions in this process (None where MLX's BLAS is not it)."""
+    lib = ctypes.CDLL(None)
+    try:
+        return lib.openblas_get_num_threads, lib.openblas_set_num_threads
+    except AttributeError:
+        return None
+
+
 def openblas_threads() -> int:
     """OpenBLAS's thread count in this process (0 where MLX's BLAS is not OpenBLAS)."""
+    blas = _blas()
+    return int(blas[0]()) if blas else 0
+
+
+def _holds(w: mx.array, bias: mx.array | None) -> tuple[bool, bool]:
+    """(fast, alone) for a weight like w, on this machine (see `_FewRowsLinear`)."""
+    x = mx.random.normal((max(VERIFY_ROWS), w.shape[1]), key=mx.random.key(0)).astype(w.dtype)
+    fast = all(mx.array_equal(_transposed(w, bias, x[:r]), _mlx(w, bias, x[:r])).item()
+               for r in FAST_ROWS)
+    alone = all(mx.array_equal(_transposed(w, bias, x[:r]), mx.concatenate(
+        [_mlx(w, bias, x[i:i + 1]) for i in range(r)])).item() for r in VERIFY_ROWS)
+    return fast, alone
+
+
+def _probe(w: mx.array, bias: mx.array | None) -> tuple[bool, bool]:
+    """`_holds` at one OpenBLAS thread and at the current count (the engine runs both: one
+    while a grammar compiles, worker/compute/cores.py); each must hold at both."""
+    blas = _blas()
+    now = int(blas[0]()) if blas else 0
+    if now <= 1:
+        return _holds(w, bias)
     try:
-        return int(ctypes.CDLL(None).openblas_get_num_threads())
-    except AttributeError:
-        return 0
+        blas[1](1)
+        one = _holds(w, bias)
+    finally:
+        blas[1](now)
+    many = _holds(w, bias)
+    return one[0] and many[0], one[1] and many[1]
 
 
 def install(module: nn.Module, *, force: bool = False) -> int:
-    """Give every float `nn.Linear` under `module` the few-rows form where MLX runs on a CPU
-    (or `force`d: tests); its parameters are unchanged. Returns how many were given it now."""
+    """Give the float `nn.Linear` layers under `module` the few-rows form, where MLX runs on a
+    CPU (or `force`d: tests) and where it holds on this machine (`_probe`, once per weight
+    shape); their parameters are unchanged. Returns how many were given it now."""
     if not (force or mx.default_device().type == mx.DeviceType.cpu):
         return 0
+    seen: dict[tuple, tuple[bool, bool]] = {}
     n = 0
     for _, child in module.named_modules():
-        if type(child) is nn.Linear:
+        if type(child) is not nn.Linear:
+            continue
+        w, bias = child["weight"], child["bias"] if "bias" in child else None
+        key = (tuple(w.shape), w.dtype, bias is not None)
+        if key not in seen:
+            seen[key] = _probe(w, bias)
+        fast, alone = seen[key]
+        if fast or alone:
             child.__class__ = _FewRowsLinear
+            child.fast, child.alone = fast, alone
             n += 1
     return n
