@@ -68,8 +68,9 @@ def load_served_model(path: Path, block_tokens: int, kv_bits: int | None = None,
     config = json.loads((path / "config.json").read_text())
     kinds = CacheKinds(model, model_type(config), kv_bits)
     if n := few_rows.install(model):
-        logger.info("%d linear layers multiply 2-3 rows as (W @ x.T).T (a CPU; OpenBLAS on %d "
-                    "threads: worker/compute/few_rows.py)", n, few_rows.openblas_threads())
+        logger.info("%d linear layers multiply a few rows as (W @ x.T).T, where it keeps their "
+                    "bits (a CPU; OpenBLAS on %d threads: worker/compute/few_rows.py)", n,
+                    few_rows.openblas_threads())
     head, message = load_mtp(model, path, kinds, mode=mtp, depth=mtp_depth, sidecar=mtp_head)
     logger.info("%s", message)
     try:
