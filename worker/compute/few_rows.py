@@ -8,8 +8,8 @@ hands `x @ W.T` to OpenBLAS, and two things were measured about that form (OpenB
 
 - **Rows round apart.** At 4 rows some widths round differently from the same row alone (up to
   2e-6), so a depth-3 verify's logprobs came 1.2e-4 and 2.2e-4 from plain decoding's on the
-  tiny trained test model, past the 1e-4 bound. Written `(W @ x.T).T`, every row of 2-4 equals
-  the row alone, bit for bit, at one and two threads, at every width the models use.
+  tiny trained test model, past the 1e-4 bound. Written `(W @ x.T).T`, every row of 2-4 equaled
+  the row alone there, bit for bit, at one and two threads, at every width the models use.
 - **Speed.** With two threads, 3 rows took 35-43 ms against 26-30 (the default size's MLP
   matrices, 90 of them; 2 rows 31 against 23), and a depth-2 verify 0.22-0.24 against
   0.20-0.21 CPU-s. At 4 rows the new form was as fast in some processes and 1.2-1.4x slower in
@@ -20,9 +20,10 @@ exactness is what counts. Which bits a BLAS gives depends on its kernels for the
 passed on another CPU without the form, and fail on this one without it), so `install` checks
 both properties on the machine, for each weight shape, at one thread and at the current count,
 and gives a layer the form only where they hold: 2-3 rows where the bits equal `x @ W.T`'s
-(mlx-lm's answers are unchanged), a verify's rows where each equals the row alone. Half-precision weights run MLX's own CPU matmul, not OpenBLAS: there
-both forms gave the same bits and took the same time. On Metal and CUDA a matmul is the GPU's,
-and nothing is installed.
+(mlx-lm's answers are unchanged), a verify's rows where each equals the row alone.
+
+Half-precision weights run MLX's own CPU matmul, not OpenBLAS: there both forms gave the same
+bits and took the same time. On Metal and CUDA a matmul is the GPU's: nothing is installed.
 """
 
 from __future__ import annotations
