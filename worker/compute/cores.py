@@ -19,6 +19,12 @@ import mlx.core as mx
 from kvbank.config import preload_openblas
 
 
+def openblas() -> ctypes.CDLL | None:
+    """The OpenBLAS MLX's CPU matmuls use in this process (None on a GPU, or without it)."""
+    path = preload_openblas() if mx.default_device().type == mx.DeviceType.cpu else None
+    return ctypes.CDLL(path) if path else None
+
+
 class Cores:
     """The engine thread's: OpenBLAS's thread count, set before each step. `stream`: where
     the engine's forwards run."""
@@ -27,8 +33,7 @@ class Cores:
         self.stream = stream
         # Compiles running now: the worker's server sets it (GrammarCompiles.running).
         self.compiling: Callable[[], int] = lambda: 0
-        path = preload_openblas() if mx.default_device().type == mx.DeviceType.cpu else None
-        self._blas = ctypes.CDLL(path) if path else None  # the library MLX already uses
+        self._blas = openblas()  # the library MLX already uses
         self.all = self._blas.openblas_get_num_threads() if self._blas else 0
         self.now = self.all
 

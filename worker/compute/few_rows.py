@@ -28,12 +28,13 @@ bits and took the same time. On Metal and CUDA a matmul is the GPU's: nothing is
 
 from __future__ import annotations
 
-import ctypes
 from contextlib import contextmanager
 from contextvars import ContextVar
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from kvbank.worker.compute.cores import openblas
 
 FAST_ROWS = range(2, 4)  # faster in every process measured
 VERIFY_ROWS = range(2, 5)  # a verify's k+1 rows, up to depth 3 (mtp/decode.py MAX_DEPTH)
@@ -87,19 +88,10 @@ def off() -> None:
     FAST_ROWS = VERIFY_ROWS = range(0)
 
 
-def _blas():
-    """OpenBLAS's get/set thread functions in this process (None where MLX's BLAS is not it)."""
-    lib = ctypes.CDLL(None)
-    try:
-        return lib.openblas_get_num_threads, lib.openblas_set_num_threads
-    except AttributeError:
-        return None
-
-
 def openblas_threads() -> int:
     """OpenBLAS's thread count in this process (0 where MLX's BLAS is not OpenBLAS)."""
-    blas = _blas()
-    return int(blas[0]()) if blas else 0
+    blas = openblas()
+    return int(blas.openblas_get_num_threads()) if blas else 0
 
 
 def _holds(w: mx.array, bias: mx.array | None) -> tuple[bool, bool]:
@@ -115,15 +107,15 @@ def _holds(w: mx.array, bias: mx.array | None) -> tuple[bool, bool]:
 def _probe(w: mx.array, bias: mx.array | None) -> tuple[bool, bool]:
     """`_holds` at one OpenBLAS thread and at the current count (the engine runs both: one
     while a grammar compiles, worker/compute/cores.py); each must hold at both."""
-    blas = _blas()
-    now = int(blas[0]()) if blas else 0
+    blas = openblas()
+    now = int(blas.openblas_get_num_threads()) if blas else 0
     if now <= 1:
         return _holds(w, bias)
     try:
-        blas[1](1)
+        blas.openblas_set_num_threads(1)
         one = _holds(w, bias)
     finally:
-        blas[1](now)
+        blas.openblas_set_num_threads(now)
     many = _holds(w, bias)
     return one[0] and many[0], one[1] and many[1]
 
