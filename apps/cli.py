@@ -21,6 +21,7 @@ from kvbank.apps.flags import (FLAG_GROUPS, address_flag, client_key_flags, cold
                                data_dir_flag, forward, metrics_flag, model_flag, router_flags,
                                shim_flags, worker_flags)
 from kvbank.config import DEFAULT_METRICS_PORT, DEFAULT_ROUTER_PORT, Layout
+from kvbank import transformers_scan
 
 
 def _setup_logging(name: str) -> None:
@@ -446,6 +447,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    transformers_scan.install()  # before anything imports transformers
     typed = sys.argv[1:] if argv is None else argv
     args = build_parser(next((a for a in typed if not a.startswith("-")), None)).parse_args(typed)
     args.argv = ["kvbank", *typed]  # as typed: benches record it

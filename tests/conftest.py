@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from kvbank import transformers_scan
 from kvbank.config import preload_openblas
 
 _blas = preload_openblas()  # before anything imports mlx in this process
+transformers_scan.install()  # as every kvbank process does: before transformers loads
 
 
 def blas_threads(n: int) -> None:
