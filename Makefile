@@ -53,6 +53,11 @@ cluster: install
 # `make test` (CI, within ten minutes) checks each behaviour on one architecture or family of
 # each kind; `make test-all` adds the tests marked `matrix` (every other architecture and family).
 TEST_WORKERS ?= 3
+# The tests' processes keep their bytecode (in __pycache__, which git ignores) even where the
+# environment says PYTHONDONTWRITEBYTECODE: the suite starts about a hundred stacks, each of
+# whose processes would compile kvbank's modules again (0.9 CPU-s a stack), and each pytest
+# process its test files (7 CPU-s).
+test test-all test-fast: export PYTHONDONTWRITEBYTECODE =
 test: install agents
 	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "not matrix" tests $(ARGS)
 
