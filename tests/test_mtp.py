@@ -474,6 +474,68 @@ def test_answers_beside_each_other_draft_as_each_measures_and_answer_as_plain(mo
         assert r.completion == [t for t, _ in _plain(model, prompt, n)]
 
 
+def test_an_answer_decoded_in_the_batch_keeps_its_heads_history_current(models, trained_path):
+    """An answer that drafts alone, then decodes in mlx-lm's batch beside another: the
+    answer is mlx-lm's greedy decoding, and the cache its turn leaves holds the head's pairs
+    of every token it fed (the batch's included), and the hidden state after the last, as
+    one pass over the whole conversation gives them: its next turn drafts as if it had
+    decoded alone (before, the batch's rows were zeros)."""
+    import time
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from kvbank.v1 import api_pb2, worker_pb2
+    from kvbank.worker import commands as cmd
+    from kvbank.worker.compute.decoding import Decoding, make_request_sampler
+    from kvbank.worker.compute.mtp.serving import FOLD_EVERY, load_mtp
+    from kvbank.worker.compute.scheduler import BatchScheduler, Running
+    from kvbank.worker.kv.cache_kinds import CacheKinds
+
+    model, _ = models["trained"]
+    kinds = CacheKinds.of(model)
+    mtp, message = load_mtp(model, trained_path, kinds, mode="auto", depth=2)
+    assert mtp is not None, message
+    s = BatchScheduler(model, max_active=4, eos_token_ids=[], decode=lambda ids: "",
+                       prefill_step_tokens=64, kinds=kinds, mtp=mtp,
+                       may_join=lambda joining: True)
+
+    def request(prompt):
+        job = cmd.Generate(worker_pb2.WorkerGenerateRequest(), emit=lambda ev: None)
+        return Running(job=job, tokens=np.array(prompt, dtype=np.uint32), bank_key=("", "t"),
+                       session=None, cached=0, source=api_pb2.CACHE_SOURCE_NONE, known=0,
+                       started=time.monotonic(), stops=[], detok=_Detok(),
+                       decoding=Decoding(make_request_sampler(0.0, 0.0, None)))
+
+    a_prompt, b_prompt = _prompts(2, 40, seed=41)
+    n = FOLD_EVERY + 30  # past one fold in the batch, and some left for the last
+    a, b = request(a_prompt), request(b_prompt)
+    s.add(a, kinds.new_cache(), n)
+    while len(a.completion) < 4:  # alone: it drafts
+        s.step()
+    assert a.drafted > 0 and a.uid < 0
+    s.add(b, kinds.new_cache(), n)
+    caches, batched = {}, 0
+    while s:
+        batched += a.uid >= 0 and id(a) not in caches
+        caches.update({id(r): cache for r, cache in s.step()})
+    assert batched > FOLD_EVERY, batched  # most of its answer in the batch
+    assert a.completion == [t for t, _ in _plain(model, a_prompt, n)]
+
+    cache = caches[id(a)]
+    fed = (a_prompt + a.completion)[:kinds.position(cache)]
+    dec = mtp.decoder
+    hidden = dec.trunk.hidden(mx.array([fed]), None)
+    whole = KVCache()  # the first token's pair has no hidden state before it: zeros
+    before = mx.concatenate([dec.unknown_hidden(), hidden[:, :-1]], axis=1)
+    dec.head(before, dec.trunk.embed(mx.array([fed])), whole)
+    head = kinds.head_cache(cache)
+    assert head.offset == whole.offset == len(fed)
+    for got, want in zip(_cache_arrays([head]), _cache_arrays([whole])):
+        assert mx.allclose(got, want, atol=1e-4).item()
+    assert mx.allclose(kinds.kept_hidden(cache), hidden[:, -1:], atol=1e-4).item()
+
+
 class _Detok:
     """A detokenizer that keeps no text (the scheduler checks stops on it)."""
 

@@ -55,6 +55,7 @@ from kvbank.worker.memory.allocator import drop_stale_buffers
 from kvbank.worker.kv.cache_kinds import CacheKinds
 from kvbank.worker import commands as cmd
 from kvbank.worker.compute.decoding import Decoding, make_request_sampler
+from kvbank.worker.compute.mtp.serving import FOLD_EVERY, BatchHistory, BatchTap
 from kvbank.worker.compute.sending import send_end, send_token
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ class Running:
     prefix_lost: int = 0  # prompt tokens held but not restorable (no checkpoint there)
     at_rest: Any = None  # the quantized KV its cache was restored from (CacheKinds.at_rest)
     head_cache: Any = None  # its MTP head's KV while mlx-lm's batch runs it (CacheKinds.with_head)
+    history: Any = None  # its head's history kept in the batch (mtp.serving.BatchHistory), or None
     drafted: int = 0  # tokens its MTP head drafted (worker/compute/mtp/serving.py)
     accepted: int = 0  # of them, those the model kept
     ahead: str = ""  # "taken"/"stopped": its batch token was taken when computed (`_take_ahead`)
@@ -160,7 +162,10 @@ class BatchScheduler:
         self.own_lead_tokens = (own_lead_tokens if own_lead_tokens is not None
                                 else _own_lead(model, self.kinds))
         self._own_uids = itertools.count(-1, -1)  # the batch's uids are >= 0
-        self.gen = BatchGenerator(model, stop_tokens=[[t] for t in eos_token_ids],
+        # with a head, the batch's forwards keep their hidden states for it (`_keep_histories`)
+        self._tap = BatchTap(model, mtp.decoder.trunk) if mtp is not None else None
+        self.gen = BatchGenerator(model if self._tap is None else self._tap,
+                                  stop_tokens=[[t] for t in eos_token_ids],
                                   completion_batch_size=max_active,
                                   prefill_batch_size=max_active,
                                   prefill_step_size=prefill_step_tokens)
@@ -255,6 +260,7 @@ class BatchScheduler:
         for d in mates:
             self._decoders = [x for x in self._decoders if x is not d]
             r = self.running.pop(d.r.uid)  # its last token is sampled, not in the cache yet
+            r.history = BatchHistory(d.mtp.state) if d.mtp is not None else None
             self._insert(r, r.completion[-1:], d.cache, d.max_tokens - len(r.completion))
             self._joining.append((r, False))
 
@@ -444,7 +450,10 @@ class BatchScheduler:
 
     def _batch_step(self) -> list[tuple[Running, list]]:
         self._hand_off()
+        before = list(self.gen._generation_batch.uids)  # mlx-lm pinned: its rows, in order
         _, responses = self.gen.next()
+        if self._tap is not None:
+            self._keep_histories(before, responses)
         done: list[tuple[Running, list]] = []
         stopped: list[int] = []
         left: list[list] = []  # caches of rows mlx-lm took out of its batch (`_copy_out`)
@@ -460,19 +469,54 @@ class BatchScheduler:
                 continue
             if resp.finish_reason is not None:
                 r = self.running.pop(resp.uid)
-                done.append((r, self.kinds.with_head(resp.prompt_cache, r.head_cache)))
+                done.append((r, self._with_history(r, resp.prompt_cache)))
         if stopped:
             caches = self.gen.remove(stopped, return_prompt_caches=True)
             left += [caches[uid][0] for uid in stopped]
             for uid in stopped:
                 r = self.running.pop(uid)
-                done.append((r, self.kinds.with_head(caches[uid][0], r.head_cache)))
+                done.append((r, self._with_history(r, caches[uid][0])))
         self._copy_out(left)
         for r, _ in done:
             send_end(r)
         if self.takes_ahead:
             self._take_ahead()
         return done
+
+    def _keep_histories(self, before: list[int], responses) -> None:
+        """The batch's step for its requests' head histories. mlx-lm's `next` ran a one-token
+        forward over the rows it had (`before`, in order: each fed the token its response
+        reports), then one over the rows that joined (their first step, whose token their
+        history holds), and prompt chunks, if any, after both. A forward whose rows do not
+        match what was expected drops those rows' histories: their rows are then zeros, as
+        for an answer the head never saw (drafting, never an answer, is what that changes)."""
+        steps, self._tap.steps = self._tap.steps, []
+        fed = {resp.uid: resp.token for resp in responses}
+        joined = [uid for uid in self.gen._generation_batch.uids if uid not in set(before)]
+        forwards = [(uids, main) for uids, main in ((before, True), (joined, False)) if uids]
+        for i, (uids, main) in enumerate(forwards):
+            h = steps[i] if i < len(steps) else None
+            for row, uid in enumerate(uids):
+                r = self.running.get(uid)
+                if r is None or r.history is None:
+                    continue
+                if h is None or h.shape[0] != len(uids) or (main and uid not in fed):
+                    r.history = None
+                    continue
+                r.history.step(fed[uid] if main else None, h[row:row + 1])
+                r.history.fold(self.mtp.decoder, every=FOLD_EVERY)
+
+    def _with_history(self, r: Running, cache: list) -> list:
+        """A cache back from mlx-lm's batch with its head's history: kept current there
+        (`BatchHistory`: every pair folded, the last hidden state kept for the checkpoint),
+        or as the batch took it (zeros for the rest)."""
+        if r.history is None:
+            return self.kinds.with_head(cache, r.head_cache)
+        r.history.fold(self.mtp.decoder)
+        out = self.kinds.with_head(cache, r.history.state.cache)
+        if r.history.state.hidden is not None:
+            self.kinds.keep_hidden(out, r.history.state.hidden[:, -1:])
+        return out
 
     def _copy_out(self, left: list[list]) -> None:
         """Rows that left mlx-lm's batch this step (`left`: their caches, copied out of it) and

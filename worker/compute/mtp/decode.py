@@ -290,6 +290,12 @@ class MTPDecoder:
         self._fold(state, h, next_tokens)
         return h
 
+    def fold(self, state: MTPState, hidden: mx.array) -> None:
+        """Pend `hidden` [1, T, H] (mlx-lm's batch's steps: worker/compute/mtp/serving.py
+        BatchHistory) and fold every pair whose next token is known into the head's cache."""
+        self._fold(state, hidden)
+        mx.eval(state.cache.state, state.hidden)
+
     def finish(self, last: int, cache, state: MTPState) -> None:
         """End a turn as kvbank commits one: the last emitted token goes into the trunk's
         caches too (its hidden waits for the next turn's first token)."""

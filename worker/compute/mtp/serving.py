@@ -19,7 +19,9 @@ cache speculates while it decodes alone. Beside other answers on their own cache
 runs its own forwards there), each step it drafts or takes one token, whichever has cost it
 less a token so far (`Pace`: measured as it runs, each way tried until it is measured, and
 the other tried again now and then); either way its head's history is kept current. A
-request that joins mlx-lm's batch decodes plainly to its end.
+request that joins mlx-lm's batch decodes plainly to its end, and its head's history is kept
+there too (`BatchTap`, `BatchHistory`), so that its next turn drafts as well as if it had
+decoded alone.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ MODES = ("auto", "off")
 DEFAULT_DEPTH = 2
 PACE_WEIGHT = 0.25  # of the newest step in a `Pace` average
 PACE_RETRY = 16  # steps taken one way before the other is measured again
+FOLD_EVERY = 64  # batch steps a request's pairs wait before its head folds them
 
 
 @dataclass
@@ -88,6 +91,53 @@ class MTPRun:
     drafted: int = 0
     accepted: int = 0
     pace: Pace = field(default_factory=Pace)
+
+
+class BatchTap:
+    """The model as mlx-lm's BatchGenerator runs it, keeping the hidden states of each
+    one-token forward (its decode steps) since the scheduler last took them. Its logits are
+    the model's own: `Trunk.hidden` then `Trunk.logits` are mlx-lm's forward, op for op."""
+
+    def __init__(self, model, trunk):
+        self._model, self._trunk = model, trunk
+        self.steps: list = []  # hidden states [B, 1, H] of each one-token forward, in order
+
+    def __call__(self, inputs, cache=None):
+        h = self._trunk.hidden(inputs, cache)
+        if inputs.shape[1] == 1:
+            self.steps.append(h)
+        return self._trunk.logits(h)
+
+    def __getattr__(self, name):  # what else mlx-lm asks of the model (its layers, caches)
+        return getattr(self._model, name)
+
+
+@dataclass
+class BatchHistory:
+    """One request's head history while mlx-lm's batch decodes it: its `MTPState` (the head's
+    cache, and the pairs pending) and the batch's hidden states [1, 1, H] not pended yet.
+    Each step adds the token the batch fed and the hidden state after it; the head folds the
+    pairs every FOLD_EVERY steps and when the request leaves the batch."""
+
+    state: MTPState
+    hidden: list = field(default_factory=list)
+
+    def step(self, fed: int | None, hidden) -> None:
+        """A batch step: `fed`, the token it fed (None for a join's first step, whose token
+        the state already holds), and `hidden`, the hidden state after it."""
+        if fed is not None:
+            self.state.tokens.append(fed)
+        self.hidden.append(hidden)
+
+    def fold(self, decoder: MTPDecoder, *, every: int = 1) -> None:
+        """The head over every pair whose next token is known, once `every` hidden states
+        wait; the last one stays pending (its next token is not fed yet)."""
+        if len(self.hidden) < every:
+            return
+        import mlx.core as mx
+
+        hidden, self.hidden = mx.concatenate(self.hidden, axis=1), []
+        decoder.fold(self.state, hidden)
 
 
 class MTP:
