@@ -433,32 +433,11 @@ def test_answers_beside_each_other_draft_as_each_measures_and_answer_as_plain(mo
     first from its first step (`Pace` tries drafting until it has a figure), the first takes
     undrafted steps beside it too (tried until measured), and both answers are mlx-lm's
     greedy decoding from scratch, token for token."""
-    import time
-
-    from kvbank.v1 import api_pb2, worker_pb2
-    from kvbank.worker import commands as cmd
-    from kvbank.worker.compute.decoding import Decoding, make_request_sampler
-    from kvbank.worker.compute.mtp.serving import load_mtp
-    from kvbank.worker.compute.scheduler import BatchScheduler, Running
-    from kvbank.worker.kv.cache_kinds import CacheKinds
-
     model, _ = models["trained"]
-    kinds = CacheKinds.of(model)
-    mtp, message = load_mtp(model, trained_path, kinds, mode="auto", depth=2)
-    assert mtp is not None, message
-    s = BatchScheduler(model, max_active=4, eos_token_ids=[], decode=lambda ids: "",
-                       prefill_step_tokens=64, kinds=kinds, mtp=mtp, own_lead_tokens=1,
-                       may_join=lambda joining: False)
-
-    def request(prompt):
-        job = cmd.Generate(worker_pb2.WorkerGenerateRequest(), emit=lambda ev: None)
-        return Running(job=job, tokens=np.array(prompt, dtype=np.uint32), bank_key=("", "t"),
-                       session=None, cached=0, source=api_pb2.CACHE_SOURCE_NONE, known=0,
-                       started=time.monotonic(), stops=[], detok=_Detok(),
-                       decoding=Decoding(make_request_sampler(0.0, 0.0, None)))
-
+    s, kinds, _ = _scheduler(model, trained_path, own_lead_tokens=1,
+                             may_join=lambda joining: False)
     a_prompt, b_prompt = _prompts(1, 40, seed=31)[0], _prompts(1, 90, seed=32)[0]
-    a, b = request(a_prompt), request(b_prompt)
+    a, b = _greedy(a_prompt), _greedy(b_prompt)
     s.add(a, kinds.new_cache(), 80)
     while len(a.completion) < 4:  # alone: it drafts
         s.step()
@@ -480,36 +459,16 @@ def test_an_answer_decoded_in_the_batch_keeps_its_heads_history_current(models, 
     of every token it fed (the batch's included), and the hidden state after the last, as
     one pass over the whole conversation gives them: its next turn drafts as if it had
     decoded alone (before, the batch's rows were zeros)."""
-    import time
-
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from kvbank.v1 import api_pb2, worker_pb2
-    from kvbank.worker import commands as cmd
-    from kvbank.worker.compute.decoding import Decoding, make_request_sampler
-    from kvbank.worker.compute.mtp.serving import FOLD_EVERY, load_mtp
-    from kvbank.worker.compute.scheduler import BatchScheduler, Running
-    from kvbank.worker.kv.cache_kinds import CacheKinds
+    from kvbank.worker.compute.mtp.serving import FOLD_EVERY
 
     model, _ = models["trained"]
-    kinds = CacheKinds.of(model)
-    mtp, message = load_mtp(model, trained_path, kinds, mode="auto", depth=2)
-    assert mtp is not None, message
-    s = BatchScheduler(model, max_active=4, eos_token_ids=[], decode=lambda ids: "",
-                       prefill_step_tokens=64, kinds=kinds, mtp=mtp,
-                       may_join=lambda joining: True)
-
-    def request(prompt):
-        job = cmd.Generate(worker_pb2.WorkerGenerateRequest(), emit=lambda ev: None)
-        return Running(job=job, tokens=np.array(prompt, dtype=np.uint32), bank_key=("", "t"),
-                       session=None, cached=0, source=api_pb2.CACHE_SOURCE_NONE, known=0,
-                       started=time.monotonic(), stops=[], detok=_Detok(),
-                       decoding=Decoding(make_request_sampler(0.0, 0.0, None)))
-
+    s, kinds, mtp = _scheduler(model, trained_path, may_join=lambda joining: True)
     a_prompt, b_prompt = _prompts(2, 40, seed=41)
     n = FOLD_EVERY + 30  # past one fold in the batch, and some left for the last
-    a, b = request(a_prompt), request(b_prompt)
+    a, b = _greedy(a_prompt), _greedy(b_prompt)
     s.add(a, kinds.new_cache(), n)
     while len(a.completion) < 4:  # alone: it drafts
         s.step()
@@ -534,6 +493,35 @@ def test_an_answer_decoded_in_the_batch_keeps_its_heads_history_current(models, 
     for got, want in zip(_cache_arrays([head]), _cache_arrays([whole])):
         assert mx.allclose(got, want, atol=1e-4).item()
     assert mx.allclose(kinds.kept_hidden(cache), hidden[:, -1:], atol=1e-4).item()
+
+
+def _scheduler(model, trained_path, **kwargs):
+    """(the worker's scheduler with the trained head at depth 2, its cache kinds, its MTP)."""
+    from kvbank.worker.compute.mtp.serving import load_mtp
+    from kvbank.worker.compute.scheduler import BatchScheduler
+    from kvbank.worker.kv.cache_kinds import CacheKinds
+
+    kinds = CacheKinds.of(model)
+    mtp, message = load_mtp(model, trained_path, kinds, mode="auto", depth=2)
+    assert mtp is not None, message
+    return BatchScheduler(model, max_active=4, eos_token_ids=[], decode=lambda ids: "",
+                          prefill_step_tokens=64, kinds=kinds, mtp=mtp, **kwargs), kinds, mtp
+
+
+def _greedy(prompt: list[int]):
+    """A greedy request as the scheduler runs it (no client: its events go nowhere)."""
+    import time
+
+    from kvbank.v1 import api_pb2, worker_pb2
+    from kvbank.worker import commands as cmd
+    from kvbank.worker.compute.decoding import Decoding, make_request_sampler
+    from kvbank.worker.compute.scheduler import Running
+
+    job = cmd.Generate(worker_pb2.WorkerGenerateRequest(), emit=lambda ev: None)
+    return Running(job=job, tokens=np.array(prompt, dtype=np.uint32), bank_key=("", "t"),
+                   session=None, cached=0, source=api_pb2.CACHE_SOURCE_NONE, known=0,
+                   started=time.monotonic(), stops=[], detok=_Detok(),
+                   decoding=Decoding(make_request_sampler(0.0, 0.0, None)))
 
 
 class _Detok:

@@ -492,7 +492,8 @@ class BatchScheduler:
         for an answer the head never saw (drafting, never an answer, is what that changes)."""
         steps, self._tap.steps = self._tap.steps, []
         fed = {resp.uid: resp.token for resp in responses}
-        joined = [uid for uid in self.gen._generation_batch.uids if uid not in set(before)]
+        had = set(before)
+        joined = [uid for uid in self.gen._generation_batch.uids if uid not in had]
         forwards = [(uids, main) for uids, main in ((before, True), (joined, False)) if uids]
         for i, (uids, main) in enumerate(forwards):
             h = steps[i] if i < len(steps) else None
