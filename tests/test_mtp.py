@@ -453,12 +453,14 @@ def test_answers_beside_each_other_draft_as_each_measures_and_answer_as_plain(mo
         assert r.completion == [t for t, _ in _plain(model, prompt, n)]
 
 
-def test_an_answer_decoded_in_the_batch_keeps_its_heads_history_current(models, trained_path):
-    """An answer that drafts alone, then decodes in mlx-lm's batch beside another: the
-    answer is mlx-lm's greedy decoding, and the cache its turn leaves holds the head's pairs
-    of every token it fed (the batch's included), and the hidden state after the last, as
-    one pass over the whole conversation gives them: its next turn drafts as if it had
-    decoded alone (before, the batch's rows were zeros)."""
+def test_an_answer_decoded_in_the_batch_keeps_its_heads_history_and_drafts_once_alone(
+        models, trained_path):
+    """An answer that drafts alone, then decodes in mlx-lm's batch beside another, then is
+    left alone there when the other ends: it goes back to its own cache and drafts again.
+    The answer is mlx-lm's greedy decoding, and the cache its turn leaves holds the head's
+    pairs of every token it fed (the batch's included), and the hidden state after the last,
+    as one pass over the whole conversation gives them: its next turn drafts as if it had
+    decoded alone (before, the batch's rows were zeros, and it stayed in the batch)."""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
@@ -467,18 +469,22 @@ def test_an_answer_decoded_in_the_batch_keeps_its_heads_history_current(models, 
     model, _ = models["trained"]
     s, kinds, mtp = _scheduler(model, trained_path, may_join=lambda joining: True)
     a_prompt, b_prompt = _prompts(2, 40, seed=41)
-    n = FOLD_EVERY + 30  # past one fold in the batch, and some left for the last
+    n_b = FOLD_EVERY + 10  # the batch past one fold
+    n = n_b + 40  # and some left for a alone after it
     a, b = _greedy(a_prompt), _greedy(b_prompt)
     s.add(a, kinds.new_cache(), n)
     while len(a.completion) < 4:  # alone: it drafts
         s.step()
     assert a.drafted > 0 and a.uid < 0
-    s.add(b, kinds.new_cache(), n)
-    caches, batched = {}, 0
+    s.add(b, kinds.new_cache(), n_b)
+    caches, batched, drafted = {}, 0, None
     while s:
         batched += a.uid >= 0 and id(a) not in caches
         caches.update({id(r): cache for r, cache in s.step()})
-    assert batched > FOLD_EVERY, batched  # most of its answer in the batch
+        if id(b) in caches and drafted is None:
+            drafted = a.drafted  # b ended: a is alone in the batch
+    assert batched > FOLD_EVERY, batched  # in the batch beside b
+    assert a.uid < 0 and a.drafted > drafted  # then on its own cache, drafting
     assert a.completion == [t for t, _ in _plain(model, a_prompt, n)]
 
     cache = caches[id(a)]

@@ -55,7 +55,8 @@ from kvbank.worker.memory.allocator import drop_stale_buffers
 from kvbank.worker.kv.cache_kinds import CacheKinds
 from kvbank.worker import commands as cmd
 from kvbank.worker.compute.decoding import Decoding, make_request_sampler
-from kvbank.worker.compute.mtp.serving import FOLD_EVERY, BatchHistory, BatchTap
+from kvbank.worker.compute.mtp.serving import (FOLD_EVERY, LEAVE_TOKENS, BatchHistory,
+                                               BatchTap)
 from kvbank.worker.compute.sending import send_end, send_token
 
 logger = logging.getLogger(__name__)
@@ -260,7 +261,8 @@ class BatchScheduler:
         for d in mates:
             self._decoders = [x for x in self._decoders if x is not d]
             r = self.running.pop(d.r.uid)  # its last token is sampled, not in the cache yet
-            r.history = BatchHistory(d.mtp.state) if d.mtp is not None else None
+            r.history = (BatchHistory(d.mtp.state, d.max_tokens) if d.mtp is not None
+                         else None)
             self._insert(r, r.completion[-1:], d.cache, d.max_tokens - len(r.completion))
             self._joining.append((r, False))
 
@@ -481,7 +483,38 @@ class BatchScheduler:
             send_end(r)
         if self.takes_ahead:
             self._take_ahead()
+        if self._tap is not None:
+            self._leave_alone()
         return done
+
+    def _leave_alone(self) -> None:
+        """An answer that drafts, left alone in mlx-lm's batch (the others ended, none
+        waiting to join or to be read), goes back to its own cache to draft there: alone, a
+        round of drafts gives more tokens a second than the batch's one-token steps. Its
+        head's history comes with it (`BatchHistory`), its next token (taken as computed,
+        not fed yet) is the one its first round starts from, as for an answer that just read
+        its prompt."""
+        rows = self.gen._generation_batch.uids  # mlx-lm pinned: its rows
+        if (len(rows) != 1 or self._readers or self._decoders or self._joining
+                or self.gen._unprocessed_sequences or len(self.gen._prompt_batch)):
+            return
+        r = self.running.get(rows[0])
+        if (r is None or r.history is None
+                or r.history.max_tokens - len(r.completion) < LEAVE_TOKENS):
+            return
+        if not r.ahead:  # a GPU's batch hands its token out a step late: taken now
+            self._take_ahead()
+        if r.ahead != "taken" or r.completion[-1] in self.eos:  # it ends at the next step
+            return
+        caches = self.gen.remove([r.uid], return_prompt_caches=True)
+        cache = self._with_history(r, caches[r.uid][0])
+        self._copy_out([caches[r.uid][0]])
+        o = _Own(r, cache, [], r.history.max_tokens)
+        o.mtp = self.mtp.run_for(r.job.request, cache, r.decoding.processors, r.completion[-1])
+        del self.running[r.uid]
+        r.uid, r.ahead, r.history, r.head_cache = next(self._own_uids), "", None, None
+        self.running[r.uid] = r
+        self._decoders.append(o)
 
     def _keep_histories(self, before: list[int], responses) -> None:
         """The batch's step for its requests' head histories. mlx-lm's `next` ran a one-token

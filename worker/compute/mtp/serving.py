@@ -19,9 +19,9 @@ cache speculates while it decodes alone. Beside other answers on their own cache
 runs its own forwards there), each step it drafts or takes one token, whichever has cost it
 less a token so far (`Pace`: measured as it runs, each way tried until it is measured, and
 the other tried again now and then); either way its head's history is kept current. A
-request that joins mlx-lm's batch decodes plainly to its end, and its head's history is kept
-there too (`BatchTap`, `BatchHistory`), so that its next turn drafts as well as if it had
-decoded alone.
+request in mlx-lm's batch decodes plainly, its head's history kept there too (`BatchTap`,
+`BatchHistory`); left alone in the batch, it goes back to its own cache and drafts again
+(the scheduler's `_leave_alone`), and its next turn drafts as if it had decoded alone.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ DEFAULT_DEPTH = 2
 PACE_WEIGHT = 0.25  # of the newest step in a `Pace` average
 PACE_RETRY = 16  # steps taken one way before the other is measured again
 FOLD_EVERY = 64  # batch steps a request's pairs wait before its head folds them
+LEAVE_TOKENS = 8  # an answer left alone in the batch with fewer to go stays there
 
 
 @dataclass
@@ -120,6 +121,7 @@ class BatchHistory:
     pairs every FOLD_EVERY steps and when the request leaves the batch."""
 
     state: MTPState
+    max_tokens: int  # its answer's, for its way back to its own cache (the scheduler's)
     hidden: list = field(default_factory=list)
 
     def step(self, fed: int | None, hidden) -> None:
