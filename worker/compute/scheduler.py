@@ -452,9 +452,10 @@ class BatchScheduler:
 
     def _batch_step(self) -> list[tuple[Running, list]]:
         self._hand_off()
-        before = list(self.gen._generation_batch.uids)  # mlx-lm pinned: its rows, in order
+        tap = self._tap is not None
+        before = list(self.gen._generation_batch.uids) if tap else []  # mlx-lm pinned: its rows
         _, responses = self.gen.next()
-        if self._tap is not None:
+        if tap:
             self._keep_histories(before, responses)
         done: list[tuple[Running, list]] = []
         stopped: list[int] = []
@@ -483,7 +484,7 @@ class BatchScheduler:
             send_end(r)
         if self.takes_ahead:
             self._take_ahead()
-        if self._tap is not None:
+        if tap:
             self._leave_alone()
         return done
 
@@ -524,6 +525,8 @@ class BatchScheduler:
         match what was expected drops those rows' histories: their rows are then zeros, as
         for an answer the head never saw (drafting, never an answer, is what that changes)."""
         steps, self._tap.steps = self._tap.steps, []
+        if not any(r.history is not None for r in self.running.values()):
+            return
         fed = {resp.uid: resp.token for resp in responses}
         had = set(before)
         joined = [uid for uid in self.gen._generation_batch.uids if uid not in had]
