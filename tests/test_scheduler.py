@@ -46,12 +46,12 @@ def _drain(s: BatchScheduler) -> list[Running]:
     return ended
 
 
-def _alone(model, tokenizer, tokens: np.ndarray) -> list[int]:
+def _alone(model, tokenizer, tokens: np.ndarray, n: int = ANSWER) -> list[int]:
     from mlx_lm.models.cache import make_prompt_cache
 
     s = _scheduler(model, tokenizer, chunk=64)
     r = _request(tokenizer, tokens)
-    s.add(r, make_prompt_cache(model), ANSWER)
+    s.add(r, make_prompt_cache(model), n)
     _drain(s)
     return r.completion
 
@@ -236,10 +236,12 @@ def test_another_tenants_request_neither_waits_behind_nor_pauses_for_a_long_prom
 @pytest.mark.parametrize("shared_forward_s", [1e-6, 60.0])
 def test_beside_another_tenants_request_a_prompt_forward_lasts_the_shared_time(
         model_and_tokenizer, shared_forward_s):
-    """While tenant b's request runs, tenant a's 400-token prompt is read in forwards sized to
-    last `shared_forward_s`: where every forward is longer (1 microsecond), in chunks of the
-    smallest step, so b's next request would wait for no more than 8 tokens' forward; where
-    every forward is shorter (60 s), in whole chunks. Both answer as alone either way."""
+    """While tenant b runs a request or sent one lately, tenant a's 400-token prompt is read in
+    forwards sized to last `shared_forward_s`: where every forward is longer (1 microsecond,
+    b's answer streaming), in chunks of the smallest step, so b's next request would wait for
+    no more than 8 tokens' forward; where every forward is shorter (60 s, b's answer ended
+    just before), in whole chunks. (While b's answer streams, the forwards are also no longer
+    than its step: `bench tenants` measures that.) Both answer as alone either way."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from kvbank.worker.compute.scheduler import MIN_SHARED_STEP
@@ -251,6 +253,8 @@ def test_beside_another_tenants_request_a_prompt_forward_lasts_the_shared_time(
     b = _request(tokenizer, b_tokens, tenant="b")
     s.add(b, make_prompt_cache(model), ANSWER)
     s.step()  # b's prompt: one forward, its first token
+    if shared_forward_s > 1:
+        _drain(s)  # b sent a request lately: a still shares, but no stream bounds its forwards
     a, a_cache = _request(tokenizer, a_tokens, tenant="a"), make_prompt_cache(model)
     s.add(a, a_cache, ANSWER)
     read = [0]
@@ -266,6 +270,98 @@ def test_beside_another_tenants_request_a_prompt_forward_lasts_the_shared_time(
     _drain(s)
     assert a.completion == _alone(model, tokenizer, a_tokens)
     assert b.completion == _alone(model, tokenizer, b_tokens)
+
+
+def test_a_short_prompt_is_one_forward_whatever_the_shared_step(model_and_tokenizer):
+    """Beside tenant b's stream, where every forward is longer than the shared time (the
+    step at its smallest, 8 tokens), tenant a's new 30-token prompt is still read in one
+    forward: its first token comes at its first step (in forwards of 8, 8, 8 and 6 it came
+    after four, each behind a step of b's; 0.63 s on this CPU against 0.3 s)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvbank.worker.compute.scheduler import SHORT_PROMPT_TOKENS
+
+    model, tokenizer = model_and_tokenizer
+    rng = np.random.default_rng(29)
+    s = _scheduler(model, tokenizer, chunk=64, shared_forward_s=1e-6)
+    b = _request(tokenizer, _tokens(tokenizer, rng, 12), tenant="b")
+    s.add(b, make_prompt_cache(model), 20)
+    s.step()
+    a_tokens = _tokens(tokenizer, rng, 30)
+    assert 2 * 8 < len(a_tokens) <= SHORT_PROMPT_TOKENS
+    a = _request(tokenizer, a_tokens, tenant="a")
+    s.add(a, make_prompt_cache(model), ANSWER)
+    s.step()
+    assert a.first_token_at is not None
+    _drain(s)
+    assert a.completion == _alone(model, tokenizer, a_tokens)
+
+
+class _Holding:
+    """A test seam for a token that shows its client nothing (real tokenizers hold a lone space
+    or part of a character until the next token): the real detokenizer, whose text of the
+    tokens numbered in `at` comes out with the token after."""
+
+    def __init__(self, detok):
+        self.detok, self.at, self.n, self._held = detok, set(), 0, ""
+
+    def add_token(self, token: int) -> None:
+        self.n += 1
+        self.detok.add_token(token)
+
+    def finalize(self) -> None:
+        self.detok.finalize()
+
+    @property
+    def last_segment(self) -> str:
+        text, self._held = self._held + self.detok.last_segment, ""
+        if self.n in self.at:
+            text, self._held = "", text
+        return text
+
+
+def test_no_prompt_chunk_in_a_step_whose_text_another_tenants_client_waits_for(
+        model_and_tokenizer):
+    """Tenant b streams beside tenant a's answer while a's long prompt is read in chunks. Some
+    of b's tokens show its client nothing (`_Holding`): it sees their text with b's next
+    token, two steps apart. In the step of each such token a's chunk waits (else b's text
+    would come three steps' time apart), unless a's prompt waited the two steps before. b's
+    text and every answer are as alone."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = model_and_tokenizer
+    rng = np.random.default_rng(31)
+    b_tokens = _tokens(tokenizer, rng, 24)
+    s = _scheduler(model, tokenizer, chunk=16, decode_wait_s=0.0)
+    a1_tokens, a2_tokens = _tokens(tokenizer, rng, 20), _tokens(tokenizer, rng, 400)
+    a1 = _request(tokenizer, a1_tokens, tenant="a")
+    b = _request(tokenizer, b_tokens, tenant="b")
+    b.detok = _Holding(b.detok)
+    s.add(a1, make_prompt_cache(model), 60)
+    s.add(b, make_prompt_cache(model), 30)
+    while b.uid < 0 or a1.uid < 0:
+        s.step()
+    a2, a2_cache = _request(tokenizer, a2_tokens, tenant="a"), make_prompt_cache(model)
+    s.add(a2, a2_cache, 1)
+    s.step()
+    n = len(b.completion)
+    b.detok.at = {n + 4, n + 9, n + 11}  # the last two steps apart: the second after a wait
+    offsets, held = [a2_cache[0].offset], []
+    while b.uid in s.running:
+        s.step()
+        offsets.append(a2_cache[0].offset)
+        held.append(b.quiet == 1)
+    read = [y > x for x, y in zip(offsets, offsets[1:])]
+    assert [i for i, h in enumerate(held) if h] == [3, 8, 10]  # one token a step
+    assert not read[3] and not read[8] and not read[10]
+    assert read[2] and read[4] and read[9], "a's prompt was not read beside b"
+    _drain(s)
+    alone, detok = _alone(model, tokenizer, b_tokens, 30), tokenizer.detokenizer
+    for t in alone:
+        detok.add_token(t)
+    detok.finalize()
+    assert b.completion == alone and b.text == detok.text
+    assert a1.completion == _alone(model, tokenizer, a1_tokens, 60)
 
 
 def test_a_cancelled_reader_leaves_and_the_others_go_on(model_and_tokenizer):

@@ -73,6 +73,7 @@ HANDOFF_S = 0.005  # after a first token, before the next forward (`_hand_off`)
 # While another tenant runs a request, or sent one within SHARED_WINDOW_S (kvbank/config.py),
 # a prompt forward lasts about `shared_forward_s` (`_step_tokens`).
 MIN_SHARED_STEP = 8  # tokens: below this a forward is mostly reading the weights
+SHORT_PROMPT_TOKENS = 32  # a new prompt this short is one forward, shared or not (`_chunk`)
 
 
 @dataclass
@@ -111,6 +112,7 @@ class Running:
     accepted: int = 0  # of them, those the model kept
     ahead: str = ""  # "taken"/"stopped": its batch token was taken when computed (`_take_ahead`)
     join_copy: int = 0  # bytes its join into mlx-lm's batch holds until made (BatchJoins.may_join)
+    quiet: int = 0  # its last tokens that gave its client nothing to show (sending.py)
 
 
 @dataclass(eq=False)  # found in lists by identity
@@ -178,7 +180,9 @@ class BatchScheduler:
         self._failed: list[tuple[Running, Exception]] = []  # see take_failed
         self._first_token_out = False  # since the last forward (`_hand_off`)
         self._tenant_seen: dict[str, float] = {}  # tenant -> when its last request came in
-        self._shared_step = max(MIN_SHARED_STEP, prefill_step_tokens // 4)  # `_shared_forward`
+        # `_shared_forward`: prompt tokens a second while tenants share, first guessed
+        self._shared_rate = max(MIN_SHARED_STEP, prefill_step_tokens // 4) / shared_forward_s
+        self._decode_s = 0.0  # the answers' last step, batch and own caches (`_shared_s`)
         # `_take_ahead`: on a CPU, where evaluating waits for every forward queued before it
         self.takes_ahead = mx.default_device().type == mx.DeviceType.cpu
         self._entering = False  # rows inserted since the batch's last step
@@ -326,11 +330,14 @@ class BatchScheduler:
         done: list[tuple[Running, list]] = []
         joined = False
         if not self._answers_wait():
+            t0 = time.perf_counter()
             joined, self._entering = self._entering and self._in_batch(), False
             done = self._batch_step() if self._in_batch() else []
             self._settle_joins()
             for o in list(self._decoders):
                 done += self._own_step(o)
+            if not joined:  # a join's step is two (`_read_waits`): not the answers' pace
+                self._decode_s = time.perf_counter() - t0
         between()
         if not self._read_waits(joined) and self._readers:
             done += self._own_step(self._next_reader())
@@ -343,17 +350,29 @@ class BatchScheduler:
         its first token would wait those two steps).
         mlx-lm runs the new rows' first forward apart and copies every row into one cache in
         the next forward, each step about two steps' time; a chunk on top had that answer wait
-        three to four (bench tenants full_queue: 0.30-0.34 s against a 0.09 s step). Never
-        three steps in a row: joins as frequent as every step still leave the prompts a step
-        in three."""
-        if joined and not self._reading_for_every_answer():
+        three to four (bench tenants full_queue: 0.30-0.34 s against a 0.09 s step). Nor in
+        a step whose text another tenant's client waits for (`_text_owed`). Never three steps
+        in a row: joins as frequent as every step still leave the prompts a step in three."""
+        owed = False
+        if not self._reading_for_every_answer():
             answering = {r.job.request.tenant for r in self.answering()}
             if all(o.r.job.request.tenant in answering for o in self._readers):
-                self._join_steps = 2
-        waits = self._join_steps > 0 and self._reads_waited < 2
+                self._join_steps = 2 if joined else self._join_steps
+                owed = self._text_owed()
+        waits = (self._join_steps > 0 or owed) and self._reads_waited < 2
         self._join_steps = max(0, self._join_steps - 1)
         self._reads_waited = self._reads_waited + 1 if waits else 0
         return waits
+
+    def _text_owed(self) -> bool:
+        """Whether another tenant's client waits on a token that showed it nothing (a lone
+        space, part of a character, text that may begin a stop string): its next token brings
+        two steps' text, and a prompt chunk between them made that gap three steps' time (bench
+        tenants full_queue: 0.44 s against a 0.13 s step). Only the first such token: a held
+        tool call shows nothing for many steps whatever is read beside it."""
+        readers = {o.r.job.request.tenant for o in self._readers}
+        return any(r.quiet == 1 and r.job.request.tenant not in readers
+                   for r in self.answering())
 
     def _next_reader(self) -> _Own:
         """The prompt read next: the tenant whose prompt was read longest ago takes its turn
@@ -421,12 +440,14 @@ class BatchScheduler:
     def _step_tokens(self, o: _Own) -> int:
         """A chunk of `o`'s prompt: `prefill_step_tokens`, or, while another tenant has a
         request running or sent one in the last SHARED_WINDOW_S, what is read in about
-        `shared_forward_s` (`_shared_forward`). A request that comes waits for the forward in
+        `_shared_s` (`_shared_forward`). A request that comes waits for the forward in
         flight (it cannot be cut short): one tenant's long prompts made another's 8-token
         request wait a whole 512-token chunk at every step (about 2 s on 2 CPU cores), and a
         quarter chunk still 0.5 s, four times its own forward."""
-        return (min(self._shared_step, self.prefill_step_tokens) if self._shares(o)
-                else self.prefill_step_tokens)
+        if not self._shares(o):
+            return self.prefill_step_tokens
+        return max(MIN_SHARED_STEP, min(self.prefill_step_tokens,
+                                        round(self._shared_rate * self._shared_s(o))))
 
     def _shares(self, o: _Own) -> bool:
         """Whether another tenant has a request running or sent one lately."""
@@ -436,19 +457,29 @@ class BatchScheduler:
                 or any(t != tenant and now - at < SHARED_WINDOW_S
                        for t, at in self._tenant_seen.items()))
 
-    def _shared_forward(self, tokens: int, seconds: float) -> None:
-        """A prompt forward read `tokens` in `seconds` while sharing: the step is sized to
-        take `shared_forward_s`, as if time grew with tokens. A forward's fixed part (the
+    def _shared_s(self, o: _Own) -> float:
+        """How long a forward of `o`'s prompt lasts while tenants share: `shared_forward_s`,
+        and while another tenant's answer streams, no longer than the answers' own step, so
+        that stream's tokens come at most about twice as far apart as without the prompt.
+        A fixed 0.15 s was one to two of this CPU's steps as its speed moved (0.065-0.16 s),
+        and the stream's longest gap 3.3x its median step (bench tenants full_queue)."""
+        tenant = o.r.job.request.tenant
+        if self._decode_s and any(r.job.request.tenant != tenant for r in self.answering()):
+            return min(self.shared_forward_s, self._decode_s)
+        return self.shared_forward_s
+
+    def _shared_forward(self, o: _Own, tokens: int, seconds: float) -> None:
+        """A forward of `o`'s prompt read `tokens` in `seconds` while sharing: the rate the
+        next step is sized by, as if time grew with tokens. A forward's fixed part (the
         weights, read once) makes that estimate fall short of the target from above and from
         below alike, so the step settles on it without overshooting, and follows the context
-        as it grows. Any forward over the target bounds the step; one under it raises the
-        step only if it read a whole step. On a GPU a whole chunk is inside the target."""
-        estimate = round(tokens * self.shared_forward_s / max(seconds, 1e-6))
-        if seconds > self.shared_forward_s:
-            estimate = min(self._shared_step, estimate)
-        elif tokens < self._shared_step:
-            return
-        self._shared_step = max(MIN_SHARED_STEP, min(self.prefill_step_tokens, estimate))
+        as it grows. Any forward over the target bounds the rate; one under it raises the
+        rate only if it read a whole step. On a GPU a whole chunk is inside the target."""
+        rate = tokens / max(seconds, 1e-6)
+        if seconds > self._shared_s(o):
+            self._shared_rate = min(self._shared_rate, rate)
+        elif tokens >= self._step_tokens(o):
+            self._shared_rate = rate
 
     def _batch_step(self) -> list[tuple[Running, list]]:
         self._hand_off()
@@ -653,7 +684,7 @@ class BatchScheduler:
                                                      len(r.tokens) - len(o.prompt) + 1].tolist())
                     mx.eval([c.state for c in o.cache])
                     if reads:
-                        self._shared_forward(n, time.perf_counter() - t0)
+                        self._shared_forward(o, n, time.perf_counter() - t0)
                     self._checkpoint(o, len(r.tokens) - len(o.prompt))
                     return []
                 if r.decoding.processors:  # its checkpoints taken: the rest where mlx-lm
@@ -669,7 +700,7 @@ class BatchScheduler:
                 token = r.decoding.sampler(logprobs)
                 mx.eval(token, logprobs)
                 if reads:
-                    self._shared_forward(reads, time.perf_counter() - t0)
+                    self._shared_forward(o, reads, time.perf_counter() - t0)
                 token = int(token.item())
                 if o.mtp is not None:
                     o.mtp.state.tokens = [token]  # the pending row's next token
@@ -758,12 +789,13 @@ class BatchScheduler:
             return 0
         r, step = o.r, self._step_tokens(o)
         pos = len(r.tokens) - len(o.prompt)
-        # A prompt of up to two steps is read in one forward, within the logits the pricing
-        # allows: a short prompt's first token is then one forward, not two with another
-        # tenant's chunk between them (a 17-token prompt at an 11-token step waited 0.6 s so,
-        # against 0.3 s; its forward, at a short context, is no longer than a long prompt's
-        # chunk).
-        short = pos == r.cached and len(o.prompt) <= min(self.last_forward_tokens, 2 * step)
+        # A new prompt of up to two steps (or SHORT_PROMPT_TOKENS) is read in one forward,
+        # within the logits the pricing allows: a short prompt's first token is then one
+        # forward, not two or three with other forwards between them (a 17-token prompt at an
+        # 11-token step waited 0.6 s so, against 0.3 s; at an 8-token step, in forwards of 8,
+        # 4 and 5, 0.63 s); its forward, at a short context, is about a long prompt's chunk.
+        short = pos == r.cached and len(o.prompt) <= min(self.last_forward_tokens,
+                                                         max(2 * step, SHORT_PROMPT_TOKENS))
         last = self._last_tokens(o, step)
         n = 0 if short or len(o.prompt) <= last else min(step, len(o.prompt) - last)
         split = next((p for p in r.split_at if pos < p < len(r.tokens)), None)

@@ -24,7 +24,7 @@ def send_token(r, token: int, logprobs, decode) -> bool:
     msg = worker_pb2.WorkerGenerateResponse(token_ids=[token])
     if r.decoding.logprobs:
         msg.logprobs.append(token_logprob(logprobs, token, r.decoding.top_logprobs, decode))
-    _send(r, msg, text)
+    r.quiet = 0 if _send(r, msg, text) else r.quiet + 1
     r.stop_sequence = hit
     return bool(hit)
 
@@ -43,9 +43,10 @@ def send_end(r) -> None:
     _send(r, worker_pb2.WorkerGenerateResponse(), text, final=True)
 
 
-def _send(r, msg, text: str, final: bool = False) -> None:
+def _send(r, msg, text: str, final: bool = False) -> bool:
     """Text through the reasoning split (chat input, a model with think markers), the rest
-    through the tool-call parser (when the request has tools), then out."""
+    through the tool-call parser (when the request has tools), then out. Whether the client
+    gets something to show (text, reasoning or a tool call)."""
     harmony = r.decoding.harmony
     if harmony is not None:
         msg.reasoning, text, calls = harmony.feed(text)
@@ -69,6 +70,7 @@ def _send(r, msg, text: str, final: bool = False) -> None:
     msg.text = text
     if msg.text or msg.reasoning or msg.token_ids or msg.tool_calls:
         r.job.emit(msg)
+    return bool(msg.text or msg.reasoning or msg.tool_calls)
 
 
 def stop_cut(text: str, stops: list[str]) -> tuple[int, str]:
