@@ -19,9 +19,10 @@ while nothing else decodes, and joins the batch when a second one would (the bat
 worth its copies), unless their contexts differ by `own_lead_tokens` or more: then it decodes
 on its own cache beside the batch (`_close`). Answers pause for prompts of their own tenant
 only (an API key's flood of prompts never stalls another key's stream), and while two tenants
-have requests running a prompt is read in forwards of about `shared_forward_s`
-(`_step_tokens`), so another's request waits that long at most for the forward in flight, and
-in none while the batch takes rows in (`_read_waits`). `hyper` (and `serial`, its alias) use
+have requests running a prompt is read in forwards of about `shared_forward_s`, no longer than
+another tenant's streaming answer's step (`_step_tokens`, `_shared_s`), so another's request
+waits that long at most for the forward in flight, and in none while the batch takes rows in
+or another tenant's client waits for text (`_read_waits`). `hyper` (and `serial`, its alias) use
 the same path with one request at a time. After a request's first token the next forward waits
 5 ms, so the token reaches its client before the forward takes the cores (`_hand_off`).
 
