@@ -358,7 +358,8 @@ class BatchScheduler:
         if not self._reading_for_every_answer():
             answering = {r.job.request.tenant for r in self.answering()}
             if all(o.r.job.request.tenant in answering for o in self._readers):
-                self._join_steps = 2 if joined else self._join_steps
+                if joined:
+                    self._join_steps = 2
                 owed = self._text_owed()
         waits = (self._join_steps > 0 or owed) and self._reads_waited < 2
         self._join_steps = max(0, self._join_steps - 1)
